@@ -1,0 +1,493 @@
+"""Typed, frozen configuration tree, bound with gin.
+
+Every knob of a run lives in one of the dataclasses below. Gin files bind them
+(`ModelConfig.d_model = 512`), the command line overrides them, and `validate`
+checks the whole tree once, before anything is compiled, raising `ConfigError`
+with a message that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from typing import Literal, Optional, Sequence
+
+import gin
+
+
+class ConfigError(ValueError):
+  """A config value is unknown, mistyped or inconsistent with another one."""
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer shape and numerics."""
+  vocab_size: int = 384             # >= the tokenizer's vocabulary; a multiple of 128 suits GPUs
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: Optional[int] = None  # None: = n_heads (multi-head); fewer: grouped-query
+  head_dim: Optional[int] = None    # None: d_model // n_heads
+  d_ff: int = 1024                  # MLP hidden size
+  block: Literal['parallel', 'sequential'] = 'parallel'
+  mlp: Literal['gelu', 'swiglu'] = 'gelu'
+  norm: Literal['layernorm', 'rmsnorm'] = 'layernorm'
+  norm_eps: float = 1e-5
+  use_bias: bool = False
+  # Each token attends to itself and the previous `sliding_window - 1` tokens.
+  # None: full causal attention.
+  sliding_window: Optional[int] = None
+  # k > 0: every k-th layer (k-1, 2k-1, ...) uses full causal attention and
+  # the others the sliding window; 0: every layer uses the same attention.
+  full_attention_every: int = 0
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  # 'xla': plain einsum + mask, the numerical reference. 'dot_product':
+  # jax.nn.dot_product_attention, which picks cuDNN flash attention on GPU
+  # when the shapes allow it and XLA otherwise. 'cudnn': insist on cuDNN.
+  attention_impl: Literal['xla', 'dot_product', 'cudnn'] = 'dot_product'
+  dtype: Literal['bfloat16', 'float32', 'float16'] = 'bfloat16'      # compute
+  param_dtype: Literal['float32', 'bfloat16'] = 'float32'            # master weights
+  # What the backward pass may keep instead of recomputing: 'none' keeps all
+  # activations, 'full' recomputes each layer group, 'dots' keeps matmul outputs.
+  remat_policy: Literal['none', 'full', 'dots', 'dots_no_batch'] = 'none'
+  scan_layers: bool = True
+  init_std: float = 0.02
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_heads or self.n_heads
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def layer_period(self) -> int:
+    """Layers per repeating attention pattern (scan runs over these groups)."""
+    return self.full_attention_every or 1
+
+  def layer_window(self, layer: int) -> Optional[int]:
+    """The attention window of layer `layer` (None = full causal)."""
+    if self.full_attention_every and layer % self.full_attention_every == self.full_attention_every - 1:
+      return None
+    return self.sliding_window
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where tokens come from and how they are cut into training sequences."""
+  # 'stdlib': the .py files of the running Python's standard library; else a
+  # text file or a directory of text files (read recursively).
+  source: str = 'stdlib'
+  file_pattern: str = '*.py'        # which files of a directory source to read
+  tokenizer: Literal['bytes'] = 'bytes'
+  seq_len: int = 256
+  heldout_fraction: float = 0.02    # share of files held out for evaluation
+  shuffle_seed: int = 0
+  num_threads: int = 2              # grain read threads (threads beat processes on few cores)
+  prefetch: int = 2                 # batches prepared ahead of the running step
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """LAMB with warm-up + cosine decay, clipping and decoupled weight decay."""
+  learning_rate: float = 3e-3       # peak, reached at the end of warm-up
+  warmup_steps: int = 30
+  decay_steps: Optional[int] = None  # None: TrainConfig.steps
+  min_lr_ratio: float = 0.1         # final lr = learning_rate * min_lr_ratio
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-6
+  weight_decay: float = 0.01        # skipped for norm scales and biases
+  clip_norm: float = 1.0            # global-norm clipping; 0 disables
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh. One of the sizes may be -1: the rest of the devices.
+
+  The `dcn_*` sizes split the same axes over the slow network between hosts
+  (multi-host jobs); the plain sizes are per host (fast interconnect).
+  """
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  pipeline: int = 1
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
+  dcn_tensor: int = 1
+  dcn_pipeline: int = 1
+
+  AXES = ('data', 'fsdp', 'tensor', 'pipeline')
+
+  def ici_shape(self) -> tuple[int, ...]:
+    return tuple(getattr(self, a) for a in self.AXES)
+
+  def dcn_shape(self) -> tuple[int, ...]:
+    return tuple(getattr(self, 'dcn_' + a) for a in self.AXES)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpointing of the train state."""
+  directory: Optional[str] = None   # None: <workdir>/checkpoints
+  save_every: int = 0               # steps between saves; 0: only at the end
+  keep: int = 3
+  async_save: bool = True
+  enabled: bool = True
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The loop: how long, how big, how often to look."""
+  steps: int = 300
+  global_batch_size: int = 16       # sequences per step over all devices
+  seed: int = 0
+  eval_every: int = 100             # 0: only at the end
+  eval_batches: int = 4
+  log_every: int = 1                # metrics.jsonl / TensorBoard cadence
+  progress: bool = True             # progress bar on stderr
+  # Persistent XLA compilation cache: a restart skips recompiling the step.
+  compilation_cache_dir: Optional[str] = '~/.cache/mjax/jax_cache'
+  # Where the measured CPU peak FLOP/s is cached (per machine).
+  peak_cache_dir: str = '~/.cache/mjax'
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'optim': OptimConfig, 'mesh': MeshConfig,
+            'checkpoint': CheckpointConfig, 'train': TrainConfig}
+_CLASSES = {c.__name__: c for c in SECTIONS.values()}
+BYTE_VOCAB = 258  # 256 byte values + EOS + PAD; see mjax.data
+
+
+# ----------------------------------------------------------------------------
+# Loading: gin files + overrides -> Config
+# ----------------------------------------------------------------------------
+
+def default_config_dir() -> Optional[str]:
+  """The repository's configs/ folder, when mjax runs from a checkout."""
+  here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
+  return here if os.path.isdir(here) else None
+
+
+def _resolve_gin_file(path: str) -> str:
+  candidates = [path]
+  cfg_dir = default_config_dir()
+  if cfg_dir and not os.path.isabs(path):
+    candidates += [os.path.join(cfg_dir, path), os.path.join(cfg_dir, path + '.gin')]
+  for c in candidates:
+    if os.path.isfile(c):
+      return c
+  known = sorted(f for f in os.listdir(cfg_dir) if f.endswith('.gin')) if cfg_dir else []
+  raise ConfigError(
+      f'--gin_file {path!r}: no such file. Give a path to a .gin file'
+      + (f' or one of the bundled configs: {", ".join(known)}.' if known else '.'))
+
+
+def _parse_one_binding(binding: str) -> None:
+  try:
+    gin.parse_config(binding)
+  except Exception as e:  # gin raises ValueError/NameError/SyntaxError variants
+    raise ConfigError(_explain_gin_error(binding, e)) from None
+
+
+def _explain_gin_error(text: str, err: Exception) -> str:
+  msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+  # Name the nearest valid key: most bad bindings are typos.
+  hint = ''
+  name = text.split('=')[0].strip() if '=' in text else ''
+  if '.' in name:
+    cls, _, param = name.rpartition('.')
+    cls = cls.split('/')[-1]
+    if cls in _CLASSES:
+      params = [f.name for f in dataclasses.fields(_CLASSES[cls])]
+      if param not in params:
+        close = difflib.get_close_matches(param, params, n=1)
+        hint = (f' Unknown key {name!r}; {cls} takes: {", ".join(params)}.'
+                + (f' Did you mean {cls}.{close[0]}?' if close else ''))
+    else:
+      close = difflib.get_close_matches(cls, list(_CLASSES), n=1)
+      hint = (f' Unknown config class {cls!r}; allowed: {", ".join(_CLASSES)}.'
+              + (f' Did you mean {close[0]}?' if close else ''))
+  return f'invalid config binding {text!r}: {msg.rstrip(".")}.{hint}'
+
+
+def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
+                num_devices: Optional[int] = None) -> Config:
+  """Parses gin files then bindings (later wins) and returns a validated Config.
+
+  Args:
+    gin_files: paths, or names of files in the repository's configs/ folder.
+    bindings: gin statements such as 'TrainConfig.steps = 30'.
+    num_devices: when given, mesh-dependent checks run too.
+  Raises:
+    ConfigError: with a one-paragraph explanation.
+  """
+  gin.clear_config()
+  cfg_dir = default_config_dir()
+  if cfg_dir:
+    gin.add_config_file_search_path(cfg_dir)
+  for f in gin_files:
+    path = _resolve_gin_file(f)
+    gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
+    try:
+      gin.parse_config_file(path)
+    except ConfigError:
+      raise
+    except Exception as e:
+      raise ConfigError(f'in gin file {path}: {_explain_gin_error(_failing_line(e), e)}') from None
+  for b in bindings:
+    _parse_one_binding(b)
+  try:
+    cfg = Config()
+  except Exception as e:
+    raise ConfigError(f'could not build the config: {e}') from None
+  return validate(cfg, num_devices=num_devices)
+
+
+def _failing_line(err: Exception) -> str:
+  loc = getattr(err, 'location', None) or getattr(err, 'lineno', None)
+  text = getattr(loc, 'line_content', None) if loc is not None else None
+  return (text or '').strip()
+
+
+def override_to_binding(key: str, value: str) -> str:
+  """`--gin.TrainConfig.steps=30` -> 'TrainConfig.steps = 30'.
+
+  A bare word that is not a Python literal (`--gin.DataConfig.source=/tmp/x`)
+  is taken as a string, so shell users need no nested quotes.
+  """
+  import ast
+  v = value.strip()
+  if v and v[0] not in '@%':
+    try:
+      ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+      v = repr(v)
+  return f'{key} = {v}'
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+def _type_ok(value, tp) -> tuple[bool, object]:
+  """Checks `value` against a field annotation; returns (ok, normalized)."""
+  origin = typing.get_origin(tp)
+  if origin in (typing.Union, types.UnionType):
+    for arg in typing.get_args(tp):
+      ok, v = _type_ok(value, arg)
+      if ok:
+        return True, v
+    return False, value
+  if origin is Literal:
+    return value in typing.get_args(tp), value
+  if tp is type(None):
+    return value is None, value
+  if tp is bool:
+    return isinstance(value, bool), value
+  if tp is int:
+    return isinstance(value, int) and not isinstance(value, bool), value
+  if tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return True, float(value)
+    return False, value
+  if tp is str:
+    return isinstance(value, str), value
+  return isinstance(value, tp), value
+
+
+def _describe(tp) -> str:
+  origin = typing.get_origin(tp)
+  if origin in (typing.Union, types.UnionType):
+    return ' or '.join(_describe(a) for a in typing.get_args(tp))
+  if origin is Literal:
+    return 'one of ' + ', '.join(repr(a) for a in typing.get_args(tp))
+  if tp is type(None):
+    return 'None'
+  return 'a float' if tp is float else f'an {tp.__name__}' if tp is int else f'a {tp.__name__}'
+
+
+def _check_types(section):
+  hints = typing.get_type_hints(type(section))
+  changes = {}
+  for f in dataclasses.fields(section):
+    value = getattr(section, f.name)
+    ok, norm = _type_ok(value, hints[f.name])
+    if not ok:
+      raise ConfigError(
+          f'{type(section).__name__}.{f.name} = {value!r} has the wrong type or value; '
+          f'allowed: {_describe(hints[f.name])}.')
+    if norm is not value:
+      changes[f.name] = norm
+  return dataclasses.replace(section, **changes) if changes else section
+
+
+def _fail(key: str, value, allowed: str):
+  raise ConfigError(f'{key} = {value!r} is not allowed: {allowed}.')
+
+
+def _positive(section, *names, allow_zero=False):
+  for n in names:
+    v = getattr(section, n)
+    if v is not None and (v < 0 or (v == 0 and not allow_zero)):
+      _fail(f'{type(section).__name__}.{n}', v,
+            'must be >= 0' if allow_zero else 'must be a positive number')
+
+
+def _divisors(n: int) -> str:
+  ds = [d for d in range(1, n + 1) if n % d == 0]
+  return ', '.join(map(str, ds[:12])) + (', ...' if len(ds) > 12 else '')
+
+
+def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
+  """ICI axis sizes with -1 filled in, checked against the device count."""
+  dcn = math.prod(mesh.dcn_shape())
+  if num_devices % dcn:
+    _fail('MeshConfig.dcn_*', mesh.dcn_shape(),
+          f'their product ({dcn}) must divide the device count ({num_devices})')
+  per_slice = num_devices // dcn
+  shape = list(mesh.ici_shape())
+  if shape.count(-1) > 1:
+    _fail('MeshConfig', dict(zip(mesh.AXES, shape)), 'at most one axis may be -1')
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if per_slice % known:
+      _fail('MeshConfig', dict(zip(mesh.AXES, shape)),
+            f'the fixed axes multiply to {known}, which does not divide the '
+            f'{per_slice} devices per slice')
+    shape[shape.index(-1)] = per_slice // known
+  elif known != per_slice:
+    _fail('MeshConfig', dict(zip(mesh.AXES, shape)),
+          f'the axis sizes multiply to {known} but there are {per_slice} devices per slice '
+          f'({num_devices} devices / DCN {dcn}); make the product {per_slice} or set one axis to -1')
+  return tuple(shape)
+
+
+def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
+  """Type- and consistency-checks the tree; returns it with floats normalized."""
+  for name, cls in SECTIONS.items():
+    if not isinstance(getattr(cfg, name), cls):
+      _fail(f'Config.{name}', getattr(cfg, name), f'must be a {cls.__name__}')
+  cfg = dataclasses.replace(cfg, **{n: _check_types(getattr(cfg, n)) for n in SECTIONS})
+  m, d, o, t, mesh, ck = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.mesh, cfg.checkpoint
+
+  _positive(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim',
+            'd_ff', 'norm_eps', 'rope_theta', 'init_std')
+  _positive(m, 'full_attention_every', allow_zero=True)
+  if m.head_dim is None and m.d_model % m.n_heads:
+    _fail('ModelConfig.n_heads', m.n_heads,
+          f'must divide ModelConfig.d_model = {m.d_model} (divisors: {_divisors(m.d_model)}), '
+          'or set ModelConfig.head_dim explicitly')
+  if m.n_heads % m.kv_heads:
+    _fail('ModelConfig.n_kv_heads', m.n_kv_heads,
+          f'must divide ModelConfig.n_heads = {m.n_heads} (divisors: {_divisors(m.n_heads)})')
+  if m.dim_per_head % 2:
+    _fail('ModelConfig.head_dim', m.dim_per_head, 'rotary embeddings need an even head dimension')
+  if m.sliding_window is not None:
+    if m.sliding_window < 1:
+      _fail('ModelConfig.sliding_window', m.sliding_window, 'must be None or a positive int')
+    if m.sliding_window > d.seq_len:
+      _fail('ModelConfig.sliding_window', m.sliding_window,
+            f'must be at most DataConfig.seq_len = {d.seq_len} (or None for full causal attention)')
+  if m.full_attention_every:
+    if m.sliding_window is None:
+      _fail('ModelConfig.full_attention_every', m.full_attention_every,
+            'interleaving full and windowed layers needs ModelConfig.sliding_window set; use 0')
+    if m.n_layers % m.full_attention_every:
+      _fail('ModelConfig.full_attention_every', m.full_attention_every,
+            f'must divide ModelConfig.n_layers = {m.n_layers} (divisors: {_divisors(m.n_layers)})')
+  if d.tokenizer == 'bytes' and m.vocab_size < BYTE_VOCAB:
+    _fail('ModelConfig.vocab_size', m.vocab_size,
+          f'the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + EOS + PAD)')
+
+  _positive(d, 'seq_len', 'num_threads')
+  _positive(d, 'prefetch', allow_zero=True)
+  if not 0.0 < d.heldout_fraction < 1.0:
+    _fail('DataConfig.heldout_fraction', d.heldout_fraction, 'must be strictly between 0 and 1')
+  if d.source != 'stdlib' and not os.path.exists(os.path.expanduser(d.source)):
+    _fail('DataConfig.source', d.source, "must be 'stdlib' or an existing file or directory")
+
+  _positive(o, 'learning_rate', 'eps')
+  _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
+  if not 0.0 <= o.min_lr_ratio <= 1.0:
+    _fail('OptimConfig.min_lr_ratio', o.min_lr_ratio, 'must be in [0, 1]')
+  for b in ('b1', 'b2'):
+    if not 0.0 <= getattr(o, b) < 1.0:
+      _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
+
+  _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
+  _positive(t, 'eval_every', allow_zero=True)
+  _positive(ck, 'keep')
+  _positive(ck, 'save_every', allow_zero=True)
+
+  for a in mesh.AXES:
+    for key in (a, 'dcn_' + a):
+      v = getattr(mesh, key)
+      if v == 0 or v < -1 or (key.startswith('dcn_') and v < 1):
+        _fail(f'MeshConfig.{key}', v, 'must be a positive int' + ('' if key.startswith('dcn_') else ' or -1'))
+  if mesh.pipeline != 1 or mesh.dcn_pipeline != 1:
+    _fail('MeshConfig.pipeline', mesh.pipeline, 'pipeline parallelism is not available yet; use 1')
+  if num_devices is not None:
+    shape = resolve_mesh_shape(mesh, num_devices)
+    sizes = dict(zip(mesh.AXES, (i * j for i, j in zip(shape, mesh.dcn_shape()))))
+    batch_shards = sizes['data'] * sizes['fsdp']
+    if t.global_batch_size % batch_shards:
+      _fail('TrainConfig.global_batch_size', t.global_batch_size,
+            f'must be divisible by the batch-parallel size data x fsdp = {batch_shards} '
+            f'(mesh {sizes})')
+    tp = sizes['tensor']
+    for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff)):
+      if v % tp:
+        _fail(f'ModelConfig.{key}', v, f'must be divisible by the tensor-parallel size {tp}')
+  return cfg
+
+
+# ----------------------------------------------------------------------------
+# Writing the resolved config next to the run
+# ----------------------------------------------------------------------------
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def to_gin(cfg: Config) -> str:
+  """The complete config as gin bindings; parsing it back gives `cfg` again."""
+  lines = []
+  for name in SECTIONS:
+    section = getattr(cfg, name)
+    for f in dataclasses.fields(section):
+      lines.append(f'{type(section).__name__}.{f.name} = {getattr(section, f.name)!r}')
+    lines.append('')
+  return '\n'.join(lines)
+
+
+def write(cfg: Config, workdir: str) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.gin'), 'w') as fh:
+    fh.write('# Resolved config of this run (every value, defaults included).\n')
+    fh.write(to_gin(cfg))
+  with open(os.path.join(workdir, 'config.json'), 'w') as fh:
+    json.dump(to_dict(cfg), fh, indent=2, sort_keys=True)

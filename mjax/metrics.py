@@ -1,0 +1,165 @@
+"""MFU accounting and metric writers (metrics.jsonl + TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense (no sparsity) peak TFLOP/s per device, from the vendors' data sheets:
+# (bf16/fp16 tensor core, fp32 as XLA runs it: TF32 tensor cores on NVIDIA
+# Ampere and later, bf16 passes on TPU). Longest names first: 'H100 PCIe'
+# must match before 'H100'.
+PEAK_TFLOPS = {
+    'GB200': (2500.0, 1250.0),
+    'B200': (2250.0, 1100.0),
+    'H200': (989.4, 494.7),
+    'H100 PCIe': (756.0, 378.0),
+    'H100': (989.4, 494.7),          # SXM
+    'H800': (989.4, 494.7),
+    'H20': (148.0, 74.0),
+    'A100': (312.0, 156.0),
+    'A800': (312.0, 156.0),
+    'L40S': (362.1, 183.0),
+    'L4': (121.0, 60.0),
+    'A10G': (70.0, 35.0),
+    'A10': (125.0, 62.5),
+    'V100': (125.0, 15.7),
+    'TPU v6': (918.0, 918.0),
+    'TPU v5p': (459.0, 459.0),
+    'TPU v5 lite': (197.0, 197.0),
+    'TPU v5e': (197.0, 197.0),
+    'TPU v4': (275.0, 275.0),
+}
+
+
+def lookup_peak(device_kind: str, dtype: str) -> Optional[float]:
+  """Per-device peak FLOP/s from the table, or None for an unknown device."""
+  for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+    if name.lower() in device_kind.lower():
+      bf16, fp32 = PEAK_TFLOPS[name]
+      return (fp32 if dtype == 'float32' else bf16) * 1e12
+  return None
+
+
+def _cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as fh:
+      for line in fh:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(dtype: str, n: int = 1024, seconds: float = 1.0) -> float:
+  """Best sustained FLOP/s of an n x n matrix product on the first device.
+
+  On CPU every fake device shares the same cores and XLA's thread pool, so
+  one device's product already measures the whole machine.
+  """
+  dt = jnp.dtype(dtype)
+  a = jnp.ones((n, n), dt)
+  f = jax.jit(lambda x, y: (x @ y).astype(dt))
+  f(a, a).block_until_ready()
+  best = float('inf')
+  deadline = time.perf_counter() + seconds
+  while time.perf_counter() < deadline:
+    t = time.perf_counter()
+    f(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n ** 3 / best
+
+
+def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tuple[float, str]:
+  """Peak FLOP/s of `devices` together, and where the figure comes from.
+
+  Known accelerators use the data-sheet table; anything else (CPU) runs a
+  short matrix-product benchmark, cached per machine under `cache_dir`.
+  """
+  kind = devices[0].device_kind
+  per_device = lookup_peak(kind, dtype)
+  if per_device is not None:
+    return per_device * len(devices), f'table: {len(devices)} x {kind} {dtype} {per_device / 1e12:.1f} TFLOP/s'
+  cache_dir = os.path.expanduser(cache_dir)
+  path = os.path.join(cache_dir, 'peak_flops.json')
+  key = f'{devices[0].platform}|{_cpu_model()}|{os.cpu_count()}|{dtype}|jax {jax.__version__}'
+  cache = {}
+  try:
+    with open(path) as fh:
+      cache = json.load(fh)
+  except (OSError, ValueError):
+    pass
+  if key not in cache:
+    cache[key] = measure_matmul_flops(dtype)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'w') as fh:
+      json.dump(cache, fh, indent=1)
+    os.replace(tmp, path)  # atomic: concurrent runs never see half a file
+    source = 'measured'
+  else:
+    source = 'measured, cached'
+  # CPU fake devices share one machine: its peak is the peak of all of them.
+  return cache[key], f'{source}: {dtype} matmul on {_cpu_model()} ({os.cpu_count()} cores), {path}'
+
+
+def peak_memory_bytes(devices: Sequence[jax.Device]) -> tuple[Optional[int], str]:
+  """Largest per-device peak allocation, or the process's max RSS on CPU."""
+  peaks = []
+  for d in devices:
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends do not implement it
+      stats = None
+    if stats and 'peak_bytes_in_use' in stats:
+      peaks.append(stats['peak_bytes_in_use'])
+  if peaks:
+    return max(peaks), 'device peak'
+  import resource
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'host max RSS'
+
+
+class MetricsWriter:
+  """Appends one JSON line per record to metrics.jsonl and mirrors the
+  scalars to TensorBoard event files. Only process 0 writes."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    self._jsonl = None
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)
+    from tensorboardX import SummaryWriter
+    self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+  def write(self, step: int, scalars: dict, prefix: str = '') -> None:
+    if not self.enabled:
+      return
+    record = {'step': int(step), **{prefix + k: _py(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(record) + '\n')
+    for k, v in scalars.items():
+      if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
+        self._tb.add_scalar(prefix + k, float(v), int(step))
+
+  def close(self) -> None:
+    if self.enabled:
+      self._jsonl.close()
+      self._tb.close()
+
+
+def _py(v):
+  if isinstance(v, (np.floating, np.integer)):
+    return v.item()
+  if isinstance(v, np.ndarray) and v.ndim == 0:
+    return v.item()
+  return v

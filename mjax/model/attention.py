@@ -1,0 +1,100 @@
+"""Causal self-attention: full or sliding-window, multi-head or grouped-query.
+
+Two implementations compute the same function:
+  * `reference_attention`: einsum + explicit mask + fp32 softmax. Plain XLA,
+    easy to read, the numerical reference every other path is tested against.
+  * `fast_attention`: `jax.nn.dot_product_attention`, which dispatches to cuDNN
+    flash attention on GPU (O(seq) memory, fused kernel) and to XLA elsewhere.
+
+Window convention (used everywhere in mjax, FLOP counting included): with
+window `w`, query position i attends to key positions j with i - w < j <= i,
+i.e. itself and the w - 1 tokens before it. `None` is full causal attention,
+and any w >= seq_len is the same function as full causal attention.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from mjax.config import ModelConfig
+from mjax.model.layers import Linear, constrain, dtype_of, rotary
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
+
+
+def causal_mask(q_len: int, k_len: int, window: Optional[int]) -> jax.Array:
+  """(q_len, k_len) bool mask; True where attention is allowed."""
+  q = jnp.arange(q_len)[:, None]
+  k = jnp.arange(k_len)[None, :]
+  allowed = k <= q
+  if window is not None:
+    allowed &= k > q - window
+  return allowed
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                        window: Optional[int]) -> jax.Array:
+  """Masked softmax attention, the readable reference.
+
+  Args:
+    q: (batch, seq, heads, head_dim).
+    k, v: (batch, seq, kv_heads, head_dim); heads % kv_heads == 0 (GQA).
+    window: sliding window or None (full causal).
+  Returns:
+    (batch, seq, heads, head_dim) in q's dtype.
+  """
+  b, s, h, d = q.shape
+  kvh = k.shape[2]
+  q = q.reshape(b, s, kvh, h // kvh, d)                       # (batch, seq, kv_heads, group, head_dim)
+  scores = jnp.einsum('bqhgd,bkhd->bhgqk', q, k, preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(d))
+  scores = jnp.where(causal_mask(s, s, window), scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)     # (batch, kv_heads, group, q, k)
+  out = jnp.einsum('bhgqk,bkhd->bqhgd', probs, v)
+  return out.reshape(b, s, h, d)
+
+
+def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
+                   implementation: Optional[str] = None) -> jax.Array:
+  """Same contract as `reference_attention`, through jax.nn.dot_product_attention.
+
+  Args:
+    implementation: None lets JAX choose (cuDNN on GPU when eligible, XLA
+      otherwise); 'cudnn' fails loudly if cuDNN cannot run these shapes.
+  """
+  s = q.shape[1]
+  local = None if window is None or window >= s else (window - 1, 0)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                      implementation=implementation)
+
+
+def attend(q, k, v, window: Optional[int], impl: str) -> jax.Array:
+  if impl == 'xla':
+    return reference_attention(q, k, v, window)
+  return fast_attention(q, k, v, window, implementation='cudnn' if impl == 'cudnn' else None)
+
+
+class Attention(nn.Module):
+  """Projections + rotary + (windowed) causal attention + output projection."""
+  cfg: ModelConfig
+  window: Optional[int]
+  out_std: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # x: (batch, seq, embed)
+    c = self.cfg
+    kw = dict(dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype), use_bias=c.use_bias)
+    hd = c.dim_per_head
+    q = Linear((c.n_heads, hd), ('embed', 'heads', 'kv'), std=c.init_std, name='query', **kw)(x)
+    k = Linear((c.kv_heads, hd), ('embed', 'kv_heads', 'kv'), std=c.init_std, name='key', **kw)(x)
+    v = Linear((c.kv_heads, hd), ('embed', 'kv_heads', 'kv'), std=c.init_std, name='value', **kw)(x)
+    q = constrain(rotary(q, positions, c.rope_theta), ('batch', 'seq', 'heads', 'kv'))
+    k = constrain(rotary(k, positions, c.rope_theta), ('batch', 'seq', 'kv_heads', 'kv'))
+    v = constrain(v, ('batch', 'seq', 'kv_heads', 'kv'))
+    out = attend(q, k, v, self.window, c.attention_impl)       # (batch, seq, heads, head_dim)
+    out = constrain(out, ('batch', 'seq', 'heads', 'kv'))
+    return Linear((c.d_model,), ('heads', 'kv', 'embed'), n_in=2, std=self.out_std, name='out', **kw)(out)

@@ -1,0 +1,103 @@
+"""The decoder-only transformer, built from MegaScale's parallel block.
+
+Parallel block (GPT-J, PaLM, MegaScale):   y = x + Attn(LN(x)) + MLP(LN(x))
+Sequential block (GPT-2/3, for comparison): h = x + Attn(LN1(x)); y = h + MLP(LN2(h))
+
+The parallel form needs one norm instead of two and lets attention and the MLP
+run side by side, so their input all-gather / output reduce-scatter under
+tensor parallelism can be fused into one.
+
+Layers are grouped by the attention pattern (`ModelConfig.layer_period`
+layers, the last one full-causal when `full_attention_every` is set) and the
+groups are stacked with `nn.scan`: one compiled group body however deep the
+model is, and parameters carry a leading `layers` axis.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from mjax.config import ModelConfig
+from mjax.model.attention import Attention
+from mjax.model.layers import Mlp, constrain, dtype_of, make_norm, out_proj_std
+
+ACT = ('batch', 'seq', 'embed')
+
+REMAT_POLICIES = {
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.checkpoint_dots,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+  window: Optional[int]
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # (batch, seq, embed)
+    c = self.cfg
+    std = out_proj_std(c)
+    attn = Attention(c, self.window, std, name='attn')
+    mlp = Mlp(c, std, name='mlp')
+    if c.block == 'parallel':
+      h = make_norm(c, 'norm')(x)
+      x = x + attn(h, positions) + mlp(h)
+    else:
+      x = x + attn(make_norm(c, 'norm_attn')(x), positions)
+      x = x + mlp(make_norm(c, 'norm_mlp')(x))
+    return constrain(x, ACT)
+
+
+class LayerGroup(nn.Module):
+  """`layer_period` consecutive blocks: the unit that `nn.scan` repeats."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array):
+    for i in range(self.cfg.layer_period):
+      x = Block(self.cfg, self.cfg.layer_window(i), name=f'block_{i}')(x, positions)
+    return x, None  # (carry, per-step output) as nn.scan expects
+
+
+class Transformer(nn.Module):
+  """tokens (batch, seq) int -> logits (batch, seq, vocab) fp32."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+    c = self.cfg
+    dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    table = self.param('embedding', nn.with_logical_partitioning(
+        nn.initializers.normal(c.init_std), ('vocab', 'embed')), (c.vocab_size, c.d_model), pdtype)
+    x = constrain(jnp.take(table, tokens, axis=0).astype(dtype), ACT)  # (batch, seq, embed)
+
+    group = LayerGroup
+    if c.remat_policy != 'none':
+      # prevent_cse is only needed outside scan (scan already blocks CSE).
+      group = nn.remat(group, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers)
+    n_groups = c.n_layers // c.layer_period
+    if c.scan_layers:
+      stack = nn.scan(group, variable_axes={'params': 0}, split_rngs={'params': True},
+                      in_axes=nn.broadcast, length=n_groups,
+                      metadata_params={nn.PARTITION_NAME: 'layers'})
+      x, _ = stack(c, name='layers')(x, positions)
+    else:
+      for g in range(n_groups):
+        x, _ = group(c, name=f'layers_{g}')(x, positions)
+
+    x = make_norm(c, 'final_norm')(x)
+    if c.tie_embeddings:
+      logits = jnp.einsum('bse,ve->bsv', x, table.astype(dtype))
+    else:
+      head = self.param('lm_head', nn.with_logical_partitioning(
+          nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)
+      logits = jnp.einsum('bse,ev->bsv', x, head.astype(dtype))
+    # The softmax / loss run in fp32 whatever the compute dtype.
+    return constrain(logits.astype(jnp.float32), ('batch', 'seq', 'vocab'))

@@ -1,0 +1,32 @@
+"""Device mesh from MeshConfig."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from mjax.config import MeshConfig, resolve_mesh_shape
+from mjax.parallel.rules import MESH_AXES
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """Builds the (data, fsdp, tensor, pipeline) mesh.
+
+  Fast axes (the plain sizes) stay inside a host/slice; the `dcn_*` sizes span
+  hosts. Axis types are Auto: sharding is propagated by GSPMD from the jit
+  in/out shardings and the model's logical constraints.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  ici = resolve_mesh_shape(cfg, len(devices))
+  dcn = cfg.dcn_shape()
+  if np.prod(dcn) > 1:
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+  elif len(devices) == len(jax.devices()):
+    grid = mesh_utils.create_device_mesh(ici, devices=devices)
+  else:  # a subset (tests): keep the given order
+    grid = np.asarray(devices).reshape(ici)
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

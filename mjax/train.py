@@ -1,0 +1,283 @@
+"""Training: sharded state, the jitted step, the loop, evaluation.
+
+`run(cfg, workdir)` goes through these phases, marked below:
+  1. set-up     compilation cache, mesh, config written to the workdir
+  2. program    model, optimizer, shardings, jitted init / step / eval
+  3. state      created directly sharded: eval_shape -> shardings -> jit(init)
+  4. data       grain iterator feeding this host's share of each global batch
+  5. compile    the step compiled once, ahead of the loop (timed)
+  6. loop       step, metrics one step behind (no device sync on the hot path),
+                periodic held-out evaluation
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mjax import config as config_lib
+from mjax import data as data_lib
+from mjax.config import Config
+from mjax.metrics import MetricsWriter, peak_flops
+from mjax.model import Transformer
+from mjax.model.flops import flops_per_token
+from mjax.optim import make_optimizer
+from mjax.parallel import logical_rules, make_mesh
+
+log = logging.getLogger('mjax')
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array      # () int32
+  params: Any          # fp32 master weights
+  opt_state: Any       # fp32 LAMB moments
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean next-token loss over unmasked positions (fp32)."""
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+@dataclasses.dataclass
+class Program:
+  """Everything compiled for one config on one mesh."""
+  cfg: Config
+  mesh: Mesh
+  model: Transformer
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  state_shardings: TrainState
+  batch_shardings: dict[str, NamedSharding]
+  init: Callable[[jax.Array], TrainState]
+  step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
+  eval_step: Callable[[Any, Batch], jax.Array]
+  rules: tuple
+
+  def context(self):
+    """Mesh + logical rules: needed whenever the model is traced."""
+    import contextlib
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    stack.enter_context(nn.logical_axis_rules(self.rules))
+    return stack
+
+  def abstract_batch(self) -> Batch:
+    b, s = self.cfg.train.global_batch_size, self.cfg.data.seq_len
+    return {'inputs': jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_shardings['inputs']),
+            'targets': jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_shardings['targets']),
+            'loss_mask': jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=self.batch_shardings['loss_mask'])}
+
+  def abstract_state(self) -> TrainState:
+    with self.context():
+      shapes = jax.eval_shape(self.init, jax.random.key(0))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, self.state_shardings)
+
+  def to_global(self, local: dict[str, np.ndarray]) -> Batch:
+    """This host's rows -> one global array per key (MegaScale's one loader
+    per machine: each host reads only its own share of the batch)."""
+    shape = (self.cfg.train.global_batch_size, self.cfg.data.seq_len)
+    return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], np.asarray(v), shape)
+            for k, v in local.items()}
+
+
+def make_program(cfg: Config, mesh: Mesh) -> Program:
+  """Builds the model, optimizer, shardings and jitted functions (no arrays)."""
+  model = Transformer(cfg.model)
+  rules = logical_rules()
+  dummy = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
+  replicated = NamedSharding(mesh, P())
+
+  # Shapes and logical names of every parameter, without allocating any.
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+  param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  stacked = jax.tree.map(lambda b: b.names[0] == 'layers', boxed, is_leaf=is_box)
+  tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, stacked)
+
+  # The optimizer moments mirror the params, so they take the params' shardings
+  # (ZeRO: optimizer state is sharded exactly like the weights); counters are
+  # replicated.
+  abstract_params = nn.meta.unbox(boxed)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  opt_shardings = optax.tree_map_params(
+      tx, lambda _, s: s, abstract_opt, param_shardings,
+      transform_non_params=lambda _: replicated)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  row = nn.logical_to_mesh_sharding(P('batch', 'seq'), mesh, rules)
+  batch_shardings = {'inputs': row, 'targets': row, 'loss_mask': row}
+
+  def init(rng: jax.Array) -> TrainState:
+    params = nn.meta.unbox(model.init(rng, dummy)['params'])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  def loss_fn(params, batch: Batch) -> jax.Array:
+    logits = model.apply({'params': params}, batch['inputs'])     # (batch, seq, vocab) fp32
+    return cross_entropy(logits, batch['targets'], batch['loss_mask'])
+
+  def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads),
+               'update_norm': optax.global_norm(updates), 'lr': schedule(state.step)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return Program(
+      cfg=cfg, mesh=mesh, model=model, tx=tx, schedule=schedule,
+      state_shardings=state_shardings, batch_shardings=batch_shardings, rules=rules,
+      init=jax.jit(init, out_shardings=state_shardings),
+      # Donating the state lets XLA update params and moments in place: without
+      # it the step needs two copies of the whole train state.
+      step=jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0),
+      eval_step=jax.jit(loss_fn, in_shardings=(param_shardings, batch_shardings),
+                        out_shardings=replicated),
+  )
+
+
+def setup_compilation_cache(cache_dir: Optional[str]) -> None:
+  """Persistent XLA cache: a restarted job reuses the compiled step."""
+  if not cache_dir:
+    return
+  jax.config.update('jax_compilation_cache_dir', os.path.expanduser(cache_dir))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def evaluate(program: Program, params, batches: list[Batch]) -> float:
+  with program.context():
+    losses = [program.eval_step(params, b) for b in batches]
+  return float(np.mean(jax.device_get(losses)))
+
+
+def _progress(cfg: Config, start: int, enabled: bool):
+  from tqdm import tqdm
+  return tqdm(total=cfg.train.steps, initial=start, disable=not enabled, unit='step',
+              dynamic_ncols=True, smoothing=0.1, mininterval=0.5)
+
+
+def run(cfg: Config, workdir: str) -> dict:
+  """Trains `cfg` in `workdir`; returns a summary of the run.
+
+  Returns:
+    dict with final train/eval loss, mean tokens/s, MFU and timings.
+  """
+  # --- 1. set-up -------------------------------------------------------------
+  t_start = time.perf_counter()
+  setup_compilation_cache(cfg.train.compilation_cache_dir)
+  is_main = jax.process_index() == 0
+  if is_main:
+    config_lib.write(cfg, workdir)
+  mesh = make_mesh(cfg.mesh)
+  devices = list(mesh.devices.flat)
+  say = log.info if not cfg.train.progress else (lambda m, *a: print(m % a if a else m, flush=True))
+
+  # --- 2. program --------------------------------------------------------------
+  program = make_program(cfg, mesh)
+  fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+  peak, peak_source = peak_flops(devices, cfg.model.dtype, cfg.train.peak_cache_dir)
+  tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(program.abstract_state().params))
+  if is_main:
+    say(f'mjax: {n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP/token, '
+        f'{tokens_per_step} tokens/step, mesh {dict(mesh.shape)} on {len(devices)} '
+        f'{devices[0].platform} device(s)')
+    say(f'mjax: peak {peak / 1e12:.3f} TFLOP/s ({peak_source})')
+
+  # --- 3. state ----------------------------------------------------------------
+  with program.context():
+    state = program.init(jax.random.key(cfg.train.seed))
+
+  # --- 4. data -----------------------------------------------------------------
+  pid, nproc = jax.process_index(), jax.process_count()
+  train_iter = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
+                                            process_index=pid, process_count=nproc)
+  eval_batches = [program.to_global(b) for b in data_lib.make_eval_batches(
+      cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches,
+      process_index=pid, process_count=nproc)]
+
+  # --- 5. compile --------------------------------------------------------------
+  t0 = time.perf_counter()
+  with program.context():
+    step_fn = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
+  compile_s = time.perf_counter() - t0
+  if is_main:
+    say(f'mjax: train step compiled in {compile_s:.1f}s; start-up {time.perf_counter() - t_start:.1f}s')
+
+  # --- 6. loop -----------------------------------------------------------------
+  writer = MetricsWriter(workdir, enabled=is_main)
+  bar = _progress(cfg, int(state.step), cfg.train.progress and is_main)
+  summary: dict[str, Any] = {'compile_s': compile_s, 'peak_flops': peak, 'peak_source': peak_source,
+                             'flops_per_token': fpt, 'params': n_params}
+  times, losses = [], []
+  pending = None  # (step, metrics on device)
+  t_last = time.perf_counter()
+
+  def finish(step: int, metrics: dict) -> None:
+    nonlocal t_last
+    m = jax.device_get(metrics)          # waits for that step only
+    now = time.perf_counter()
+    dt, t_last = now - t_last, now
+    tps = tokens_per_step / dt
+    rec = {k: float(v) for k, v in m.items()}
+    rec.update(step_time=dt, tokens_per_sec=tps, mfu=fpt * tps / peak)
+    times.append(dt)
+    losses.append(rec['loss'])
+    if not np.isfinite(rec['loss']):
+      raise FloatingPointError(f'loss is {rec["loss"]} at step {step}')
+    if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+      writer.write(step, rec)
+    bar.set_postfix(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:,.0f}', mfu=f'{rec["mfu"]:.1%}', refresh=False)
+    bar.update(1)
+
+  start_step = int(state.step)
+  for step in range(start_step + 1, cfg.train.steps + 1):
+    batch = program.to_global(next(train_iter))
+    state, metrics = step_fn(state, batch)
+    if pending is not None:
+      finish(*pending)
+    pending = (step, metrics)
+    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
+      finish(*pending)
+      pending = None
+      eval_loss = evaluate(program, state.params, eval_batches)
+      writer.write(step, {'eval_loss': eval_loss})
+      bar.write(f'step {step}: eval_loss {eval_loss:.4f}')
+      t_last = time.perf_counter()  # evaluation time is not step time
+  if pending is not None:
+    finish(*pending)
+  bar.close()
+
+  eval_loss = evaluate(program, state.params, eval_batches)
+  writer.write(cfg.train.steps, {'eval_loss': eval_loss})
+  writer.close()
+  # The first steps after compilation warm caches and allocators; report the rest.
+  steady = times[min(len(times) - 1, 2):] if times else []
+  mean_dt = float(np.mean(steady)) if steady else float('nan')
+  summary.update(
+      final_loss=losses[-1] if losses else float('nan'), eval_loss=eval_loss,
+      step_time=mean_dt, tokens_per_sec=tokens_per_step / mean_dt,
+      mfu=fpt * tokens_per_step / mean_dt / peak, steps=len(times),
+      wall_s=time.perf_counter() - t_start)
+  if is_main:
+    say(f'mjax: done. loss {summary["final_loss"]:.4f}, eval_loss {eval_loss:.4f}, '
+        f'{summary["tokens_per_sec"]:,.0f} tokens/s, MFU {summary["mfu"]:.1%} '
+        f'(peak {peak_source}), wall {summary["wall_s"]:.0f}s')
+  summary['state'] = state
+  return summary

@@ -1,0 +1,213 @@
+"""Tests of mjax.data: corpus split, packing, shuffling, sharding, resume."""
+
+import json
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from mjax import data
+from mjax.config import DataConfig
+from mjax.data import corpus as corpus_lib
+
+SEQ = 32
+
+
+def _write_corpus(root, n_files=40):
+  """A directory of small text files (some nested, some non-ASCII, one not matching)."""
+  rng = np.random.default_rng(0)
+  words = ['def', 'return', 'x', 'lambda', 'énergie', '数据', 'yield', '(', ')', ':']
+  for i in range(n_files):
+    sub = root / f'pkg{i % 3}' if i % 2 else root
+    sub.mkdir(exist_ok=True)
+    text = ' '.join(rng.choice(words, size=rng.integers(40, 120)))
+    (sub / f'mod_{i:02d}.py').write_text(f'# file {i}\n{text}\n', encoding='utf-8')
+  (root / 'notes.txt').write_text('not python\n')
+  return root
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+  return _write_corpus(tmp_path / 'src')
+
+
+def _cfg(path, **kw):
+  kw.setdefault('seq_len', SEQ)
+  kw.setdefault('heldout_fraction', 0.2)
+  kw.setdefault('num_threads', 2)
+  kw.setdefault('prefetch', 2)
+  return DataConfig(source=str(path), **kw)
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _assert_same(batches_a, batches_b):
+  assert len(batches_a) == len(batches_b)
+  for a, b in zip(batches_a, batches_b):
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_shapes_dtypes_and_windows(corpus_dir):
+  cfg = _cfg(corpus_dir)
+  batch = next(data.make_train_iterator(cfg, 8))
+  assert set(batch) == {'inputs', 'targets', 'loss_mask'}
+  for k in ('inputs', 'targets'):
+    assert batch[k].shape == (8, SEQ) and batch[k].dtype == np.int32
+  assert batch['loss_mask'].shape == (8, SEQ) and batch['loss_mask'].dtype == np.float32
+  assert np.all(batch['loss_mask'] == 1.0)
+  np.testing.assert_array_equal(batch['targets'][:, :-1], batch['inputs'][:, 1:])
+  # Every row is a stride-aligned window of the train stream.
+  tokens = data.load_corpus(cfg).train_tokens
+  for inp, tgt in zip(batch['inputs'], batch['targets']):
+    starts = [s for s in range(0, len(tokens) - SEQ, SEQ) if np.array_equal(tokens[s:s + SEQ], inp)]
+    assert starts, 'row is not a window of the train split'
+    np.testing.assert_array_equal(tokens[starts[0] + 1:starts[0] + SEQ + 1], tgt)
+
+
+def test_split_by_file_is_disjoint_and_follows_crc32(corpus_dir):
+  c = data.load_corpus(_cfg(corpus_dir))
+  assert c.split == 'file'
+  assert set(c.train_files).isdisjoint(c.heldout_files)
+  all_files = sorted(c.train_files + c.heldout_files)
+  assert len(all_files) == 40 and 'notes.txt' not in all_files
+  assert 'pkg1/mod_01.py' in all_files  # nested, '/'-separated
+  for f in all_files:
+    held = zlib.crc32(f.encode()) / 2**32 < 0.2
+    assert (f in c.heldout_files) == held
+  assert c.heldout_files and c.train_files
+
+
+def test_tokens_are_bytes_with_eos_between_documents(corpus_dir):
+  c = data.load_corpus(_cfg(corpus_dir))
+  for files, tokens in ((c.train_files, c.train_tokens), (c.heldout_files, c.heldout_tokens)):
+    assert tokens.max() < data.VOCAB_SIZE and data.PAD_ID not in tokens
+    expected = []
+    for f in files:
+      expected += list((corpus_dir / f).read_bytes()) + [data.EOS_ID]
+    np.testing.assert_array_equal(tokens, expected)
+    assert np.sum(tokens == data.EOS_ID) == len(files)
+
+
+def test_vocab_matches_config():
+  from mjax.config import BYTE_VOCAB
+  assert data.VOCAB_SIZE == BYTE_VOCAB and data.EOS_ID == 256 and data.PAD_ID == 257
+
+
+def test_determinism_and_seed(corpus_dir):
+  cfg = _cfg(corpus_dir)
+  a = _take(data.make_train_iterator(cfg, 4), 3)
+  b = _take(data.make_train_iterator(cfg, 4), 3)
+  _assert_same(a, b)
+  c = _take(data.make_train_iterator(_cfg(corpus_dir, shuffle_seed=1), 4), 3)
+  assert not all(np.array_equal(x['inputs'], y['inputs']) for x, y in zip(a, c))
+
+
+def test_each_epoch_is_a_new_permutation(corpus_dir):
+  cfg = _cfg(corpus_dir)
+  tokens = data.load_corpus(cfg).train_tokens
+  n = (len(tokens) - 1) // SEQ
+  window_id = {tokens[i * SEQ:i * SEQ + SEQ].tobytes(): i for i in range(n)}
+  # A batch of n windows with one process is exactly one epoch.
+  it = data.make_train_iterator(cfg, n)
+  epochs = [[window_id[row.astype(np.uint16).tobytes()] for row in next(it)['inputs']]
+            for _ in range(2)]
+  assert sorted(epochs[0]) == list(range(n)) == sorted(epochs[1])
+  assert epochs[0] != epochs[1] and epochs[0] != list(range(n))
+
+
+@pytest.mark.parametrize('process_count', [2, 4])
+def test_process_shards_concatenate_to_global_batch(corpus_dir, process_count):
+  cfg = _cfg(corpus_dir)
+  steps = 3
+  whole = _take(data.make_train_iterator(cfg, 8), steps)
+  shards = [_take(data.make_train_iterator(cfg, 8, process_index=p, process_count=process_count),
+                  steps) for p in range(process_count)]
+  for k in range(steps):
+    for key in whole[k]:
+      assert shards[0][k][key].shape[0] == 8 // process_count
+      joined = np.concatenate([shards[p][k][key] for p in range(process_count)])
+      np.testing.assert_array_equal(joined, whole[k][key])
+
+
+def test_get_state_set_state_resumes_exactly(corpus_dir):
+  cfg = _cfg(corpus_dir)
+  it = data.make_train_iterator(cfg, 4, process_index=1, process_count=2)
+  _take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))  # must survive serialization
+  expected = _take(it, 4)
+  resumed = data.make_train_iterator(cfg, 4, process_index=1, process_count=2)
+  resumed.set_state(state)
+  _assert_same(_take(resumed, 4), expected)
+
+
+def test_eval_batches_are_ordered_sharded_and_wrap(corpus_dir):
+  cfg = _cfg(corpus_dir)
+  tokens = data.load_corpus(cfg).heldout_tokens
+  n = (len(tokens) - 1) // SEQ
+  num_batches = n // 4 + 2  # more than the split holds: must wrap around
+  batches = data.make_eval_batches(cfg, 4, num_batches)
+  assert len(batches) == num_batches
+  rows = np.concatenate([b['inputs'] for b in batches])
+  for j, row in enumerate(rows):
+    w = (j % n) * SEQ
+    np.testing.assert_array_equal(row, tokens[w:w + SEQ])
+  _assert_same(batches, data.make_eval_batches(cfg, 4, num_batches))
+  halves = [data.make_eval_batches(cfg, 4, 2, process_index=p, process_count=2) for p in (0, 1)]
+  for k in range(2):
+    np.testing.assert_array_equal(
+        np.concatenate([halves[0][k]['targets'], halves[1][k]['targets']]),
+        batches[k]['targets'])
+
+
+def test_single_file_is_split_by_position(tmp_path):
+  path = tmp_path / 'one.txt'
+  path.write_bytes(bytes(range(256)) * 20)
+  cfg = _cfg(path, heldout_fraction=0.25)
+  c = data.load_corpus(cfg)
+  assert c.split == 'position'
+  full = np.append(np.frombuffer(path.read_bytes(), np.uint8), data.EOS_ID)
+  np.testing.assert_array_equal(np.concatenate([c.train_tokens, c.heldout_tokens]), full)
+  assert len(c.heldout_tokens) == round(len(full) * 0.25)
+  info = data.describe(cfg)
+  assert info['source'] == str(path) and info['train_tokens'] == len(c.train_tokens)
+  assert next(data.make_train_iterator(cfg, 4))['inputs'].shape == (4, SEQ)
+  assert len(data.make_eval_batches(cfg, 4, 2)) == 2
+
+
+def test_errors_name_the_path(tmp_path, corpus_dir):
+  missing = tmp_path / 'nope'
+  cases = [
+      (lambda: data.make_train_iterator(_cfg(missing), 4), missing, 'no such file'),
+      (lambda: data.describe(_cfg(corpus_dir, file_pattern='*.rs')), corpus_dir, 'no files match'),
+      (lambda: data.make_train_iterator(_cfg(corpus_dir), 4096), corpus_dir, 'train split'),
+      (lambda: data.make_eval_batches(_cfg(corpus_dir), 512, 1), corpus_dir, 'held-out split'),
+      (lambda: data.make_train_iterator(_cfg(corpus_dir), 6, process_count=4), corpus_dir,
+       'not divisible'),
+      (lambda: data.make_eval_batches(_cfg(corpus_dir), 6, 1, process_count=4), corpus_dir,
+       'not divisible'),
+  ]
+  for fn, path, what in cases:
+    with pytest.raises(data.DataError) as err:
+      fn()
+    assert str(path) in str(err.value) and what in str(err.value), str(err.value)
+  assert issubclass(data.DataError, ValueError)
+
+
+def test_stdlib_source():
+  cfg = DataConfig(source='stdlib', seq_len=64)
+  info = data.describe(cfg)
+  assert info['split'] == 'file' and info['train_files'] > 500 and info['heldout_files'] > 0
+  assert os.path.isfile(os.path.join(info['source'], 'os.py'))
+  c = data.load_corpus(cfg)
+  assert 'os.py' in c.train_files + c.heldout_files
+  assert not any('site-packages' in f or 'dist-packages' in f
+                 for f in c.train_files + c.heldout_files)
+  assert list(c.train_files) == sorted(c.train_files)
+  batch = next(data.make_train_iterator(cfg, 8))
+  assert batch['inputs'].shape == (8, 64) and batch['inputs'].max() < data.VOCAB_SIZE
+  assert data.make_eval_batches(cfg, 8, 1)[0]['targets'].shape == (8, 64)
