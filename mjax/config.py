@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import os
 import types
@@ -214,24 +215,26 @@ def _parse_one_binding(binding: str) -> None:
 
 
 def _explain_gin_error(text: str, err: Exception) -> str:
-  msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-  # Name the nearest valid key: most bad bindings are typos.
+  """One paragraph: what gin said, where, and the nearest valid key."""
+  import re
+  lines = [l.strip() for l in str(err).strip().splitlines() if l.strip()]
+  msg = (lines[0] if lines else type(err).__name__).rstrip('.')
+  where = next((l for l in lines[1:] if l.startswith('In file')), '')
   hint = ''
-  name = text.split('=')[0].strip() if '=' in text else ''
-  if '.' in name:
-    cls, _, param = name.rpartition('.')
-    cls = cls.split('/')[-1]
-    if cls in _CLASSES:
-      params = [f.name for f in dataclasses.fields(_CLASSES[cls])]
-      if param not in params:
-        close = difflib.get_close_matches(param, params, n=1)
-        hint = (f' Unknown key {name!r}; {cls} takes: {", ".join(params)}.'
-                + (f' Did you mean {cls}.{close[0]}?' if close else ''))
-    else:
-      close = difflib.get_close_matches(cls, list(_CLASSES), n=1)
-      hint = (f' Unknown config class {cls!r}; allowed: {", ".join(_CLASSES)}.'
-              + (f' Did you mean {close[0]}?' if close else ''))
-  return f'invalid config binding {text!r}: {msg.rstrip(".")}.{hint}'
+  unknown_param = re.search(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", msg)
+  unknown_cls = re.search(r"No configurable matching '([\w.]+)'", msg)
+  if unknown_param and unknown_param.group(1) in _CLASSES:
+    cls, param = unknown_param.groups()
+    params = [f.name for f in dataclasses.fields(_CLASSES[cls])]
+    close = difflib.get_close_matches(param, params, n=1)
+    hint = (f' {cls} takes: {", ".join(params)}.'
+            + (f' Did you mean {cls}.{close[0]}?' if close else ''))
+  elif unknown_cls:
+    close = difflib.get_close_matches(unknown_cls.group(1), list(_CLASSES), n=1)
+    hint = (f' Allowed config classes: {", ".join(_CLASSES)}.'
+            + (f' Did you mean {close[0]}?' if close else ''))
+  subject = f'invalid config binding {text!r}' if text else 'invalid config'
+  return f'{subject}: {msg}{" (" + where + ")" if where else ""}.{hint}'
 
 
 def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
@@ -252,12 +255,15 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
   for f in gin_files:
     path = _resolve_gin_file(f)
     gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
+    # gin logs an ERROR for every search path an `include` is not found in
+    # before the one it is found in; only a real failure should be reported.
+    logging.disable(logging.ERROR)
     try:
       gin.parse_config_file(path)
-    except ConfigError:
-      raise
     except Exception as e:
-      raise ConfigError(f'in gin file {path}: {_explain_gin_error(_failing_line(e), e)}') from None
+      raise ConfigError(f'in gin file {path}: {_explain_gin_error("", e)}') from None
+    finally:
+      logging.disable(logging.NOTSET)
   for b in bindings:
     _parse_one_binding(b)
   try:
@@ -265,12 +271,6 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
   except Exception as e:
     raise ConfigError(f'could not build the config: {e}') from None
   return validate(cfg, num_devices=num_devices)
-
-
-def _failing_line(err: Exception) -> str:
-  loc = getattr(err, 'location', None) or getattr(err, 'lineno', None)
-  text = getattr(loc, 'line_content', None) if loc is not None else None
-  return (text or '').strip()
 
 
 def override_to_binding(key: str, value: str) -> str:

@@ -131,14 +131,16 @@ class MetricsWriter:
   """Appends one JSON line per record to metrics.jsonl and mirrors the
   scalars to TensorBoard event files. Only process 0 writes."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, fresh: bool = True):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', buffering=1)
+    # A fresh run starts a new file; a resumed run continues the old one.
+    mode = 'w' if fresh else 'a'
+    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), mode, buffering=1)
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 

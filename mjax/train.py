@@ -186,7 +186,7 @@ def run(cfg: Config, workdir: str) -> dict:
     config_lib.write(cfg, workdir)
   mesh = make_mesh(cfg.mesh)
   devices = list(mesh.devices.flat)
-  say = log.info if not cfg.train.progress else (lambda m, *a: print(m % a if a else m, flush=True))
+  say = lambda msg: print(msg, flush=True) if is_main else None
 
   # --- 2. program --------------------------------------------------------------
   program = make_program(cfg, mesh)
@@ -194,11 +194,10 @@ def run(cfg: Config, workdir: str) -> dict:
   peak, peak_source = peak_flops(devices, cfg.model.dtype, cfg.train.peak_cache_dir)
   tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(program.abstract_state().params))
-  if is_main:
-    say(f'mjax: {n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP/token, '
-        f'{tokens_per_step} tokens/step, mesh {dict(mesh.shape)} on {len(devices)} '
-        f'{devices[0].platform} device(s)')
-    say(f'mjax: peak {peak / 1e12:.3f} TFLOP/s ({peak_source})')
+  say(f'mjax: {n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP/token, '
+      f'{tokens_per_step} tokens/step, mesh {dict(mesh.shape)} on {len(devices)} '
+      f'{devices[0].platform} device(s)')
+  say(f'mjax: peak {peak / 1e12:.3f} TFLOP/s ({peak_source})')
 
   # --- 3. state ----------------------------------------------------------------
   with program.context():
@@ -217,11 +216,10 @@ def run(cfg: Config, workdir: str) -> dict:
   with program.context():
     step_fn = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
   compile_s = time.perf_counter() - t0
-  if is_main:
-    say(f'mjax: train step compiled in {compile_s:.1f}s; start-up {time.perf_counter() - t_start:.1f}s')
+  say(f'mjax: train step compiled in {compile_s:.1f}s; start-up {time.perf_counter() - t_start:.1f}s')
 
   # --- 6. loop -----------------------------------------------------------------
-  writer = MetricsWriter(workdir, enabled=is_main)
+  writer = MetricsWriter(workdir, enabled=is_main, fresh=int(state.step) == 0)
   bar = _progress(cfg, int(state.step), cfg.train.progress and is_main)
   summary: dict[str, Any] = {'compile_s': compile_s, 'peak_flops': peak, 'peak_source': peak_source,
                              'flops_per_token': fpt, 'params': n_params}
@@ -258,7 +256,8 @@ def run(cfg: Config, workdir: str) -> dict:
       pending = None
       eval_loss = evaluate(program, state.params, eval_batches)
       writer.write(step, {'eval_loss': eval_loss})
-      bar.write(f'step {step}: eval_loss {eval_loss:.4f}')
+      bar.write(f'step {step}: eval_loss {eval_loss:.4f}') if not bar.disable else say(
+          f'mjax: step {step}: eval_loss {eval_loss:.4f}')
       t_last = time.perf_counter()  # evaluation time is not step time
   if pending is not None:
     finish(*pending)
@@ -275,9 +274,8 @@ def run(cfg: Config, workdir: str) -> dict:
       step_time=mean_dt, tokens_per_sec=tokens_per_step / mean_dt,
       mfu=fpt * tokens_per_step / mean_dt / peak, steps=len(times),
       wall_s=time.perf_counter() - t_start)
-  if is_main:
-    say(f'mjax: done. loss {summary["final_loss"]:.4f}, eval_loss {eval_loss:.4f}, '
-        f'{summary["tokens_per_sec"]:,.0f} tokens/s, MFU {summary["mfu"]:.1%} '
-        f'(peak {peak_source}), wall {summary["wall_s"]:.0f}s')
+  say(f'mjax: done. loss {summary["final_loss"]:.4f}, eval_loss {eval_loss:.4f}, '
+      f'{summary["tokens_per_sec"]:,.0f} tokens/s, MFU {summary["mfu"]:.1%} '
+      f'(peak {peak_source}), wall {summary["wall_s"]:.0f}s')
   summary['state'] = state
   return summary

@@ -1,0 +1,93 @@
+"""Config loading, overrides and the promised error messages."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mjax import config as C
+from mjax.cli import _parser, _split_overrides
+
+
+def load(*bindings, files=('tiny.gin',), num_devices=8):
+  return C.load_config(list(files), list(bindings), num_devices=num_devices)
+
+
+def test_tiny_loads_with_base_include():
+  cfg = load()
+  assert cfg.model.d_model == 256 and cfg.data.seq_len == 128
+  # Values from base.gin arrive through the include.
+  assert cfg.model.block == 'parallel' and cfg.optim.b2 == 0.95
+
+
+def test_both_override_forms_and_later_wins():
+  parser = _parser('t', 't')
+  args, bindings = _split_overrides(parser, [
+      '--gin_file', 'tiny.gin', '--gin_param', 'TrainConfig.steps = 30',
+      '--gin.TrainConfig.steps=31', '--gin.DataConfig.source=stdlib',
+      '--gin.ModelConfig.sliding_window', '32', '--gin.ModelConfig.n_kv_heads=None',
+      '--gin.OptimConfig.learning_rate=1e-3'])
+  cfg = C.load_config(args.gin_file, bindings, num_devices=8)
+  assert cfg.train.steps == 31
+  assert cfg.model.sliding_window == 32   # `--gin.KEY VALUE` form
+  assert cfg.model.n_kv_heads is None
+  assert cfg.optim.learning_rate == 1e-3
+  assert cfg.data.source == 'stdlib'   # bare word taken as a string
+
+
+def test_ints_accepted_for_floats():
+  cfg = load('OptimConfig.learning_rate = 1')
+  assert isinstance(cfg.optim.learning_rate, float)
+
+
+def test_resolved_config_round_trips(tmp_path):
+  cfg = load('TrainConfig.steps = 7', 'ModelConfig.n_kv_heads = 2')
+  C.write(cfg, str(tmp_path))
+  again = C.load_config([str(tmp_path / 'config.gin')], [], num_devices=8)
+  assert again == cfg
+  assert json.loads((tmp_path / 'config.json').read_text())['train']['steps'] == 7
+
+
+@pytest.mark.parametrize('binding,needles', [
+    ('ModelConfig.d_modle = 3', ["'d_modle'", 'Did you mean ModelConfig.d_model']),
+    ('ModelConfg.d_model = 3', ["'ModelConfg'", 'Did you mean ModelConfig']),
+    ('TrainConfig.steps = "ten"', ['TrainConfig.steps', "'ten'", 'an int']),
+    ('ModelConfig.block = "serial"', ['ModelConfig.block', "'parallel', 'sequential'"]),
+    ('ModelConfig.n_heads = 3', ['ModelConfig.n_heads = 3', 'd_model = 256', 'divisors']),
+    ('ModelConfig.n_kv_heads = 3', ['ModelConfig.n_kv_heads = 3', 'n_heads = 4']),
+    ('ModelConfig.sliding_window = 129', ['sliding_window = 129', 'seq_len = 128']),
+    ('ModelConfig.sliding_window = 0', ['sliding_window = 0']),
+    ('ModelConfig.full_attention_every = 3', ['full_attention_every = 3', 'n_layers = 4']),
+    ('TrainConfig.global_batch_size = 12', ['global_batch_size = 12', 'data x fsdp = 8']),
+    ('MeshConfig.data = 3', ['multiply to 3', '8 devices']),
+    ('MeshConfig.tensor = 8', ['n_heads', 'tensor-parallel size 8']),
+    ('ModelConfig.vocab_size = 200', ['vocab_size = 200', '258']),
+    ('DataConfig.source = "/no/such/dir"', ['/no/such/dir', 'existing file or directory']),
+    ('OptimConfig.b2 = 1.5', ['OptimConfig.b2 = 1.5', '[0, 1)']),
+])
+def test_bad_values_name_key_value_and_allowed(binding, needles):
+  with pytest.raises(C.ConfigError) as e:
+    load(binding)
+  msg = str(e.value)
+  for n in needles:
+    assert n in msg, (n, msg)
+  assert '\n' not in msg  # one paragraph
+
+
+def test_missing_gin_file_lists_bundled_configs():
+  with pytest.raises(C.ConfigError, match='no such file.*tiny.gin'):
+    C.load_config(['no_such.gin'], [])
+
+
+def test_cli_error_exits_2_without_traceback(repo_root, tmp_path):
+  bad = tmp_path / 'bad.gin'
+  bad.write_text("include 'tiny.gin'\nModelConfig.n_heads = 6\n")
+  proc = subprocess.run(
+      [sys.executable, '-m', 'mjax.cli', '--gin_file', str(bad), '--workdir', str(tmp_path / 'w')],
+      capture_output=True, text=True, cwd=repo_root, timeout=120)
+  assert proc.returncode == 2
+  assert 'Traceback' not in proc.stderr
+  assert 'mjax-train: error: ModelConfig.n_heads = 6' in proc.stderr
+  assert not (tmp_path / 'w').exists()  # nothing started, nothing written
