@@ -28,11 +28,12 @@ NO_DECAY = ('scale', 'bias')
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
   """Linear warm-up from 0 to the peak, then cosine decay to peak * min_lr_ratio."""
   decay = cfg.decay_steps or total_steps
-  warmup = min(cfg.warmup_steps, decay)
   end = cfg.learning_rate * cfg.min_lr_ratio
-  if warmup >= decay:  # a run shorter than its warm-up never decays
-    return optax.linear_schedule(0.0, cfg.learning_rate, max(warmup, 1))
-  return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, decay, end)
+  if cfg.warmup_steps >= decay:
+    # A run shorter than its warm-up (a smoke test) only ever warms up, at the
+    # configured slope: it must not reach the peak sooner than a real run would.
+    return optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, decay, end)
 
 
 def decay_mask(params: Any) -> Any:

@@ -6,28 +6,25 @@ keys j with i - w < j <= i; None is full causal attention.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import causal_mask, fast_attention, reference_attention
 from mjax.model.transformer import Transformer
 
-# jit with the window static: one small compile per (shape, window) instead of
-# eager op-by-op dispatch, which is several times slower on a 2-core machine.
-reference_attention = jax.jit(reference_attention, static_argnums=3)
-fast_attention = jax.jit(fast_attention, static_argnums=3)
-
 BATCH = 2
 HEADS = 4
 HEAD_DIM = 8
 
-WINDOWS = [1, 3, 8, None]
-SEQ_LENS = [8, 17, 32]
-GQA_RATIOS = [1, 2, 4]  # heads / kv_heads
+WINDOWS = (1, 3, 8, None)
+SEQ_LENS = (8, 17, 32)
+GQA_RATIOS = (1, 2, 4)  # heads / kv_heads
 
 
 def naive_attention(q, k, v, window):
@@ -53,10 +50,20 @@ def naive_attention(q, k, v, window):
   return out
 
 
-def _qkv(seq, ratio, seed=0, dtype=np.float32):
+def _compile(fn, *args):
+  """jit + compile with LLVM's backend optimizations off.
+
+  The HLO program (what the tests are about) is unchanged, only the machine
+  code is less optimized; compiling takes ~4x less time, which matters with
+  the 2 CPU cores these tests share.
+  """
+  return jax.jit(fn).lower(*args).compile({'xla_backend_optimization_level': 0})
+
+
+def _qkv(seq, ratio, dtype):
   """Random q, k, v. Scaled by 2 so the softmax is far from uniform: a wrong
   mask or a wrong head mapping then moves the output by O(1), not O(1e-3)."""
-  rng = np.random.default_rng(seed)
+  rng = np.random.default_rng(1000 * seq + ratio)
   kvh = HEADS // ratio
   q = 2.0 * rng.standard_normal((BATCH, seq, HEADS, HEAD_DIM))
   k = 2.0 * rng.standard_normal((BATCH, seq, kvh, HEAD_DIM))
@@ -64,61 +71,75 @@ def _qkv(seq, ratio, seed=0, dtype=np.float32):
   return tuple(jnp.asarray(a, dtype) for a in (q, k, v))
 
 
-@pytest.mark.parametrize('window', WINDOWS, ids=lambda w: f'w{w}')
-@pytest.mark.parametrize('seq', SEQ_LENS)
-@pytest.mark.parametrize('ratio', GQA_RATIOS)
+@functools.lru_cache(maxsize=None)
+def _outputs(seq, ratio, dtype, windows=WINDOWS):
+  """{window: (reference, fast, naive)} for one (seq, ratio, dtype).
+
+  Both jax paths for every window run in one compiled function: on a 2-core
+  CPU one compile per shape is much cheaper than op-by-op dispatch per case.
+  The naive result uses the same (possibly bf16-rounded) inputs, in float64.
+  """
+  q, k, v = _qkv(seq, ratio, jnp.dtype(dtype))
+
+  def run(q, k, v):
+    return [(reference_attention(q, k, v, w), fast_attention(q, k, v, w)) for w in windows]
+
+  exact_inputs = [np.asarray(a.astype(jnp.float32)) for a in (q, k, v)]
+  out = {}
+  for w, (ref, fast) in zip(windows, _compile(run, q, k, v)(q, k, v)):
+    assert ref.shape == fast.shape == q.shape
+    assert ref.dtype == fast.dtype == q.dtype  # "in q's dtype"
+    out[w] = (np.asarray(ref, np.float32), np.asarray(fast, np.float32),
+              naive_attention(*exact_inputs, w))
+  return out
+
+
+GRID = [(w, s, r) for r in GQA_RATIOS for s in SEQ_LENS for w in WINDOWS]
+GRID_IDS = [f'w{w}-s{s}-gqa{r}' for w, s, r in GRID]
+
+
+@pytest.mark.parametrize('window,seq,ratio', GRID, ids=GRID_IDS)
 def test_reference_attention_matches_naive_loops(window, seq, ratio):
-  q, k, v = _qkv(seq, ratio)
-  got = reference_attention(q, k, v, window)
-  assert got.shape == q.shape and got.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, window), rtol=1e-5, atol=1e-5)
+  ref, _, naive = _outputs(seq, ratio, 'float32')[window]
+  np.testing.assert_allclose(ref, naive, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('window', WINDOWS, ids=lambda w: f'w{w}')
-@pytest.mark.parametrize('seq', SEQ_LENS)
-@pytest.mark.parametrize('ratio', GQA_RATIOS)
+@pytest.mark.parametrize('window,seq,ratio', GRID, ids=GRID_IDS)
 def test_fast_attention_matches_reference_fp32(window, seq, ratio):
-  q, k, v = _qkv(seq, ratio, seed=1)
-  got = fast_attention(q, k, v, window)
-  assert got.shape == q.shape and got.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(got), np.asarray(reference_attention(q, k, v, window)),
-                             rtol=1e-5, atol=1e-5)
+  ref, fast, naive = _outputs(seq, ratio, 'float32')[window]
+  np.testing.assert_allclose(fast, ref, rtol=1e-5, atol=1e-5)
   # And against the independent loops, so both paths cannot share one mistake.
-  np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, window), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(fast, naive, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('window', WINDOWS, ids=lambda w: f'w{w}')
-@pytest.mark.parametrize('seq', SEQ_LENS)
-@pytest.mark.parametrize('ratio', GQA_RATIOS)
+@pytest.mark.parametrize('window,seq,ratio', GRID, ids=GRID_IDS)
 def test_fast_attention_matches_reference_bf16(window, seq, ratio):
-  q, k, v = _qkv(seq, ratio, seed=2, dtype=jnp.bfloat16)
-  fast = fast_attention(q, k, v, window)
-  ref = reference_attention(q, k, v, window)
-  assert fast.dtype == ref.dtype == jnp.bfloat16
+  ref, fast, naive = _outputs(seq, ratio, 'bfloat16')[window]
   # Tolerance: both paths take the same bf16 inputs and compute logits and the
   # softmax in fp32, but cast the probabilities to bf16 before the PV product
   # and return bf16. One bf16 rounding is a relative 2^-8 ~ 0.4%; the outputs
   # are convex combinations of N(0, 1) values (|out| <~ 3), so a few roundings
   # apart stay well inside 3e-2. A wrong mask or head mapping is off by O(1).
-  fast32, ref32 = np.asarray(fast, np.float32), np.asarray(ref, np.float32)
-  np.testing.assert_allclose(fast32, ref32, rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(fast, ref, rtol=3e-2, atol=3e-2)
   # Both also stay near the exact result for these (bf16-rounded) inputs.
-  exact = naive_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), window)
-  np.testing.assert_allclose(fast32, exact, rtol=3e-2, atol=3e-2)
-  np.testing.assert_allclose(ref32, exact, rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(fast, naive, rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(ref, naive, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize('impl', ['reference', 'fast'])
 @pytest.mark.parametrize('seq', [8, 17])
-def test_window_at_least_seq_len_is_full_causal(impl, seq):
-  fn = reference_attention if impl == 'reference' else fast_attention
-  q, k, v = _qkv(seq, 2, seed=3)
-  full = np.asarray(fn(q, k, v, None))
+def test_window_at_least_seq_len_is_full_causal(seq):
+  windows = (None, seq, seq + 1, 4 * seq, seq - 1)
+  out = _outputs(seq, 2, 'float32', windows)
+  full_ref, full_fast, _ = out[None]
   for w in (seq, seq + 1, 4 * seq):
-    np.testing.assert_allclose(np.asarray(fn(q, k, v, w)), full, rtol=1e-6, atol=1e-6)
+    ref, fast, _ = out[w]
+    np.testing.assert_allclose(ref, full_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fast, full_fast, rtol=1e-6, atol=1e-6)
   # Sanity: a window one shorter than the sequence really is different (the
-  # last query loses its first key), so the equality above is not vacuous.
-  assert not np.allclose(np.asarray(fn(q, k, v, seq - 1)), full, atol=1e-4)
+  # last query loses its first key), so the equalities above are not vacuous.
+  ref, fast, _ = out[seq - 1]
+  assert not np.allclose(ref, full_ref, atol=1e-4)
+  assert not np.allclose(fast, full_fast, atol=1e-4)
 
 
 def test_causal_mask_small_case():
@@ -135,22 +156,31 @@ def test_causal_mask_small_case():
   np.testing.assert_array_equal(np.asarray(causal_mask(4, 4, None)), np.tril(np.ones((4, 4), bool)))
 
 
+def _random_params(model, tokens, scale, seed=0):
+  """N(0, scale^2) params with the model's param tree (shapes from
+  jax.eval_shape, so no init compile: that alone takes seconds on 2 cores)."""
+  abstract = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda a: jnp.asarray(scale * rng.standard_normal(a.shape), a.dtype), abstract)
+
+
 def test_transformer_xla_and_dot_product_give_same_logits():
   # Two layers: layer 0 sliding window (4), layer 1 full causal
-  # (full_attention_every=2), GQA 4:2. init_std is large so attention is not
-  # near-uniform and a masking difference would show up in the logits.
+  # (full_attention_every=2), GQA 4:2. Params are large (std 0.2) so attention
+  # is not near-uniform and a masking difference would show up in the logits.
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-                    sliding_window=4, full_attention_every=2, dtype='float32', init_std=0.2)
+                    sliding_window=4, full_attention_every=2, dtype='float32')
   seq = 16
   tokens = jax.random.randint(jax.random.PRNGKey(0), (2, seq), 0, cfg.vocab_size)
   xla = Transformer(dataclasses.replace(cfg, attention_impl='xla'))
   dpa = Transformer(dataclasses.replace(cfg, attention_impl='dot_product'))
-  params = xla.init(jax.random.PRNGKey(1), tokens)
-  out_xla = np.asarray(jax.jit(xla.apply)(params, tokens))
-  out_dpa = np.asarray(jax.jit(dpa.apply)(params, tokens))
+  params = _random_params(xla, tokens, scale=0.2)
+  out_xla = np.asarray(_compile(xla.apply, params, tokens)(params, tokens))
+  out_dpa = np.asarray(_compile(dpa.apply, params, tokens)(params, tokens))
   assert out_xla.shape == (2, seq, cfg.vocab_size)
   np.testing.assert_allclose(out_dpa, out_xla, rtol=1e-5, atol=1e-5)
   # The window matters for this model (so the comparison exercises it): a
   # window >= seq (full causal everywhere, same param tree) changes the logits.
   full = Transformer(dataclasses.replace(cfg, attention_impl='xla', sliding_window=seq))
-  assert not np.allclose(np.asarray(jax.jit(full.apply)(params, tokens)), out_xla, atol=1e-4)
+  out_full = np.asarray(_compile(full.apply, params, tokens)(params, tokens))
+  assert not np.allclose(out_full, out_xla, atol=1e-4)
