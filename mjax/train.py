@@ -135,8 +135,8 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads),
-               'update_norm': optax.global_norm(updates), 'lr': schedule(state.step)}
+    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads),
+               'update_norm': optax.tree.norm(updates), 'lr': schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return Program(

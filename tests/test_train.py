@@ -27,11 +27,14 @@ def read_metrics(workdir):
 def test_pulse_mjax_train_learns(repo_root, tmp_path):
   """The command a user runs: loss falls, metrics and config land in the workdir."""
   workdir = tmp_path / 'run'
+  # One CPU device, as `make train` runs it (the 8-device layouts are checked
+  # for equivalence below).
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   proc = subprocess.run(
       [os.path.join(os.path.dirname(sys.executable), 'mjax-train'), '--gin_file', 'configs/tiny.gin',
        '--workdir', str(workdir), '--gin.TrainConfig.steps=60', '--gin.TrainConfig.eval_every=30',
        '--gin_param=TrainConfig.progress = False'],
-      capture_output=True, text=True, cwd=repo_root, timeout=600)
+      capture_output=True, text=True, cwd=repo_root, timeout=600, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   train_rows, eval_rows = read_metrics(workdir)
   assert [r['step'] for r in train_rows] == list(range(1, 61))
@@ -48,11 +51,11 @@ def test_pulse_mjax_train_learns(repo_root, tmp_path):
   assert 'peak' in proc.stdout and 'MFU' in proc.stdout
 
 
-def _small(*extra):
+def _small(*extra, num_devices=8):
   return C.load_config(['tiny.gin'], [
       'ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d_ff = 256',
       'ModelConfig.sliding_window = 16', 'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16',
-      'TrainConfig.progress = False', 'TrainConfig.eval_batches = 2', *extra], num_devices=8)
+      'TrainConfig.progress = False', 'TrainConfig.eval_batches = 2', *extra], num_devices=num_devices)
 
 
 def test_same_command_twice_gives_the_same_losses(tmp_path):
@@ -93,7 +96,7 @@ def test_layouts_match_one_device(mesh):
   sharding bug (a missing all-reduce, a replicated shard) is off by O(1).
   """
   base = ['ModelConfig.dtype = "float32"']
-  one = _small(*base, 'MeshConfig.data = 1')
+  one = _small(*base, 'MeshConfig.data = 1', num_devices=1)
   ref_losses, ref_params = _train_on(one, jax.devices()[:1])
   cfg = _small(*base, *mesh)
   losses, params = _train_on(cfg, jax.devices())
