@@ -115,19 +115,30 @@ class OptimConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh. One of the sizes may be -1: the rest of the devices.
+  """Device mesh and how the model is laid out on it.
 
+  One of data / fsdp / tensor / pipeline may be -1: the rest of the devices.
   The `dcn_*` sizes split the same axes over the slow network between hosts
   (multi-host jobs); the plain sizes are per host (fast interconnect).
   """
   data: int = -1
-  fsdp: int = 1
-  tensor: int = 1
-  pipeline: int = 1
+  fsdp: int = 1                     # ZeRO-3: params, grads, optimizer state sharded
+  tensor: int = 1                   # Megatron tensor parallel: heads, MLP hidden, vocab
+  pipeline: int = 1                 # pipeline stages (layers split across devices)
   dcn_data: int = 1
   dcn_fsdp: int = 1
   dcn_tensor: int = 1
   dcn_pipeline: int = 1
+  # Shard the residual stream / norms over the sequence on the `tensor` axis
+  # (Megatron sequence parallelism): between blocks activations are 1/tensor
+  # the size, and the all-reduces of tensor parallelism become all-gather +
+  # reduce-scatter pairs that XLA can overlap with the neighbouring matmuls.
+  sequence_parallel: bool = False
+  # Interleaved (circular) pipeline: each device holds `virtual_stages` chunks
+  # of layers, a micro-batch goes round the pipeline that many times, and the
+  # bubble shrinks to (pipeline - 1) / (virtual_stages * microbatches).
+  virtual_stages: int = 1
+  microbatches: int = 0             # pipeline micro-batches per step; 0: = pipeline size
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')
 
@@ -136,6 +147,13 @@ class MeshConfig:
 
   def dcn_shape(self) -> tuple[int, ...]:
     return tuple(getattr(self, 'dcn_' + a) for a in self.AXES)
+
+  @property
+  def pipelined(self) -> bool:
+    return self.pipeline * self.dcn_pipeline > 1
+
+  def num_microbatches(self) -> int:
+    return self.microbatches or self.pipeline * self.dcn_pipeline
 
 
 @gin.configurable
@@ -155,6 +173,9 @@ class TrainConfig:
   """The loop: how long, how big, how often to look."""
   steps: int = 300
   global_batch_size: int = 16       # sequences per step over all devices
+  # Gradient accumulation: the global batch is processed in this many
+  # sequential slices whose gradients are summed, for batches that do not fit.
+  grad_accum_steps: int = 1
   seed: int = 0
   eval_every: int = 100             # 0: only at the end
   eval_batches: int = 4
@@ -448,8 +469,14 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       v = getattr(mesh, key)
       if v == 0 or v < -1 or (key.startswith('dcn_') and v < 1):
         _fail(f'MeshConfig.{key}', v, 'must be a positive int' + ('' if key.startswith('dcn_') else ' or -1'))
-  if mesh.pipeline != 1 or mesh.dcn_pipeline != 1:
-    _fail('MeshConfig.pipeline', mesh.pipeline, 'pipeline parallelism is not available yet; use 1')
+  _positive(mesh, 'virtual_stages')
+  _positive(mesh, 'microbatches', allow_zero=True)
+  _positive(t, 'grad_accum_steps')
+  if t.global_batch_size % t.grad_accum_steps:
+    _fail('TrainConfig.grad_accum_steps', t.grad_accum_steps,
+          f'must divide TrainConfig.global_batch_size = {t.global_batch_size}')
+  if mesh.virtual_stages > 1 and mesh.pipeline * mesh.dcn_pipeline == 1:
+    _fail('MeshConfig.virtual_stages', mesh.virtual_stages, 'needs MeshConfig.pipeline > 1; use 1')
   if num_devices is not None:
     shape = resolve_mesh_shape(mesh, num_devices)
     sizes = dict(zip(mesh.AXES, (i * j for i, j in zip(shape, mesh.dcn_shape()))))
@@ -462,6 +489,32 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff)):
       if v % tp:
         _fail(f'ModelConfig.{key}', v, f'must be divisible by the tensor-parallel size {tp}')
+    if mesh.sequence_parallel and d.seq_len % tp:
+      _fail('DataConfig.seq_len', d.seq_len,
+            f'must be divisible by the tensor-parallel size {tp} with MeshConfig.sequence_parallel')
+    slice_rows = t.global_batch_size // t.grad_accum_steps
+    if slice_rows % batch_shards:
+      _fail('TrainConfig.grad_accum_steps', t.grad_accum_steps,
+            f'each accumulation slice ({t.global_batch_size} / {t.grad_accum_steps} = {slice_rows} '
+            f'sequences) must divide over data x fsdp = {batch_shards}')
+    pp = sizes['pipeline']
+    if pp > 1:
+      if not m.scan_layers:
+        _fail('ModelConfig.scan_layers', m.scan_layers, 'pipeline parallelism needs scanned layers; use True')
+      chunks = pp * mesh.virtual_stages
+      groups = m.n_layers // m.layer_period
+      if groups % chunks:
+        _fail('ModelConfig.n_layers', m.n_layers,
+              f'the {groups} layer groups (of {m.layer_period} layers) must split evenly into '
+              f'pipeline x virtual_stages = {pp} x {mesh.virtual_stages} = {chunks} chunks')
+      mb = mesh.num_microbatches()
+      if mesh.virtual_stages > 1 and mb < pp:
+        _fail('MeshConfig.microbatches', mb,
+              f'an interleaved pipeline needs at least as many micro-batches as stages ({pp})')
+      if slice_rows % mb or (slice_rows // mb) % batch_shards:
+        _fail('MeshConfig.microbatches', mb,
+              f'must divide the {slice_rows} sequences of a step into micro-batches that '
+              f'divide over data x fsdp = {batch_shards}')
   return cfg
 
 

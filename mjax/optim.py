@@ -49,10 +49,12 @@ def scale_by_layerwise_trust_ratio(stacked: Any) -> optax.GradientTransformation
   optax.scale_by_trust_ratio takes one norm per array. With scanned layers one
   array holds every layer (leading `layers` axis), and a single ratio for all
   of them would not be layer-wise any more; here a stacked array gets one
-  ratio per slice along its first axis.
+  ratio per layer.
 
   Args:
-    stacked: a tree like the params with True where the leaf is stacked.
+    stacked: a tree like the params giving, per leaf, how many leading axes
+      index layers: 0 (or False) for an ordinary array, 1 (or True) for a
+      scanned stack, 3 for the pipeline layout (repeat, stage, layer).
   """
   def init_fn(params):
     del params
@@ -63,7 +65,8 @@ def scale_by_layerwise_trust_ratio(stacked: Any) -> optax.GradientTransformation
       raise ValueError('scale_by_layerwise_trust_ratio needs the params')
 
     def scale(u, w, is_stacked):
-      axes = tuple(range(1, w.ndim)) if is_stacked and w.ndim > 1 else None
+      lead = int(is_stacked)
+      axes = tuple(range(lead, w.ndim)) if lead and w.ndim > lead else None
       w_norm = jnp.sqrt(jnp.sum(jnp.square(w.astype(jnp.float32)), axis=axes, keepdims=True))
       u_norm = jnp.sqrt(jnp.sum(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
       # A zero norm (fresh zero-init bias, zero update) means "no information":
@@ -82,7 +85,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, stacked: Any) -> tuple[op
   Args:
     cfg: optimizer config.
     total_steps: TrainConfig.steps, the default decay horizon.
-    stacked: tree of bools, True for params with a leading `layers` axis.
+    stacked: per-leaf count of leading layer axes (see scale_by_layerwise_trust_ratio).
   """
   schedule = learning_rate_schedule(cfg, total_steps)
   parts = []

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -31,9 +32,10 @@ from mjax import data as data_lib
 from mjax.config import Config
 from mjax.metrics import MetricsWriter, peak_flops
 from mjax.model import Transformer
+from mjax.model.transformer import LayerGroup, remat
 from mjax.model.flops import flops_per_token
 from mjax.optim import make_optimizer
-from mjax.parallel import logical_rules, make_mesh
+from mjax.parallel import logical_rules, make_mesh, pipeline
 
 log = logging.getLogger('mjax')
 
@@ -45,12 +47,6 @@ class TrainState:
   step: jax.Array      # () int32
   params: Any          # fp32 master weights
   opt_state: Any       # fp32 LAMB moments
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean next-token loss over unmasked positions (fp32)."""
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-  return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 @dataclasses.dataclass
@@ -88,6 +84,12 @@ class Program:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_shardings)
 
+  def canonical_params(self, params):
+    """Params in the layout every mesh shares (layers stacked in order)."""
+    if not self.cfg.mesh.pipelined:
+      return params
+    return {**params, 'layers': pipeline.from_pipeline_layout(params['layers'])}
+
   def to_global(self, local: dict[str, np.ndarray]) -> Batch:
     """This host's rows -> one global array per key (MegaScale's one loader
     per machine: each host reads only its own share of the batch)."""
@@ -99,22 +101,39 @@ class Program:
 def make_program(cfg: Config, mesh: Mesh) -> Program:
   """Builds the model, optimizer, shardings and jitted functions (no arrays)."""
   model = Transformer(cfg.model)
-  rules = logical_rules()
+  rules = logical_rules(cfg.mesh)
   dummy = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
   replicated = NamedSharding(mesh, P())
+  pipe = cfg.mesh.pipelined
+  stages = cfg.mesh.pipeline * cfg.mesh.dcn_pipeline
+  repeats = cfg.mesh.virtual_stages
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+
+  def init_params(rng: jax.Array):
+    params = nn.meta.unbox(model.init(rng, dummy)['params'])
+    if pipe:  # each pipeline stage holds its own chunks of layers
+      params = {**params, 'layers': pipeline.to_pipeline_layout(params['layers'], stages, repeats)}
+    return params
 
   # Shapes and logical names of every parameter, without allocating any.
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
-  is_box = lambda x: isinstance(x, nn.Partitioned)
-  param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-  stacked = jax.tree.map(lambda b: b.names[0] == 'layers', boxed, is_leaf=is_box)
-  tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, stacked)
+    abstract_params = jax.eval_shape(init_params, jax.random.key(0))
+  names = jax.tree.map(lambda b: b.names, boxed, is_leaf=is_box)
+  if pipe:
+    names = {**names, 'layers': jax.tree.map(pipeline.pipeline_names, names['layers'],
+                                             is_leaf=lambda x: isinstance(x, tuple))}
+  is_names = lambda x: isinstance(x, tuple)
+  param_shardings = jax.tree.map(lambda n: nn.logical_to_mesh_sharding(P(*n), mesh, rules),
+                                 names, is_leaf=is_names)
+  # LAMB's trust ratio is per layer: tell it how many leading axes index layers.
+  layer_axes = jax.tree.map(lambda n: n.index('layers') + 1 if 'layers' in n else 0,
+                            names, is_leaf=is_names)
+  tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, layer_axes)
 
   # The optimizer moments mirror the params, so they take the params' shardings
   # (ZeRO: optimizer state is sharded exactly like the weights); counters are
   # replicated.
-  abstract_params = nn.meta.unbox(boxed)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   opt_shardings = optax.tree_map_params(
       tx, lambda _, s: s, abstract_opt, param_shardings,
@@ -124,18 +143,55 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   batch_shardings = {'inputs': row, 'targets': row, 'loss_mask': row}
 
   def init(rng: jax.Array) -> TrainState:
-    params = nn.meta.unbox(model.init(rng, dummy)['params'])
+    params = init_params(rng)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  def loss_fn(params, batch: Batch) -> jax.Array:
-    logits = model.apply({'params': params}, batch['inputs'])     # (batch, seq, vocab) fp32
-    return cross_entropy(logits, batch['targets'], batch['loss_mask'])
+  group = LayerGroup(cfg.model)
+  group_fn = remat(lambda gp, x, pos: group.apply({'params': gp}, x, pos)[0], cfg.model)
+
+  def forward(params, inputs: jax.Array) -> jax.Array:
+    if not pipe:
+      return model.apply({'params': params}, inputs)
+    rest = {k: v for k, v in params.items() if k != 'layers'}
+    run_layers = functools.partial(pipeline.circular_pipeline, group_fn, params['layers'],
+                                   microbatches=cfg.mesh.num_microbatches())
+    return model.apply({'params': rest}, inputs, layers_fn=run_layers)
+
+  def loss_sums(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of token losses, number of counted tokens): sums, not a mean, so
+    that micro-batches and accumulation slices add up to the exact batch mean."""
+    logits = forward(params, batch['inputs'])                     # (batch, seq, vocab) fp32
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    return jnp.sum(nll * batch['loss_mask']), jnp.sum(batch['loss_mask'])
+
+  def eval_loss(params, batch: Batch) -> jax.Array:
+    total, count = loss_sums(params, batch)
+    return total / jnp.maximum(count, 1.0)
+
+  def grads_of(params, batch: Batch):
+    k = cfg.train.grad_accum_steps
+    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    if k == 1:
+      (total, count), grads = grad_fn(params, batch)
+      return total, count, grads
+    # Strided slices (rows i, i + k, ...) keep every slice spread over the
+    # data-parallel shards; fp32 sums across slices, one division at the end.
+    slices = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def body(acc, sl):
+      (total, count), g = grad_fn(params, sl)
+      return jax.tree.map(jnp.add, acc, (total, count, g)), None
+
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(body, zeros, slices)[0]
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    total, count, grads = grads_of(state.params, batch)
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads),
+    metrics = {'loss': total / count, 'grad_norm': optax.tree.norm(grads),
                'update_norm': optax.tree.norm(updates), 'lr': schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -147,7 +203,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
       # it the step needs two copies of the whole train state.
       step=jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated), donate_argnums=0),
-      eval_step=jax.jit(loss_fn, in_shardings=(param_shardings, batch_shardings),
+      eval_step=jax.jit(eval_loss, in_shardings=(param_shardings, batch_shardings),
                         out_shardings=replicated),
   )
 
@@ -198,6 +254,10 @@ def run(cfg: Config, workdir: str) -> dict:
       f'{tokens_per_step} tokens/step, mesh {dict(mesh.shape)} on {len(devices)} '
       f'{devices[0].platform} device(s)')
   say(f'mjax: peak {peak / 1e12:.3f} TFLOP/s ({peak_source})')
+  if cfg.mesh.pipelined:
+    p, v, m = mesh.shape['pipeline'], cfg.mesh.virtual_stages, cfg.mesh.num_microbatches()
+    say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches: bubble (p-1)/(v m) = '
+        f'{pipeline.bubble_fraction(p, v, m):.1%}')
 
   # --- 3. state ----------------------------------------------------------------
   with program.context():

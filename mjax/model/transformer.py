@@ -15,7 +15,7 @@ model is, and parameters carry a leading `layers` axis.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,8 @@ from mjax.config import ModelConfig
 from mjax.model.attention import Attention
 from mjax.model.layers import Mlp, constrain, dtype_of, make_norm, out_proj_std
 
-ACT = ('batch', 'seq', 'embed')
+# The residual stream: sharded over the sequence under sequence parallelism.
+ACT = ('batch', 'residual_seq', 'embed')
 
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -53,6 +54,13 @@ class Block(nn.Module):
     return constrain(x, ACT)
 
 
+def remat(fn: Callable, cfg: ModelConfig) -> Callable:
+  """`fn` under the configured rematerialization policy (identity for 'none')."""
+  if cfg.remat_policy == 'none':
+    return fn
+  return jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat_policy])
+
+
 class LayerGroup(nn.Module):
   """`layer_period` consecutive blocks: the unit that `nn.scan` repeats."""
   cfg: ModelConfig
@@ -69,7 +77,15 @@ class Transformer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+  def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
+               layers_fn: Optional[Callable] = None) -> jax.Array:
+    """Args:
+      tokens: (batch, seq) int token ids.
+      positions: (batch, seq) positions for rotary embeddings; default 0..seq-1.
+      layers_fn: `(x, positions) -> x` that runs the layer stack in place of
+        the built-in scan (the pipeline schedule passes one); the `layers`
+        parameters are then its business and need not be in the variables.
+    """
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
     if positions is None:
@@ -83,7 +99,9 @@ class Transformer(nn.Module):
       # prevent_cse is only needed outside scan (scan already blocks CSE).
       group = nn.remat(group, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers)
     n_groups = c.n_layers // c.layer_period
-    if c.scan_layers:
+    if layers_fn is not None:
+      x = layers_fn(x, positions)
+    elif c.scan_layers:
       stack = nn.scan(group, variable_axes={'params': 0}, split_rngs={'params': True},
                       in_axes=nn.broadcast, length=n_groups,
                       metadata_params={nn.PARTITION_NAME: 'layers'})

@@ -1,15 +1,26 @@
 """Logical axis names -> mesh axes, in one place.
 
-The model names every dimension with the vocabulary
-  batch, seq, embed, heads, kv_heads, kv (head_dim), mlp, vocab, layers
-and these rules decide which mesh axes shard each name. Flax resolves a rule
-list left to right per array and skips a mesh axis already used by an earlier
-dimension of the same array, so `embed -> fsdp` shards weights over `fsdp`
-while activations, whose `batch` dimension already took `fsdp`, keep `embed`
-whole (ZeRO-3 / FSDP: weights sharded at rest, gathered for use).
+The model names every dimension with one vocabulary:
+  batch         sequences
+  residual_seq  sequence positions of the residual stream and norms (between
+                and at the edges of blocks)
+  seq           sequence positions inside attention and the MLP
+  embed, heads, kv_heads, kv (head_dim), mlp, vocab
+  layers        the scanned layer axis of stacked parameters
+  stage, repeat pipeline stage and circular repeat of re-laid-out parameters
+
+Flax resolves a rule list left to right per array and skips a mesh axis
+already used by an earlier dimension of the same array. So `embed -> fsdp`
+shards weights over `fsdp` at rest while activations, whose `batch`
+dimension already took `fsdp`, keep `embed` whole: ZeRO-3 / FSDP, weights
+gathered for use. Likewise `residual_seq -> tensor` (sequence parallelism)
+shards the residual stream, while q/k/v and the MLP hidden, named `seq`,
+stay whole along the sequence and split over heads / mlp instead.
 """
 
 from __future__ import annotations
+
+from mjax.config import MeshConfig
 
 Rules = tuple[tuple[str, object], ...]
 
@@ -17,11 +28,12 @@ Rules = tuple[tuple[str, object], ...]
 MESH_AXES = ('data', 'fsdp', 'tensor', 'pipeline')
 
 
-def logical_rules() -> Rules:
-  """The default layout: data + FSDP over the batch, Megatron-style tensor
-  parallelism over heads / MLP hidden / vocabulary."""
+def logical_rules(mesh: MeshConfig | None = None) -> Rules:
+  """Rules for the layout `mesh` describes (default: data + FSDP + tensor)."""
+  sp = mesh is not None and mesh.sequence_parallel
   return (
       ('batch', ('data', 'fsdp')),
+      ('residual_seq', 'tensor' if sp else None),
       ('seq', None),
       ('embed', 'fsdp'),
       ('heads', 'tensor'),
@@ -29,5 +41,7 @@ def logical_rules() -> Rules:
       ('kv', None),
       ('mlp', 'tensor'),
       ('vocab', 'tensor'),
+      ('stage', 'pipeline'),
+      ('repeat', None),
       ('layers', None),
   )
