@@ -92,7 +92,11 @@ class Transformer(nn.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     table = self.param('embedding', nn.with_logical_partitioning(
         nn.initializers.normal(c.init_std), ('vocab', 'embed')), (c.vocab_size, c.d_model), pdtype)
-    x = constrain(jnp.take(table, tokens, axis=0).astype(dtype), ACT)  # (batch, seq, embed)
+    # Look rows up in a table gathered along `embed` (FSDP): GSPMD cannot move
+    # a shard from the table's embed dim to the activations' batch dim inside
+    # a gather except by replicating everything.
+    lookup = constrain(table, ('vocab', None))
+    x = constrain(jnp.take(lookup, tokens, axis=0).astype(dtype), ACT)  # (batch, seq, embed)
 
     group = LayerGroup
     if c.remat_policy != 'none':
