@@ -159,12 +159,17 @@ class MeshConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Orbax checkpointing of the train state."""
-  directory: Optional[str] = None   # None: <workdir>/checkpoints
-  save_every: int = 0               # steps between saves; 0: only at the end
-  keep: int = 3
-  async_save: bool = True
+  """Orbax checkpoints in two tiers; resume rules in mjax/checkpoint.py."""
   enabled: bool = True
+  directory: Optional[str] = None   # persistent tier; None: <workdir>/checkpoints
+  save_every: int = 0               # persistent-tier cadence in steps; 0: only at the end
+  keep: int = 3
+  fast_directory: Optional[str] = None  # fast tier; None: /dev/shm/mjax/<workdir hash>
+  fast_every: int = 0               # fast-tier cadence in steps; 0: no fast tier
+  fast_keep: int = 2
+  async_save: bool = True           # write in the background while training goes on
+  restore_from: Optional[str] = None  # explicit checkpoint when the workdir has none
+  restore_data: bool = True         # with restore_from: also resume the data position
 
 
 @gin.configurable
@@ -461,8 +466,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
   _positive(t, 'eval_every', allow_zero=True)
-  _positive(ck, 'keep')
-  _positive(ck, 'save_every', allow_zero=True)
+  _positive(ck, 'keep', 'fast_keep')
+  _positive(ck, 'save_every', 'fast_every', allow_zero=True)
+  if ck.restore_from is not None and not os.path.isdir(os.path.expanduser(ck.restore_from)):
+    _fail('CheckpointConfig.restore_from', ck.restore_from,
+          'must be an existing checkpoint directory (a run\'s checkpoints/ or one of its step folders)')
 
   for a in mesh.AXES:
     for key in (a, 'dcn_' + a):

@@ -131,16 +131,28 @@ class MetricsWriter:
   """Appends one JSON line per record to metrics.jsonl and mirrors the
   scalars to TensorBoard event files. Only process 0 writes."""
 
-  def __init__(self, workdir: str, enabled: bool = True, fresh: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    # A fresh run starts a new file; a resumed run continues the old one.
-    mode = 'w' if fresh else 'a'
-    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), mode, buffering=1)
+    path = os.path.join(workdir, 'metrics.jsonl')
+    # A fresh run starts a new file. A resumed run keeps the records up to the
+    # step it resumes from and drops the ones of steps it will redo, so the
+    # file reads as one uninterrupted run.
+    kept = []
+    if resume_step and os.path.exists(path):
+      with open(path) as fh:
+        for line in fh:
+          try:
+            if json.loads(line).get('step', 0) <= resume_step:
+              kept.append(line if line.endswith('\n') else line + '\n')
+          except ValueError:
+            pass  # a line cut short by a crash
+    self._jsonl = open(path, 'w', buffering=1)
+    self._jsonl.writelines(kept)
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 

@@ -16,6 +16,8 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -29,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mjax import config as config_lib
 from mjax import data as data_lib
+from mjax.checkpoint import Checkpointer, restore_from_path
 from mjax.config import Config
 from mjax.metrics import MetricsWriter, peak_flops
 from mjax.model import Transformer
@@ -63,6 +66,9 @@ class Program:
   step: Callable[[TrainState, Batch], tuple[TrainState, dict]]
   eval_step: Callable[[Any, Batch], jax.Array]
   rules: tuple
+  canonical_shardings: TrainState             # the layout checkpoints are written in
+  to_canonical: Callable[[TrainState], TrainState]
+  from_canonical: Callable[[TrainState], TrainState]
 
   def context(self):
     """Mesh + logical rules: needed whenever the model is traced."""
@@ -78,11 +84,15 @@ class Program:
             'targets': jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_shardings['targets']),
             'loss_mask': jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=self.batch_shardings['loss_mask'])}
 
-  def abstract_state(self) -> TrainState:
+  def abstract_state(self, canonical: bool = False) -> TrainState:
+    """ShapeDtypeStructs (with shardings) of the state, or of its checkpoint layout."""
     with self.context():
       shapes = jax.eval_shape(self.init, jax.random.key(0))
+      if canonical:
+        shapes = jax.eval_shape(self.to_canonical, shapes)
+    shardings = self.canonical_shardings if canonical else self.state_shardings
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, self.state_shardings)
+                        shapes, shardings)
 
   def canonical_params(self, params):
     """Params in the layout every mesh shares (layers stacked in order)."""
@@ -119,26 +129,41 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
     abstract_params = jax.eval_shape(init_params, jax.random.key(0))
-  names = jax.tree.map(lambda b: b.names, boxed, is_leaf=is_box)
-  if pipe:
-    names = {**names, 'layers': jax.tree.map(pipeline.pipeline_names, names['layers'],
-                                             is_leaf=lambda x: isinstance(x, tuple))}
   is_names = lambda x: isinstance(x, tuple)
-  param_shardings = jax.tree.map(lambda n: nn.logical_to_mesh_sharding(P(*n), mesh, rules),
-                                 names, is_leaf=is_names)
+  canonical_names = jax.tree.map(lambda b: b.names, boxed, is_leaf=is_box)
+  names = canonical_names
+  if pipe:
+    names = {**names, 'layers': jax.tree.map(pipeline.pipeline_names, names['layers'], is_leaf=is_names)}
   # LAMB's trust ratio is per layer: tell it how many leading axes index layers.
   layer_axes = jax.tree.map(lambda n: n.index('layers') + 1 if 'layers' in n else 0,
                             names, is_leaf=is_names)
   tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, layer_axes)
 
-  # The optimizer moments mirror the params, so they take the params' shardings
-  # (ZeRO: optimizer state is sharded exactly like the weights); counters are
-  # replicated.
-  abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  opt_shardings = optax.tree_map_params(
-      tx, lambda _, s: s, abstract_opt, param_shardings,
-      transform_non_params=lambda _: replicated)
-  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+  def shardings_for(names_tree, params_shapes) -> TrainState:
+    param_shardings = jax.tree.map(lambda n: nn.logical_to_mesh_sharding(P(*n), mesh, rules),
+                                   names_tree, is_leaf=is_names)
+    # The optimizer moments mirror the params, so they take the params'
+    # shardings (ZeRO: optimizer state sharded exactly like the weights);
+    # counters are replicated.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params_shapes), param_shardings,
+        transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+  state_shardings = shardings_for(names, abstract_params)
+  param_shardings = state_shardings.params
+  # Checkpoints hold the layout every mesh shares (layers stacked in order), so
+  # that a run can resume on any other layout.
+  canonical_shardings = (shardings_for(canonical_names, nn.meta.unbox(boxed)) if pipe
+                         else state_shardings)
+
+  def relayout(state: TrainState, leaf_fn) -> TrainState:
+    fn = lambda w, lead: leaf_fn(w) if lead == 3 else w
+    return TrainState(step=state.step, params=jax.tree.map(fn, state.params, layer_axes),
+                      opt_state=optax.tree_map_params(tx, fn, state.opt_state, layer_axes))
+
+  to_canonical = lambda st: relayout(st, lambda w: w.reshape(-1, *w.shape[3:]))
+  from_canonical = lambda st: relayout(st, lambda w: w.reshape(repeats, stages, -1, *w.shape[1:]))
   row = nn.logical_to_mesh_sharding(P('batch', 'seq'), mesh, rules)
   batch_shardings = {'inputs': row, 'targets': row, 'loss_mask': row}
 
@@ -205,6 +230,9 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
                    out_shardings=(state_shardings, replicated), donate_argnums=0),
       eval_step=jax.jit(eval_loss, in_shardings=(param_shardings, batch_shardings),
                         out_shardings=replicated),
+      canonical_shardings=canonical_shardings,
+      to_canonical=jax.jit(to_canonical, out_shardings=canonical_shardings) if pipe else (lambda st: st),
+      from_canonical=jax.jit(from_canonical, out_shardings=state_shardings) if pipe else (lambda st: st),
   )
 
 
@@ -259,14 +287,27 @@ def run(cfg: Config, workdir: str) -> dict:
     say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches: bubble (p-1)/(v m) = '
         f'{pipeline.bubble_fraction(p, v, m):.1%}')
 
-  # --- 3. state ----------------------------------------------------------------
+  # --- 3. state: resume (see mjax/checkpoint.py for the rules) or initialize --
+  ckpt = Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
+  restored = ckpt.restore_latest(program.abstract_state(canonical=True)) if ckpt else None
+  if restored is None and cfg.checkpoint.restore_from:
+    restored = restore_from_path(cfg.checkpoint.restore_from, program.abstract_state(canonical=True))
+    if not cfg.checkpoint.restore_data:
+      restored.data = None
   with program.context():
-    state = program.init(jax.random.key(cfg.train.seed))
+    if restored is not None:
+      state = program.from_canonical(restored.state)
+      say(f'mjax: resumed from {restored.path} (step {restored.step})')
+    else:
+      state = program.init(jax.random.key(cfg.train.seed))
+  start_step = int(state.step)
 
   # --- 4. data -----------------------------------------------------------------
   pid, nproc = jax.process_index(), jax.process_count()
   train_iter = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
                                             process_index=pid, process_count=nproc)
+  if restored is not None and restored.data:
+    train_iter.set_state(restored.data)   # continue exactly where the data stopped
   eval_batches = [program.to_global(b) for b in data_lib.make_eval_batches(
       cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches,
       process_index=pid, process_count=nproc)]
@@ -279,13 +320,14 @@ def run(cfg: Config, workdir: str) -> dict:
   say(f'mjax: train step compiled in {compile_s:.1f}s; start-up {time.perf_counter() - t_start:.1f}s')
 
   # --- 6. loop -----------------------------------------------------------------
-  writer = MetricsWriter(workdir, enabled=is_main, fresh=int(state.step) == 0)
-  bar = _progress(cfg, int(state.step), cfg.train.progress and is_main)
+  writer = MetricsWriter(workdir, enabled=is_main, resume_step=start_step)
+  bar = _progress(cfg, start_step, cfg.train.progress and is_main)
   summary: dict[str, Any] = {'compile_s': compile_s, 'peak_flops': peak, 'peak_source': peak_source,
-                             'flops_per_token': fpt, 'params': n_params}
+                             'flops_per_token': fpt, 'params': n_params, 'start_step': start_step}
   times, losses = [], []
   pending = None  # (step, metrics on device)
   t_last = time.perf_counter()
+  meta = {'config': config_lib.to_dict(cfg)}
 
   def finish(step: int, metrics: dict) -> None:
     nonlocal t_last
@@ -304,25 +346,43 @@ def run(cfg: Config, workdir: str) -> dict:
     bar.set_postfix(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:,.0f}', mfu=f'{rec["mfu"]:.1%}', refresh=False)
     bar.update(1)
 
-  start_step = int(state.step)
-  for step in range(start_step + 1, cfg.train.steps + 1):
-    batch = program.to_global(next(train_iter))
-    state, metrics = step_fn(state, batch)
+  def save(step: int, force: bool = False) -> None:
+    if ckpt is not None and (force or ckpt.due(step)):
+      with program.context():
+        ckpt.save(step, program.to_canonical(state), train_iter.get_state(), meta, force=force)
+
+  step = start_step
+  with _StopOnSignal() as stop:
+    for step in range(start_step + 1, cfg.train.steps + 1):
+      batch = program.to_global(next(train_iter))
+      state, metrics = step_fn(state, batch)
+      if pending is not None:
+        finish(*pending)
+      pending = (step, metrics)
+      # Async: blocks only for the device-to-host copy, then training goes on.
+      save(step)
+      if stop.signal is not None:
+        break
+      if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
+        finish(*pending)
+        pending = None
+        eval_loss = evaluate(program, state.params, eval_batches)
+        writer.write(step, {'eval_loss': eval_loss})
+        bar.write(f'step {step}: eval_loss {eval_loss:.4f}') if not bar.disable else say(
+            f'mjax: step {step}: eval_loss {eval_loss:.4f}')
+        t_last = time.perf_counter()  # evaluation time is not step time
     if pending is not None:
       finish(*pending)
-    pending = (step, metrics)
-    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
-      finish(*pending)
-      pending = None
-      eval_loss = evaluate(program, state.params, eval_batches)
-      writer.write(step, {'eval_loss': eval_loss})
-      bar.write(f'step {step}: eval_loss {eval_loss:.4f}') if not bar.disable else say(
-          f'mjax: step {step}: eval_loss {eval_loss:.4f}')
-      t_last = time.perf_counter()  # evaluation time is not step time
-  if pending is not None:
-    finish(*pending)
-  bar.close()
+    bar.close()
+    save(step, force=True)      # skipped when this step is already saved
+    if ckpt is not None:
+      ckpt.close()              # every save durable before we report or exit
 
+  if stop.signal is not None:
+    writer.close()
+    say(f'mjax: received {stop.name} after step {step}: checkpoint saved, exiting cleanly')
+    summary.update(preempted=True, final_step=step, state=state)
+    return summary
   eval_loss = evaluate(program, state.params, eval_batches)
   writer.write(cfg.train.steps, {'eval_loss': eval_loss})
   writer.close()
@@ -332,10 +392,40 @@ def run(cfg: Config, workdir: str) -> dict:
   summary.update(
       final_loss=losses[-1] if losses else float('nan'), eval_loss=eval_loss,
       step_time=mean_dt, tokens_per_sec=tokens_per_step / mean_dt,
-      mfu=fpt * tokens_per_step / mean_dt / peak, steps=len(times),
-      wall_s=time.perf_counter() - t_start)
+      mfu=fpt * tokens_per_step / mean_dt / peak, steps=len(times), final_step=step,
+      wall_s=time.perf_counter() - t_start, preempted=False)
   say(f'mjax: done. loss {summary["final_loss"]:.4f}, eval_loss {eval_loss:.4f}, '
       f'{summary["tokens_per_sec"]:,.0f} tokens/s, MFU {summary["mfu"]:.1%} '
       f'(peak {peak_source}), wall {summary["wall_s"]:.0f}s')
   summary['state'] = state
   return summary
+
+
+class _StopOnSignal:
+  """SIGTERM / SIGINT (pre-emption, Ctrl-C) ask the loop to finish the step,
+  save and exit 0. A second signal gets the default behaviour (kill now)."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signal).name if self.signal is not None else ''
+
+  def _handle(self, signum, frame):
+    if self.signal is not None:
+      signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+      signal.raise_signal(signum)
+    self.signal = signum
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    return False
