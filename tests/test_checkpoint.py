@@ -1,0 +1,188 @@
+"""Checkpointing: bitwise resume, kill -9, pre-emption, corruption fallback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mjax import config as C
+from mjax import train
+from mjax.checkpoint import Checkpointer
+from mjax.parallel import make_mesh
+
+N = 8
+# The learning-rate schedule is pinned to N steps so that a run stopped early
+# and resumed follows the same schedule as an uninterrupted one.
+SMALL = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d_ff = 256',
+         'ModelConfig.sliding_window = 16', 'ModelConfig.full_attention_every = 0',
+         'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16',
+         f'OptimConfig.decay_steps = {N}', 'OptimConfig.warmup_steps = 2', 'TrainConfig.eval_every = 0',
+         'TrainConfig.eval_batches = 1', 'TrainConfig.progress = False']
+
+
+def losses(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return {r['step']: r['loss'] for r in rows if 'loss' in r}
+
+
+def final_state(workdir, step):
+  """The saved train state of `step`, as numpy, read without any mesh."""
+  path = os.path.join(workdir, 'checkpoints', str(step), 'state')
+  return ocp.StandardCheckpointer().restore(path)
+
+
+def assert_bitwise(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb) > 0
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --- in-process, 8 devices, FSDP ------------------------------------------------
+
+def cfg8(*extra):
+  return C.load_config(['tiny.gin'], [*SMALL, 'MeshConfig.data = 1', 'MeshConfig.fsdp = 8', *extra],
+                       num_devices=8)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('full'))
+  out = train.run(cfg8(f'TrainConfig.steps = {N}'), workdir)
+  return workdir, out
+
+
+def test_fsdp_resume_is_bitwise(uninterrupted, tmp_path):
+  full_dir, full = uninterrupted
+  workdir = str(tmp_path)
+  first = train.run(cfg8('TrainConfig.steps = 3'), workdir)   # a clean stop at step 3
+  assert first['final_step'] == 3
+  second = train.run(cfg8(f'TrainConfig.steps = {N}'), workdir)
+  assert second['start_step'] == 3
+  assert losses(workdir) == losses(full_dir)                  # every step, bit for bit
+  assert_bitwise(second['state'].params, full['state'].params)
+  assert_bitwise(second['state'].opt_state, full['state'].opt_state)
+
+
+def test_resume_on_another_layout_matches(uninterrupted, tmp_path):
+  """Stop on FSDP=8, resume on data=2 x pipeline=2 x tensor=2: resharding on
+  restore, same numbers within the layout-equivalence tolerance."""
+  full_dir, full = uninterrupted
+  workdir = str(tmp_path)
+  train.run(cfg8('TrainConfig.steps = 4'), workdir)
+  other = C.load_config(['tiny.gin'], [
+      *SMALL, f'TrainConfig.steps = {N}', 'MeshConfig.data = 2', 'MeshConfig.pipeline = 2',
+      'MeshConfig.tensor = 2', 'ModelConfig.dtype = "bfloat16"'], num_devices=8)
+  out = train.run(other, workdir)
+  assert out['start_step'] == 4
+  full_losses, got = losses(full_dir), losses(workdir)
+  # bf16 compute on both sides; a different reduction order moves bf16 losses
+  # by ~1e-3 relative, a wrong restore by O(1).
+  for step in range(5, N + 1):
+    assert got[step] == pytest.approx(full_losses[step], rel=1e-2)
+
+
+def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path, caplog):
+  full_dir, _ = uninterrupted
+  workdir = str(tmp_path)
+  train.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  ckdir = os.path.join(workdir, 'checkpoints')
+  assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [2, 4]
+  # Damage every data file of the newest checkpoint's state.
+  damaged = 0
+  for root, _, files in os.walk(os.path.join(ckdir, '4', 'state')):
+    for f in files:
+      p = os.path.join(root, f)
+      if os.path.getsize(p) > 64:
+        with open(p, 'r+b') as fh:
+          fh.truncate(16)
+        damaged += 1
+  assert damaged
+  program = train.make_program(cfg8('TrainConfig.steps = 4'), make_mesh(cfg8().mesh))
+  ck = Checkpointer(cfg8().checkpoint, workdir)
+  restored = ck.restore_latest(program.abstract_state(canonical=True))
+  ck.close()
+  assert restored is not None and restored.step == 2
+  assert 'checkpoints/4 is unreadable' in caplog.text
+
+
+def test_partial_save_is_ignored(uninterrupted, tmp_path):
+  """A save cut off mid-way leaves a temporary directory, never a step."""
+  workdir = str(tmp_path)
+  train.run(cfg8('TrainConfig.steps = 2'), workdir)
+  ckdir = os.path.join(workdir, 'checkpoints')
+  os.makedirs(os.path.join(ckdir, '7.orbax-checkpoint-tmp-123', 'state'))
+  ck = Checkpointer(cfg8().checkpoint, workdir)
+  assert [s for s, _ in ck.steps()] == [2]
+  ck.close()
+
+
+# --- the real command, one device: kill -9 and pre-emption ------------------------
+
+def mjax_train(workdir, *extra):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one device
+  cmd = [os.path.join(os.path.dirname(sys.executable), 'mjax-train'), '--gin_file', 'configs/tiny.gin',
+         '--workdir', str(workdir), *[f'--gin_param={b}' for b in SMALL],
+         '--gin.MeshConfig.data=1', *extra]
+  return cmd, env
+
+
+def wait_for(path, proc, timeout=240):
+  t0 = time.time()
+  while not os.path.exists(path):
+    assert proc.poll() is None, proc.communicate()
+    assert time.time() - t0 < timeout, f'{path} never appeared'
+    time.sleep(0.05)
+
+
+@pytest.fixture(scope='module')
+def one_device_reference(tmp_path_factory, repo_root):
+  workdir = tmp_path_factory.mktemp('ref1')
+  cmd, env = mjax_train(workdir, f'--gin.TrainConfig.steps={N}')
+  proc = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return workdir
+
+
+@pytest.mark.slow
+def test_kill_9_after_checkpoint_resumes_bitwise(one_device_reference, tmp_path, repo_root):
+  cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}', '--gin.CheckpointConfig.save_every=3')
+  proc = subprocess.Popen(cmd, env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  wait_for(os.path.join(tmp_path, 'checkpoints', '3', 'meta'), proc)  # a complete checkpoint
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  resumed = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert 'resumed from' in resumed.stdout
+  assert losses(tmp_path) == losses(one_device_reference)
+  assert_bitwise(final_state(tmp_path, N), final_state(one_device_reference, N))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_root):
+  cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}')
+  proc = subprocess.Popen(cmd, env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  # Pre-empt once training is under way (the first step has been logged).
+  metrics = os.path.join(tmp_path, 'metrics.jsonl')
+  wait_for(metrics, proc)
+  while not open(metrics).read().strip():
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-2000:]
+  assert 'received SIGTERM' in out
+  saved = [int(s) for s in os.listdir(os.path.join(tmp_path, 'checkpoints')) if s.isdigit()]
+  assert len(saved) == 1 and 1 <= saved[0] < N
+  resumed = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert losses(tmp_path) == losses(one_device_reference)
+  assert_bitwise(final_state(tmp_path, N), final_state(one_device_reference, N))
