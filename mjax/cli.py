@@ -92,5 +92,166 @@ def flops_main(argv: Optional[Sequence[str]] = None) -> None:
   print(json.dumps(report(cfg.model, cfg.data.seq_len), indent=2))
 
 
+def report_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-report: what a config communicates and how much memory it needs.
+
+    mjax-report comm --gin_file F [--gin.X=Y ...] [--overlap_flags]
+        compiles the train step on the available devices (no training) and
+        prints its collectives per step next to the layout's analytical
+        minimum, and XLA's memory analysis. For N fake CPU devices run it with
+        XLA_FLAGS=--xla_force_host_platform_device_count=N.
+    mjax-report memory --gin_file F --mesh data=16,tensor=8,pipeline=8 [--micro_batch N]
+        prints a per-device memory estimate for a hypothetical mesh (no devices).
+  """
+  import textwrap
+  prog = 'mjax-report'
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] not in ('comm', 'memory'):
+    asked = argv[:1] in (['-h'], ['--help'])
+    usage = textwrap.dedent(report_main.__doc__.split('\n', 1)[1]).rstrip()
+    print('usage:' + usage, file=sys.stdout if asked else sys.stderr)
+    sys.exit(0 if asked else 2)
+  command, rest = argv[0], argv[1:]
+  prog = f'{prog} {command}'
+
+  if command == 'memory':
+    p = _parser(prog, 'Per-device memory estimate of a config on a hypothetical mesh (nothing is allocated).')
+    p.add_argument('--mesh', required=True, help='axis sizes, e.g. data=16,tensor=8,pipeline=8 (others 1)')
+    p.add_argument('--micro_batch', type=int, default=1,
+                   help='sequences per micro-batch per data-parallel replica (default 1, as Megatron '
+                        'runs GPT-3 175B; 0: the whole replica batch, no accumulation)')
+    p.add_argument('--schedule', choices=('1f1b', 'gpipe'), default='1f1b', help='pipeline schedule')
+    p.add_argument('--attention', choices=('auto', 'flash', 'materialized'), default='auto',
+                   help='auto: flash unless ModelConfig.attention_impl is xla')
+    p.add_argument('--sequence_parallel', action='store_true', help='split norms / residuals over tensor too')
+    args, bindings = _split_overrides(p, rest)
+    cfg = _load(prog, args, bindings, num_devices=None)
+    from mjax.parallel.memory import estimate_memory, format_estimate
+    try:
+      mesh = {k.strip(): int(v) for k, v in (item.split('=') for item in args.mesh.split(',') if item.strip())}
+    except ValueError:
+      _die(prog, f'--mesh {args.mesh!r}: expected AXIS=SIZE pairs separated by commas, e.g. data=16,tensor=8')
+    flash = {'auto': None, 'flash': True, 'materialized': False}[args.attention]
+    try:
+      est = estimate_memory(cfg, mesh, args.micro_batch or None, flash=flash, schedule=args.schedule,
+                            sequence_parallel=args.sequence_parallel)
+    except ValueError as e:
+      _die(prog, str(e))
+    print(format_estimate(est))
+    return
+
+  p = _parser(prog, 'Compile the train step and report its collectives and memory (no training).')
+  p.add_argument('--overlap_flags', action='store_true',
+                 help='set the GPU collective-overlap XLA flags first (mjax.parallel.xla_flags)')
+  args, bindings = _split_overrides(p, rest)
+  if args.overlap_flags:
+    # XLA_FLAGS must be set before the backend starts, i.e. before the device
+    # count is known: read the mesh from the config without validating it yet.
+    from mjax.parallel.xla_flags import apply_xla_flags
+    pre = _load(prog, args, bindings, num_devices=None)
+    apply_xla_flags(True, collective_matmul=pre.mesh.tensor > 1)
+  import time
+  import jax
+  cfg = _load(prog, args, bindings, num_devices=jax.device_count())
+  from mjax.parallel import make_mesh
+  from mjax.parallel.comm_report import comm_report, format_report
+  from mjax.train import make_program
+  mesh = make_mesh(cfg.mesh)
+  program = make_program(cfg, mesh)
+  t0 = time.perf_counter()
+  with program.context():
+    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
+  print(f'{prog}: train step compiled in {time.perf_counter() - t0:.1f}s on {jax.device_count()} '
+        f'{jax.devices()[0].platform} device(s); batch {cfg.train.global_batch_size} x seq '
+        f'{cfg.data.seq_len}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, '
+        f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
+  print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
+
+
+def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-prepare: tokenizes text once into memory-mapped shards, or verifies shards.
+
+    mjax-prepare --input DIR_OR_FILE --output DIR [--tokenizer bytes|tokenizer.json]
+                 [--shard_tokens N] [--heldout_fraction F] [--file_pattern GLOB]
+    mjax-prepare --verify DIR
+  """
+  prog = 'mjax-prepare'
+  from mjax.config import DataConfig
+  from mjax.data.shards import DEFAULT_SHARD_TOKENS
+  defaults = DataConfig()
+  p = argparse.ArgumentParser(
+      prog=prog, description='Tokenize a text source once into .bin shards + manifest.json '
+      '(train with --gin.DataConfig.source=DIR), or check an existing shard directory.')
+  p.add_argument('--input', help="'stdlib', a text file or a directory of text files")
+  p.add_argument('--output', help='new or empty directory for the shards and manifest.json')
+  p.add_argument('--tokenizer', default='bytes', help="'bytes' (default) or the path of a tokenizer.json")
+  p.add_argument('--shard_tokens', type=int, default=DEFAULT_SHARD_TOKENS,
+                 help=f'tokens per shard, documents kept whole (default {DEFAULT_SHARD_TOKENS})')
+  p.add_argument('--heldout_fraction', type=float, default=defaults.heldout_fraction,
+                 help=f'share of files held out for evaluation (default {defaults.heldout_fraction})')
+  p.add_argument('--file_pattern', default=defaults.file_pattern,
+                 help=f'which files of a directory to read (default {defaults.file_pattern!r})')
+  p.add_argument('--verify', metavar='DIR',
+                 help='check sizes, sha256 checksums, token ids and document counts of DIR')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  from mjax.data import DataError, prepare_shards, verify_shards
+  if args.verify:
+    if args.input or args.output:
+      p.error('--verify DIR takes no --input / --output')
+    try:
+      summary = verify_shards(args.verify)
+    except DataError as e:
+      _die(prog, str(e))
+    print(json.dumps({'ok': True, **summary}, indent=2))
+    return
+  if not args.input or not args.output:
+    p.error('needs --input and --output (or --verify DIR)')
+  try:
+    manifest = prepare_shards(args.input, args.output, args.tokenizer,
+                              shard_tokens=args.shard_tokens,
+                              heldout_fraction=args.heldout_fraction,
+                              file_pattern=args.file_pattern,
+                              log=lambda line: print(f'{prog}: {line}', file=sys.stderr))
+  except DataError as e:
+    _die(prog, str(e))
+  print(f'{prog}: wrote {len(manifest["shards"])} shard(s) and manifest.json to '
+        f'{os.path.abspath(args.output)} ({manifest["dtype"]}, tokenizer '
+        f'{manifest["tokenizer"]["name"]}, {manifest["tokenizer"]["vocab_size"]} ids)')
+
+
+def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-tokenizer: trains a byte-level BPE tokenizer.json on local text.
+
+    mjax-tokenizer --input DIR_OR_FILE --vocab_size N --output tokenizer.json [--file_pattern GLOB]
+  """
+  prog = 'mjax-tokenizer'
+  from mjax.config import DataConfig
+  p = argparse.ArgumentParser(
+      prog=prog, description='Train a byte-level BPE (EOS <|endoftext|>) with Hugging Face '
+      'tokenizers; use it with --gin.DataConfig.tokenizer=FILE or mjax-prepare --tokenizer FILE.')
+  p.add_argument('--input', required=True, help="'stdlib', a text file or a directory of text files")
+  p.add_argument('--vocab_size', type=int, required=True, help='ids in the result (>= 257)')
+  p.add_argument('--output', required=True, help='path of the tokenizer.json to write')
+  p.add_argument('--file_pattern', default=DataConfig().file_pattern,
+                 help=f'which files of a directory to read (default {DataConfig().file_pattern!r})')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  from mjax.data import DataError, train_bpe
+  from mjax.data.corpus import find_source_files, read_documents
+
+  try:
+    root, files = find_source_files(args.input, args.file_pattern)
+
+    def texts():
+      # One file at a time: the trainer counts words as it goes, so the
+      # corpus never has to fit in memory.
+      for f in files:
+        yield read_documents(root, [f])[0].decode('utf-8', errors='replace')
+
+    info = train_bpe(texts(), args.vocab_size, args.output)
+  except DataError as e:
+    _die(prog, str(e))
+  print(json.dumps({'files': len(files), **info.to_json()}, indent=2))
+
+
 if __name__ == '__main__':
   train_main()

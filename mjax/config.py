@@ -85,16 +85,61 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where tokens come from and how they are cut into training sequences."""
-  # 'stdlib': the .py files of the running Python's standard library; else a
-  # text file or a directory of text files (read recursively).
+  # 'stdlib': the .py files of the running Python's standard library; a text
+  # file or a directory of text files (read recursively); or a directory of
+  # pre-tokenized shards made by mjax-prepare (it holds a manifest.json).
   source: str = 'stdlib'
   file_pattern: str = '*.py'        # which files of a directory source to read
-  tokenizer: Literal['bytes'] = 'bytes'
+  # 'bytes' (UTF-8 bytes + EOS + PAD, 258 ids) or the path of a Hugging Face
+  # tokenizer.json (mjax-tokenizer trains one). Applies to text sources; a
+  # shard directory was tokenized by mjax-prepare and must agree with it.
+  tokenizer: str = 'bytes'
   seq_len: int = 256
-  heldout_fraction: float = 0.02    # share of files held out for evaluation
+  heldout_fraction: float = 0.02    # share of files held out for evaluation (text sources)
   shuffle_seed: int = 0
   num_threads: int = 2              # grain read threads (threads beat processes on few cores)
   prefetch: int = 2                 # batches prepared ahead of the running step
+  # Several sources sampled by weight: 'SOURCE:WEIGHT,SOURCE:WEIGHT', e.g.
+  # 'stdlib:0.7,/data/shards:0.3' (each SOURCE as `source` above; weights are
+  # relative). None: `source` alone. Held-out batches mix the sources' held-out
+  # splits with the same weights.
+  mixture: Optional[str] = None
+  # Also emit per-token `segment_ids` and `positions` so the model can keep
+  # attention inside each packed document.
+  document_attention: bool = False
+  # Hash every shard and scan every token id at start-up (sizes and a sample
+  # of ids are always checked).
+  verify_checksums: bool = False
+
+  def source_weights(self) -> tuple[tuple[str, float], ...]:
+    """The sources to read and their sampling weights.
+
+    Returns:
+      `mixture` parsed into (source, weight) pairs in order, or
+      ((source, 1.0),) when there is no mixture.
+    Raises:
+      ConfigError: `mixture` is malformed or has a weight that is not positive.
+    """
+    if self.mixture is None:
+      return ((self.source, 1.0),)
+    pairs = []
+    for item in self.mixture.split(','):
+      if not item.strip():
+        continue
+      # rpartition: a path may itself contain ':'; the weight never does.
+      src, colon, weight = item.strip().rpartition(':')
+      try:
+        w = float(weight)
+      except ValueError:
+        w = None
+      if not colon or not src.strip() or w is None or not math.isfinite(w) or w <= 0:
+        _fail('DataConfig.mixture', self.mixture,
+              f'each comma-separated item must be SOURCE:WEIGHT with a positive weight, '
+              f'e.g. \'stdlib:0.7,/data/shards:0.3\'; {item.strip()!r} is not')
+      pairs.append((src.strip(), w))
+    if not pairs:
+      _fail('DataConfig.mixture', self.mixture, 'must list at least one SOURCE:WEIGHT (or be None)')
+    return tuple(pairs)
 
 
 @gin.configurable
@@ -445,16 +490,39 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     if m.n_layers % m.full_attention_every:
       _fail('ModelConfig.full_attention_every', m.full_attention_every,
             f'must divide ModelConfig.n_layers = {m.n_layers} (divisors: {_divisors(m.n_layers)})')
-  if d.tokenizer == 'bytes' and m.vocab_size < BYTE_VOCAB:
-    _fail('ModelConfig.vocab_size', m.vocab_size,
-          f'the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + EOS + PAD)')
 
   _positive(d, 'seq_len', 'num_threads')
   _positive(d, 'prefetch', allow_zero=True)
   if not 0.0 < d.heldout_fraction < 1.0:
     _fail('DataConfig.heldout_fraction', d.heldout_fraction, 'must be strictly between 0 and 1')
-  if d.source != 'stdlib' and not os.path.exists(os.path.expanduser(d.source)):
+  if d.mixture is None and d.source != 'stdlib' and not os.path.exists(os.path.expanduser(d.source)):
     _fail('DataConfig.source', d.source, "must be 'stdlib' or an existing file or directory")
+  if d.mixture is not None:
+    for src, _ in d.source_weights():
+      if src != 'stdlib' and not os.path.exists(os.path.expanduser(src)):
+        _fail('DataConfig.mixture', d.mixture,
+              f"source {src!r} must be 'stdlib' or an existing file or directory")
+  if d.tokenizer != 'bytes' and not os.path.isfile(os.path.expanduser(d.tokenizer)):
+    _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json")
+  shard_dirs = [s for s, _ in d.source_weights()
+                if s != 'stdlib' and os.path.isfile(os.path.join(os.path.expanduser(s), 'manifest.json'))]
+  if d.tokenizer == 'bytes' and not shard_dirs:
+    if m.vocab_size < BYTE_VOCAB:
+      _fail('ModelConfig.vocab_size', m.vocab_size,
+            f'the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + EOS + PAD)')
+  else:
+    # Reading a tokenizer.json or a manifest is cheap; the shards themselves
+    # are checked when the pipeline opens them.
+    from mjax.data.sources import data_vocab
+    from mjax.data.errors import DataError
+    try:
+      vocab, what = data_vocab(d)
+    except DataError as e:
+      raise ConfigError(f'DataConfig: {e}') from None
+    if m.vocab_size < vocab:
+      _fail('ModelConfig.vocab_size', m.vocab_size,
+            f'{what} produces ids up to {vocab - 1}, so the model needs vocab_size >= {vocab} '
+            f'(a multiple of 128 suits GPUs: {-(-vocab // 128) * 128})')
 
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)

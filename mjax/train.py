@@ -52,6 +52,12 @@ class TrainState:
   opt_state: Any       # fp32 LAMB moments
 
 
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+  """The arrays of a batch, each (batch, seq)."""
+  keys = ('inputs', 'targets', 'loss_mask')
+  return keys + (('segment_ids', 'positions') if cfg.data.document_attention else ())
+
+
 @dataclasses.dataclass
 class Program:
   """Everything compiled for one config on one mesh."""
@@ -80,9 +86,8 @@ class Program:
 
   def abstract_batch(self) -> Batch:
     b, s = self.cfg.train.global_batch_size, self.cfg.data.seq_len
-    return {'inputs': jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_shardings['inputs']),
-            'targets': jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_shardings['targets']),
-            'loss_mask': jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=self.batch_shardings['loss_mask'])}
+    return {k: jax.ShapeDtypeStruct((b, s), jnp.float32 if k == 'loss_mask' else jnp.int32,
+                                    sharding=self.batch_shardings[k]) for k in batch_keys(self.cfg)}
 
   def abstract_state(self, canonical: bool = False) -> TrainState:
     """ShapeDtypeStructs (with shardings) of the state, or of its checkpoint layout."""
@@ -165,27 +170,32 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   to_canonical = lambda st: relayout(st, lambda w: w.reshape(-1, *w.shape[3:]))
   from_canonical = lambda st: relayout(st, lambda w: w.reshape(repeats, stages, -1, *w.shape[1:]))
   row = nn.logical_to_mesh_sharding(P('batch', 'seq'), mesh, rules)
-  batch_shardings = {'inputs': row, 'targets': row, 'loss_mask': row}
+  batch_shardings = {k: row for k in batch_keys(cfg)}
 
   def init(rng: jax.Array) -> TrainState:
     params = init_params(rng)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   group = LayerGroup(cfg.model)
-  group_fn = remat(lambda gp, x, pos: group.apply({'params': gp}, x, pos)[0], cfg.model)
+  group_fn = remat(lambda gp, x, aux: group.apply({'params': gp}, x, *aux)[0], cfg.model)
 
-  def forward(params, inputs: jax.Array) -> jax.Array:
+  def forward(params, batch: Batch) -> jax.Array:
+    # Packed documents (DataConfig.document_attention) come with their own
+    # positions and segment ids; otherwise positions are 0..seq-1.
+    positions, segments = batch.get('positions'), batch.get('segment_ids')
     if not pipe:
-      return model.apply({'params': params}, inputs)
+      return model.apply({'params': params}, batch['inputs'], positions, segments)
     rest = {k: v for k, v in params.items() if k != 'layers'}
-    run_layers = functools.partial(pipeline.circular_pipeline, group_fn, params['layers'],
-                                   microbatches=cfg.mesh.num_microbatches())
-    return model.apply({'params': rest}, inputs, layers_fn=run_layers)
+
+    def run_layers(x, pos, seg):
+      return pipeline.circular_pipeline(group_fn, params['layers'], x, (pos, seg),
+                                        microbatches=cfg.mesh.num_microbatches())
+    return model.apply({'params': rest}, batch['inputs'], positions, segments, layers_fn=run_layers)
 
   def loss_sums(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses, number of counted tokens): sums, not a mean, so
     that micro-batches and accumulation slices add up to the exact batch mean."""
-    logits = forward(params, batch['inputs'])                     # (batch, seq, vocab) fp32
+    logits = forward(params, batch)                               # (batch, seq, vocab) fp32
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
     return jnp.sum(nll * batch['loss_mask']), jnp.sum(batch['loss_mask'])
 

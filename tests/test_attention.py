@@ -184,3 +184,32 @@ def test_transformer_xla_and_dot_product_give_same_logits():
   full = Transformer(dataclasses.replace(cfg, attention_impl='xla', sliding_window=seq))
   out_full = np.asarray(_compile(full.apply, params, tokens)(params, tokens))
   assert not np.allclose(out_full, out_xla, atol=1e-4)
+
+
+def _naive_segmented(q, k, v, window, seg):
+  """Loops again, now also refusing keys of another document."""
+  b, s, h, d = q.shape
+  g = h // k.shape[2]
+  out = np.zeros(q.shape, np.float64)
+  for bi in range(b):
+    for hi in range(h):
+      for i in range(s):
+        js = [j for j in range(i + 1) if (window is None or j > i - window) and seg[bi, j] == seg[bi, i]]
+        sc = np.array([q[bi, i, hi] @ k[bi, j, hi // g] for j in js]) / np.sqrt(d)
+        p = np.exp(sc - sc.max())
+        p /= p.sum()
+        out[bi, i, hi] = sum(pj * v[bi, j, hi // g] for pj, j in zip(p, js))
+  return out
+
+
+@pytest.mark.parametrize('window', [None, 3])
+def test_segment_ids_keep_attention_inside_documents(window):
+  rng = np.random.default_rng(7)
+  b, s, h, kvh, d = 2, 12, 4, 2, 8
+  q, k, v = (rng.standard_normal((b, s, n, d)).astype(np.float32) for n in (h, kvh, kvh))
+  seg = np.array([[1] * 5 + [2] * 4 + [3] * 3, [1] * 12], np.int32)
+  want = _naive_segmented(q, k, v, window, seg)
+  ref = reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window, jnp.asarray(seg))
+  fast = fast_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window, segment_ids=jnp.asarray(seg))
+  np.testing.assert_allclose(np.asarray(ref), want, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(fast), want, atol=1e-5)

@@ -1,11 +1,12 @@
-"""Reading a text corpus into byte tokens and splitting it for evaluation.
+"""Reading a text corpus into tokens and splitting it for evaluation.
 
 A corpus is a set of files under a root (the Python standard library, a
-directory, or a single file). Each file becomes its UTF-8 bytes followed by
-`EOS_ID`; the files of a split are concatenated in sorted order into one token
-array. Files are assigned to the train or held-out split by a hash of their
-relative path, so adding or removing a file never moves any other file across
-the split.
+directory, or a single file). Each file becomes its tokens (UTF-8 bytes, or
+the ids of a tokenizer.json, see `mjax.data.tokenizer`) followed by the
+tokenizer's EOS id; the files of a split are concatenated in sorted order
+into one token array. Files are assigned to the train or held-out split by a
+hash of their relative path, so adding or removing a file never moves any
+other file across the split.
 """
 
 from __future__ import annotations
@@ -16,23 +17,19 @@ import functools
 import os
 import sysconfig
 import zlib
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 
-from mjax.config import BYTE_VOCAB, DataConfig
-
-EOS_ID = 256          # separates documents
-PAD_ID = 257          # never produced by the pipeline; reserved for callers
-VOCAB_SIZE = BYTE_VOCAB
+from mjax.config import DataConfig
+from mjax.data.errors import DataError
+from mjax.data.tokenizer import ByteTokenizer, TokenizerInfo, load_tokenizer
+# The byte tokenizer's constants were first defined here; callers still import them from here.
+from mjax.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: F401
 
 # Third-party packages live inside the stdlib folder on most installs; they
 # differ between machines and would make the corpus unreproducible.
 _EXCLUDED_DIRS = frozenset({'site-packages', 'dist-packages'})
-
-
-class DataError(ValueError):
-  """The data source cannot produce what was asked of it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +40,13 @@ class Corpus:
     root: absolute path of the source (a directory, or the file itself).
     train_files: relative paths of the training files, sorted.
     heldout_files: relative paths of the held-out files, sorted.
-    train_tokens: read-only uint16 array, documents joined by EOS.
-    heldout_tokens: read-only uint16 array, documents joined by EOS.
+    train_tokens: read-only array (uint16, or uint32 for vocabularies over
+      65535 ids), documents joined by EOS.
+    heldout_tokens: read-only array, documents joined by EOS.
     split: 'file' when files were split by hash; 'position' when one side came
       out empty and the token stream was cut instead (then the file at the
       cut is listed on both sides).
+    tokenizer: identity of the tokenizer that produced the ids.
   """
   root: str
   train_files: tuple[str, ...]
@@ -55,6 +54,7 @@ class Corpus:
   train_tokens: np.ndarray
   heldout_tokens: np.ndarray
   split: Literal['file', 'position']
+  tokenizer: TokenizerInfo = ByteTokenizer.info
 
 
 def source_root(source: str) -> str:
@@ -108,6 +108,20 @@ def is_heldout(rel_path: str, heldout_fraction: float) -> bool:
   return zlib.crc32(rel_path.encode()) / 2**32 < heldout_fraction
 
 
+def split_flags(files: list[str], heldout_fraction: float) -> Optional[list[bool]]:
+  """Which files are held out, or None when the split must cut by position.
+
+  Args:
+    files: relative paths.
+    heldout_fraction: share of files to hold out, in (0, 1).
+  Returns:
+    One flag per file (True: held out), or None when every file hashed to
+    the same side (a single file, or a handful of them).
+  """
+  held = [is_heldout(f, heldout_fraction) for f in files]
+  return None if all(held) or not any(held) else held
+
+
 def encode_documents(docs: list[bytes]) -> np.ndarray:
   """Byte-tokenizes documents and joins them, each followed by EOS.
 
@@ -116,25 +130,54 @@ def encode_documents(docs: list[bytes]) -> np.ndarray:
   Returns:
     uint16 array of length sum(len(d) + 1).
   """
-  if not docs:
-    return np.zeros((0,), np.uint16)
-  raw = np.frombuffer(b''.join(docs), dtype=np.uint8).astype(np.uint16)
-  # One vectorised insert instead of a Python loop over ~2k files keeps the
-  # stdlib load well under a second.
-  ends = np.cumsum([len(d) for d in docs])
-  return np.insert(raw, ends, EOS_ID)
+  return ByteTokenizer().encode_documents(docs)
 
 
-def _read_all(root: str, rel_paths: list[str]) -> list[bytes]:
-  if os.path.isfile(root):
-    base = os.path.dirname(root)
-  else:
-    base = root
+def read_documents(root: str, rel_paths: list[str]) -> list[bytes]:
+  """The raw contents of files under `root`.
+
+  Args:
+    root: a directory, or a single file (then `rel_paths` is its name).
+    rel_paths: '/'-separated paths relative to the root (see `list_files`).
+  Returns:
+    One bytes object per path, in order.
+  """
+  base = os.path.dirname(root) if os.path.isfile(root) else root
   docs = []
   for rel in rel_paths:
     with open(os.path.join(base, rel), 'rb') as fh:
       docs.append(fh.read())
   return docs
+
+
+def file_pattern_of(source: str, file_pattern: str) -> str:
+  """The pattern actually applied: the stdlib source always reads '*.py'."""
+  return '*.py' if source == 'stdlib' else file_pattern
+
+
+def find_source_files(source: str, file_pattern: str) -> tuple[str, list[str]]:
+  """The root of a text source and its matching files.
+
+  Args:
+    source: 'stdlib' or a path.
+    file_pattern: fnmatch pattern for directory sources.
+  Returns:
+    (absolute root, sorted relative paths).
+  Raises:
+    DataError: the root is missing, is a shard directory, or matches nothing.
+  """
+  root = source_root(source)
+  if not os.path.exists(root):
+    raise DataError(f'data source {root}: no such file or directory '
+                    f"(DataConfig.source = {source!r}).")
+  if os.path.isfile(os.path.join(root, 'manifest.json')):
+    raise DataError(f'data source {root}: holds pre-tokenized shards (manifest.json); '
+                    'read it with mjax.data.sources.load_source, not as text.')
+  pattern = file_pattern_of(source, file_pattern)
+  files = list_files(root, pattern, skip_packages=source == 'stdlib')
+  if not files:
+    raise DataError(f'data source {root}: no files match DataConfig.file_pattern = {pattern!r}.')
+  return root, files
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -146,39 +189,32 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def _load(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
-  root = source_root(source)
-  if tokenizer != 'bytes':
-    raise DataError(f'data source {root}: tokenizer {tokenizer!r} is not supported; use \'bytes\'.')
-  if not os.path.exists(root):
-    raise DataError(f'data source {root}: no such file or directory '
-                    f"(DataConfig.source = {source!r}).")
-  pattern = '*.py' if source == 'stdlib' else file_pattern
-  files = list_files(root, pattern, skip_packages=source == 'stdlib')
-  if not files:
-    raise DataError(f'data source {root}: no files match DataConfig.file_pattern = {pattern!r}.')
-  docs = _read_all(root, files)
+  tok = load_tokenizer(tokenizer)
+  root, files = find_source_files(source, file_pattern)
+  docs = read_documents(root, files)
 
-  held = [is_heldout(f, heldout_fraction) for f in files]
-  if all(held) or not any(held):
+  held = split_flags(files, heldout_fraction)
+  if held is None:
     # Too few files for a by-file split (a single-file source, or a handful
     # of files whose hashes all fall on one side): cut the stream instead,
     # keeping the last `heldout_fraction` of tokens for evaluation.
-    tokens = encode_documents(docs)
+    pieces = [tok.encode_documents([d]) for d in docs]
+    tokens = np.concatenate(pieces)
     cut = len(tokens) - int(round(len(tokens) * heldout_fraction))
-    ends = np.cumsum([len(d) + 1 for d in docs])
-    starts = ends - [len(d) + 1 for d in docs]
+    ends = np.cumsum([len(p) for p in pieces])
+    starts = ends - [len(p) for p in pieces]
     train = tuple(f for f, s in zip(files, starts) if s < cut)
     heldout = tuple(f for f, e in zip(files, ends) if e > cut)
-    return Corpus(root, train, heldout,
-                  _frozen(tokens[:cut].copy()), _frozen(tokens[cut:].copy()), 'position')
+    return Corpus(root, train, heldout, _frozen(tokens[:cut].copy()),
+                  _frozen(tokens[cut:].copy()), 'position', tok.info)
 
   train = [f for f, h in zip(files, held) if not h]
   heldout = [f for f, h in zip(files, held) if h]
   return Corpus(
       root, tuple(train), tuple(heldout),
-      _frozen(encode_documents([d for d, h in zip(docs, held) if not h])),
-      _frozen(encode_documents([d for d, h in zip(docs, held) if h])),
-      'file')
+      _frozen(tok.encode_documents([d for d, h in zip(docs, held) if not h])),
+      _frozen(tok.encode_documents([d for d, h in zip(docs, held) if h])),
+      'file', tok.info)
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
@@ -190,7 +226,23 @@ def load_corpus(cfg: DataConfig) -> Corpus:
   Returns:
     The Corpus. Files changed on disk after the first call are not re-read.
   Raises:
-    DataError: the source is missing, matches no file, or the tokenizer is
-      unknown.
+    DataError: the source is missing, matches no file, is a shard directory,
+      or the tokenizer cannot be loaded.
   """
   return _load(cfg.source, cfg.file_pattern, cfg.tokenizer, float(cfg.heldout_fraction))
+
+
+def load_text(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
+  """`load_corpus` for one source given explicitly (a mixture entry).
+
+  Args:
+    source: 'stdlib', a text file or a directory.
+    file_pattern: which files of a directory to read.
+    tokenizer: 'bytes' or the path of a tokenizer.json.
+    heldout_fraction: share of files held out, in (0, 1).
+  Returns:
+    The Corpus, cached per process as in `load_corpus`.
+  Raises:
+    DataError: as `load_corpus`.
+  """
+  return _load(source, file_pattern, tokenizer, float(heldout_fraction))

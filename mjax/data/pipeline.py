@@ -1,29 +1,46 @@
-"""Packing token streams into training batches with grain.
+"""Training and evaluation batches with grain: shuffle, mix, shard by host.
 
-A split's token array is cut into windows of `seq_len + 1` tokens with stride
-`seq_len` (window i starts at token i * seq_len), so consecutive windows share
-one token and every token except the first is a target exactly once. An
-example is `inputs = w[:-1]`, `targets = w[1:]`; the tail that does not fill a
-window is dropped.
+Each source's split is cut into windows (`mjax.data.packing`). Train order:
+each source's window ids are shuffled globally, a new permutation each epoch,
+forever, seeded by `shuffle_seed` (and the source's position in the
+mixture). With a mixture, grain's `MapDataset.mix` interleaves the sources'
+streams so that every run of consecutive rows holds each source in
+proportion to its weight (to within one row); that fixed pattern and the
+seeded orders make the whole stream deterministic. The stream is cut into
+global batches, and each process takes a contiguous block of rows of every
+global batch, so the global order is the same whatever the number of
+processes: process p of n sees rows [p * B/n, (p + 1) * B/n) of global batch
+k at step k.
 
-Train order: window ids are shuffled globally, a new permutation each epoch,
-forever, and cut into global batches. Each process takes a contiguous block
-of rows of every global batch, so the global order is the same whatever the
-number of processes, and process p of n sees rows
-[p * B/n, (p + 1) * B/n) of global batch k at step k.
+Everything before the background reader is a grain MapDataset, a pure
+function of the batch index, so the iterator's state is one integer
+(`{'next_index': k}` from `get_state()`), restored with `set_state()` given
+the same config and batch size.
+
+Evaluation takes the held-out windows of every source in order (unshuffled),
+interleaved with the same weights, wrapping around when a split runs out.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Sequence
 
 import grain
 import numpy as np
 
 from mjax.config import DataConfig
-from mjax.data.corpus import DataError, load_corpus
+from mjax.data.errors import DataError
+from mjax.data.packing import Batch, Windows, num_windows, rows_from_windows
+from mjax.data.sources import TokenSource, load_sources
 
-Batch = dict[str, np.ndarray]
+__all__ = ['describe', 'gather_windows', 'make_eval_batches', 'make_train_dataset',
+           'make_train_iterator', 'num_windows']
+
+# A row id is window_id + (source index << _SOURCE_SHIFT): one int64 per row
+# keeps grain's batching a plain np.stack.
+_SOURCE_SHIFT = 40
+_WINDOW_MASK = (1 << _SOURCE_SHIFT) - 1
 
 
 def _local_batch_size(root: str, global_batch_size: int, process_index: int,
@@ -41,59 +58,73 @@ def _local_batch_size(root: str, global_batch_size: int, process_index: int,
   return global_batch_size // process_count
 
 
-def num_windows(num_tokens: int, seq_len: int) -> int:
-  """How many full `seq_len + 1` windows a stream of tokens yields.
-
-  Args:
-    num_tokens: length of the token array.
-    seq_len: model sequence length.
-  Returns:
-    The number of windows (0 when the stream is shorter than one).
-  """
-  return max(num_tokens - 1, 0) // seq_len
-
-
-def _check_enough(root: str, split: str, tokens: np.ndarray, seq_len: int,
-                  global_batch_size: int) -> int:
-  n = num_windows(len(tokens), seq_len)
-  if n < global_batch_size:
-    need = global_batch_size * seq_len + 1
-    raise DataError(
-        f'data source {root}: the {split} split has {len(tokens)} tokens but one global '
-        f'batch of {global_batch_size} x seq_len {seq_len} needs {need}; use a larger '
-        'source, a smaller batch or seq_len'
-        + (', or a larger heldout_fraction.' if split == 'held-out' else '.'))
-  return n
+def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: int,
+             global_batch_size: int) -> list[Windows]:
+  """The windows of `split` of every source, each checked to fill its share of a batch."""
+  total = sum(w for _, w in sources)
+  out = []
+  for src, weight in sources:
+    streams = src.train if split == 'train' else src.heldout
+    win = Windows(streams, seq_len)
+    rows = math.ceil(global_batch_size * weight / total)
+    if len(win) < rows:
+      share = (f'one global batch of {global_batch_size} x seq_len {seq_len}'
+               if len(sources) == 1 else
+               f'its share of a global batch ({rows} of {global_batch_size} rows) x seq_len {seq_len}')
+      label = 'held-out' if split == 'heldout' else split
+      raise DataError(
+          f'data source {src.root}: the {label} split has {win.num_tokens} tokens '
+          f'({len(win)} windows of seq_len + 1) but {share} needs {rows * seq_len + 1}; '
+          'use a larger source, a smaller batch or seq_len'
+          + (', or a larger heldout_fraction.' if split == 'heldout' else '.'))
+    out.append(win)
+  return out
 
 
 def gather_windows(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> Batch:
-  """Builds a batch from window ids with one fancy index.
+  """Builds a batch from the window ids of one token stream.
 
   Args:
-    tokens: uint16 token stream of a split.
+    tokens: token stream of a split.
     seq_len: model sequence length.
     window_ids: int array (B,) of window indices.
   Returns:
     {'inputs', 'targets'}: int32 (B, seq_len); 'loss_mask': float32 ones.
   """
-  starts = np.asarray(window_ids, np.int64) * seq_len
-  w = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-  return {
-      'inputs': np.ascontiguousarray(w[:, :-1]),
-      'targets': np.ascontiguousarray(w[:, 1:]),
-      'loss_mask': np.ones((len(starts), seq_len), np.float32),
-  }
+  return rows_from_windows(Windows([tokens], seq_len).gather(window_ids), -1, False)
 
 
-class _Gather:
-  """Window-id batch -> example batch; a class, not a closure, so it pickles."""
+class _Tag:
+  """Window id -> row id of source i; a class, not a closure, so it pickles."""
 
-  def __init__(self, tokens: np.ndarray, seq_len: int):
-    self._tokens = tokens
+  def __init__(self, source_index: int):
+    self._offset = source_index << _SOURCE_SHIFT
+
+  def __call__(self, window_id: int) -> int:
+    return int(window_id) + self._offset
+
+
+class _Build:
+  """Row-id batch -> example batch, one fancy index per source stream."""
+
+  def __init__(self, windows: Sequence[Windows], seq_len: int, eos_id: int,
+               document_attention: bool):
+    self._windows = tuple(windows)
     self._seq_len = seq_len
+    self._eos_id = eos_id
+    self._document_attention = document_attention
 
-  def __call__(self, window_ids: np.ndarray) -> Batch:
-    return gather_windows(self._tokens, self._seq_len, window_ids)
+  def __call__(self, row_ids: np.ndarray) -> Batch:
+    ids = np.asarray(row_ids, np.int64)
+    which, local = ids >> _SOURCE_SHIFT, ids & _WINDOW_MASK
+    if len(self._windows) == 1:
+      w = self._windows[0].gather(local)
+    else:
+      w = np.empty((len(ids), self._seq_len + 1), np.int32)
+      for k in np.unique(which):
+        rows = which == k
+        w[rows] = self._windows[k].gather(local[rows])
+    return rows_from_windows(w, self._eos_id, self._document_attention)
 
 
 def _grain_seed(seed: int) -> int:
@@ -102,9 +133,19 @@ def _grain_seed(seed: int) -> int:
   return (int(seed) * 0x9E3779B1 + 0x7F4A7C15) % 2**32
 
 
+def _source_seed(seed: int, source_index: int) -> int:
+  # Source 0 keeps the single-source seed, so adding a mixture entry does not
+  # reorder the first source.
+  return (_grain_seed(seed) + source_index * 0x632BE5AB) % 2**32
+
+
+def _mix(parts: list[grain.MapDataset], weights: Sequence[float]) -> grain.MapDataset:
+  return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, list(weights))
+
+
 def make_train_dataset(cfg: DataConfig, global_batch_size: int, *, process_index: int = 0,
                        process_count: int = 1) -> grain.IterDataset:
-  """The infinite, shuffled train stream of this process's batches.
+  """The infinite, shuffled (and mixed) train stream of this process's batches.
 
   Args:
     cfg: the data config.
@@ -112,22 +153,25 @@ def make_train_dataset(cfg: DataConfig, global_batch_size: int, *, process_index
     process_index: this process, in [0, process_count).
     process_count: number of processes feeding one global batch.
   Returns:
-    A grain IterDataset of dicts (see `gather_windows`) with
-    global_batch_size // process_count rows, read by `cfg.num_threads` threads
-    with `cfg.prefetch` batches buffered ahead.
+    A grain IterDataset of dicts (see `mjax.data.packing.rows_from_windows`)
+    with global_batch_size // process_count rows, read by `cfg.num_threads`
+    threads with `cfg.prefetch` batches buffered ahead.
   Raises:
     DataError: see `make_train_iterator`.
   """
-  corpus = load_corpus(cfg)
-  local = _local_batch_size(corpus.root, global_batch_size, process_index, process_count)
-  n = _check_enough(corpus.root, 'train', corpus.train_tokens, cfg.seq_len, global_batch_size)
-  # shuffle before repeat: grain then reshuffles every epoch. Batching
-  # window ids (not examples) lets one fancy index build a whole batch.
-  ds = grain.MapDataset.range(n).shuffle(seed=_grain_seed(cfg.shuffle_seed)).repeat()
+  sources = load_sources(cfg)
+  local = _local_batch_size(sources[0][0].root, global_batch_size, process_index, process_count)
+  windows = _windows(sources, 'train', cfg.seq_len, global_batch_size)
+  # shuffle before repeat: grain then reshuffles every epoch. Batching row
+  # ids (not examples) lets one fancy index per stream build a whole batch.
+  parts = [grain.MapDataset.range(len(w)).shuffle(seed=_source_seed(cfg.shuffle_seed, i))
+           .repeat().map(_Tag(i)) for i, w in enumerate(windows)]
+  ds = _mix(parts, [w for _, w in sources])
   # Local batches k*n .. k*n + n - 1 together are global batch k, so taking
   # every n-th local batch gives each process its contiguous block of rows.
   ds = ds.batch(local, drop_remainder=True)[process_index::process_count]
-  ds = ds.map(_Gather(corpus.train_tokens, cfg.seq_len))
+  ds = ds.map(_Build(windows, cfg.seq_len, sources[0][0].tokenizer.eos_id,
+                     cfg.document_attention))
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads,
                                               prefetch_buffer_size=cfg.prefetch))
 
@@ -145,8 +189,9 @@ def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_inde
     A grain DatasetIterator; `get_state()` / `set_state()` checkpoint and
     restore its position (a small dict), given the same config and batch.
   Raises:
-    DataError: the source is missing or empty, the train split holds fewer
-      than one global batch of windows, or the batch does not divide by
+    DataError: a source is missing, empty or fails an integrity check, the
+      sources disagree on the tokenizer, a train split holds fewer windows
+      than its share of a global batch, or the batch does not divide by
       process_count.
   """
   return iter(make_train_dataset(cfg, global_batch_size, process_index=process_index,
@@ -164,18 +209,35 @@ def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int,
     process_index: this process, in [0, process_count).
     process_count: number of processes sharing each batch.
   Returns:
-    A list of batches (this process's rows), unshuffled; windows wrap around
-    to the start when the split holds fewer than num_batches * batch.
+    A list of batches (this process's rows), unshuffled; a mixture's held-out
+    splits are interleaved with the training weights; windows wrap around to
+    the start when a split holds fewer than it is asked for.
   Raises:
-    DataError: as `make_train_iterator`, for the held-out split.
+    DataError: as `make_train_iterator`, for the held-out splits.
   """
-  corpus = load_corpus(cfg)
-  local = _local_batch_size(corpus.root, global_batch_size, process_index, process_count)
-  n = _check_enough(corpus.root, 'held-out', corpus.heldout_tokens, cfg.seq_len,
-                    global_batch_size)
-  ids = (np.arange(num_batches * global_batch_size) % n).reshape(num_batches, global_batch_size)
-  ids = ids[:, process_index * local:(process_index + 1) * local]
-  return [gather_windows(corpus.heldout_tokens, cfg.seq_len, row) for row in ids]
+  sources = load_sources(cfg)
+  local = _local_batch_size(sources[0][0].root, global_batch_size, process_index, process_count)
+  windows = _windows(sources, 'heldout', cfg.seq_len, global_batch_size)
+  parts = [grain.MapDataset.range(len(w)).repeat().map(_Tag(i)) for i, w in enumerate(windows)]
+  ds = _mix(parts, [w for _, w in sources])
+  ids = np.array([ds[j] for j in range(num_batches * global_batch_size)], np.int64)
+  ids = ids.reshape(num_batches, global_batch_size)[:, process_index * local:(process_index + 1) * local]
+  build = _Build(windows, cfg.seq_len, sources[0][0].tokenizer.eos_id, cfg.document_attention)
+  return [build(row) for row in ids]
+
+
+def _describe_source(src: TokenSource, seq_len: int) -> dict[str, Any]:
+  return {
+      'source': src.root,
+      'kind': src.kind,
+      'split': src.split,
+      'train_files': len(src.train_files),
+      'heldout_files': len(src.heldout_files),
+      'train_tokens': int(sum(len(t) for t in src.train)),
+      'heldout_tokens': int(sum(len(t) for t in src.heldout)),
+      'train_windows': len(Windows(src.train, seq_len)),
+      'heldout_windows': len(Windows(src.heldout, seq_len)),
+  }
 
 
 def describe(cfg: DataConfig) -> dict[str, Any]:
@@ -184,19 +246,17 @@ def describe(cfg: DataConfig) -> dict[str, Any]:
   Args:
     cfg: the data config.
   Returns:
-    A JSON-friendly dict: source root, split mode, and per split the number
-    of files, tokens and seq_len windows.
+    A JSON-friendly dict. One source: its root, kind ('text' / 'shards'),
+    split mode, and per split the number of files (or shards), tokens and
+    seq_len windows. A mixture: {'mixture': [that dict + 'weight', ...]}.
+    Both also give 'tokenizer' and 'vocab_size'.
   Raises:
-    DataError: the source is missing or matches no file.
+    DataError: as `make_train_iterator`.
   """
-  c = load_corpus(cfg)
-  return {
-      'source': c.root,
-      'split': c.split,
-      'train_files': len(c.train_files),
-      'heldout_files': len(c.heldout_files),
-      'train_tokens': int(len(c.train_tokens)),
-      'heldout_tokens': int(len(c.heldout_tokens)),
-      'train_windows': num_windows(len(c.train_tokens), cfg.seq_len),
-      'heldout_windows': num_windows(len(c.heldout_tokens), cfg.seq_len),
-  }
+  sources = load_sources(cfg)
+  tok = sources[0][0].tokenizer
+  common = {'tokenizer': tok.path or tok.name, 'vocab_size': tok.vocab_size}
+  if cfg.mixture is None:
+    return {**_describe_source(sources[0][0], cfg.seq_len), **common}
+  return {'mixture': [{**_describe_source(s, cfg.seq_len), 'weight': w} for s, w in sources],
+          **common}

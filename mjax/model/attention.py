@@ -36,14 +36,16 @@ def causal_mask(q_len: int, k_len: int, window: Optional[int]) -> jax.Array:
   return allowed
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                        window: Optional[int]) -> jax.Array:
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
+                        segment_ids: Optional[jax.Array] = None) -> jax.Array:
   """Masked softmax attention, the readable reference.
 
   Args:
     q: (batch, seq, heads, head_dim).
     k, v: (batch, seq, kv_heads, head_dim); heads % kv_heads == 0 (GQA).
     window: sliding window or None (full causal).
+    segment_ids: optional (batch, seq) document ids of packed sequences; a
+      token attends only within its own document.
   Returns:
     (batch, seq, heads, head_dim) in q's dtype.
   """
@@ -52,14 +54,19 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   q = q.reshape(b, s, kvh, h // kvh, d)                       # (batch, seq, kv_heads, group, head_dim)
   scores = jnp.einsum('bqhgd,bkhd->bhgqk', q, k, preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(d))
-  scores = jnp.where(causal_mask(s, s, window), scores, _MASK_VALUE)
+  allowed = causal_mask(s, s, window)                          # (q, k)
+  if segment_ids is not None:
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]   # (batch, q, k)
+    allowed = allowed & same[:, None, None]
+  scores = jnp.where(allowed, scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)     # (batch, kv_heads, group, q, k)
   out = jnp.einsum('bhgqk,bkhd->bqhgd', probs, v)
   return out.reshape(b, s, h, d)
 
 
 def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
-                   implementation: Optional[str] = None) -> jax.Array:
+                   implementation: Optional[str] = None,
+                   segment_ids: Optional[jax.Array] = None) -> jax.Array:
   """Same contract as `reference_attention`, through jax.nn.dot_product_attention.
 
   Args:
@@ -68,14 +75,18 @@ def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[in
   """
   s = q.shape[1]
   local = None if window is None or window >= s else (window - 1, 0)
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+  mask = None
+  if segment_ids is not None:
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (batch, 1, q, k)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
                                       implementation=implementation)
 
 
-def attend(q, k, v, window: Optional[int], impl: str) -> jax.Array:
+def attend(q, k, v, window: Optional[int], impl: str, segment_ids=None) -> jax.Array:
   if impl == 'xla':
-    return reference_attention(q, k, v, window)
-  return fast_attention(q, k, v, window, implementation='cudnn' if impl == 'cudnn' else None)
+    return reference_attention(q, k, v, window, segment_ids)
+  return fast_attention(q, k, v, window, implementation='cudnn' if impl == 'cudnn' else None,
+                        segment_ids=segment_ids)
 
 
 class Attention(nn.Module):
@@ -85,7 +96,8 @@ class Attention(nn.Module):
   out_std: float
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # x: (batch, seq, embed)
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: Optional[jax.Array] = None) -> jax.Array:  # x: (batch, seq, embed)
     c = self.cfg
     kw = dict(dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype), use_bias=c.use_bias)
     hd = c.dim_per_head
@@ -95,6 +107,6 @@ class Attention(nn.Module):
     q = constrain(rotary(q, positions, c.rope_theta), ('batch', 'seq', 'heads', 'kv'))
     k = constrain(rotary(k, positions, c.rope_theta), ('batch', 'seq', 'kv_heads', 'kv'))
     v = constrain(v, ('batch', 'seq', 'kv_heads', 'kv'))
-    out = attend(q, k, v, self.window, c.attention_impl)       # (batch, seq, heads, head_dim)
+    out = attend(q, k, v, self.window, c.attention_impl, segment_ids)  # (batch, seq, heads, head_dim)
     out = constrain(out, ('batch', 'seq', 'heads', 'kv'))
     return Linear((c.d_model,), ('heads', 'kv', 'embed'), n_in=2, std=self.out_std, name='out', **kw)(out)

@@ -40,16 +40,17 @@ class Block(nn.Module):
   window: Optional[int]
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # (batch, seq, embed)
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: Optional[jax.Array] = None) -> jax.Array:  # (batch, seq, embed)
     c = self.cfg
     std = out_proj_std(c)
     attn = Attention(c, self.window, std, name='attn')
     mlp = Mlp(c, std, name='mlp')
     if c.block == 'parallel':
       h = make_norm(c, 'norm')(x)
-      x = x + attn(h, positions) + mlp(h)
+      x = x + attn(h, positions, segment_ids) + mlp(h)
     else:
-      x = x + attn(make_norm(c, 'norm_attn')(x), positions)
+      x = x + attn(make_norm(c, 'norm_attn')(x), positions, segment_ids)
       x = x + mlp(make_norm(c, 'norm_mlp')(x))
     return constrain(x, ACT)
 
@@ -66,9 +67,9 @@ class LayerGroup(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None):
     for i in range(self.cfg.layer_period):
-      x = Block(self.cfg, self.cfg.layer_window(i), name=f'block_{i}')(x, positions)
+      x = Block(self.cfg, self.cfg.layer_window(i), name=f'block_{i}')(x, positions, segment_ids)
     return x, None  # (carry, per-step output) as nn.scan expects
 
 
@@ -78,11 +79,14 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
+               segment_ids: Optional[jax.Array] = None,
                layers_fn: Optional[Callable] = None) -> jax.Array:
     """Args:
       tokens: (batch, seq) int token ids.
       positions: (batch, seq) positions for rotary embeddings; default 0..seq-1.
-      layers_fn: `(x, positions) -> x` that runs the layer stack in place of
+      segment_ids: optional (batch, seq) document ids of packed rows; attention
+        then stays within each document.
+      layers_fn: `(x, positions, segment_ids) -> x` that runs the layer stack in place of
         the built-in scan (the pipeline schedule passes one); the `layers`
         parameters are then its business and need not be in the variables.
     """
@@ -104,15 +108,15 @@ class Transformer(nn.Module):
       group = nn.remat(group, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers)
     n_groups = c.n_layers // c.layer_period
     if layers_fn is not None:
-      x = layers_fn(x, positions)
+      x = layers_fn(x, positions, segment_ids)
     elif c.scan_layers:
       stack = nn.scan(group, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=nn.broadcast, length=n_groups,
+                      in_axes=(nn.broadcast, nn.broadcast), length=n_groups,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = stack(c, name='layers')(x, positions)
+      x, _ = stack(c, name='layers')(x, positions, segment_ids)
     else:
       for g in range(n_groups):
-        x, _ = group(c, name=f'layers_{g}')(x, positions)
+        x, _ = group(c, name=f'layers_{g}')(x, positions, segment_ids)
 
     x = make_norm(c, 'final_norm')(x)
     if c.tie_embeddings:

@@ -66,15 +66,16 @@ def _stage_axis() -> str | None:
   return axes[0] if axes else None
 
 
-def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, positions: jax.Array, *,
+def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *,
                       microbatches: int) -> jax.Array:
   """Runs the layer stack over a pipeline.
 
   Args:
-    group_fn: `(group_params, x, positions) -> x` for one layer group.
+    group_fn: `(group_params, x, aux) -> x` for one layer group.
     layers: params in pipeline layout, leaves (repeats, stages, per_chunk, ...).
     x: (batch, seq, embed) layer-stack input.
-    positions: (batch, seq).
+    aux: pytree of per-token (batch, seq) inputs (positions, segment ids, or
+      None leaves), split into micro-batches alongside x.
     microbatches: m; batch % m == 0.
   Returns:
     (batch, seq, embed), equal to running the groups in order on x.
@@ -87,11 +88,11 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, positions: 
   # Strided micro-batches (micro-batch i = rows i, i + m, ...): each
   # data-parallel shard of the batch splits locally, no data moves.
   xs = nn.with_logical_constraint(x.reshape(mb, m, s, d).swapaxes(0, 1), BUF_ACT)  # (m, mb, s, d)
-  pos = positions.reshape(mb, m, s).swapaxes(0, 1)                                 # (m, mb, s)
+  aux = jax.tree.map(lambda a: a.reshape(mb, m, s).swapaxes(0, 1), aux)            # (m, mb, s)
 
-  def stage_fn(chunk, h, pos_s):  # chunk leaves (per_chunk, ...); h (mb, s, d)
+  def stage_fn(chunk, h, aux_s):  # chunk leaves (per_chunk, ...); h (mb, s, d)
     def body(h, group):
-      return group_fn(group, h, pos_s), None
+      return group_fn(group, h, aux_s), None
     return jax.lax.scan(body, h, chunk)[0]
 
   spmd_axis = _stage_axis()
@@ -107,7 +108,7 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, positions: 
     item = t - stage_ids                     # what each stage works on
     repeat = jnp.clip(item // m, 0, v - 1)
     chunks = jax.tree.map(lambda w: pick_repeat(w, repeat), layers)
-    out = run_stages(chunks, inputs, pos[item % m])
+    out = run_stages(chunks, inputs, jax.tree.map(lambda a: a[item % m], aux))
     out = nn.with_logical_constraint(out, STAGE_ACT)
     # Item t - (p - 1) leaves the last stage. Before the pipeline fills this
     # writes placeholders into slots that real items overwrite before any read.

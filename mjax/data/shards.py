@@ -1,0 +1,422 @@
+"""Pre-tokenized shards: written once by `mjax-prepare`, memory-mapped at read.
+
+Format (version 1). A shard directory holds raw token files and one
+`manifest.json`:
+
+  train-00000.bin, train-00001.bin, ..., heldout-00000.bin, ...
+      Token ids, little-endian, `dtype` wide (uint16 when the tokenizer has at
+      most 65535 ids, else uint32), no header. Documents are whole and in the
+      order of their source files; each is followed by the EOS id. A shard is
+      closed at the first document end at or after `shard_tokens` tokens, so
+      a document longer than that makes a longer shard.
+  manifest.json
+      {"format": "mjax-token-shards", "version": 1,
+       "tokenizer": {"name": "bytes" | file name of the tokenizer.json,
+                     "path": its absolute path when prepared (null for bytes),
+                     "vocab_size": ids, "eos_id": id,
+                     "sha256": of the tokenizer.json (null for bytes)},
+       "dtype": "uint16" | "uint32", "eos_id": id,
+       "input": the text source, "file_pattern": ..., "heldout_fraction": f,
+       "split": "file" | "position",
+       "shards": [{"file": "train-00000.bin", "split": "train" | "heldout",
+                   "tokens": n, "documents": d, "bytes": n * itemsize,
+                   "sha256": hex}, ...]}
+      `documents` counts the EOS tokens in the shard (the documents that end
+      in it). The manifest is written last, so a directory without one is an
+      unfinished preparation.
+
+The train / held-out split is the one `mjax.data.corpus` makes for the same
+text source, tokenizer and held-out fraction: the train shards, concatenated,
+are exactly the train split the text source would give.
+
+Integrity, checked when a shard directory is opened:
+  always       every listed file exists and has tokens x itemsize bytes; a
+               sample of each shard (evenly spaced blocks) holds only ids
+               below the vocabulary size; the train split is not empty.
+  verify=True  (DataConfig.verify_checksums, `mjax-prepare --verify DIR`)
+               additionally the sha256 of every file, the largest id of every
+               shard, and its EOS count against `documents`.
+Every failure raises DataError naming the file, the expected and the found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from mjax.data import corpus as corpus_lib
+from mjax.data.errors import DataError
+from mjax.data.tokenizer import Tokenizer, TokenizerInfo, load_tokenizer, token_dtype
+
+MANIFEST = 'manifest.json'
+FORMAT = 'mjax-token-shards'
+VERSION = 1
+SPLITS = ('train', 'heldout')
+DEFAULT_SHARD_TOKENS = 1 << 27     # 256 MiB of uint16 per shard
+_SAMPLE_BLOCKS = 16                # evenly spaced blocks read by the cheap check
+_SAMPLE_BLOCK_TOKENS = 1024
+_SCAN_CHUNK = 1 << 24              # tokens per read when scanning a whole shard
+_READ_BATCH_BYTES = 64 << 20       # text read and tokenized at a time by prepare
+
+
+def is_shard_dir(path: str) -> bool:
+  """Whether `path` (~ expanded) is a directory holding a manifest.json."""
+  return os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSet:
+  """An opened shard directory.
+
+  Attributes:
+    root: absolute path of the directory.
+    manifest: the parsed manifest.json.
+    tokenizer: identity of the tokenizer recorded in the manifest.
+    train_files / heldout_files: shard file names, in manifest order.
+    train / heldout: one read-only memory map (or empty array) per shard.
+  """
+  root: str
+  manifest: dict
+  tokenizer: TokenizerInfo
+  train_files: tuple[str, ...]
+  heldout_files: tuple[str, ...]
+  train: tuple[np.ndarray, ...]
+  heldout: tuple[np.ndarray, ...]
+
+
+# ----------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------
+
+class _ShardWriter:
+  """Streams tokens into numbered shard files of one split, hashing as it goes."""
+
+  def __init__(self, root: str, split: str, dtype: np.dtype, eos_id: int, shard_tokens: int):
+    self._root, self._split, self._dtype = root, split, dtype
+    self._eos, self._limit = eos_id, shard_tokens
+    self.entries: list[dict] = []
+    self._fh = None
+
+  def _open(self):
+    name = f'{self._split}-{len(self.entries):05d}.bin'
+    self._entry = {'file': name, 'split': self._split, 'tokens': 0, 'documents': 0,
+                   'bytes': 0, 'sha256': ''}
+    self._hash = hashlib.sha256()
+    self._fh = open(os.path.join(self._root, name), 'wb')
+
+  def _close(self):
+    self._fh.close()
+    self._fh = None
+    self._entry['bytes'] = self._entry['tokens'] * self._dtype.itemsize
+    self._entry['sha256'] = self._hash.hexdigest()
+    self.entries.append(self._entry)
+
+  def add(self, tokens: np.ndarray) -> None:
+    """Appends documents (each already followed by EOS, except maybe the last).
+
+    Args:
+      tokens: ids of whole documents; the shard may close after any EOS.
+    """
+    tokens = np.asarray(tokens)
+    ends = np.flatnonzero(tokens == self._eos) + 1
+    start = 0
+    while start < len(tokens):
+      if self._fh is None:
+        self._open()
+      room = self._limit - self._entry['tokens']
+      # Close at the first document end at or after the limit, so documents
+      # stay whole inside one shard.
+      k = np.searchsorted(ends, start + room, side='left')
+      stop = int(ends[k]) if k < len(ends) else len(tokens)
+      piece = tokens[start:stop]
+      data = piece.astype(self._dtype, copy=False).tobytes()
+      self._fh.write(data)
+      self._hash.update(data)
+      self._entry['tokens'] += len(piece)
+      self._entry['documents'] += int(np.count_nonzero(piece == self._eos))
+      if self._entry['tokens'] >= self._limit:
+        self._close()
+      start = stop
+
+  def finish(self) -> list[dict]:
+    if self._fh is not None:
+      self._close()
+    return self.entries
+
+
+def _batches(root: str, files: list[str]) -> Iterator[list[str]]:
+  """Groups files into batches of about `_READ_BATCH_BYTES` for tokenizing."""
+  base = os.path.dirname(root) if os.path.isfile(root) else root
+  batch, size = [], 0
+  for f in files:
+    batch.append(f)
+    size += os.path.getsize(os.path.join(base, f))
+    if size >= _READ_BATCH_BYTES:
+      yield batch
+      batch, size = [], 0
+  if batch:
+    yield batch
+
+
+def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS, heldout_fraction: float = 0.02,
+                   file_pattern: str = '*.py',
+                   log: Optional[Callable[[str], None]] = None) -> dict:
+  """Tokenizes a text source once into shard files plus a manifest.
+
+  Args:
+    source: 'stdlib', a text file or a directory (as DataConfig.source).
+    output: a new or empty directory.
+    tokenizer: 'bytes' or the path of a tokenizer.json.
+    shard_tokens: tokens per shard (documents are not cut, see the format).
+    heldout_fraction: share of files held out, as DataConfig.heldout_fraction.
+    file_pattern: which files of a directory to read.
+    log: called with one line per written split, when given.
+  Returns:
+    The manifest written to output/manifest.json.
+  Raises:
+    DataError: the source is unusable, output is not empty, or an argument
+      is out of range.
+  """
+  if shard_tokens < 1:
+    raise DataError(f'shard directory {output}: shard_tokens must be positive, got {shard_tokens}.')
+  if not 0.0 < heldout_fraction < 1.0:
+    raise DataError(f'shard directory {output}: heldout_fraction must be strictly between '
+                    f'0 and 1, got {heldout_fraction}.')
+  output = os.path.abspath(os.path.expanduser(output))
+  if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+    raise DataError(f'shard directory {output}: already exists and is not an empty directory; '
+                    'choose a new one.')
+  tok = load_tokenizer(tokenizer)
+  root, files = corpus_lib.find_source_files(source, file_pattern)
+  os.makedirs(output, exist_ok=True)
+  dtype = token_dtype(tok.info.vocab_size)
+  writers = {s: _ShardWriter(output, s, dtype, tok.info.eos_id, shard_tokens) for s in SPLITS}
+
+  held = corpus_lib.split_flags(files, heldout_fraction)
+  if held is None:
+    # A by-position cut needs the whole stream's length: small sources only
+    # end up here (one file, or a few whose hashes agree), so load it whole.
+    c = corpus_lib.load_text(source, file_pattern, tokenizer, heldout_fraction)
+    writers['train'].add(c.train_tokens)
+    writers['heldout'].add(c.heldout_tokens)
+    split = 'position'
+  else:
+    flag = dict(zip(files, held))
+    for batch in _batches(root, files):
+      docs = corpus_lib.read_documents(root, batch)
+      for s, want in (('train', False), ('heldout', True)):
+        chosen = [d for f, d in zip(batch, docs) if flag[f] == want]
+        if chosen:
+          writers[s].add(tok.encode_documents(chosen))
+    split = 'file'
+
+  shards = writers['train'].finish() + writers['heldout'].finish()
+  manifest = {
+      'format': FORMAT, 'version': VERSION, 'tokenizer': tok.info.to_json(),
+      'dtype': dtype.name, 'eos_id': tok.info.eos_id, 'input': root,
+      'file_pattern': corpus_lib.file_pattern_of(source, file_pattern),
+      'heldout_fraction': float(heldout_fraction), 'split': split, 'shards': shards,
+  }
+  tmp = os.path.join(output, MANIFEST + '.tmp')
+  with open(tmp, 'w') as fh:
+    json.dump(manifest, fh, indent=1)
+  os.replace(tmp, os.path.join(output, MANIFEST))
+  if log:
+    for s in SPLITS:
+      entries = [e for e in shards if e['split'] == s]
+      log(f'{s}: {len(entries)} shard(s), {sum(e["tokens"] for e in entries):,} tokens, '
+          f'{sum(e["documents"] for e in entries):,} documents')
+  return manifest
+
+
+# ----------------------------------------------------------------------------
+# Reading and verifying
+# ----------------------------------------------------------------------------
+
+def read_manifest(root: str) -> dict:
+  """Parses and structurally checks root/manifest.json.
+
+  Args:
+    root: a shard directory.
+  Returns:
+    The manifest dict.
+  Raises:
+    DataError: missing, not JSON, another format or version, or a field
+      missing or of the wrong type.
+  """
+  path = os.path.join(root, MANIFEST)
+  try:
+    with open(path) as fh:
+      m = json.load(fh)
+  except FileNotFoundError:
+    raise DataError(f'shard directory {root}: no {MANIFEST}; make one with mjax-prepare.') from None
+  except ValueError as e:
+    raise DataError(f'{path}: not valid JSON ({e}).') from None
+  if not isinstance(m, dict) or m.get('format') != FORMAT:
+    found = m.get('format') if isinstance(m, dict) else type(m).__name__
+    raise DataError(f'{path}: format {found!r}, expected {FORMAT!r}.')
+  if m.get('version') != VERSION:
+    raise DataError(f'{path}: format version {m.get("version")!r} is not supported, '
+                    f'expected {VERSION}.')
+  if m.get('dtype') not in ('uint16', 'uint32'):
+    raise DataError(f"{path}: dtype {m.get('dtype')!r}, expected 'uint16' or 'uint32'.")
+  tok = m.get('tokenizer')
+  if not isinstance(tok, dict) or not all(isinstance(tok.get(k), int)
+                                          for k in ('vocab_size', 'eos_id')):
+    raise DataError(f'{path}: "tokenizer" must hold integer vocab_size and eos_id, found {tok!r}.')
+  if not 0 <= m.get('eos_id', -1) < tok['vocab_size']:
+    raise DataError(f'{path}: eos_id {m.get("eos_id")!r} is outside the vocabulary '
+                    f'(expected 0 <= eos_id < {tok["vocab_size"]}).')
+  if tok['vocab_size'] > np.iinfo(np.dtype(m['dtype'])).max + 1:
+    raise DataError(f'{path}: vocab_size {tok["vocab_size"]} does not fit dtype {m["dtype"]}.')
+  shards = m.get('shards')
+  if not isinstance(shards, list):
+    raise DataError(f'{path}: "shards" must be a list, found {type(shards).__name__}.')
+  for i, e in enumerate(shards):
+    ok = (isinstance(e, dict) and isinstance(e.get('file'), str) and e.get('split') in SPLITS
+          and all(isinstance(e.get(k), int) and e[k] >= 0 for k in ('tokens', 'documents', 'bytes'))
+          and isinstance(e.get('sha256'), str))
+    if not ok or os.path.basename(e['file']) != e['file']:
+      raise DataError(f'{path}: shard entry {i} is malformed: {e!r} (expected file, split '
+                      f'{"/".join(SPLITS)}, tokens, documents, bytes, sha256).')
+  return m
+
+
+def _tokenizer_info(m: dict) -> TokenizerInfo:
+  t = m['tokenizer']
+  return TokenizerInfo(str(t.get('name')), t.get('path'), t['vocab_size'], m['eos_id'],
+                       t.get('sha256'))
+
+
+def _check_size(root: str, entry: dict, itemsize: int) -> str:
+  path = os.path.join(root, entry['file'])
+  expected = entry['tokens'] * itemsize
+  if entry['bytes'] != expected:
+    raise DataError(f'{os.path.join(root, MANIFEST)}: shard {entry["file"]} lists {entry["bytes"]} '
+                    f'bytes but {entry["tokens"]} tokens x {itemsize} bytes = {expected}.')
+  if not os.path.isfile(path):
+    raise DataError(f'{path}: missing (listed in {MANIFEST} with {entry["tokens"]} tokens).')
+  found = os.path.getsize(path)
+  if found != expected:
+    raise DataError(f'{path}: size {found} bytes, expected {expected} ({entry["tokens"]} tokens '
+                    f'x {itemsize} bytes); the shard is truncated or was replaced.')
+  return path
+
+
+def _check_ids(path: str, block: np.ndarray, offset: int, vocab_size: int) -> None:
+  if len(block) and int(block.max()) >= vocab_size:
+    bad = int(np.argmax(block >= vocab_size))
+    raise DataError(f'{path}: token id {int(block[bad])} at position {offset + bad} is outside the '
+                    f'vocabulary (expected < {vocab_size}); the shard is corrupt or was made with '
+                    'another tokenizer.')
+
+
+def _sample_check(path: str, tokens: np.ndarray, vocab_size: int) -> None:
+  """Reads a few evenly spaced blocks (first and last included)."""
+  n = len(tokens)
+  if n <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK_TOKENS:
+    _check_ids(path, np.asarray(tokens), 0, vocab_size)
+    return
+  starts = np.linspace(0, n - _SAMPLE_BLOCK_TOKENS, _SAMPLE_BLOCKS).astype(np.int64)
+  for s in starts:
+    _check_ids(path, np.asarray(tokens[s:s + _SAMPLE_BLOCK_TOKENS]), int(s), vocab_size)
+
+
+def _full_check(path: str, entry: dict, tokens: np.ndarray, vocab_size: int, eos_id: int) -> None:
+  """sha256 of the file, every id below vocab_size, EOS count == documents."""
+  h = hashlib.sha256()
+  with open(path, 'rb') as fh:
+    for chunk in iter(lambda: fh.read(1 << 22), b''):
+      h.update(chunk)
+  if h.hexdigest() != entry['sha256']:
+    raise DataError(f'{path}: sha256 {h.hexdigest()}, expected {entry["sha256"]} from {MANIFEST}; '
+                    'the shard was altered or corrupted. Prepare it again with mjax-prepare.')
+  eos = 0
+  for s in range(0, len(tokens), _SCAN_CHUNK):
+    block = np.asarray(tokens[s:s + _SCAN_CHUNK])
+    _check_ids(path, block, s, vocab_size)
+    eos += int(np.count_nonzero(block == eos_id))
+  if eos != entry['documents']:
+    raise DataError(f'{path}: {eos} end-of-document tokens (id {eos_id}), expected '
+                    f'{entry["documents"]} documents from {MANIFEST}.')
+
+
+def _map(path: str, dtype: np.dtype, n: int) -> np.ndarray:
+  if n == 0:  # an empty file cannot be memory-mapped
+    return np.zeros((0,), dtype)
+  return np.memmap(path, dtype=dtype, mode='r', shape=(n,))
+
+
+@functools.lru_cache(maxsize=8)
+def _open(root: str, verify_checksums: bool, manifest_mtime: float) -> ShardSet:
+  del manifest_mtime  # only part of the cache key: a re-prepared directory is read again
+  m = read_manifest(root)
+  tok = _tokenizer_info(m)
+  dtype = np.dtype(m['dtype']).newbyteorder('<')
+  arrays = {s: [] for s in SPLITS}
+  names = {s: [] for s in SPLITS}
+  for e in m['shards']:
+    path = _check_size(root, e, dtype.itemsize)
+    tokens = _map(path, dtype, e['tokens'])
+    if verify_checksums:
+      _full_check(path, e, tokens, tok.vocab_size, tok.eos_id)
+    else:
+      _sample_check(path, tokens, tok.vocab_size)
+    arrays[e['split']].append(tokens)
+    names[e['split']].append(e['file'])
+  if not sum(len(a) for a in arrays['train']):
+    raise DataError(f'{os.path.join(root, MANIFEST)}: empty corpus: found 0 train tokens in '
+                    f'{len(arrays["train"])} train shard(s), expected at least one.')
+  return ShardSet(root, m, tok, tuple(names['train']), tuple(names['heldout']),
+                  tuple(arrays['train']), tuple(arrays['heldout']))
+
+
+def open_shards(path: str, verify_checksums: bool = False) -> ShardSet:
+  """Opens a shard directory after checking it (see the module docstring).
+
+  Args:
+    path: the directory (~ expanded).
+    verify_checksums: also hash every file and scan every id.
+  Returns:
+    The ShardSet, cached per directory, mode and manifest modification time.
+  Raises:
+    DataError: the manifest or a shard fails a check.
+  """
+  root = os.path.abspath(os.path.expanduser(path))
+  manifest = os.path.join(root, MANIFEST)
+  mtime = os.path.getmtime(manifest) if os.path.exists(manifest) else -1.0
+  return _open(root, bool(verify_checksums), mtime)
+
+
+def verify_shards(path: str) -> dict:
+  """Full verification of a shard directory, uncached (for `mjax-prepare --verify`).
+
+  Args:
+    path: the directory.
+  Returns:
+    Per split: shards, tokens, documents; plus the tokenizer and dtype.
+  Raises:
+    DataError: the first failed check.
+  """
+  root = os.path.abspath(os.path.expanduser(path))
+  s = _open.__wrapped__(root, True, 0.0)
+  out = {'directory': root, 'tokenizer': s.tokenizer.describe(), 'dtype': s.manifest['dtype']}
+  for split in SPLITS:
+    entries = [e for e in s.manifest['shards'] if e['split'] == split]
+    out[split] = {'shards': len(entries), 'tokens': sum(e['tokens'] for e in entries),
+                  'documents': sum(e['documents'] for e in entries)}
+  return out
+
+
+def check_tokenizer(shards: ShardSet, tokenizer: Tokenizer) -> None:
+  """Raises DataError when `tokenizer` is not the one the shards were made with."""
+  if not shards.tokenizer.same_as(tokenizer.info):
+    raise DataError(f'shard directory {shards.root}: tokenized with {shards.tokenizer.describe()}, '
+                    f'but DataConfig.tokenizer is {tokenizer.info.describe()}.')

@@ -1,0 +1,117 @@
+"""Token sources: what one entry of `DataConfig.source` / `DataConfig.mixture` reads.
+
+A source is either text ('stdlib', a file, a directory), tokenized in memory
+once per process (`mjax.data.corpus`), or a directory of pre-tokenized shards
+(`mjax.data.shards`), memory-mapped. Either way it yields two lists of token
+streams, train and held-out, plus the identity of its tokenizer.
+
+All sources of a run share one tokenizer: text sources use
+`DataConfig.tokenizer`, a shard directory the tokenizer in its manifest. When
+`DataConfig.tokenizer` names a file, every shard directory must have been
+made with that file (same sha256); left at 'bytes', a run made of shard
+directories only takes their tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+import numpy as np
+
+from mjax.config import DataConfig
+from mjax.data import corpus as corpus_lib
+from mjax.data import shards as shards_lib
+from mjax.data.errors import DataError
+from mjax.data.tokenizer import BYTES, TokenizerInfo, load_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSource:
+  """The token streams of one source.
+
+  Attributes:
+    spec: the source as written in the config.
+    root: its absolute path.
+    kind: 'text' or 'shards'.
+    split: 'file' or 'position' (see Corpus.split), as the text was split.
+    tokenizer: identity of the tokenizer that made the ids.
+    train / heldout: token streams (documents joined by EOS), read-only.
+    train_files / heldout_files: text files or shard files behind them.
+  """
+  spec: str
+  root: str
+  kind: Literal['text', 'shards']
+  split: str
+  tokenizer: TokenizerInfo
+  train: tuple[np.ndarray, ...]
+  heldout: tuple[np.ndarray, ...]
+  train_files: tuple[str, ...]
+  heldout_files: tuple[str, ...]
+
+
+def load_source(spec: str, cfg: DataConfig) -> TokenSource:
+  """Opens one source.
+
+  Args:
+    spec: 'stdlib', a text file or directory, or a shard directory.
+    cfg: file_pattern, tokenizer, heldout_fraction and verify_checksums apply.
+  Returns:
+    The TokenSource (text corpora and opened shards are cached per process).
+  Raises:
+    DataError: the source is missing, empty, fails an integrity check, or
+      was tokenized with another tokenizer than DataConfig.tokenizer names.
+  """
+  if spec != 'stdlib' and shards_lib.is_shard_dir(spec):
+    s = shards_lib.open_shards(spec, cfg.verify_checksums)
+    if cfg.tokenizer != BYTES:
+      shards_lib.check_tokenizer(s, load_tokenizer(cfg.tokenizer))
+    return TokenSource(spec, s.root, 'shards', s.manifest.get('split', 'file'), s.tokenizer,
+                       s.train, s.heldout, s.train_files, s.heldout_files)
+  c = corpus_lib.load_text(spec, cfg.file_pattern, cfg.tokenizer, cfg.heldout_fraction)
+  return TokenSource(spec, c.root, 'text', c.split, c.tokenizer, (c.train_tokens,),
+                     (c.heldout_tokens,), c.train_files, c.heldout_files)
+
+
+def load_sources(cfg: DataConfig) -> list[tuple[TokenSource, float]]:
+  """Every source of the config with its weight, checked to share one tokenizer.
+
+  Args:
+    cfg: the data config (`mixture`, else `source`).
+  Returns:
+    (source, weight) pairs in config order.
+  Raises:
+    DataError: see `load_source`, or two sources disagree on the tokenizer.
+  """
+  out = [(load_source(spec, cfg), w) for spec, w in cfg.source_weights()]
+  first = out[0][0]
+  for src, _ in out[1:]:
+    if not src.tokenizer.same_as(first.tokenizer):
+      raise DataError(f'data source {src.root}: tokenized with {src.tokenizer.describe()}, but '
+                      f'{first.root} with {first.tokenizer.describe()}; all sources of a mixture '
+                      'must share one tokenizer.')
+  return out
+
+
+def data_vocab(cfg: DataConfig) -> tuple[int, str]:
+  """The vocabulary size the model must cover, without reading any tokens.
+
+  Args:
+    cfg: the data config.
+  Returns:
+    (largest vocab_size over the sources' tokenizers, what it comes from).
+  Raises:
+    DataError: a tokenizer.json or a manifest cannot be read.
+  """
+  best = (0, '')
+  for spec, _ in cfg.source_weights():
+    if spec != 'stdlib' and shards_lib.is_shard_dir(spec):
+      m = shards_lib.read_manifest(os.path.abspath(os.path.expanduser(spec)))
+      found = (m['tokenizer']['vocab_size'],
+               f"the tokenizer of the shards in {spec} ({m['tokenizer'].get('name')})")
+    else:
+      info = load_tokenizer(cfg.tokenizer).info
+      found = (info.vocab_size, f'the tokenizer {info.path or repr(info.name)}')
+    best = max(best, found, key=lambda t: t[0])
+  return best

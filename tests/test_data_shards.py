@@ -1,0 +1,257 @@
+"""Tests of pre-tokenized shards: format, equivalence with text, integrity checks, CLI."""
+
+import hashlib
+import json
+import os
+import shutil
+
+import gin
+import numpy as np
+import pytest
+
+from mjax import data
+from mjax.cli import prepare_main
+from mjax.config import DataConfig
+
+SEQ = 32
+
+
+@pytest.fixture(autouse=True)
+def _no_gin_bindings():
+  """DataConfig is gin-configurable: bindings left by another test would change its defaults."""
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def _write_corpus(root, n_files=40):
+  rng = np.random.default_rng(1)
+  words = ['def', 'return', 'x', 'lambda', 'énergie', '数据', 'yield', '(', ')', ':']
+  for i in range(n_files):
+    sub = root / f'pkg{i % 3}' if i % 2 else root
+    sub.mkdir(parents=True, exist_ok=True)
+    text = ' '.join(rng.choice(words, size=rng.integers(40, 120)))
+    (sub / f'mod_{i:02d}.py').write_text(f'# file {i}\n{text}\n', encoding='utf-8')
+  return root
+
+
+@pytest.fixture(scope='module')
+def corpus_dir(tmp_path_factory):
+  return _write_corpus(tmp_path_factory.mktemp('text') / 'src')
+
+
+@pytest.fixture(scope='module')
+def shard_dir(tmp_path_factory, corpus_dir):
+  out = tmp_path_factory.mktemp('shards') / 'out'
+  data.prepare_shards(str(corpus_dir), str(out), shard_tokens=1500, heldout_fraction=0.2)
+  return out
+
+
+@pytest.fixture
+def shard_copy(tmp_path, shard_dir):
+  """A private copy to damage."""
+  dst = tmp_path / 'copy'
+  shutil.copytree(shard_dir, dst)
+  return dst
+
+
+def _cfg(path, **kw):
+  kw.setdefault('seq_len', SEQ)
+  kw.setdefault('heldout_fraction', 0.2)
+  return DataConfig(source=str(path), **kw)
+
+
+def _manifest(d):
+  return json.loads((d / 'manifest.json').read_text())
+
+
+def _rewrite_manifest(d, m):
+  (d / 'manifest.json').write_text(json.dumps(m))
+
+
+def test_manifest_fields_and_files(shard_dir):
+  m = _manifest(shard_dir)
+  assert m['format'] == 'mjax-token-shards' and m['version'] == 1
+  assert m['dtype'] == 'uint16' and m['eos_id'] == data.EOS_ID
+  assert m['tokenizer'] == {'name': 'bytes', 'path': None, 'vocab_size': 258, 'eos_id': 256,
+                            'sha256': None}
+  train = [e for e in m['shards'] if e['split'] == 'train']
+  assert len(train) > 2, 'shard_tokens=1500 must split the train split into several shards'
+  for e in m['shards']:
+    raw = (shard_dir / e['file']).read_bytes()
+    assert e['bytes'] == len(raw) == 2 * e['tokens']
+    assert e['sha256'] == hashlib.sha256(raw).hexdigest()
+    tokens = np.frombuffer(raw, '<u2')
+    assert e['documents'] == int(np.sum(tokens == data.EOS_ID))
+    assert tokens[-1] == data.EOS_ID   # documents stay whole
+  # Every shard but the last of a split reached the limit at a document end.
+  assert all(e['tokens'] >= 1500 for e in train[:-1])
+
+
+def test_shards_hold_exactly_the_text_split(corpus_dir, shard_dir):
+  c = data.load_corpus(_cfg(corpus_dir))
+  s = data.open_shards(str(shard_dir))
+  assert isinstance(s.train[0], np.memmap)  # memory-mapped, not loaded
+  np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
+  np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
+
+
+def test_single_shard_source_gives_the_text_batches(tmp_path, corpus_dir):
+  out = tmp_path / 'one'
+  data.prepare_shards(str(corpus_dir), str(out), heldout_fraction=0.2)
+  text_it = data.make_train_iterator(_cfg(corpus_dir, document_attention=True), 4)
+  shard_it = data.make_train_iterator(_cfg(out, document_attention=True), 4)
+  for _ in range(3):
+    x, y = next(text_it), next(shard_it)
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+  ev_text = data.make_eval_batches(_cfg(corpus_dir), 4, 2)
+  ev_shard = data.make_eval_batches(_cfg(out), 4, 2)
+  for x, y in zip(ev_text, ev_shard):
+    np.testing.assert_array_equal(x['inputs'], y['inputs'])
+
+
+def test_windows_never_cross_shards(shard_dir):
+  s = data.open_shards(str(shard_dir))
+  windows = {}
+  for shard in s.train:
+    for i in range((len(shard) - 1) // SEQ):
+      windows[bytes(np.asarray(shard[i * SEQ:i * SEQ + SEQ + 1]).tobytes())] = True
+  batch = next(data.make_train_iterator(_cfg(shard_dir), 16))
+  info = data.describe(_cfg(shard_dir))
+  assert info['kind'] == 'shards' and info['train_windows'] == len(windows)
+  for inp, tgt in zip(batch['inputs'], batch['targets']):
+    w = np.append(inp, tgt[-1]).astype('<u2').tobytes()
+    assert w in windows
+
+
+def test_eval_batches_come_from_heldout_shards(shard_dir):
+  s = data.open_shards(str(shard_dir))
+  assert len(s.heldout) > 1
+  # Held-out windows in order, shard after shard, none across a boundary.
+  expected = [shard[i * SEQ:i * SEQ + SEQ] for shard in s.heldout
+              for i in range((len(shard) - 1) // SEQ)]
+  num_batches = len(expected) // 4 + 1     # asks for more: must wrap around
+  batches = data.make_eval_batches(_cfg(shard_dir), 4, num_batches)
+  rows = np.concatenate([b['inputs'] for b in batches])
+  for j, row in enumerate(rows):
+    np.testing.assert_array_equal(row, expected[j % len(expected)])
+
+
+def test_open_rejects_missing_shard(shard_copy):
+  os.remove(shard_copy / 'train-00001.bin')
+  with pytest.raises(data.DataError, match=r'train-00001\.bin: missing'):
+    data.open_shards(str(shard_copy))
+
+
+def test_open_rejects_truncated_shard(shard_copy):
+  path = shard_copy / 'train-00000.bin'
+  size = path.stat().st_size
+  with open(path, 'r+b') as fh:
+    fh.truncate(size - 2)
+  with pytest.raises(data.DataError) as err:
+    data.open_shards(str(shard_copy))
+  msg = str(err.value)
+  assert str(path) in msg and f'size {size - 2} bytes, expected {size}' in msg
+
+
+def test_altered_shard_fails_only_checksum_verification(shard_copy):
+  path = shard_copy / 'train-00000.bin'
+  raw = bytearray(path.read_bytes())
+  raw[10] = ord('Z') if raw[10] != ord('Z') else ord('Y')   # same size, still valid ids
+  path.write_bytes(bytes(raw))
+  data.open_shards(str(shard_copy))          # sizes and sampled ids are fine
+  expected = _manifest(shard_copy)['shards'][0]['sha256']
+  with pytest.raises(data.DataError) as err:
+    data.open_shards(str(shard_copy), verify_checksums=True)
+  msg = str(err.value)
+  assert str(path) in msg and expected in msg and hashlib.sha256(raw).hexdigest() in msg
+  with pytest.raises(data.DataError, match='sha256'):
+    data.make_train_iterator(_cfg(shard_copy, verify_checksums=True), 4)
+
+
+def test_out_of_vocabulary_id_is_caught_by_the_sampled_check(shard_copy):
+  path = shard_copy / 'train-00000.bin'
+  tokens = np.fromfile(path, '<u2')
+  tokens[3] = 300                             # in the first sampled block
+  tokens.tofile(path)
+  with pytest.raises(data.DataError) as err:
+    data.open_shards(str(shard_copy))
+  msg = str(err.value)
+  assert str(path) in msg and 'token id 300 at position 3' in msg and 'expected < 258' in msg
+
+
+def test_out_of_vocabulary_id_outside_the_sample_is_caught_by_verify(tmp_path):
+  # One big shard, so most positions are outside the sampled blocks.
+  rng = np.random.default_rng(0)
+  src = tmp_path / 'big.txt'
+  src.write_bytes(rng.integers(97, 123, size=200_000, dtype=np.uint8).tobytes())
+  out = tmp_path / 'big'
+  data.prepare_shards(str(src), str(out), heldout_fraction=0.1)
+  path = out / 'train-00000.bin'
+  tokens = np.fromfile(path, '<u2')
+  pos = 100_000 + 517                        # between two sampled blocks
+  tokens[pos] = 4000
+  tokens.tofile(path)
+  m = _manifest(out)                         # as if made by another tokenizer:
+  m['shards'][0]['sha256'] = hashlib.sha256(path.read_bytes()).hexdigest()  # checksum agrees
+  _rewrite_manifest(out, m)
+  data.open_shards(str(out))
+  with pytest.raises(data.DataError, match=f'token id 4000 at position {pos} .*expected < 258'):
+    data.open_shards(str(out), verify_checksums=True)
+
+
+def test_document_count_is_verified(shard_copy):
+  m = _manifest(shard_copy)
+  m['shards'][0]['documents'] += 1
+  _rewrite_manifest(shard_copy, m)
+  with pytest.raises(data.DataError, match='expected .* documents'):
+    data.open_shards(str(shard_copy), verify_checksums=True)
+
+
+def test_empty_corpus_and_bad_manifests(shard_copy):
+  m = _manifest(shard_copy)
+  _rewrite_manifest(shard_copy, {**m, 'shards': [e for e in m['shards'] if e['split'] != 'train']})
+  with pytest.raises(data.DataError, match='empty corpus: found 0 train tokens'):
+    data.open_shards(str(shard_copy))
+  _rewrite_manifest(shard_copy, {**m, 'version': 7})
+  with pytest.raises(data.DataError, match='version 7 is not supported, expected 1'):
+    data.open_shards(str(shard_copy))
+  (shard_copy / 'manifest.json').write_text('{not json')
+  with pytest.raises(data.DataError, match='manifest.json: not valid JSON'):
+    data.open_shards(str(shard_copy))
+
+
+def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):
+  with pytest.raises(data.DataError, match='not an empty directory'):
+    data.prepare_shards(str(corpus_dir), str(shard_dir))
+
+
+def test_prepare_splits_a_single_file_by_position(tmp_path):
+  src = tmp_path / 'one.txt'
+  src.write_bytes(bytes(range(256)) * 20)
+  out = tmp_path / 'one'
+  m = data.prepare_shards(str(src), str(out), heldout_fraction=0.25)
+  c = data.load_corpus(DataConfig(source=str(src), heldout_fraction=0.25))
+  s = data.open_shards(str(out))
+  assert m['split'] == 'position'
+  np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
+  np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
+
+
+def test_prepare_and_verify_commands(tmp_path, corpus_dir, capsys):
+  out = tmp_path / 'cli'
+  prepare_main(['--input', str(corpus_dir), '--output', str(out), '--shard_tokens', '2000',
+                '--heldout_fraction', '0.2'])
+  assert 'manifest.json' in capsys.readouterr().out
+  prepare_main(['--verify', str(out)])
+  report = json.loads(capsys.readouterr().out)
+  assert report['ok'] and report['train']['shards'] >= 2 and report['heldout']['documents'] > 0
+  victim = out / 'heldout-00000.bin'
+  victim.write_bytes(victim.read_bytes()[:-2] + b'\x00\x00')
+  with pytest.raises(SystemExit) as exit_info:
+    prepare_main(['--verify', str(out)])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert 'mjax-prepare: error:' in err and str(victim) in err and 'sha256' in err

@@ -1,0 +1,170 @@
+"""Tests of tokenizer.json support: BPE training, EOS lookup, vocab checks, uint32 shards."""
+
+import dataclasses
+import hashlib
+import json
+
+import gin
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from mjax import config as C
+from mjax import data
+from mjax.cli import tokenizer_main
+from mjax.config import DataConfig, ModelConfig
+from mjax.data.tokenizer import token_dtype
+
+SEQ = 16
+
+
+@pytest.fixture(autouse=True)
+def _no_gin_bindings():
+  """DataConfig is gin-configurable: bindings left by another test would change its defaults."""
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+@pytest.fixture(scope='module')
+def corpus_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp('text') / 'src'
+  rng = np.random.default_rng(2)
+  words = ['def', 'return', 'value', 'lambda', 'énergie', '数据', 'yield', 'self', '(', ')']
+  for i in range(30):
+    (root / f'd{i % 2}').mkdir(parents=True, exist_ok=True)
+    text = ' '.join(rng.choice(words, size=rng.integers(60, 150)))
+    (root / f'd{i % 2}' / f'f{i:02d}.py').write_text(f'# {i}\n{text}\n', encoding='utf-8')
+  # A document that mentions the EOS text must not be cut in two.
+  (root / 'mentions_eos.py').write_text('x = "<|endoftext|>"  # not a boundary\n' * 20)
+  return root
+
+
+@pytest.fixture(scope='module')
+def bpe_path(tmp_path_factory, corpus_dir):
+  out = tmp_path_factory.mktemp('tok') / 'tokenizer.json'
+  tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(out)])
+  return out
+
+
+def _word_level(path, vocab, eos=None):
+  """A minimal tokenizer.json: one id per whitespace-separated word."""
+  tok = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  if eos:
+    tok.add_special_tokens([eos])
+  tok.save(str(path))
+  return path
+
+
+def test_trained_bpe_identity_and_eos(bpe_path):
+  tok = data.load_tokenizer(str(bpe_path))
+  info = tok.info
+  assert info.name == 'tokenizer.json' and info.path == str(bpe_path)
+  assert 257 <= info.vocab_size <= 300
+  assert info.sha256 == hashlib.sha256(bpe_path.read_bytes()).hexdigest()
+  raw = Tokenizer.from_file(str(bpe_path))
+  assert info.eos_id == raw.token_to_id('<|endoftext|>')
+
+
+def test_bpe_corpus_round_trips_and_ends_documents_with_eos(bpe_path, corpus_dir):
+  cfg = DataConfig(source=str(corpus_dir), tokenizer=str(bpe_path), seq_len=SEQ,
+                   heldout_fraction=0.2)
+  c = data.load_corpus(cfg)
+  tok = data.load_tokenizer(str(bpe_path))
+  eos = tok.info.eos_id
+  assert c.tokenizer == tok.info and c.train_tokens.dtype == np.uint16
+  assert c.train_tokens.max() < tok.info.vocab_size
+  assert int(np.sum(c.train_tokens == eos)) == len(c.train_files)
+  assert 'mentions_eos.py' in c.train_files + c.heldout_files
+  docs = np.split(c.train_tokens, np.flatnonzero(c.train_tokens == eos) + 1)[:-1]
+  for f, ids in zip(c.train_files, docs):
+    assert tok.decode(ids[:-1]) == (corpus_dir / f).read_text(encoding='utf-8')
+  # BPE merges make the stream shorter than the bytes.
+  assert len(c.train_tokens) < sum(len((corpus_dir / f).read_bytes()) for f in c.train_files)
+  batch = next(data.make_train_iterator(cfg, 4))
+  assert batch['inputs'].shape == (4, SEQ) and batch['inputs'].max() < tok.info.vocab_size
+
+
+def test_shards_record_the_tokenizer_and_must_match_it(tmp_path, bpe_path, corpus_dir):
+  out = tmp_path / 'bpe'
+  m = data.prepare_shards(str(corpus_dir), str(out), str(bpe_path), heldout_fraction=0.2)
+  info = data.load_tokenizer(str(bpe_path)).info
+  assert m['tokenizer']['sha256'] == info.sha256 and m['eos_id'] == info.eos_id
+  text = data.load_corpus(DataConfig(source=str(corpus_dir), tokenizer=str(bpe_path),
+                                     heldout_fraction=0.2))
+  s = data.open_shards(str(out))
+  np.testing.assert_array_equal(np.concatenate(s.train), text.train_tokens)
+  # The default tokenizer leaves a shard-only run to the manifest's tokenizer ...
+  assert data.describe(DataConfig(source=str(out), seq_len=SEQ))['vocab_size'] == info.vocab_size
+  # ... but a different tokenizer file is refused, naming both.
+  other = _word_level(tmp_path / 'other.json', {'[UNK]': 0, 'a': 1}, eos='</s>')
+  with pytest.raises(data.DataError) as err:
+    data.describe(DataConfig(source=str(out), tokenizer=str(other), seq_len=SEQ))
+  assert str(out) in str(err.value) and str(other) in str(err.value)
+  # So is a mixture of byte-tokenized text with BPE shards.
+  with pytest.raises(data.DataError, match='must share one tokenizer'):
+    data.make_train_iterator(DataConfig(mixture=f'{corpus_dir}:1,{out}:1', seq_len=SEQ,
+                                        heldout_fraction=0.2), 4)
+
+
+def test_missing_eos_is_an_error_naming_what_was_looked_for(tmp_path):
+  path = _word_level(tmp_path / 'no_eos.json', {'[UNK]': 0, 'hello': 1})
+  with pytest.raises(data.DataError) as err:
+    data.load_tokenizer(str(path))
+  msg = str(err.value)
+  assert str(path) in msg and 'no end-of-sequence token' in msg
+  assert '<|endoftext|>' in msg and '</s>' in msg and 'tokenizer_config.json' in msg
+
+
+def test_tokenizer_config_names_the_eos(tmp_path):
+  d = tmp_path / 'tok'
+  d.mkdir()
+  path = _word_level(d / 'tokenizer.json', {'[UNK]': 0, 'a': 1, '</s>': 2, '<end>': 3})
+  assert data.load_tokenizer(str(path)).info.eos_id == 2      # fallback list
+  (d / 'tokenizer_config.json').write_text(json.dumps({'eos_token': {'content': '<end>'}}))
+  path.write_text(path.read_text())                             # new mtime: reloaded
+  assert data.load_tokenizer(str(path)).info.eos_id == 3
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path):
+  assert token_dtype(65535) == np.dtype('<u2') and token_dtype(65536) == np.dtype('<u4')
+  vocab = {'[UNK]': 0, **{f'w{i}': i for i in range(1, 70_000)}}
+  path = _word_level(tmp_path / 'big.json', vocab, eos='</s>')
+  src = tmp_path / 'doc.txt'
+  src.write_text(' '.join(f'w{i}' for i in range(69_000, 70_000)) + '\n')
+  out = tmp_path / 'big'
+  m = data.prepare_shards(str(src), str(out), str(path), heldout_fraction=0.1)
+  assert m['dtype'] == 'uint32' and m['tokenizer']['vocab_size'] == 70_001
+  s = data.open_shards(str(out), verify_checksums=True)
+  tokens = np.concatenate([*s.train, *s.heldout])
+  assert tokens.dtype == np.dtype('<u4') and tokens[-1] == m['eos_id'] == 70_000
+  np.testing.assert_array_equal(tokens[:1000], np.arange(69_000, 70_000))
+
+
+def test_model_vocab_must_cover_the_tokenizer(tmp_path, bpe_path, corpus_dir):
+  vocab = data.load_tokenizer(str(bpe_path)).info.vocab_size
+  d = DataConfig(source=str(corpus_dir), tokenizer=str(bpe_path), seq_len=64)
+  small = C.Config(model=ModelConfig(vocab_size=vocab - 1), data=d)
+  with pytest.raises(C.ConfigError) as err:
+    C.validate(small)
+  msg = str(err.value)
+  assert f'ModelConfig.vocab_size = {vocab - 1}' in msg and f'vocab_size >= {vocab}' in msg
+  assert str(bpe_path) in msg
+  C.validate(dataclasses.replace(small, model=ModelConfig(vocab_size=vocab)))
+  # A shard directory's manifest sets the bound too.
+  out = tmp_path / 'shards'
+  data.prepare_shards(str(corpus_dir), str(out), str(bpe_path), heldout_fraction=0.2)
+  with pytest.raises(C.ConfigError, match=f'vocab_size >= {vocab}'):
+    C.validate(C.Config(model=ModelConfig(vocab_size=vocab - 1),
+                        data=DataConfig(source=str(out), seq_len=64)))
+  with pytest.raises(C.ConfigError, match="DataConfig.tokenizer = '/no/tok.json'"):
+    C.validate(C.Config(data=DataConfig(tokenizer='/no/tok.json', seq_len=64)))
+
+
+def test_tokenizer_command_rejects_a_tiny_vocabulary(tmp_path, corpus_dir, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '100',
+                    '--output', str(tmp_path / 't.json')])
+  assert exit_info.value.code == 2
+  assert 'vocab_size 100 is too small' in capsys.readouterr().err
