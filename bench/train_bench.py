@@ -19,7 +19,7 @@ import numpy as np
 
 from mjax import data as data_lib
 from mjax import train
-from mjax.cli import _load, _parser, _split_overrides
+from mjax.cli import _apply_overlap_flags, _load, _parser, _split_overrides
 from mjax.metrics import peak_flops, peak_memory_bytes
 from mjax.model.flops import flops_per_token
 from mjax.parallel import make_mesh
@@ -69,6 +69,7 @@ def main(argv=None):
   p.add_argument('--name', default=None, help='label in the table (default: the gin file)')
   args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
   bindings = [*bindings, f'TrainConfig.steps = {args.steps + args.warmup}']
+  _apply_overlap_flags(_load('train_bench', args, bindings, num_devices=None))
   cfg = _load('train_bench', args, bindings, num_devices=jax.device_count())
   train.setup_compilation_cache(cfg.train.compilation_cache_dir)
   r = bench(cfg, args.steps, args.warmup)

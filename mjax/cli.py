@@ -63,6 +63,14 @@ def _die(prog: str, message: str):
   sys.exit(2)
 
 
+def _apply_overlap_flags(cfg) -> None:
+  """XLA reads XLA_FLAGS once, when the backend starts: this must run before
+  anything asks JAX for its devices, hence before mesh-aware validation."""
+  from mjax.parallel.xla_flags import apply_xla_flags
+  apply_xla_flags(cfg.train.xla_overlap_flags, extra=cfg.train.xla_extra_flags,
+                  collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1)
+
+
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
   """mjax-train: trains a model described by gin files."""
   prog = 'mjax-train'
@@ -70,6 +78,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   p.add_argument('--workdir', default=None,
                  help='run directory: config, metrics.jsonl, TensorBoard events (default: runs/<config>)')
   args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
+  _apply_overlap_flags(_load(prog, args, bindings, num_devices=None))
   import jax
   cfg = _load(prog, args, bindings, num_devices=jax.device_count())
   workdir = args.workdir or os.path.join(
@@ -145,11 +154,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
                  help='set the GPU collective-overlap XLA flags first (mjax.parallel.xla_flags)')
   args, bindings = _split_overrides(p, rest)
   if args.overlap_flags:
-    # XLA_FLAGS must be set before the backend starts, i.e. before the device
-    # count is known: read the mesh from the config without validating it yet.
-    from mjax.parallel.xla_flags import apply_xla_flags
-    pre = _load(prog, args, bindings, num_devices=None)
-    apply_xla_flags(True, collective_matmul=pre.mesh.tensor > 1)
+    _apply_overlap_flags(_load(prog, args, bindings, num_devices=None))
   import time
   import jax
   cfg = _load(prog, args, bindings, num_devices=jax.device_count())

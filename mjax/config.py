@@ -235,6 +235,12 @@ class TrainConfig:
   compilation_cache_dir: Optional[str] = '~/.cache/mjax/jax_cache'
   # Where the measured CPU peak FLOP/s is cached (per machine).
   peak_cache_dir: str = '~/.cache/mjax'
+  # GPU only: XLA flags that overlap collectives with compute (latency-hiding
+  # scheduler, pipelined collectives, collective matmul under tensor
+  # parallelism); see mjax/parallel/xla_flags.py. `xla_extra_flags` adds or
+  # replaces flags; a flag already in the XLA_FLAGS environment always wins.
+  xla_overlap_flags: bool = True
+  xla_extra_flags: str = ''
 
 
 @gin.configurable

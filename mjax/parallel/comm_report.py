@@ -1,0 +1,408 @@
+"""What a compiled train step communicates, next to what its layout implies.
+
+Three parts:
+  1. Measured: every collective in the optimized HLO (`Compiled.as_text()`),
+     counted per executed step: ops inside the scanned-layer while loops count
+     once per iteration (see mjax.parallel.hlo_text for how trip counts are
+     read, and their limits). Asynchronous pairs count once, at their `-start`.
+  2. Expected: the analytical minimum of the mesh layout (below).
+  3. Memory: `Compiled.memory_analysis()`, per device.
+
+Byte conventions, per device and per step:
+  * buffer bytes: the logical size of the collective: all-reduce, all-to-all
+    and collective-permute their result (= operand); all-gather its OUTPUT
+    (the gathered array); reduce-scatter its INPUT (the array before
+    scattering). All shapes in SPMD HLO are per device.
+  * wire bytes: what each device sends with ring algorithms over a group of n:
+    all-reduce 2 (n-1)/n x buffer; all-gather, reduce-scatter, all-to-all
+    (n-1)/n x buffer; collective-permute 1 x buffer. The expectations are in
+    wire bytes, so the two columns compare directly.
+
+Analytical minimum (per device, per step, ring algorithms); t, f, d: tensor,
+fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
+  * FSDP weights (f > 1): all-gather each weight before use, in the forward and
+    again in the backward (keeping the gathered weights from the forward to
+    the backward would hold the whole model unsharded, which FSDP avoids):
+        2 x (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
+    (gathering after the bf16 cast is the minimum; gathering the fp32 master
+    weights doubles it).
+  * FSDP gradients: reduce-scatter over fsdp in the parameter dtype (fp32),
+        (f-1)/f x sum_p elements_p / t_p x 4
+    then an all-reduce of the 1/f shard over data when d > 1.
+  * Replicated gradients (data parallel): one all-reduce over B,
+        2 (B-1)/B x sum_p elements_p / t_p x 4.
+  * Tensor parallel (t > 1), Megatron-style without sequence parallelism: per
+    layer, an all-reduce of the (batch/B, seq, d_model) activations after each
+    row-parallel matmul in the forward and of the input gradient in the
+    backward: 1 + 1 per layer for the parallel block (attention and MLP partial
+    sums add before one all-reduce, MegaScale's point) and 2 + 2 for the
+    sequential block; remat 'full' repeats the forward ones (the 'dots'
+    policies are assumed to keep the reduced outputs). Plus the
+    vocab-sharded embedding lookup (forward) and LM head (backward). With
+    sequence parallelism each all-reduce becomes an all-gather plus a
+    reduce-scatter with the same wire bytes. The loss's max / sum over the
+    sharded vocabulary are (batch, seq) scalars and left out.
+  * Pipeline stages (collective-permute of activations) are not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping, Optional
+
+import jax.numpy as jnp
+
+from mjax.config import Config
+from mjax.parallel import hlo_text
+from mjax.parallel.hlo_text import Instruction, Module, shape_arrays, shape_bytes
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')
+MiB = 2**20
+
+
+@dataclasses.dataclass
+class CollectiveOp:
+  """One collective instruction of the optimized HLO.
+
+  Attributes:
+    name, kind, computation: where it is and what it is ('all-gather', ...).
+    executions: how often it runs per step (loop trip counts multiplied in).
+    buffer_bytes: per execution, by the convention of the module docstring.
+    group_size: devices in each replica group (None for collective-permute).
+    arrays: the buffers moved (the gathered / reduced arrays).
+    op_name: the JAX op it came from (metadata), for tracing it back.
+  """
+  name: str
+  kind: str
+  computation: str
+  executions: float
+  buffer_bytes: float
+  group_size: Optional[int]
+  arrays: list[hlo_text.Array]
+  op_name: str
+
+  @property
+  def wire_bytes(self) -> float:
+    """Bytes each device sends per execution (ring algorithms)."""
+    n = self.group_size or 1
+    if self.kind == 'collective-permute':
+      return self.buffer_bytes
+    if n <= 1:
+      return 0.0
+    factor = 2 * (n - 1) / n if self.kind == 'all-reduce' else (n - 1) / n
+    return factor * self.buffer_bytes
+
+
+@dataclasses.dataclass
+class CommStats:
+  """All collectives of one module; per_step() sums them by kind."""
+  ops: list[CollectiveOp]
+  unknown_trip_loops: list[str]
+  num_partitions: int
+
+  def of_kind(self, kind: str) -> list[CollectiveOp]:
+    return [o for o in self.ops if o.kind == kind]
+
+  def per_step(self, kind: str) -> dict[str, float]:
+    ops = self.of_kind(kind)
+    return {'ops': sum(o.executions for o in ops), 'static': len(ops),
+            'bytes': sum(o.executions * o.buffer_bytes for o in ops),
+            'wire': sum(o.executions * o.wire_bytes for o in ops)}
+
+
+# ----------------------------------------------------------------------------
+# Measured
+# ----------------------------------------------------------------------------
+
+def _group_size(attrs: str, default: int) -> Optional[int]:
+  """Devices per replica group, from any of XLA's printed forms."""
+  m = re.search(r'replica_groups=', attrs)
+  if not m:
+    return default
+  rest = attrs[m.end():]
+  if rest.startswith('{}'):
+    return default
+  if rest.startswith('{{'):
+    first = rest[2:rest.index('}')]
+    return len([x for x in first.split(',') if x.strip()])
+  iota = re.match(r'\[(\d+),(\d+)\]<=', rest)
+  if iota:
+    return int(iota.group(2))
+  mesh = re.match(r"mesh\[([^\]]*)\](\s*\{([^}]*)\})?", rest)
+  if mesh:
+    sizes = {k: int(v) for k, v in re.findall(r"'?([\w]+)'?\s*=\s*(\d+)", mesh.group(1))}
+    if mesh.group(2) is None:
+      return math.prod(sizes.values())
+    axes = re.findall(r"'?([\w]+)'?", mesh.group(3))
+    return math.prod(sizes.get(a, 1) for a in axes) if axes else 1
+  return default
+
+
+def _buffer(module: Module, inst: Instruction, kind: str, group: Optional[int]):
+  """(bytes, arrays) of one collective by the module docstring's convention."""
+  shape = inst.shape
+  is_start = inst.opcode.endswith('-start')
+  if is_start and kind in ('all-gather', 'collective-permute') and isinstance(shape, tuple) \
+      and len(shape) >= 2:
+    shape = shape[1]  # (operands, outputs[, contexts]): keep the outputs
+  if kind == 'reduce-scatter':
+    srcs = [module.instruction(o) for o in inst.operands]
+    if srcs and all(s is not None for s in srcs):
+      arrays = [a for s in srcs for a in shape_arrays(s.shape)]
+      return sum(a.bytes for a in arrays), arrays
+    return shape_bytes(shape) * (group or 1), shape_arrays(shape)
+  return shape_bytes(shape), shape_arrays(shape)
+
+
+def collective_stats(text: str) -> CommStats:
+  """Every collective in optimized HLO text, with its executions per step."""
+  module = hlo_text.parse_module(text)
+  counts, unknown = hlo_text.execution_counts(module)
+  ops = []
+  for comp, insts in module.computations.items():
+    n = counts.get(comp, 0.0)
+    if not n:
+      continue  # not reachable from ENTRY: never runs
+    for inst in insts:
+      kind = inst.opcode[:-len('-start')] if inst.opcode.endswith('-start') else inst.opcode
+      if kind not in KINDS:
+        continue
+      group = None if kind == 'collective-permute' else _group_size(inst.attrs, module.num_partitions)
+      nbytes, arrays = _buffer(module, inst, kind, group)
+      op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
+      ops.append(CollectiveOp(inst.name, kind, comp, n, nbytes, group, arrays,
+                              op_name.group(1) if op_name else ''))
+  return CommStats(ops, unknown, module.num_partitions)
+
+
+# ----------------------------------------------------------------------------
+# Expected
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Expectation:
+  """One source of expected traffic (e.g. FSDP weight gathers), in wire bytes."""
+  kind: str
+  wire_bytes: float
+  note: str
+
+
+def _dtype_bytes(name: str) -> int:
+  return jnp.dtype(name).itemsize
+
+
+def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[Expectation]:
+  """The analytical minimum of the module docstring, one entry per source.
+
+  Args:
+    cfg: the run's config (model shape, dtypes, batch, sequence length).
+    mesh: mesh axis sizes, e.g. dict(jax_mesh.shape).
+    params: ParamInfo list (default: computed from cfg.model).
+  Returns:
+    Expectations in wire bytes per device per step; several may share a kind.
+  """
+  from mjax.parallel.param_layout import param_infos
+  params = param_infos(cfg.model) if params is None else params
+  m = cfg.model
+  d, f, t = mesh.get('data', 1), mesh.get('fsdp', 1), mesh.get('tensor', 1)
+  batch_axes = ('data', 'fsdp')
+  ec, out = _dtype_bytes(m.dtype), []
+  grad_bytes = lambda p, *axes: p.size * p.itemsize / p.shards(mesh, ('tensor', 'pipeline', *axes))
+
+  fsdp_params = [p for p in params if 'fsdp' in p.axes()] if f > 1 else []
+  if fsdp_params:
+    elems = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params)
+    out.append(Expectation('all-gather', 2 * (f - 1) / f * elems * ec,
+                           f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
+                           f'forward and again in the backward, in {m.dtype} '
+                           f'(2 x (f-1)/f x {elems / 1e6:.2f}M elements x {ec} B)'))
+    rs = sum(grad_bytes(p) for p in fsdp_params)
+    out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
+                           f'FSDP: gradients reduce-scattered over fsdp={f} in fp32 '
+                           f'((f-1)/f x {rs / MiB:.1f} MiB)'))
+    if d > 1:
+      ar = sum(grad_bytes(p, 'fsdp') for p in fsdp_params)
+      out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,
+                             f'data={d}: all-reduce of the 1/fsdp gradient shards '
+                             f'(2 (d-1)/d x {ar / MiB:.1f} MiB)'))
+  replicated = [p for p in params if p not in fsdp_params]
+  if replicated:
+    groups: dict[int, float] = {}
+    for p in replicated:
+      n = math.prod(mesh.get(a, 1) for a in batch_axes) // p.shards(mesh, batch_axes)
+      groups[n] = groups.get(n, 0.0) + grad_bytes(p, *batch_axes)
+    for n, nbytes in sorted(groups.items()):
+      if n > 1:
+        out.append(Expectation('all-reduce', 2 * (n - 1) / n * nbytes,
+                               f'data parallel: gradient all-reduce over {n} devices in fp32 '
+                               f'(2 (n-1)/n x {nbytes / MiB:.1f} MiB)'))
+  if t > 1:
+    b = cfg.train.global_batch_size / (d * f)
+    act = b * cfg.data.seq_len * m.d_model * ec
+    per_pass = 1 if m.block == 'parallel' else 2
+    per_layer = per_pass * (3 if m.remat_policy == 'full' else 2)
+    vocab_sharded = any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']"))
+    n = m.n_layers * per_layer + (2 if vocab_sharded else 0)
+    remat = ', remat full' if m.remat_policy == 'full' else ''
+    ends = ' + embedding fwd + LM head bwd' if vocab_sharded else ''
+    out.append(Expectation('all-reduce', n * 2 * (t - 1) / t * act,
+                           f'tensor={t}: {per_layer} activation all-reduces per layer '
+                           f'({m.block} block{remat}) x {m.n_layers} layers{ends} = {n}, each '
+                           f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} '
+                           f'= {act / MiB:.2f} MiB, x 2 (t-1)/t'))
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Memory analysis of the compiled step
+# ----------------------------------------------------------------------------
+
+MEMORY_FIELDS = ('argument_size_in_bytes', 'output_size_in_bytes', 'alias_size_in_bytes',
+                 'temp_size_in_bytes', 'generated_code_size_in_bytes')
+
+
+def memory_stats(compiled: Any) -> Optional[dict[str, int]]:
+  """`compiled.memory_analysis()` per device as a dict, None when unavailable.
+
+  `total` = arguments + outputs - aliased (donated buffers reused for outputs)
+  + temporaries + generated code: XLA's own bound on the step's footprint.
+  """
+  try:
+    ma = compiled.memory_analysis()
+  except Exception:  # some backends raise Unimplemented
+    return None
+  if isinstance(ma, (list, tuple)):
+    ma = ma[0] if ma else None
+  if ma is None:
+    return None
+  stats = {f: int(getattr(ma, f, 0) or 0) for f in MEMORY_FIELDS}
+  stats['total'] = (stats['argument_size_in_bytes'] + stats['output_size_in_bytes']
+                    - stats['alias_size_in_bytes'] + stats['temp_size_in_bytes']
+                    + stats['generated_code_size_in_bytes'])
+  return stats
+
+
+# ----------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CommReport:
+  stats: CommStats
+  expected: list[Expectation]
+  memory: Optional[dict[str, int]]
+  mesh: dict[str, int]
+  compute_dtype: str = 'bf16'   # HLO spelling of ModelConfig.dtype
+
+  def expected_wire(self, kind: str) -> float:
+    return sum(e.wire_bytes for e in self.expected if e.kind == kind)
+
+
+def comm_report(compiled: Any, cfg: Config, mesh: Mapping[str, int]) -> CommReport:
+  """Measured collectives, expectations and memory of a compiled train step.
+
+  Args:
+    compiled: `jax.stages.Compiled` (e.g. program.step.lower(...).compile()).
+    cfg: the config it was built from.
+    mesh: mesh axis sizes (dict(mesh.shape)).
+  """
+  hlo_dtype = {'bfloat16': 'bf16', 'float32': 'f32', 'float16': 'f16'}[cfg.model.dtype]
+  return CommReport(stats=collective_stats(compiled.as_text()),
+                    expected=expected_traffic(cfg, mesh),
+                    memory=memory_stats(compiled), mesh=dict(mesh), compute_dtype=hlo_dtype)
+
+
+def _mb(x: float) -> str:
+  return f'{x / MiB:,.2f}'
+
+
+def format_report(report: CommReport) -> str:
+  """The tables a performance engineer reads: collectives, notes, memory."""
+  s = report.stats
+  rows = [('kind', 'ops/step', 'in HLO', 'MiB/step', 'wire MiB/dev', 'expected wire MiB', 'ratio',
+           'dtypes')]
+  tot = {'wire': 0.0, 'exp': 0.0}
+  for kind in KINDS:
+    ps = s.per_step(kind)
+    exp = report.expected_wire(kind)
+    if not ps['static'] and not exp:
+      continue
+    dtypes = sorted({a.dtype for o in s.of_kind(kind) for a in o.arrays if a.dims})
+    ratio = f'{ps["wire"] / exp:.2f}' if exp else ('-' if not ps['wire'] else 'n/a')
+    rows.append((kind, f'{ps["ops"]:g}', str(ps['static']), _mb(ps['bytes']), _mb(ps['wire']),
+                 _mb(exp) if exp else '-', ratio, ','.join(dtypes) or '-'))
+    tot['wire'] += ps['wire']
+    tot['exp'] += exp
+  rows.append(('total', '', '', '', _mb(tot['wire']), _mb(tot['exp']),
+               f'{tot["wire"] / tot["exp"]:.2f}' if tot['exp'] else '-', ''))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  fmt = lambda r: '  '.join(c.ljust(w) if i in (0, 7) else c.rjust(w)
+                            for i, (c, w) in enumerate(zip(r, widths)))
+  lines = [f'collectives per train step, per device (mesh {report.mesh}, '
+           f'{s.num_partitions} partitions)', fmt(rows[0]), fmt(tuple('-' * w for w in widths))]
+  lines += [fmt(r) for r in rows[1:]]
+  lines.append('')
+  lines.append('MiB/step: all-gather output, reduce-scatter input, others result size. wire: what '
+               'each device sends (ring): 2(n-1)/n x all-reduce, (n-1)/n x all-gather / '
+               'reduce-scatter / all-to-all. ratio = measured wire / expected.')
+  lines.append('expected (analytical minimum):')
+  lines += [f'  [{e.kind}] {_mb(e.wire_bytes)} MiB: {e.note}' for e in report.expected] or ['  none']
+  looped = sum(1 for o in s.ops if o.executions != 1)
+  lines.append(f'{looped} of {len(s.ops)} collective instructions run more than once per step '
+               '(inside while loops: counted x trip count).')
+  if s.unknown_trip_loops:
+    lines.append(f'WARNING: unknown trip count for {", ".join(s.unknown_trip_loops)}; '
+                 'their collectives are counted once.')
+  if s.per_step('all-reduce')['static'] and report.expected_wire('reduce-scatter') \
+      and not s.per_step('reduce-scatter')['static']:
+    lines.append('note: no reduce-scatter in the HLO: this backend reduces the FSDP gradients with '
+                 'all-reduce + slice (2x the reduce-scatter wire bytes, counted under all-reduce).')
+  gather_dtypes = {a.dtype for o in s.of_kind('all-gather') for a in o.arrays if a.dims}
+  if report.compute_dtype != 'f32' and 'f32' in gather_dtypes:
+    lines.append('note: some all-gathers move f32 where the expectation assumes the compute dtype: '
+                 'the fp32 weights are gathered before their cast (2x the bytes; on CPU, XLA '
+                 'also runs bf16 matmuls in f32).')
+  lines.append('')
+  lines.append(format_top(s))
+  lines.append('')
+  lines.append(format_memory(report.memory))
+  return '\n'.join(lines)
+
+
+def _arrays(arrays: list[hlo_text.Array]) -> str:
+  text = lambda a: f'{a.dtype}[{",".join(map(str, a.dims))}]'
+  big = [a for a in arrays if a.dims] or arrays
+  if len(big) <= 2:
+    return ' '.join(text(a) for a in big)
+  return f'{len(arrays)} arrays, largest {text(max(big, key=lambda a: a.bytes))}'
+
+
+def format_top(stats: CommStats, n: int = 8) -> str:
+  """The n collectives that send the most bytes per step, traced back to JAX ops."""
+  ops = sorted(stats.ops, key=lambda o: -o.executions * o.wire_bytes)[:n]
+  lines = [f'largest {len(ops)} collectives (wire MiB per step = runs x wire MiB per run):']
+  for o in ops:
+    where = o.op_name.removeprefix('jit(train_step)/')
+    where = where if len(where) <= 90 else where[:87] + '...'
+    lines.append(f'  {o.kind:<18} {o.executions:>4g} x {_mb(o.wire_bytes):>9} = '
+                 f'{_mb(o.executions * o.wire_bytes):>9}  n={o.group_size or "-"}  '
+                 f'{_arrays(o.arrays)}  {where}')
+  return '\n'.join(lines)
+
+
+def format_memory(stats: Optional[dict[str, int]]) -> str:
+  """`memory_stats` as a table (GiB, or MiB below 1 GiB)."""
+  if stats is None:
+    return 'memory analysis: not available on this backend'
+  gib = lambda x: f'{x / 2**30:,.2f} GiB' if x >= 2**30 else f'{x / MiB:,.1f} MiB'
+  names = {'argument_size_in_bytes': 'arguments (state + batch)',
+           'output_size_in_bytes': 'outputs', 'alias_size_in_bytes': 'aliased (donated, reused)',
+           'temp_size_in_bytes': 'temporaries (activations, buffers)',
+           'generated_code_size_in_bytes': 'generated code',
+           'total': 'total = args + outputs - aliased + temp + code'}
+  w = max(len(v) for v in names.values())
+  lines = ['memory analysis of the compiled step, per device:']
+  lines += [f'  {names[k].ljust(w)}  {gib(stats[k]).rjust(14)}' for k in (*MEMORY_FIELDS, 'total')]
+  return '\n'.join(lines)

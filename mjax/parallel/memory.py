@@ -1,0 +1,221 @@
+"""Per-device memory of a training run on a hypothetical mesh, without allocating.
+
+Training state (from the parameter shapes and the logical-axis rules, see
+mjax.parallel.param_layout): master parameters, gradients and LAMB's two
+moments, all in ModelConfig.param_dtype (fp32), each divided by the mesh axes
+that shard the parameter (fsdp, tensor) and, for the stacked layers, by the
+pipeline stages.
+
+Activations: what the backward pass keeps per layer, for one micro-batch of b
+sequences of s tokens. With e bytes per activation element (2 for bf16),
+h = d_model, a = heads, q = heads x head_dim, k = kv_heads x head_dim,
+F = d_ff and t = tensor-parallel size, remat policy 'none' keeps
+
+  replicated over t:  2 e s b h per norm            (norm input and output;
+                                                     1 norm in the parallel
+                                                     block, 2 in the sequential)
+  split over t:       e s b (2q + 2k)               (Q, K, V, attention output)
+                    + m e s b F                     (MLP: m = 2 for GeLU: its
+                                                     input and output; 3 for
+                                                     SwiGLU: up, gate, product)
+                    + e a s^2 b                     (softmax probabilities;
+                                                     flash attention keeps only
+                                                     a 4 a s b fp32 logsumexp)
+
+This is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4), s b h (10 + 24/t + 5 a s/(h t))
+for 16-bit activations, minus the dropout terms (mjax has no dropout: no
+1-byte masks, no dropped-out attention probabilities): for a
+sequential GeLU block with F = 4h, q = k = h it reads s b h (8 + 24/t +
+2 a s/(h t)). Sequence parallelism also splits the replicated part over t.
+With remat:
+  'full'           keeps only each layer's input (e s b h, the scan carry),
+                   plus one layer's 'none' activations while it is recomputed;
+  'dots'           keeps the layer input and every matmul output: Q, K, V
+                   projections and MLP input projection(s) (split over t), the
+                   two output projections (e s b h each: partial sums, whole on
+                   every tensor rank), and with materialized attention the fp32
+                   scores (4 a s^2 b) and the probabilities x V output; plus one
+                   layer being recomputed;
+  'dots_no_batch'  the same without the attention matmuls (they have batch
+                   dimensions).
+
+Sharding of activations: the batch is split over data x fsdp (each replica
+holds global_batch / (data x fsdp) sequences, processed in micro-batches of
+`micro_batch`), heads / MLP over tensor, and layers over pipeline stages. A
+pipeline stage holds its n_layers / pipeline layers for every micro-batch in
+flight: with a 1F1B schedule the first stage has min(pipeline, micro-batches)
+in flight (the worst stage), with GPipe all of them. The fp32 logits
+(4 b s vocab / t) of the last stage are added; totals assume one device holds
+both (exact without pipelining, conservative with it). FSDP adds two gathered
+layer groups in the compute dtype (the one in use and the next, prefetched).
+
+Not counted: XLA temporaries and fragmentation, the data batch, the CUDA, cuDNN
+and NCCL workspaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+import jax.numpy as jnp
+
+from mjax.config import Config, MeshConfig
+from mjax.parallel.param_layout import ParamInfo, param_infos
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+  """Per-device bytes by component.
+
+  Attributes:
+    rows: (component, bytes per device, how it was computed).
+    info: the derived quantities (micro-batch, stages, in-flight, ...).
+  """
+  rows: list[tuple[str, float, str]]
+  info: dict
+
+  @property
+  def total(self) -> float:
+    return sum(r[1] for r in self.rows)
+
+  def get(self, component: str) -> float:
+    return next(r[1] for r in self.rows if r[0] == component)
+
+
+def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Optional[str] = None,
+                               flash: bool = False, sequence_parallel: bool = False,
+                               ) -> tuple[float, float]:
+  """Bytes one layer keeps for the backward pass, for b sequences, on one device.
+
+  Args:
+    cfg: config (model shape, compute dtype, sequence length).
+    b: sequences in the micro-batch (per data-parallel replica).
+    tensor: tensor-parallel size.
+    policy: remat policy (default cfg.model.remat_policy).
+    flash: attention keeps no s^2 probabilities (cuDNN flash attention).
+    sequence_parallel: the replicated terms are split over tensor too.
+  Returns:
+    (kept per layer, working set of the one layer being recomputed: 0 for 'none').
+  """
+  m = cfg.model
+  policy = policy or m.remat_policy
+  e = jnp.dtype(m.dtype).itemsize
+  s, h, a, F = cfg.data.seq_len, m.d_model, m.n_heads, m.d_ff
+  q, k = m.n_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+  t = tensor
+  rt = t if sequence_parallel else 1            # divisor of the "replicated" terms
+  norms = 1 if m.block == 'parallel' else 2
+  mlp = 3 if m.mlp == 'swiglu' else 2
+  sb = s * b
+
+  attn_probs = 4 * a * sb if flash else e * a * s * s * b
+  none = (2 * norms * e * sb * h / rt
+          + (e * sb * (2 * q + 2 * k) + mlp * e * sb * F + attn_probs) / t)
+  if policy == 'none':
+    return none, 0.0
+  layer_input = e * sb * h / rt
+  if policy == 'full':
+    return layer_input, none
+  # Matmul outputs: Q, K, V, MLP input projection(s) (split over t); the two
+  # output projections (whole on each tensor rank: partial sums).
+  dots = (layer_input + (e * sb * (q + 2 * k) + (mlp - 1) * e * sb * F) / t
+          + 2 * e * sb * h / rt)
+  if policy == 'dots' and not flash:
+    dots += (4 * a * s * s * b + e * sb * q) / t   # fp32 scores, probs x V
+  if policy in ('dots', 'dots_no_batch'):
+    return dots, none
+  raise ValueError(f'unknown remat policy {policy!r}')
+
+
+def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[int] = None, *,
+                    flash: Optional[bool] = None, sequence_parallel: bool = False,
+                    schedule: str = '1f1b', params: Optional[list[ParamInfo]] = None,
+                    ) -> MemoryEstimate:
+  """Per-device memory of `cfg` on a mesh of the given sizes (see module doc).
+
+  Args:
+    cfg: the config (its own MeshConfig is ignored).
+    mesh: axis sizes, e.g. {'data': 16, 'fsdp': 1, 'tensor': 8, 'pipeline': 8};
+      missing axes are 1.
+    micro_batch: sequences per micro-batch per data-parallel replica (Megatron's
+      micro-batch size); default: the whole replica batch.
+    flash: attention without s^2 probabilities; default: True unless
+      ModelConfig.attention_impl is 'xla' (cuDNN flash attention on GPU).
+    sequence_parallel: activations outside attention / MLP split over tensor.
+    schedule: '1f1b' or 'gpipe': how many micro-batches a stage holds.
+    params: ParamInfo list (default: from cfg.model and the logical rules).
+  Returns:
+    MemoryEstimate.
+  Raises:
+    ValueError: the batch, layers or micro-batch do not divide as required.
+  """
+  unknown = set(mesh) - set(MeshConfig.AXES)
+  if unknown:
+    raise ValueError(f'unknown mesh axes {sorted(unknown)}; allowed: {", ".join(MeshConfig.AXES)}')
+  sizes = {a: int(mesh.get(a, 1)) for a in MeshConfig.AXES}
+  d, f, t, pp = (sizes[a] for a in MeshConfig.AXES)
+  m = cfg.model
+  replicas = d * f
+  if cfg.train.global_batch_size % replicas:
+    raise ValueError(f'global batch {cfg.train.global_batch_size} is not divisible by '
+                     f'data x fsdp = {replicas}')
+  replica_batch = cfg.train.global_batch_size // replicas
+  b = micro_batch or replica_batch
+  if replica_batch % b:
+    raise ValueError(f'micro-batch {b} does not divide the per-replica batch {replica_batch}')
+  n_micro = replica_batch // b
+  if schedule not in ('1f1b', 'gpipe'):
+    raise ValueError(f"schedule must be '1f1b' or 'gpipe', not {schedule!r}")
+  in_flight = 1 if pp == 1 else (min(pp, n_micro) if schedule == '1f1b' else n_micro)
+  layers_per_stage = math.ceil(m.n_layers / pp)
+  flash = m.attention_impl != 'xla' if flash is None else flash
+  params = param_infos(m) if params is None else params
+
+  param_bytes = sum(p.size * p.itemsize / p.shards(sizes) for p in params)
+  rows = [
+      ('parameters', param_bytes, f'{m.param_dtype} master weights / (fsdp x tensor; layers / pipeline)'),
+      ('gradients', param_bytes, 'same dtype and sharding as the parameters'),
+      # optax keeps Adam's moments in the parameters' dtype.
+      ('LAMB moments', 2 * param_bytes, f'2 x {m.param_dtype} per parameter, sharded like them'),
+  ]
+  if f > 1:
+    e = jnp.dtype(m.dtype).itemsize
+    group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
+    rows.append(('FSDP gather buffers', 2 * group * e,
+                 f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
+  per_layer, working = activation_bytes_per_layer(
+      cfg, b, t, flash=flash, sequence_parallel=sequence_parallel)
+  rows.append(('activations (layers)', per_layer * layers_per_stage * in_flight,
+               f'{per_layer / 2**20:,.1f} MiB/layer x {layers_per_stage} layers/stage x '
+               f'{in_flight} micro-batch(es) in flight (remat {m.remat_policy!r})'))
+  if working:
+    rows.append(('activations (recompute)', working, 'one layer rematerialized in the backward'))
+  vocab_split = t if any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']")) else 1
+  rows.append(('logits', 4 * b * cfg.data.seq_len * m.vocab_size / vocab_split,
+               f'fp32 (micro-batch, seq, vocab / {vocab_split}), last stage'))
+  info = dict(mesh=sizes, devices=math.prod(sizes.values()), micro_batch=b,
+              micro_batches=n_micro, in_flight=in_flight, layers_per_stage=layers_per_stage,
+              flash=flash, sequence_parallel=sequence_parallel, schedule=schedule,
+              params=sum(p.size for p in params))
+  return MemoryEstimate(rows, info)
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+  """The estimate as a table, with the assumptions above it."""
+  i = est.info
+  lines = [f'per-device memory estimate: mesh {i["mesh"]} ({i["devices"]} devices), '
+           f'{i["params"] / 1e9:.2f}B parameters',
+           f'micro-batch {i["micro_batch"]} sequence(s) x {i["micro_batches"]} per replica per step, '
+           f'{i["layers_per_stage"]} layers/stage, {i["in_flight"]} micro-batch(es) in flight '
+           f'({i["schedule"]}), attention: {"flash" if i["flash"] else "materialized s^2"}'
+           f'{", sequence parallel" if i["sequence_parallel"] else ""}', '']
+  w = max(len(r[0]) for r in est.rows)
+  for name, nbytes, how in est.rows:
+    lines.append(f'  {name.ljust(w)}  {nbytes / GiB:10.2f} GiB   {how}')
+  lines.append(f'  {"total".ljust(w)}  {est.total / GiB:10.2f} GiB')
+  return '\n'.join(lines)

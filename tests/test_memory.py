@@ -1,0 +1,87 @@
+"""Per-device memory estimate against arithmetic done by hand."""
+
+import pytest
+
+from mjax import config as C
+from mjax.parallel.memory import activation_bytes_per_layer, estimate_memory
+
+# d 128, 4 heads of 32, d_ff 256, vocab 384, 4 layers (2 scanned groups of 2),
+# seq 64, global batch 16, bf16 activations, fp32 parameters, parallel block.
+SMALL = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 4', 'ModelConfig.d_ff = 256',
+         'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16']
+# Parameters: embedding 384*128 = 49152, final norm 2*128 = 256, per layer
+# q/k/v/out 4*128*128 = 65536 + wi/wo 2*128*256 = 65536 + norm 256 = 131328.
+
+
+def small(*extra):
+  return C.load_config(['tiny.gin'], [*SMALL, *extra])
+
+
+def test_data_fsdp_tensor_mesh_by_hand():
+  est = estimate_memory(small(), {'data': 2, 'fsdp': 2, 'tensor': 2}, flash=False)
+  # Per device: embedding (vocab/tensor, embed/fsdp) 49152/4; final norm
+  # (embed/fsdp) 256/2; layer kernels (embed/fsdp, heads|mlp/tensor)
+  # 4*131072/4; layer norms (embed/fsdp) 4*256/2.
+  elems = 49152 / 4 + 256 / 2 + 4 * 131072 / 4 + 4 * 256 / 2
+  assert est.get('parameters') == elems * 4
+  assert est.get('gradients') == elems * 4
+  assert est.get('LAMB moments') == elems * 8
+  # FSDP: two gathered groups of 2 layers, bf16, kernels split over tensor.
+  assert est.get('FSDP gather buffers') == 2 * 2 * (131072 / 2 + 256) * 2
+  # Activations: replica batch 16 / (2*2) = 4 sequences, s*b = 256, t = 2.
+  sb, e = 64 * 4, 2
+  norm = 2 * e * sb * 128                          # norm input + output
+  split = e * sb * (2 * 128 + 2 * 128) + 2 * e * sb * 256 + e * 4 * 64 * 64 * 4
+  assert est.get('activations (layers)') == 4 * (norm + split / 2)
+  assert est.get('logits') == 4 * 4 * 64 * 384 / 2
+  assert est.total == pytest.approx(sum(r[1] for r in est.rows))
+  assert est.info['micro_batch'] == 4 and est.info['in_flight'] == 1
+
+
+def test_pipeline_stages_and_in_flight_micro_batches():
+  est = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False)
+  # Layers split into 2 stages; embedding and final norm stay whole.
+  assert est.get('parameters') == (49152 + 256 + 4 * 131328 / 2) * 4
+  # 16 / 2 = 8 micro-batches; 1F1B keeps min(2 stages, 8) in flight.
+  assert (est.info['micro_batches'], est.info['in_flight'], est.info['layers_per_stage']) == (8, 2, 2)
+  sb, e = 64 * 2, 2
+  layer = 2 * e * sb * 128 + e * sb * 512 + 2 * e * sb * 256 + e * 4 * 64 * 64 * 2
+  assert est.get('activations (layers)') == 2 * layer * 2
+  gpipe = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='gpipe')
+  assert gpipe.get('activations (layers)') == 2 * layer * 8
+
+
+def test_remat_policies_keep_less():
+  sb, e, h = 64 * 4, 2, 128
+  full, working = activation_bytes_per_layer(small(), 4, 1, policy='full', flash=True)
+  none, _ = activation_bytes_per_layer(small(), 4, 1, policy='none', flash=True)
+  assert full == e * sb * h and working == none
+  # dots_no_batch: layer input + q, k, v + MLP input projection + 2 output projections.
+  dnb, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots_no_batch', flash=True)
+  assert dnb == e * sb * (h + 3 * h + 256 + 2 * h)
+  # dots also keeps the attention matmuls: fp32 scores and probs x V.
+  dots, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots', flash=False)
+  assert dots == dnb + 4 * 4 * 64 * 64 * 4 + e * sb * h
+  assert full < dnb < none
+
+
+def test_korthikanti_formula_without_dropout():
+  """Sequential GeLU block, d_ff = 4h: s b h (10 + 24/t + 5as/(ht)) of
+  Korthikanti et al. minus the dropout masks and outputs = s b h (8 + 24/t + 2as/(ht))."""
+  cfg = C.load_config(['gpt3_175b.gin'], ['ModelConfig.block = "sequential"',
+                                          'ModelConfig.remat_policy = "none"'])
+  s, b, h, a = 2048, 1, 12288, 128
+  for t in (1, 8):
+    got, _ = activation_bytes_per_layer(cfg, b, t, flash=False)
+    assert got == pytest.approx(s * b * h * (8 + 24 / t + 2 * a * s / (h * t)))
+  sp, _ = activation_bytes_per_layer(cfg, b, 8, flash=False, sequence_parallel=True)
+  assert sp == pytest.approx(s * b * h * (8 + 24 + 2 * a * s / h) / 8)
+
+
+def test_bad_inputs_raise():
+  with pytest.raises(ValueError, match='unknown mesh axes'):
+    estimate_memory(small(), {'tensr': 2})
+  with pytest.raises(ValueError, match='divisible'):
+    estimate_memory(small(), {'data': 3})
+  with pytest.raises(ValueError, match='micro-batch'):
+    estimate_memory(small(), {'data': 2}, micro_batch=3)

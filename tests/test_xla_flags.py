@@ -1,0 +1,106 @@
+"""GPU overlap flags: only flags the installed XLA defines, never over the user's."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mjax.parallel import xla_flags as X
+
+FLAG_LIB = (b'\x7fELF junk\x00xla_dump_to\x00'
+            b'xla_gpu_enable_latency_hiding_scheduler\x00'
+            b'xla_gpu_enable_pipelined_all_gather\x00'
+            b'xla_gpu_all_reduce_combine_threshold_bytes\x00'
+            # A removed flag survives only as a protobuf reserved name: tag 'R',
+            # a length byte, the name, no NUL. XLA rejects it.
+            b'R\x20xla_gpu_enable_async_collectivesR\x05other')
+# The GPU plugin's own XLA copy, older: lacks the pipelined all-gather flag.
+PLUGIN_LIB = (b'\x00xla_dump_to\x00xla_gpu_enable_latency_hiding_scheduler\x00'
+              b'xla_gpu_all_reduce_combine_threshold_bytes\x00')
+# A kernel library without a flag table: never consulted.
+KERNEL_LIB = b'\x00cuda_prng_kernel\x00'
+
+
+@pytest.fixture
+def libs(tmp_path):
+  paths = {'jaxlib/libjax_common.so': FLAG_LIB,
+           'jax_plugins/xla_cuda12/xla_cuda_plugin.so': PLUGIN_LIB,
+           'jax_cuda12_plugin/_cuda_prng.so': KERNEL_LIB}
+  for rel, data in paths.items():
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_bytes(data)
+  return tmp_path
+
+
+def test_libraries_are_found_in_jaxlib_and_plugin_dirs(libs):
+  found = {os.path.relpath(p, libs) for p in X.xla_libraries([str(libs)])}
+  assert found == {'jaxlib/libjax_common.so', 'jax_plugins/xla_cuda12/xla_cuda_plugin.so',
+                   'jax_cuda12_plugin/_cuda_prng.so'}
+
+
+def test_only_flags_every_flag_table_defines_are_supported(libs):
+  paths = X.xla_libraries([str(libs)])
+  names = ['xla_gpu_enable_latency_hiding_scheduler', 'xla_gpu_enable_pipelined_all_gather',
+           'xla_gpu_enable_async_collectives', 'xla_gpu_all_reduce_combine',
+           'xla_gpu_all_reduce_combine_threshold_bytes']
+  assert X.supported_flags(names, paths) == {'xla_gpu_enable_latency_hiding_scheduler',
+                                             'xla_gpu_all_reduce_combine_threshold_bytes'}
+  # jaxlib alone: the pipelined flag is there; a reserved name or a prefix of
+  # a real flag is not a flag.
+  assert X.supported_flags(names, [str(libs / 'jaxlib/libjax_common.so')]) == {
+      'xla_gpu_enable_latency_hiding_scheduler', 'xla_gpu_enable_pipelined_all_gather',
+      'xla_gpu_all_reduce_combine_threshold_bytes'}
+  # No flag table anywhere: nothing can be checked, nothing is supported.
+  assert X.supported_flags(names, [str(libs / 'jax_cuda12_plugin/_cuda_prng.so')]) == set()
+
+
+def test_apply_never_overrides_the_user_and_drops_unknown_flags(libs, monkeypatch, caplog):
+  user = '--xla_gpu_enable_latency_hiding_scheduler=false --xla_force_host_platform_device_count=8'
+  monkeypatch.setenv('XLA_FLAGS', user)
+  with caplog.at_level(logging.WARNING, logger='mjax'):
+    added = X.apply_xla_flags(True, extra='--xla_gpu_all_reduce_combine_threshold_bytes=1024',
+                              platform='gpu', libraries=X.xla_libraries([str(libs)]))
+  assert added == ['--xla_gpu_all_reduce_combine_threshold_bytes=1024']   # extra beats the default
+  assert os.environ['XLA_FLAGS'] == user + ' ' + added[0]
+  assert X.parse_flags(os.environ['XLA_FLAGS'])['xla_gpu_enable_latency_hiding_scheduler'] == 'false'
+  assert 'xla_gpu_enable_pipelined_all_gather' in caplog.text                # dropped, said so
+
+
+def test_apply_is_a_no_op_off_gpu_or_disabled(libs, monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  paths = X.xla_libraries([str(libs)])
+  assert X.apply_xla_flags(True, platform='cpu', libraries=paths) == []
+  assert X.apply_xla_flags(False, platform='gpu', libraries=paths) == []
+  assert os.environ['XLA_FLAGS'] == '--xla_force_host_platform_device_count=8'
+
+
+def test_apply_sets_nothing_when_no_flag_table_is_found(libs, monkeypatch, caplog):
+  monkeypatch.setenv('XLA_FLAGS', '')
+  with caplog.at_level(logging.WARNING, logger='mjax'):
+    assert X.apply_xla_flags(True, platform='gpu',
+                             libraries=[str(libs / 'jax_cuda12_plugin/_cuda_prng.so')]) == []
+  assert os.environ['XLA_FLAGS'] == '' and 'no jaxlib' in caplog.text
+
+
+def test_parse_flags():
+  assert X.parse_flags('--a=1  --b --c="x y" junk --a=2') == {'a': '2', 'b': None, 'c': 'x y'}
+
+
+def test_installed_xla_accepts_every_flag_that_passes_the_filter(repo_root):
+  """The real jaxlib: the filter keeps the current flags, drops the removed
+  async-collectives flag, and XLA starts with what it keeps (it aborts on an
+  unknown flag)."""
+  names = [*X.OVERLAP_FLAGS, *X.COLLECTIVE_MATMUL_FLAGS]
+  ok = X.supported_flags([*names, 'xla_gpu_enable_async_collectives'])
+  assert 'xla_gpu_enable_latency_hiding_scheduler' in ok
+  assert 'xla_gpu_enable_async_collectives' not in ok
+  code = ('import os; from mjax.parallel.xla_flags import apply_xla_flags as a; '
+          'print(len(a(True, platform="gpu", collective_matmul=True))); '
+          'import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))')
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''}
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                        cwd=repo_root, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split() == [str(len(ok & set(names))), '3.0']
