@@ -113,6 +113,26 @@ def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path, caplog)
   assert 'checkpoints/4 is unreadable' in caplog.text
 
 
+def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
+  """Fast tier every 2 steps (2 kept), persistent every 3, both at the end: a
+  restart picks the newest step across the tiers and continues bitwise."""
+  full_dir, full = uninterrupted
+  workdir, fast = str(tmp_path / 'run'), str(tmp_path / 'fast')
+  tiers = ['CheckpointConfig.save_every = 3', 'CheckpointConfig.fast_every = 2',
+           f'CheckpointConfig.fast_directory = "{fast}"']
+  train.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)
+  persistent = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
+  fast_steps = sorted(int(s) for s in os.listdir(fast) if s.isdigit())
+  assert persistent == [3, 5] and fast_steps == [4, 5]
+  # Lose the persistent copy of step 5: the fast tier's step 5 is still newest.
+  import shutil
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '5'))
+  out = train.run(cfg8(f'TrainConfig.steps = {N}', *tiers), workdir)
+  assert out['start_step'] == 5
+  assert losses(workdir) == losses(full_dir)
+  assert_bitwise(out['state'].params, full['state'].params)
+
+
 def test_partial_save_is_ignored(uninterrupted, tmp_path):
   """A save cut off mid-way leaves a temporary directory, never a step."""
   workdir = str(tmp_path)
@@ -126,11 +146,17 @@ def test_partial_save_is_ignored(uninterrupted, tmp_path):
 
 # --- the real command, one device: kill -9 and pre-emption ------------------------
 
-def mjax_train(workdir, *extra):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one device
+def mjax_train(workdir, *extra, fsdp8=False):
+  """The real command on one device, or on 8 fake devices with FSDP."""
+  env = dict(os.environ)
+  layout = ['--gin.MeshConfig.data=1']
+  if fsdp8:
+    env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    layout.append('--gin.MeshConfig.fsdp=8')
+  else:
+    env.pop('XLA_FLAGS', None)
   cmd = [os.path.join(os.path.dirname(sys.executable), 'mjax-train'), '--gin_file', 'configs/tiny.gin',
-         '--workdir', str(workdir), *[f'--gin_param={b}' for b in SMALL],
-         '--gin.MeshConfig.data=1', *extra]
+         '--workdir', str(workdir), *[f'--gin_param={b}' for b in SMALL], *layout, *extra]
   return cmd, env
 
 
@@ -142,18 +168,26 @@ def wait_for(path, proc, timeout=240):
     time.sleep(0.05)
 
 
-@pytest.fixture(scope='module')
-def one_device_reference(tmp_path_factory, repo_root):
-  workdir = tmp_path_factory.mktemp('ref1')
-  cmd, env = mjax_train(workdir, f'--gin.TrainConfig.steps={N}')
+def reference_run(workdir, repo_root, fsdp8=False):
+  cmd, env = mjax_train(workdir, f'--gin.TrainConfig.steps={N}', fsdp8=fsdp8)
   proc = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   return workdir
 
 
+@pytest.fixture(scope='module')
+def one_device_reference(tmp_path_factory, repo_root):
+  return reference_run(tmp_path_factory.mktemp('ref1'), repo_root)
+
+
 @pytest.mark.slow
-def test_kill_9_after_checkpoint_resumes_bitwise(one_device_reference, tmp_path, repo_root):
-  cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}', '--gin.CheckpointConfig.save_every=3')
+@pytest.mark.parametrize('fsdp8', [False, True], ids=['1device', '8devices_fsdp'])
+def test_kill_9_after_checkpoint_resumes_bitwise(one_device_reference, tmp_path, tmp_path_factory,
+                                                repo_root, fsdp8):
+  reference = (reference_run(tmp_path_factory.mktemp('ref8'), repo_root, fsdp8=True) if fsdp8
+               else one_device_reference)
+  cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}', '--gin.CheckpointConfig.save_every=3',
+                        fsdp8=fsdp8)
   proc = subprocess.Popen(cmd, env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   wait_for(os.path.join(tmp_path, 'checkpoints', '3', 'meta'), proc)  # a complete checkpoint
   proc.send_signal(signal.SIGKILL)
@@ -162,8 +196,8 @@ def test_kill_9_after_checkpoint_resumes_bitwise(one_device_reference, tmp_path,
   resumed = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert 'resumed from' in resumed.stdout
-  assert losses(tmp_path) == losses(one_device_reference)
-  assert_bitwise(final_state(tmp_path, N), final_state(one_device_reference, N))
+  assert losses(tmp_path) == losses(reference)
+  assert_bitwise(final_state(tmp_path, N), final_state(reference, N))
 
 
 @pytest.mark.slow
