@@ -245,6 +245,29 @@ class TrainConfig:
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
+class FaultConfig:
+  """Fault tolerance: timeouts, restarts, stragglers (see mjax/ft/).
+
+  Timeouts form a hierarchy, heartbeat < progress < collective, so that the
+  driver notices a dead or stuck process and acts before a collective on
+  the healthy ones times out by itself.
+  """
+  heartbeat_interval_s: float = 2.0
+  heartbeat_timeout_s: float = 20.0     # no heartbeat for this long: process lost
+  progress_timeout_s: float = 120.0     # heartbeats but no new step: hang
+  collective_timeout_s: float = 600.0   # what the collectives themselves tolerate
+  timing_every: int = 10                # steps between per-process timing flushes
+  straggler_margin: float = 0.2         # slower than the median by this share...
+  straggler_window: int = 20            # ...over this many steps: a straggler
+  evict_stragglers: bool = False
+  max_restarts: int = 5
+  restart_backoff_s: float = 2.0        # doubled after each restart, capped at 60 s
+  loss_spike_factor: float = 3.0        # loss > factor x running median: a spike
+  loss_spike_count: int = 3             # this many spikes in a row: a fault
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -252,10 +275,11 @@ class Config:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  fault: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
 
 SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'optim': OptimConfig, 'mesh': MeshConfig,
-            'checkpoint': CheckpointConfig, 'train': TrainConfig}
+            'checkpoint': CheckpointConfig, 'train': TrainConfig, 'fault': FaultConfig}
 _CLASSES = {c.__name__: c for c in SECTIONS.values()}
 BYTE_VOCAB = 258  # 256 byte values + EOS + PAD; see mjax.data
 
@@ -545,6 +569,16 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   if ck.restore_from is not None and not os.path.isdir(os.path.expanduser(ck.restore_from)):
     _fail('CheckpointConfig.restore_from', ck.restore_from,
           'must be an existing checkpoint directory (a run\'s checkpoints/ or one of its step folders)')
+
+  f = cfg.fault
+  _positive(f, 'heartbeat_interval_s', 'heartbeat_timeout_s', 'progress_timeout_s',
+            'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
+            'loss_spike_count')
+  _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', allow_zero=True)
+  if not (f.heartbeat_interval_s < f.heartbeat_timeout_s < f.progress_timeout_s < f.collective_timeout_s):
+    _fail('FaultConfig timeouts', (f.heartbeat_interval_s, f.heartbeat_timeout_s, f.progress_timeout_s,
+                                   f.collective_timeout_s),
+          'need heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s < collective_timeout_s')
 
   for a in mesh.AXES:
     for key in (a, 'dcn_' + a):

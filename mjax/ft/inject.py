@@ -1,0 +1,87 @@
+"""Test-only fault injection, from the environment.
+
+    MJAX_FAULT="kill:step=12:process=1"     SIGKILL itself before step 12
+    MJAX_FAULT="hang:step=12:process=0"     stop making progress at step 12
+    MJAX_FAULT="slow:factor=1.3:process=2"  every step takes 1.3x as long
+    MJAX_FAULT="nan:step=8"                 report a NaN loss at step 8
+    MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
+
+Several faults are separated by ';'. `process` defaults to every process.
+A fault fires in the first attempt only, unless `attempt=N` names another
+(the driver exports MJAX_ATTEMPT, counting restarts from 0), so a restarted
+run goes past the step that failed. Nothing here is reachable unless
+MJAX_FAULT is set: production runs never pay for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Optional
+
+KINDS = ('kill', 'hang', 'slow', 'nan', 'exit')
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+  kind: str
+  step: int = 0
+  process: Optional[int] = None
+  factor: float = 1.0
+  code: int = 1
+  attempt: int = 0
+
+
+def parse(spec: str) -> list[Fault]:
+  """Parses MJAX_FAULT; raises ValueError naming the bad part."""
+  faults = []
+  for part in filter(None, (p.strip() for p in spec.split(';'))):
+    kind, *fields = part.split(':')
+    if kind not in KINDS:
+      raise ValueError(f'MJAX_FAULT: unknown fault {kind!r} in {part!r}; known: {", ".join(KINDS)}')
+    kw = {}
+    for f in fields:
+      key, _, value = f.partition('=')
+      if key not in ('step', 'process', 'factor', 'code', 'attempt'):
+        raise ValueError(f'MJAX_FAULT: unknown field {key!r} in {part!r}')
+      kw[key] = float(value) if key == 'factor' else int(value)
+    faults.append(Fault(kind, **kw))
+  return faults
+
+
+class Injector:
+  """Fires the faults meant for this process at the right step."""
+
+  def __init__(self, faults: list[Fault], process_index: int, attempt: int):
+    self.faults = [f for f in faults
+                   if (f.process is None or f.process == process_index) and f.attempt == attempt]
+    self._t = None
+
+  @classmethod
+  def from_env(cls, process_index: int) -> Optional['Injector']:
+    spec = os.environ.get('MJAX_FAULT')
+    if not spec:
+      return None
+    return cls(parse(spec), process_index, int(os.environ.get('MJAX_ATTEMPT', '0')))
+
+  def before_step(self, step: int) -> None:
+    for f in self.faults:
+      if f.kind == 'kill' and step == f.step:
+        os.kill(os.getpid(), signal.SIGKILL)
+      if f.kind == 'exit' and step == f.step:
+        os._exit(f.code)
+      if f.kind == 'hang' and step == f.step:
+        while True:  # a stuck collective: alive, heartbeating, no progress
+          time.sleep(3600)
+    self._t = time.perf_counter()
+
+  def after_step(self, step: int, loss: float) -> float:
+    """Returns the loss to report (NaN when a nan fault fires)."""
+    for f in self.faults:
+      if f.kind == 'slow' and self._t is not None:
+        time.sleep((f.factor - 1.0) * (time.perf_counter() - self._t))
+      if f.kind == 'nan' and step == f.step:
+        return float('nan')
+    return loss
