@@ -15,6 +15,8 @@ import sys
 from typing import Optional, Sequence
 
 DEFAULT_GIN = 'tiny.gin'
+EXIT_BAD_INPUT = 2     # config, data or usage error: retrying will not help
+EXIT_NONFINITE = 3     # the loss became NaN/Inf
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -60,7 +62,7 @@ def _load(prog: str, args, bindings, num_devices: Optional[int]):
 
 def _die(prog: str, message: str):
   print(f'{prog}: error: {message}', file=sys.stderr)
-  sys.exit(2)
+  sys.exit(EXIT_BAD_INPUT)
 
 
 def _apply_overlap_flags(cfg) -> None:
@@ -71,6 +73,16 @@ def _apply_overlap_flags(cfg) -> None:
                   collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1)
 
 
+def _join_job(prog: str) -> None:
+  """Joins a multi-process job described by the environment (mjax/distributed.py):
+  after the XLA flags are set, before anything starts the JAX backend."""
+  from mjax import distributed
+  try:
+    distributed.initialize_from_env()
+  except distributed.DistributedError as e:
+    _die(prog, str(e))
+
+
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
   """mjax-train: trains a model described by gin files."""
   prog = 'mjax-train'
@@ -79,6 +91,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
                  help='run directory: config, metrics.jsonl, TensorBoard events (default: runs/<config>)')
   args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
   _apply_overlap_flags(_load(prog, args, bindings, num_devices=None))
+  _join_job(prog)
   import jax
   cfg = _load(prog, args, bindings, num_devices=jax.device_count())
   workdir = args.workdir or os.path.join(
@@ -89,6 +102,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     train.run(cfg, workdir)
   except DataError as e:
     _die(prog, str(e))
+  except train.NonFiniteLoss as e:
+    # A distinct status, so that a supervisor can tell a numerical fault
+    # (roll back, skip the data) from a crash (restart as is).
+    print(f'{prog}: error: {e}; last good checkpoint kept', file=sys.stderr)
+    sys.exit(EXIT_NONFINITE)
 
 
 def flops_main(argv: Optional[Sequence[str]] = None) -> None:
@@ -111,17 +129,27 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
         XLA_FLAGS=--xla_force_host_platform_device_count=N.
     mjax-report memory --gin_file F --mesh data=16,tensor=8,pipeline=8 [--micro_batch N]
         prints a per-device memory estimate for a hypothetical mesh (no devices).
+    mjax-report stragglers WORKDIR [--out DIR] [--phase P] [--margin M] [--window W]
+        reads the per-process step timings of a run (WORKDIR/timings), prints a
+        per-process summary with a straggler verdict, and writes a heat map
+        (stragglers.png) and a Chrome/Perfetto trace (trace.json) to DIR
+        (default WORKDIR/stragglers). Defaults of --margin and --window come
+        from the run's config.json when it has one.
   """
   import textwrap
   prog = 'mjax-report'
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or argv[0] not in ('comm', 'memory'):
+  if not argv or argv[0] not in ('comm', 'memory', 'stragglers'):
     asked = argv[:1] in (['-h'], ['--help'])
     usage = textwrap.dedent(report_main.__doc__.split('\n', 1)[1]).rstrip()
     print('usage:' + usage, file=sys.stdout if asked else sys.stderr)
     sys.exit(0 if asked else 2)
   command, rest = argv[0], argv[1:]
   prog = f'{prog} {command}'
+
+  if command == 'stragglers':
+    _report_stragglers(prog, rest)
+    return
 
   if command == 'memory':
     p = _parser(prog, 'Per-device memory estimate of a config on a hypothetical mesh (nothing is allocated).')
@@ -155,6 +183,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
   args, bindings = _split_overrides(p, rest)
   if args.overlap_flags:
     _apply_overlap_flags(_load(prog, args, bindings, num_devices=None))
+  _join_job(prog)
   import time
   import jax
   cfg = _load(prog, args, bindings, num_devices=jax.device_count())
@@ -172,6 +201,74 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
         f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
   print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
 
+
+
+def _report_stragglers(prog: str, argv: Sequence[str]) -> None:
+  """`mjax-report stragglers`: summary table, heat map and trace of a run's timings."""
+  from mjax.config import FaultConfig
+  from mjax.ft import stragglers as st
+  p = argparse.ArgumentParser(
+      prog=prog, description='Per-process step timings of a run: summary with straggler verdict, '
+      'heat map (processes x steps) and a Chrome/Perfetto trace of every process\'s phases.')
+  p.add_argument('workdir', help='the run directory (holds timings/process-*.jsonl)')
+  p.add_argument('--out', default=None, help='where to write stragglers.png and trace.json '
+                 '(default WORKDIR/stragglers)')
+  p.add_argument('--phase', default=st.STEP,
+                 help="what the heat map colours and the table's p50 / p90 describe: 'step' (sum of "
+                      "phases, default) or a phase (data, compute, checkpoint, eval); the verdict "
+                      "always weighs every phase and the end times")
+  p.add_argument('--margin', type=float, default=None,
+                 help='slower than the others by this share: a straggler (default: the run\'s '
+                      f'FaultConfig.straggler_margin, else {FaultConfig.straggler_margin})')
+  p.add_argument('--window', type=int, default=None,
+                 help='judge on this many of the latest steps (default: the run\'s '
+                      f'FaultConfig.straggler_window, else {FaultConfig.straggler_window})')
+  p.add_argument('--json', action='store_true', help='print the summary as JSON instead of a table')
+  args = p.parse_args(argv)
+  # The run's own thresholds, so that the report agrees with what its driver saw.
+  fault = {}
+  try:
+    with open(os.path.join(args.workdir, 'config.json')) as fh:
+      fault = json.load(fh).get('fault', {}) or {}
+  except (OSError, ValueError, AttributeError):
+    pass
+  margin = args.margin if args.margin is not None else fault.get('straggler_margin', FaultConfig.straggler_margin)
+  window = args.window if args.window is not None else fault.get('straggler_window', FaultConfig.straggler_window)
+  if margin <= 0 or window < 1:
+    _die(prog, f'--margin {margin} must be > 0 and --window {window} >= 1.')
+  try:
+    rows = st.load_rows(args.workdir)
+  except FileNotFoundError as e:
+    _die(prog, str(e))
+  known = st.phases_of(rows)
+  if args.phase != st.STEP and args.phase not in known:
+    _die(prog, f'--phase {args.phase!r}: this run\'s timings have the phases {", ".join(known)}; '
+               f"give one of them or 'step' (their sum).")
+  from mjax.ft import timeline
+  table = st.summary_table(rows, margin=margin, window=window, metric=args.phase)
+  found = st.find_stragglers(rows, margin=margin, window=window)
+  out = args.out or os.path.join(args.workdir, 'stragglers')
+  png = timeline.plot_heatmap(rows, os.path.join(out, 'stragglers.png'), metric=args.phase,
+                              run=os.path.abspath(args.workdir), stragglers=[s.process for s in found])
+  trace = timeline.write_trace(rows, os.path.join(out, 'trace.json'))
+  if args.json:
+    print(json.dumps({'margin': margin, 'window': window, 'metric': args.phase, 'processes': table,
+                      'stragglers': [s.to_json() for s in found], 'heatmap': png, 'trace': trace}, indent=2))
+    return
+  n_steps = len({r['step'] for r in rows})
+  print(f'{prog}: {len(table)} process(es), {n_steps} step(s) in {st.timings_dir(args.workdir)}; '
+        f'straggler: > {margin:.0%} slower than the others over the last {window} steps\n')
+  print(st.format_table(table, metric=args.phase))
+  print()
+  if len(table) < 2:
+    print('one process: nothing to compare it with, no straggler verdict.')
+  elif n_steps < window:
+    print(f'fewer than {window} steps: no straggler verdict yet.')
+  elif not found:
+    print('no straggler.')
+  for s in found:
+    print('straggler: ' + s.describe())
+  print(f'heat map: {png}\ntrace:    {trace} (open in ui.perfetto.dev or chrome://tracing)')
 
 def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
   """mjax-prepare: tokenizes text once into memory-mapped shards, or verifies shards.
@@ -256,6 +353,84 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   except DataError as e:
     _die(prog, str(e))
   print(json.dumps({'files': len(files), **info.to_json()}, indent=2))
+
+
+
+def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-diagnose: short health checks of this host's devices.
+
+    mjax-diagnose [--json] [--min_fraction F] [--memory_fraction F] [--checks matmul,memory,...]
+
+  Exit status 0 when every check passes, 1 when any fails (the host should
+  not take part in a job), 2 for a usage error. Under a multi-process
+  launch (see mjax/distributed.py) every process of the job must run it:
+  the cross-process collectives are checked too.
+  """
+  prog = 'mjax-diagnose'
+  from mjax.ft import diagnose
+  p = argparse.ArgumentParser(
+      prog=prog, description='Health checks of this host: matmul throughput per device, device memory, '
+      'all-reduce / all-gather bus bandwidth (and across processes in a multi-process job). '
+      'Exit 0: all pass; 1: a check failed.')
+  p.add_argument('--json', action='store_true', help='print {"host", "process", "passed", "checks": [...]} as JSON')
+  p.add_argument('--min_fraction', type=float, default=0.5,
+                 help='least acceptable share of the expected matmul throughput and link bandwidth (default 0.5)')
+  p.add_argument('--memory_fraction', type=float, default=0.5,
+                 help='share of each accelerator\'s memory to allocate and verify (default 0.5)')
+  p.add_argument('--cpu_memory_mib', type=int, default=128, help='MiB to allocate per CPU device (default 128)')
+  p.add_argument('--collective_mib', type=int, default=None,
+                 help='collective message size in MiB (default 256 on accelerators, 8 on CPU)')
+  p.add_argument('--checks', default=','.join(diagnose.CHECKS),
+                 help=f'comma-separated subset of {",".join(diagnose.CHECKS)} (default: all)')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  checks = [c.strip() for c in args.checks.split(',') if c.strip()]
+  if not 0 < args.min_fraction <= 1 or not 0 < args.memory_fraction < 1:
+    _die(prog, f'--min_fraction {args.min_fraction} must be in (0, 1] and --memory_fraction '
+               f'{args.memory_fraction} in (0, 1).')
+  try:
+    diagnose.injected_failures()  # a typo in the test-only variable is a usage error, found before any work
+  except ValueError as e:
+    _die(prog, str(e))
+  # With --json, stdout must hold the JSON document alone, but native
+  # libraries (gloo's connection messages) print to it: send their output to
+  # stderr until the report is ready.
+  saved = None
+  if args.json:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+  try:
+    _join_job(prog)
+    report = diagnose.run_diagnostics(
+        checks, min_fraction=args.min_fraction, memory_fraction=args.memory_fraction,
+        cpu_memory_bytes=args.cpu_memory_mib * diagnose.MIB,
+        collective_bytes=args.collective_mib * diagnose.MIB if args.collective_mib else None)
+  except ValueError as e:
+    _die(prog, str(e))
+  finally:
+    if saved is not None:
+      sys.stdout.flush()
+      os.dup2(saved, 1)
+      os.close(saved)
+  if args.json:
+    print(json.dumps(report.to_json(), indent=2))
+  else:
+    print(f'{prog}: ' + diagnose.format_report(report))
+  sys.exit(0 if report.passed else 1)
+
+
+def launch_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-launch: runs mjax-train under the fault-tolerance driver.
+
+    mjax-launch --processes N [--devices M] [--hosts h1,h2 --spares h3] --workdir DIR \
+        -- <mjax-train args>
+
+  Heartbeats, hang / NaN / straggler detection, diagnostics, blocked hosts
+  and automatic restarts: see mjax/ft/driver.py. Exit status 0: finished,
+  1: gave up (events.jsonl says why), 2: bad input.
+  """
+  from mjax.ft import driver
+  sys.exit(driver.main(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == '__main__':

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import signal
@@ -32,8 +33,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax.checkpoint import Checkpointer, restore_from_path
+from mjax.ft.heartbeat import HeartbeatClient
+from mjax.ft.inject import Injector
 from mjax.config import Config
-from mjax.metrics import MetricsWriter, peak_flops
+from mjax.metrics import MetricsWriter, PhaseTimer, peak_flops
 from mjax.model import Transformer
 from mjax.model.transformer import LayerGroup, remat
 from mjax.model.flops import flops_per_token
@@ -282,6 +285,7 @@ def run(cfg: Config, workdir: str) -> dict:
   devices = list(mesh.devices.flat)
   say = lambda msg: print(msg, flush=True) if is_main else None
 
+  marks = {'setup': time.perf_counter()}
   # --- 2. program --------------------------------------------------------------
   program = make_program(cfg, mesh)
   fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -297,6 +301,7 @@ def run(cfg: Config, workdir: str) -> dict:
     say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches: bubble (p-1)/(v m) = '
         f'{pipeline.bubble_fraction(p, v, m):.1%}')
 
+  marks['program'] = time.perf_counter()
   # --- 3. state: resume (see mjax/checkpoint.py for the rules) or initialize --
   ckpt = Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
   restored = ckpt.restore_latest(program.abstract_state(canonical=True)) if ckpt else None
@@ -312,16 +317,26 @@ def run(cfg: Config, workdir: str) -> dict:
       state = program.init(jax.random.key(cfg.train.seed))
   start_step = int(state.step)
 
+  marks['state'] = time.perf_counter()
   # --- 4. data -----------------------------------------------------------------
   pid, nproc = jax.process_index(), jax.process_count()
   train_iter = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
                                             process_index=pid, process_count=nproc)
   if restored is not None and restored.data:
     train_iter.set_state(restored.data)   # continue exactly where the data stopped
+  # Fault tolerance: after a NaN / loss-spike rollback the driver
+  # (mjax/ft/driver.py) skips the batches between the checkpoint and the bad
+  # step, so the restart does not replay them. Unset: nothing skipped.
+  skip = int(os.environ.get('MJAX_SKIP_DATA_STEPS', '0') or 0)
+  for _ in range(skip):
+    next(train_iter)
+  if skip:
+    say(f'mjax: skipped {skip} batches (MJAX_SKIP_DATA_STEPS, after a rollback)')
   eval_batches = [program.to_global(b) for b in data_lib.make_eval_batches(
       cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches,
       process_index=pid, process_count=nproc)]
 
+  marks['data'] = time.perf_counter()
   # --- 5. compile --------------------------------------------------------------
   t0 = time.perf_counter()
   with program.context():
@@ -343,14 +358,21 @@ def run(cfg: Config, workdir: str) -> dict:
     nonlocal t_last
     m = jax.device_get(metrics)          # waits for that step only
     now = time.perf_counter()
+    if 'startup' not in summary:
+      summary['startup'] = _startup_report(marks, t_start, compile_s, now)
+      say('mjax: startup ' + json.dumps(summary['startup']))
     dt, t_last = now - t_last, now
     tps = tokens_per_step / dt
     rec = {k: float(v) for k, v in m.items()}
+    if injector is not None:
+      rec['loss'] = injector.after_step(step, rec['loss'])
     rec.update(step_time=dt, tokens_per_sec=tps, mfu=fpt * tps / peak)
     times.append(dt)
     losses.append(rec['loss'])
+    if heartbeat is not None:    # fault tolerance: step, loss, time to the driver
+      heartbeat.report_step(step, rec['loss'], dt)
     if not np.isfinite(rec['loss']):
-      raise FloatingPointError(f'loss is {rec["loss"]} at step {step}')
+      raise NonFiniteLoss(step, rec['loss'])
     if step % cfg.train.log_every == 0 or step == cfg.train.steps:
       writer.write(step, rec)
     bar.set_postfix(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:,.0f}', mfu=f'{rec["mfu"]:.1%}', refresh=False)
@@ -362,21 +384,39 @@ def run(cfg: Config, workdir: str) -> dict:
         ckpt.save(step, program.to_canonical(state), train_iter.get_state(), meta, force=force)
 
   step = start_step
+  timer = PhaseTimer(workdir, pid, every=cfg.fault.timing_every)
+  timer.current, timer.step = 'compute', start_step
+  injector = Injector.from_env(pid)          # test-only; None in production
+  heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # fault tolerance; None without mjax-launch
   with _StopOnSignal() as stop:
     for step in range(start_step + 1, cfg.train.steps + 1):
-      batch = program.to_global(next(train_iter))
-      state, metrics = step_fn(state, batch)
-      if pending is not None:
-        finish(*pending)
+      if injector is not None:
+        injector.before_step(step)
+      with timer.phase('data'):
+        batch = program.to_global(next(train_iter))
+      with timer.phase('compute'):
+        state, metrics = step_fn(state, batch)
+        if pending is not None:
+          finish(*pending)
       pending = (step, metrics)
-      # Async: blocks only for the device-to-host copy, then training goes on.
-      save(step)
-      if stop.signal is not None:
-        break
-      if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
+      if ckpt is not None and ckpt.due(step):
+        # Only a state whose loss is known to be finite may become a checkpoint
+        # (a NaN checkpoint would make every restart fail again): wait for this
+        # step's metrics, then save. Async: blocks only for the device-to-host
+        # copy, then training goes on.
         finish(*pending)
         pending = None
-        eval_loss = evaluate(program, state.params, eval_batches)
+        with timer.phase('checkpoint'):
+          save(step)
+      timer.end_step(step)
+      if stop.agreed(step):
+        break
+      if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
+        if pending is not None:
+          finish(*pending)
+          pending = None
+        with timer.phase('eval'):
+          eval_loss = evaluate(program, state.params, eval_batches)
         writer.write(step, {'eval_loss': eval_loss})
         bar.write(f'step {step}: eval_loss {eval_loss:.4f}') if not bar.disable else say(
             f'mjax: step {step}: eval_loss {eval_loss:.4f}')
@@ -387,8 +427,11 @@ def run(cfg: Config, workdir: str) -> dict:
     save(step, force=True)      # skipped when this step is already saved
     if ckpt is not None:
       ckpt.close()              # every save durable before we report or exit
+    timer.close()
+    if heartbeat is not None:    # fault tolerance: tells the driver we are wrapping up
+      heartbeat.close()
 
-  if stop.signal is not None:
+  if stop.stopped:
     writer.close()
     say(f'mjax: received {stop.name} after step {step}: checkpoint saved, exiting cleanly')
     summary.update(preempted=True, final_step=step, state=state)
@@ -411,17 +454,80 @@ def run(cfg: Config, workdir: str) -> dict:
   return summary
 
 
+def _startup_report(marks: dict, t_start: float, compile_s: float, first_step_done: float) -> dict:
+  """Seconds spent getting to the first completed step, by part (MegaScale
+  §5: start-up time is a measured number). `launch_to_first_step_s` counts
+  from MJAX_LAUNCH_TIME (set by the launcher) and so includes interpreter
+  start, imports and distributed initialization."""
+  from mjax import distributed
+  out = {
+      'distributed_init_s': distributed.init_seconds(),
+      'setup_s': marks['setup'] - t_start,
+      'program_s': marks['program'] - marks['setup'],
+      'state_s': marks['state'] - marks['program'],
+      'data_s': marks['data'] - marks['state'],
+      'compile_s': compile_s,
+      'first_step_s': first_step_done - marks['data'] - compile_s,
+      'run_to_first_step_s': first_step_done - t_start,
+  }
+  launched = os.environ.get('MJAX_LAUNCH_TIME')
+  if launched:
+    out['launch_to_first_step_s'] = time.time() - (time.perf_counter() - first_step_done) - float(launched)
+  return {k: round(v, 3) for k, v in out.items()}
+
+
+class NonFiniteLoss(FloatingPointError):
+  """The loss became NaN/Inf: the driver rolls back to the last checkpoint."""
+
+  def __init__(self, step: int, loss: float):
+    super().__init__(f'loss is {loss} at step {step}')
+    self.step = step
+
+
 class _StopOnSignal:
   """SIGTERM / SIGINT (pre-emption, Ctrl-C) ask the loop to finish the step,
   save and exit 0. A second signal gets the default behaviour (kill now)."""
 
+  # A few steps ahead of the step the first signalled process has reached:
+  # each step's collectives keep the processes within a step or two of each
+  # other, so none can have passed it yet.
+  MARGIN = 2
+  KEY = 'mjax/stop/after_step'
+
   def __init__(self):
     self.signal = None
     self._old = {}
+    self._stop_after: Optional[int] = None
+    self.stopped = False     # the loop was left early, in every process alike
 
   @property
   def name(self) -> str:
-    return signal.Signals(self.signal).name if self.signal is not None else ''
+    return signal.Signals(self.signal).name if self.signal is not None else 'a stop request'
+
+  def agreed(self, step: int) -> bool:
+    """Whether to stop after `step`. One process: once signalled. Several:
+    after the same step in every process, since a signal reaches them between
+    different steps, and a process that stops alone leaves the others waiting
+    in the next step's collectives forever. The first process signalled
+    proposes a step through the coordination service; all read it."""
+    self.stopped = self._agreed(step)
+    return self.stopped
+
+  def _agreed(self, step: int) -> bool:
+    if jax.process_count() == 1:
+      return self.signal is not None
+    from jax._src.distributed import global_state
+    client = global_state.client
+    if self._stop_after is None:
+      if self.signal is not None:
+        try:
+          client.key_value_set(self.KEY, str(step + self.MARGIN))
+        except Exception:  # another process proposed first: theirs stands
+          pass
+      found = dict(client.key_value_dir_get(self.KEY.rsplit('/', 1)[0]))
+      if found:
+        self._stop_after = int(next(iter(found.values())))
+    return self._stop_after is not None and step >= self._stop_after
 
   def _handle(self, signum, frame):
     if self.signal is not None:

@@ -120,7 +120,9 @@ class Transformer(nn.Module):
 
     x = make_norm(c, 'final_norm')(x)
     if c.tie_embeddings:
-      logits = jnp.einsum('bse,ve->bsv', x, table.astype(dtype))
+      # The gathered table of the lookup serves the tied head too: one
+      # all-gather of the embedding per step instead of two.
+      logits = jnp.einsum('bse,ve->bsv', x, lookup.astype(dtype))
     else:
       head = self.param('lm_head', nn.with_logical_partitioning(
           nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)

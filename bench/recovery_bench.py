@@ -1,0 +1,196 @@
+"""Recovery time and effective training time under mjax-launch.
+
+  python bench/recovery_bench.py --processes 2 --steps 400 --fault_every_s 60
+
+Two runs of the same job in fresh workdirs, the persistent compilation
+cache warmed first (one short run), so a restart's compile is a cache hit:
+
+  baseline  no fault
+  faulty    every --fault_every_s seconds of wall time a random training
+            process is sent SIGKILL (once the current attempt is training)
+
+For each fault of the faulty run, from the driver's events.jsonl and the
+trainer's start-up report, the time from the kill to training back at the
+step reached before it, split into:
+  detection     kill -> fault event
+  stop          fault -> every process gone (SIGTERM, SIGKILL after grace)
+  diagnosis     mjax-diagnose on every host
+  backoff       restart_backoff_s
+  start + init  interpreter, imports, jax.distributed (launch -> run())
+  restore       checkpoint read (the trainer's `state_s`)
+  compile       the train step, from the persistent cache
+  other setup   mesh, program, data iterator
+  first step    process 0's first step, which waits in its first collective
+                for the slowest process to finish its own start-up
+  catch-up      first step -> the pre-crash step again
+Effective training time = steps x median step time of the baseline / wall
+time of the run: the share of wall time that moved training forward.
+
+MegaScale's production figures are for faults every few hours on weeks-long
+runs; on a 2-core CPU the run is scaled down to minutes, with faults every
+minute, so the ratio here is a stress figure, not a production estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from mjax.ft import events as events_lib  # noqa: E402
+
+PARTS = ('detection', 'stop', 'diagnosis', 'backoff', 'start_init', 'restore', 'compile', 'other_setup',
+         'first_step', 'catch_up', 'total')
+
+
+def launch_cmd(args, workdir, steps):
+  exe = os.path.join(os.path.dirname(sys.executable), 'mjax-launch')
+  return [exe, '--processes', str(args.processes), '--devices', '1', '--workdir', workdir,
+          '--grace_s', str(args.grace_s), '--diagnose_args', args.diagnose_args, '--quiet', '--',
+          '--gin_file', args.gin_file, f'--gin.TrainConfig.steps={steps}', '--gin.TrainConfig.progress=False',
+          f'--gin.CheckpointConfig.save_every={args.save_every}',
+          f'--gin.CheckpointConfig.fast_every={args.fast_every}',
+          f'--gin.CheckpointConfig.fast_directory={os.path.join(workdir, "fast")}',
+          f'--gin.TrainConfig.eval_every={args.eval_every}',
+          '--gin.FaultConfig.restart_backoff_s=1', f'--gin.FaultConfig.max_restarts={args.max_restarts}',
+          *args.extra]
+
+
+def run(args, workdir, steps, fault_every_s=None):
+  """Runs the driver; returns (wall seconds, [kill records])."""
+  env = {k: v for k, v in os.environ.items() if k not in ('MJAX_FAULT', 'XLA_FLAGS')}
+  t0 = time.time()
+  proc = subprocess.Popen(launch_cmd(args, workdir, steps), cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  kills, rng = [], random.Random(args.seed)
+  log = os.path.join(workdir, 'events.jsonl')
+  next_kill = t0 + fault_every_s if fault_every_s else None
+  while proc.poll() is None:
+    time.sleep(0.1)
+    if next_kill is None or time.time() < next_kill:
+      continue
+    evs = events_lib.read(log)
+    launches = [e for e in evs if e['event'] == 'launch']
+    if not launches:
+      continue
+    attempt = launches[-1]['attempt']
+    ready = {e['event'] for e in evs if e.get('attempt') == attempt}
+    if 'startup' not in ready or (attempt > 0 and 'caught_up' not in ready):
+      continue            # still recovering from the last one: kill once it has caught up
+    victim = rng.randrange(len(launches[-1]['pids']))
+    try:
+      os.kill(launches[-1]['pids'][victim], signal.SIGKILL)
+    except ProcessLookupError:
+      continue
+    kills.append({'time': time.time(), 'attempt': launches[-1]['attempt'], 'process': victim})
+    next_kill = time.time() + fault_every_s
+  out = proc.stdout.read()
+  if proc.returncode != 0:
+    raise SystemExit(f'recovery_bench: the driver exited {proc.returncode}:\n{out[-3000:]}')
+  return time.time() - t0, kills
+
+
+def step_times(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return [r['step_time'] for r in rows if 'step_time' in r]
+
+
+def breakdown(workdir, kills):
+  """One dict of PARTS per kill, from the events."""
+  evs = events_lib.read(os.path.join(workdir, 'events.jsonl'))
+  out = []
+  for k in kills:
+    after = [e for e in evs if e['time'] >= k['time'] - 0.01]
+    def first(kind, since=None, attempt=None):
+      return next((e for e in after if e['event'] == kind and (since is None or e['time'] >= since['time'])
+                   and (attempt is None or e.get('attempt') == attempt)), None)
+    fault = first('fault')
+    stopped = first('stopped', fault)
+    restart = first('restart', stopped)
+    launch = first('launch', restart)
+    if None in (fault, stopped, restart, launch):
+      continue
+    startup = first('startup', launch, launch['attempt'])
+    caught = first('caught_up', launch, launch['attempt'])
+    if None in (startup, caught):
+      continue
+    diag = [e for e in after if e['event'] == 'diagnosis' and stopped['time'] <= e['time'] <= restart['time']]
+    diag_end = max((e['time'] for e in diag), default=stopped['time'])
+    first_step = launch['time'] + startup['launch_to_first_step_s']
+    start_init = startup['launch_to_first_step_s'] - startup['run_to_first_step_s']
+    other = (startup['run_to_first_step_s'] - startup['state_s'] - startup['compile_s']
+             - startup['first_step_s'])
+    out.append({
+        'detection': fault['time'] - k['time'], 'stop': stopped['time'] - fault['time'],
+        'diagnosis': diag_end - stopped['time'], 'backoff': launch['time'] - diag_end,
+        'start_init': start_init, 'restore': startup['state_s'], 'compile': startup['compile_s'],
+        'other_setup': other, 'catch_up': caught['time'] - first_step, 'total': caught['time'] - k['time'],
+        'distributed_init': startup['distributed_init_s'], 'first_step': startup['first_step_s'],
+        'steps_redone': (fault.get('reached_step') or 0) - restart['checkpoint_step'],
+    })
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--processes', type=int, default=2)
+  p.add_argument('--gin_file', default='configs/tiny.gin')
+  p.add_argument('--steps', type=int, default=400)
+  p.add_argument('--fault_every_s', type=float, default=60.0)
+  p.add_argument('--save_every', type=int, default=10, help='persistent tier cadence (steps)')
+  p.add_argument('--fast_every', type=int, default=0, help='fast tier cadence (steps; 0: none)')
+  p.add_argument('--eval_every', type=int, default=0)
+  p.add_argument('--grace_s', type=float, default=2.0)
+  p.add_argument('--max_restarts', type=int, default=20)
+  p.add_argument('--diagnose_args', default='--checks memory,allreduce')
+  p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--keep', default=None, help='keep the workdirs under this folder')
+  args, extra = p.parse_known_args(argv)
+  args.extra = extra
+  root = args.keep or tempfile.mkdtemp(prefix='recovery_bench_')
+  os.makedirs(root, exist_ok=True)
+  try:
+    print(f'recovery_bench: warming the compilation cache', file=sys.stderr, flush=True)
+    run(args, os.path.join(root, 'warm'), 3)
+    print(f'recovery_bench: baseline, {args.steps} steps', file=sys.stderr, flush=True)
+    base_wall, _ = run(args, os.path.join(root, 'baseline'), args.steps)
+    med = statistics.median(step_times(os.path.join(root, 'baseline'))[3:])
+    print(f'recovery_bench: faulty run, a kill every {args.fault_every_s:.0f}s', file=sys.stderr, flush=True)
+    faulty_dir = os.path.join(root, 'faulty')
+    wall, kills = run(args, faulty_dir, args.steps, args.fault_every_s)
+    parts = breakdown(faulty_dir, kills)
+    faults = [e for e in events_lib.read(os.path.join(faulty_dir, 'events.jsonl')) if e['event'] == 'fault']
+    result = {
+        'processes': args.processes, 'steps': args.steps, 'median_step_s': med,
+        'baseline': {'wall_s': base_wall, 'effective': args.steps * med / base_wall},
+        'faulty': {'wall_s': wall, 'effective': args.steps * med / wall, 'kills': len(kills),
+                   'faults_detected': len(faults)},
+        'recovery': parts,
+        'recovery_median': {k: statistics.median(r[k] for r in parts) for k in PARTS} if parts else {},
+    }
+    print(json.dumps(result, indent=1))
+    if parts:
+      print('\n| part | ' + ' | '.join(f'fault {i + 1}' for i in range(len(parts))) + ' | median |')
+      print('|---|' + '---|' * (len(parts) + 1))
+      for k in PARTS:
+        print(f'| {k} | ' + ' | '.join(f'{r[k]:.1f}' for r in parts) +
+              f' | {result["recovery_median"][k]:.1f} |')
+    return 0
+  finally:
+    if not args.keep:
+      shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,67 @@
+"""Runs one multi-process job on this machine, the processes talking over 127.0.0.1.
+
+  python launch/local.py --processes 2 --devices 4 -- mjax-train --gin_file configs/tiny.gin --workdir runs/mh
+
+Each process gets MJAX_COORDINATOR_ADDRESS / MJAX_NUM_PROCESSES /
+MJAX_PROCESS_ID (and, with --devices, that many fake CPU devices); see
+mjax/launch.py. Output goes to the console, each line prefixed with the
+process id, or with --log_dir to DIR/logs/process-<i>.log. When one process
+fails the others are stopped, and the launcher exits with the first non-zero
+status. Ctrl-C / SIGTERM is passed on to every process, so the trainer saves
+a checkpoint and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mjax import launch  # noqa: E402
+
+
+def main(argv=None) -> int:
+  """Parses the flags, starts the processes, waits; returns the exit status."""
+  p = argparse.ArgumentParser(
+      prog='launch/local.py', description='Run a multi-process JAX job on this machine.',
+      usage='%(prog)s --processes N [--devices M] [--log_dir DIR] [--port P] -- COMMAND ...')
+  p.add_argument('--processes', type=int, required=True, help='number of processes')
+  p.add_argument('--devices', type=int, default=None,
+                 help='fake CPU devices per process (default: the real devices, e.g. GPUs)')
+  p.add_argument('--log_dir', default=None,
+                 help='write process i to LOG_DIR/logs/process-<i>.log instead of the console')
+  p.add_argument('--port', type=int, default=None, help='coordinator port (default: a free one)')
+  p.add_argument('--timeout', type=float, default=None, help='kill everything after this many seconds')
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if '--' not in argv:
+    p.error('give the command after --, e.g. -- mjax-train --gin_file configs/tiny.gin')
+  split = argv.index('--')
+  args, command = p.parse_args(argv[:split]), argv[split + 1:]
+  if not command:
+    p.error('the command after -- is empty')
+  if args.processes < 1 or (args.devices is not None and args.devices < 1):
+    p.error('--processes and --devices must be at least 1')
+  procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port)
+
+  def forward(signum, frame):
+    for proc in procs:
+      if proc.poll() is None:
+        proc.send_signal(signum)
+
+  signal.signal(signal.SIGTERM, forward)
+  signal.signal(signal.SIGINT, forward)
+  codes = launch.wait_all(procs, timeout=args.timeout)
+  failed = [(i, c) for i, c in enumerate(codes) if c]
+  if failed:
+    print(f'launch/local.py: exit statuses {codes}', file=sys.stderr)
+    # A process's own status, not the -9 of those stopped because of it.
+    own = [c for _, c in failed if c != -signal.SIGKILL] or [failed[0][1]]
+    return own[0] if own[0] > 0 else 128 - own[0]
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

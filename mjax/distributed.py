@@ -1,0 +1,338 @@
+"""Joining a multi-process JAX job (jax.distributed), from the environment.
+
+`initialize_from_env()` must run before anything starts the JAX backend
+(`jax.devices()`, the first computation): `mjax-train` calls it right after
+the XLA flags are set. It finds out who this process is from the first of
+these sources that is present, and calls `jax.distributed.initialize` when
+the job has more than one process:
+
+  1. explicit (local launcher, fault-tolerance driver, any scheduler)
+       MJAX_COORDINATOR_ADDRESS   host:port of process 0's coordinator service
+       MJAX_NUM_PROCESSES         processes in the job
+       MJAX_PROCESS_ID            this process, 0 .. MJAX_NUM_PROCESSES - 1
+       MJAX_LOCAL_DEVICE_COUNT    optional: fake CPU devices in this process
+                                  (becomes --xla_force_host_platform_device_count)
+  2. SLURM, one task per process, started with `srun`
+       SLURM_JOB_ID, SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS,
+       SLURM_STEP_NODELIST or SLURM_JOB_NODELIST (the first host is the
+       coordinator), SLURM_LOCALID. The port is MJAX_COORDINATOR_PORT, else
+       JAX_COORDINATOR_PORT, else the one jax's own SLURM detector derives from
+       the job id, so both agree. MJAX_COORDINATOR_ADDRESS, when set, wins.
+  3. Kubernetes Indexed Job / JobSet, one pod per process
+       JOB_COMPLETION_INDEX (set by Kubernetes) is the process id;
+       MJAX_NUM_PROCESSES (set by the manifest) the number of processes;
+       MJAX_COORDINATOR_ADDRESS, else the stable DNS name of the first pod,
+       $JOBSET_NAME-$REPLICATED_JOB_NAME-0-0.$JOBSET_NAME:$MJAX_COORDINATOR_PORT
+       (REPLICATED_JOB_NAME defaults to 'workers', the port to 1234).
+
+Nothing set, or one process: no initialization, `init_seconds()` is 0.
+
+jax has a SLURM detector of its own (jax._src.clusters.SlurmCluster); it is
+not called, because when it fills in the job it also restricts every process
+to the one GPU whose index is SLURM_LOCALID, which hides seven of eight GPUs
+from a one-task-per-node launch. The same parsing is done here (and checked
+against jax's in tests/test_multihost.py), with one GPU per task only when a
+node runs several tasks, as jax does. Its Kubernetes detector needs the
+`kubernetes` package and API access from the pod, which the JobSet route
+above does not.
+
+On CPU, cross-process collectives go through gloo (set explicitly, as the
+default has changed between jax versions), and the persistent compilation
+cache is turned off, because only process 0 can hit it there (see
+`_symmetric_compilation_on_cpu`); on GPU NCCL is used and the cache is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import time
+from typing import Mapping, Optional
+
+COORDINATOR = 'MJAX_COORDINATOR_ADDRESS'
+NUM_PROCESSES = 'MJAX_NUM_PROCESSES'
+PROCESS_ID = 'MJAX_PROCESS_ID'
+LOCAL_DEVICE_COUNT = 'MJAX_LOCAL_DEVICE_COUNT'
+COORDINATOR_PORT = 'MJAX_COORDINATOR_PORT'
+LAUNCH_TIME = 'MJAX_LAUNCH_TIME'
+DEFAULT_JOBSET_PORT = 1234
+DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+
+_INIT_SECONDS = 0.0
+
+
+class DistributedError(ValueError):
+  """The environment describes an impossible or incomplete job."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+  """Who this process is in the job, as found in the environment.
+
+  Attributes:
+    source: 'explicit', 'slurm', 'jobset' or 'none' (a single process).
+    num_processes: processes in the job.
+    process_id: this process, 0 .. num_processes - 1.
+    coordinator_address: host:port of process 0's coordinator (None alone).
+    local_device_ids: accelerators this process may use (None: all).
+    local_device_count: fake CPU devices asked for (None: leave as is).
+  """
+  source: str
+  num_processes: int = 1
+  process_id: int = 0
+  coordinator_address: Optional[str] = None
+  local_device_ids: Optional[tuple[int, ...]] = None
+  local_device_count: Optional[int] = None
+
+
+def init_seconds() -> float:
+  """Seconds spent in jax.distributed.initialize by this process (0 if single-process)."""
+  return _INIT_SECONDS
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int, meaning: str) -> int:
+  raw = env.get(name, '')
+  try:
+    value = int(raw.strip())
+  except ValueError:
+    raise DistributedError(f'{name}={raw!r} is not an integer; it should be {meaning}.') from None
+  if value < minimum:
+    raise DistributedError(f'{name}={value} is out of range; it should be {meaning} (at least {minimum}).')
+  return value
+
+
+def _check_address(address: str, name: str) -> str:
+  host, colon, port = address.strip().rpartition(':')
+  if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise DistributedError(
+        f'{name}={address!r} is not a coordinator address; it should be host:port, the host of '
+        f'process 0 and a free TCP port on it (1-65535) that every process can reach, e.g. '
+        f'10.0.0.1:1234.')
+  return address.strip()
+
+
+def _check_id(process_id: int, num_processes: int, id_name: str, num_name: str) -> None:
+  if process_id >= num_processes:
+    raise DistributedError(
+        f'{id_name}={process_id} is out of range for {num_name}={num_processes}: process ids run '
+        f'from 0 to {num_processes - 1}, one per process. Check that every process of the job was '
+        f'started with the same {num_name}.')
+
+
+def first_slurm_host(nodelist: str) -> str:
+  """The first host of a SLURM node list ('gpu[003-010,12],cpu1' -> 'gpu003').
+
+  Args:
+    nodelist: the compressed list SLURM writes into SLURM_*_NODELIST.
+  Returns:
+    The first host name, with its zero padding kept.
+  """
+  nodelist = nodelist.strip()
+  m = re.match(r'([^,\[]*)(?:\[([^\],\-]+))?', nodelist)
+  if not m or not (m.group(1) or m.group(2)):
+    raise DistributedError(f'cannot read a host name from the SLURM node list {nodelist!r}.')
+  return m.group(1) + (m.group(2) or '')
+
+
+def slurm_port(job_id: str) -> int:
+  """The coordinator port jax's SLURM detector uses: one of the top 4096
+  ephemeral ports, chosen by the job id, so that jobs sharing a node differ."""
+  return int(job_id) % 2 ** 12 + (65535 - 2 ** 12 + 1)
+
+
+def _port(env: Mapping[str, str], default: int) -> int:
+  for name in (COORDINATOR_PORT, 'JAX_COORDINATOR_PORT'):
+    if env.get(name):
+      return _int(env, name, 1, 'a TCP port for the coordinator (1-65535)')
+  return default
+
+
+def _local_count(env: Mapping[str, str]) -> Optional[int]:
+  if not env.get(LOCAL_DEVICE_COUNT):
+    return None
+  return _int(env, LOCAL_DEVICE_COUNT, 1, 'the number of fake CPU devices of each process')
+
+
+def _explicit(env: Mapping[str, str]) -> JobSpec:
+  missing = [n for n in (NUM_PROCESSES, PROCESS_ID) if not env.get(n)]
+  if missing:
+    raise DistributedError(
+        f'{missing[0]} is not set, but {PROCESS_ID if missing[0] == NUM_PROCESSES else NUM_PROCESSES} '
+        f'is: a multi-process job needs {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} in '
+        f'every process (or none of them, for a single process).')
+  num = _int(env, NUM_PROCESSES, 1, 'the number of processes in the job')
+  pid = _int(env, PROCESS_ID, 0, 'the id of this process, 0 .. processes - 1')
+  _check_id(pid, num, PROCESS_ID, NUM_PROCESSES)
+  address = env.get(COORDINATOR)
+  if num > 1 and not address:
+    raise DistributedError(
+        f'{COORDINATOR} is not set, but {NUM_PROCESSES}={num}: every process needs the host:port '
+        f'of process 0, e.g. {COORDINATOR}=10.0.0.1:1234.')
+  return JobSpec('explicit', num, pid, _check_address(address, COORDINATOR) if address else None,
+                 None, _local_count(env))
+
+
+def _slurm(env: Mapping[str, str]) -> JobSpec:
+  num_name = 'SLURM_STEP_NUM_TASKS' if env.get('SLURM_STEP_NUM_TASKS') else 'SLURM_NTASKS'
+  if not env.get(num_name):
+    raise DistributedError(
+        'SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is: start '
+        'mjax-train with srun inside an allocation (sbatch launch/slurm.sbatch).')
+  num = _int(env, num_name, 1, 'the number of SLURM tasks')
+  pid = _int(env, 'SLURM_PROCID', 0, 'the rank of this SLURM task')
+  _check_id(pid, num, 'SLURM_PROCID', num_name)
+  address = env.get(COORDINATOR)
+  if address:
+    address = _check_address(address, COORDINATOR)
+  elif num > 1:
+    list_name = next((n for n in ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST') if env.get(n)), None)
+    if list_name is None:
+      raise DistributedError(
+          'neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set, so the coordinator (the '
+          f'first node) is unknown; start mjax-train with srun, or set {COORDINATOR}=host:port.')
+    address = f'{first_slurm_host(env[list_name])}:{_port(env, slurm_port(env["SLURM_JOB_ID"]))}'
+  # Several tasks on one node: one GPU each, indexed by the local rank (jax's
+  # convention). One task per node: every GPU of the node.
+  nodes_name = next((n for n in ('SLURM_STEP_NUM_NODES', 'SLURM_JOB_NUM_NODES', 'SLURM_NNODES')
+                     if env.get(n)), None)
+  ids = None
+  if (nodes_name and env.get('SLURM_LOCALID') and not env.get('JAX_LOCAL_DEVICE_IDS')
+      and num > _int(env, nodes_name, 1, 'the number of SLURM nodes')):
+    ids = (_int(env, 'SLURM_LOCALID', 0, 'the rank of this task on its node'),)
+  return JobSpec('slurm', num, pid, address, ids, _local_count(env))
+
+
+def _jobset(env: Mapping[str, str]) -> JobSpec:
+  if not env.get(NUM_PROCESSES):
+    raise DistributedError(
+        f'JOB_COMPLETION_INDEX is set (a Kubernetes Indexed Job / JobSet pod) but {NUM_PROCESSES} '
+        f'is not: set it in the manifest to the number of pods (the Job\'s parallelism), see '
+        f'launch/jobset.yaml.')
+  num = _int(env, NUM_PROCESSES, 1, 'the number of pods in the job')
+  pid = _int(env, 'JOB_COMPLETION_INDEX', 0, 'the index of this pod')
+  _check_id(pid, num, 'JOB_COMPLETION_INDEX', NUM_PROCESSES)
+  address = env.get(COORDINATOR)
+  if address:
+    address = _check_address(address, COORDINATOR)
+  elif num > 1:
+    jobset = env.get('JOBSET_NAME')
+    if not jobset:
+      raise DistributedError(
+          f'neither {COORDINATOR} nor JOBSET_NAME is set, so the coordinator is unknown; set '
+          f'{COORDINATOR}=$(JOBSET_NAME)-workers-0-0.$(JOBSET_NAME):1234 in the manifest.')
+    rjob = env.get('REPLICATED_JOB_NAME') or 'workers'
+    address = f'{jobset}-{rjob}-0-0.{jobset}:{_port(env, DEFAULT_JOBSET_PORT)}'
+  return JobSpec('jobset', num, pid, address, None, _local_count(env))
+
+
+def resolve(env: Optional[Mapping[str, str]] = None) -> JobSpec:
+  """Reads the job from the environment, without starting anything.
+
+  Args:
+    env: the variables to read (default: os.environ).
+  Returns:
+    The JobSpec of the first source present (see the module docstring).
+  Raises:
+    DistributedError: a variable is malformed or contradicts another; the
+      message names it.
+  """
+  env = os.environ if env is None else env
+  if env.get(PROCESS_ID) or (env.get(NUM_PROCESSES) and not env.get('JOB_COMPLETION_INDEX')
+                             and not env.get('SLURM_PROCID')):
+    return _explicit(env)
+  if env.get('SLURM_JOB_ID') and env.get('SLURM_PROCID'):
+    return _slurm(env)
+  if env.get('JOB_COMPLETION_INDEX'):
+    return _jobset(env)
+  if env.get(COORDINATOR):
+    raise DistributedError(
+        f'{COORDINATOR} is set but {NUM_PROCESSES} and {PROCESS_ID} are not: a multi-process job '
+        f'needs all three in every process.')
+  return JobSpec('none', local_device_count=_local_count(env))
+
+
+def with_device_count(xla_flags: str, count: int) -> str:
+  """XLA_FLAGS with the fake CPU device count set to `count`, replacing any
+  count already there and keeping every other flag."""
+  kept = [f for f in shlex.split(xla_flags or '') if f.split('=', 1)[0] != DEVICE_COUNT_FLAG]
+  return ' '.join(kept + [f'{DEVICE_COUNT_FLAG}={count}'])
+
+
+def _backend_started() -> bool:
+  from jax._src import xla_bridge
+  return xla_bridge.backends_are_initialized()
+
+
+def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int = 300) -> dict:
+  """Joins the multi-process job the environment describes, if any.
+
+  Call it once per process, before anything asks JAX for devices. A second
+  call, or a call in an already initialized process, changes nothing.
+
+  Args:
+    env: the variables to read (default: os.environ). MJAX_LOCAL_DEVICE_COUNT
+      is written into os.environ['XLA_FLAGS'] either way.
+    timeout_s: how long to wait for every process to reach the coordinator.
+  Returns:
+    dict with `source`, `num_processes`, `process_id`, `coordinator_address`,
+    `local_device_ids`, `local_device_count`, `initialized` (whether
+    jax.distributed was initialized by this call) and `seconds` it took.
+  Raises:
+    DistributedError: the environment is inconsistent, or the backend has
+      already started.
+  """
+  global _INIT_SECONDS
+  spec = resolve(env)
+  out = {**dataclasses.asdict(spec), 'initialized': False, 'seconds': 0.0}
+  import jax
+  if spec.local_device_count is not None:
+    flags = os.environ.get('XLA_FLAGS', '')
+    wanted = with_device_count(flags, spec.local_device_count)
+    if wanted != flags:
+      if _backend_started():
+        raise DistributedError(
+            f'{LOCAL_DEVICE_COUNT}={spec.local_device_count} came too late: the JAX backend has '
+            f'already started; set XLA_FLAGS={DEVICE_COUNT_FLAG}=N before starting the process.')
+      os.environ['XLA_FLAGS'] = wanted
+  if spec.num_processes == 1 or jax.distributed.is_initialized():
+    return out
+  if _backend_started():
+    raise DistributedError(
+        f'the environment describes process {spec.process_id} of {spec.num_processes} ({spec.source}), '
+        f'but the JAX backend has already started in this process; join the job before anything '
+        f'calls jax.devices() or computes.')
+  if not os.environ.get('JAX_CPU_COLLECTIVES_IMPLEMENTATION'):
+    # Without cross-process CPU collectives a multi-process CPU job fails at
+    # its first all-reduce; this setting is ignored by GPU backends.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  t0 = time.perf_counter()
+  # 'deactivate': every value is decided above; jax's detectors would
+  # otherwise fill in local_device_ids from SLURM_LOCALID (see the docstring).
+  jax.distributed.initialize(
+      coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
+      process_id=spec.process_id,
+      local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+      cluster_detection_method='deactivate', initialization_timeout=timeout_s)
+  _INIT_SECONDS = time.perf_counter() - t0
+  out.update(initialized=True, seconds=_INIT_SECONDS)
+  _symmetric_compilation_on_cpu()
+  return out
+
+
+def _symmetric_compilation_on_cpu() -> None:
+  """Turns the persistent compilation cache off in a multi-process CPU job.
+
+  jax writes cache entries from process 0 only, and on CPU the key includes
+  a topology fingerprint that differs from process to process, so only
+  process 0 ever finds its step in the cache. It then reaches the first
+  collective while the others are still compiling, and gloo gives up on a
+  peer after 30 s ('Gloo context initialization failed: ... timed out'),
+  which kills the job. With every process compiling, they arrive together.
+  JAX_ENABLE_COMPILATION_CACHE in the environment overrides this.
+  """
+  from mjax.parallel.xla_flags import detect_platform
+  if detect_platform() == 'cpu' and 'JAX_ENABLE_COMPILATION_CACHE' not in os.environ:
+    import jax
+    jax.config.update('jax_enable_compilation_cache', False)

@@ -1,0 +1,238 @@
+"""Fault detection from heartbeats: lost processes, hangs, bad losses.
+
+Pure bookkeeping, no I/O: the driver feeds heartbeats and the clock in and
+asks `Monitor.check(now)` for a fault. Clocks are the driver's monotonic
+clock, never the senders' (hosts' clocks disagree).
+
+Timeouts (FaultConfig), in the order they must hold:
+
+  heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s < collective_timeout_s
+
+  heartbeat_timeout_s   no heartbeat for this long: the process is lost
+                        (dead host, wedged interpreter holding the GIL)
+  progress_timeout_s    heartbeats arrive but the step has not moved for
+                        this long: a hang (typically a collective waiting
+                        for a peer that will never come)
+  collective_timeout_s  what the collectives tolerate by themselves; the
+                        driver must act before that, or every healthy
+                        process fails with a timeout of its own and the
+                        culprit is no longer visible. Also the allowance for
+                        start-up (restore, compile, first step), before a
+                        process reports its first step: progress is only
+                        judged from then on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from typing import Optional
+
+
+class TimeoutOrderError(ValueError):
+  """The FaultConfig timeouts are not strictly increasing."""
+
+
+def check_timeouts(fault_cfg) -> None:
+  """Raises TimeoutOrderError unless interval < heartbeat < progress < collective."""
+  f = fault_cfg
+  chain = (('heartbeat_interval_s', f.heartbeat_interval_s), ('heartbeat_timeout_s', f.heartbeat_timeout_s),
+           ('progress_timeout_s', f.progress_timeout_s), ('collective_timeout_s', f.collective_timeout_s))
+  for (a, x), (b, y) in zip(chain, chain[1:]):
+    if not x < y:
+      raise TimeoutOrderError(
+          f'FaultConfig.{a} = {x} must be less than FaultConfig.{b} = {y}: the driver has to notice a '
+          f'lost process (heartbeat) before it calls it a hang (progress), and both before a '
+          f'collective times out on the healthy processes (collective). Set them so that '
+          f'heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s < collective_timeout_s.')
+
+
+@dataclasses.dataclass
+class Fault:
+  """What went wrong. `processes` are the ones named as the cause."""
+  kind: str
+  processes: list[int]
+  detail: str = ''
+  step: Optional[int] = None        # the step of a numerical fault
+  extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ProcState:
+  """What the driver knows about one process of the current attempt."""
+  process: int
+  host: str
+  pid: int
+  started: float                      # driver clock at launch
+  first_beat: Optional[float] = None
+  last_beat: Optional[float] = None
+  step: Optional[int] = None          # last step with known metrics
+  loop_step: Optional[int] = None     # last step the loop dispatched
+  phase: Optional[str] = None
+  last_progress: Optional[float] = None  # when (step, loop_step, phase) last changed
+  loss: Optional[float] = None
+  logs: list = dataclasses.field(default_factory=list)
+  final: bool = False
+  exited: Optional[int] = None
+
+
+class LossMonitor:
+  """Non-finite losses and runs of loss spikes, over the steps in order.
+
+  A spike is a loss above `factor` x the running median of the last
+  `window` non-spike losses; `count` spikes in a row are a fault (one spike
+  is noise that LAMB usually absorbs). Spikes do not enter the median, so a
+  slow rise cannot drag the baseline up with it.
+  """
+
+  def __init__(self, factor: float, count: int, window: int = 100, min_history: int = 10):
+    self.factor, self.count = factor, count
+    self.window, self.min_history = window, min_history
+    self._hist: list[float] = []      # in arrival order
+    self._sorted: list[float] = []
+    self._last_step = -1
+    self._run: list[tuple[int, float]] = []
+
+  def new_attempt(self) -> None:
+    """After a restart the steps start again from the checkpoint."""
+    self._last_step = -1
+    self._run = []
+
+  def median(self) -> Optional[float]:
+    if len(self._sorted) < self.min_history:
+      return None
+    n = len(self._sorted)
+    return (self._sorted[n // 2] + self._sorted[(n - 1) // 2]) / 2
+
+  def feed(self, step: int, loss: float) -> Optional[Fault]:
+    """One step's loss (repeats and older steps are ignored); a Fault or None."""
+    if step <= self._last_step:
+      return None
+    self._last_step = step
+    if not math.isfinite(loss):
+      return Fault('nonfinite_loss', [], f'loss {loss} at step {step}', step=step)
+    med = self.median()
+    if med is not None and loss > self.factor * med:
+      self._run.append((step, loss))
+      if len(self._run) >= self.count:
+        first, last = self._run[0][0], self._run[-1][0]
+        return Fault('loss_spike', [], f'{len(self._run)} losses in a row above {self.factor} x median '
+                     f'{med:.4g} (steps {first}-{last}, last {loss:.4g})', step=last,
+                     extra={'first_step': first, 'median': med})
+      return None
+    self._run = []
+    self._hist.append(loss)
+    bisect.insort(self._sorted, loss)
+    if len(self._hist) > self.window:
+      old = self._hist.pop(0)
+      del self._sorted[bisect.bisect_left(self._sorted, old)]
+    return None
+
+
+class Monitor:
+  """Tracks the processes of one attempt and says when one has failed."""
+
+  def __init__(self, fault_cfg, losses: LossMonitor):
+    self.cfg = fault_cfg
+    self.procs: dict[int, ProcState] = {}
+    self.losses = losses
+
+  def add(self, process: int, host: str, pid: int, now: float) -> None:
+    self.procs[process] = ProcState(process, host, pid, started=now)
+
+  def beat(self, payload: dict, now: float) -> Optional[Fault]:
+    """Takes one verified heartbeat; returns a numerical fault if it shows one.
+
+    Heartbeats from a process of an earlier attempt (another pid) are
+    ignored: a datagram can arrive after its sender was replaced.
+    """
+    p = self.procs.get(int(payload['process']))
+    if p is None or payload.get('pid') != p.pid:
+      return None
+    if p.first_beat is None:
+      p.first_beat = now
+    p.last_beat = now
+    step, loop_step, phase = payload.get('step'), payload.get('loop_step'), payload.get('phase')
+    if p.last_progress is None or (step, loop_step, phase) != (p.step, p.loop_step, p.phase):
+      # Progress = the step moved. A phase change counts too: a process
+      # going from compute to checkpoint is busy, not stuck.
+      p.last_progress = now
+    p.step, p.loop_step, p.phase = step, loop_step, phase
+    p.loss = payload.get('loss')
+    p.logs = payload.get('logs') or p.logs
+    p.final = p.final or bool(payload.get('final'))
+    pairs = payload.get('losses') or []
+    if not pairs and step is not None and p.loss is not None:
+      pairs = [[step, p.loss]]
+    for s, loss in pairs:
+      fault = self.losses.feed(int(s), float(loss))
+      if fault is not None:
+        fault.processes = [p.process]
+        return fault
+    return None
+
+  def everyone_beating(self) -> bool:
+    return bool(self.procs) and all(p.first_beat is not None for p in self.procs.values())
+
+  def check(self, now: float) -> Optional[Fault]:
+    """A fault visible from timing alone (lost, stuck in start-up, hung)."""
+    live = [p for p in self.procs.values() if p.exited is None and not p.final]
+    # Start-up (restore, compile, the first step and its first collectives)
+    # ends with the first step reported; until then only the collective
+    # timeout bounds it, since compiling can take long.
+    late = [p for p in live if p.step is None and now - p.started > self.cfg.collective_timeout_s]
+    if late:
+      return Fault('startup_timeout', [p.process for p in late],
+                   f'no step within collective_timeout_s = {self.cfg.collective_timeout_s}s of launch',
+                   extra={'heartbeating': [p.process for p in late if p.first_beat is not None]})
+    lost = [p for p in live if p.last_beat is not None and now - p.last_beat > self.cfg.heartbeat_timeout_s]
+    if lost:
+      return Fault('heartbeat_lost', [p.process for p in lost],
+                   f'no heartbeat for more than heartbeat_timeout_s = {self.cfg.heartbeat_timeout_s}s',
+                   extra={'last_seen_s': {p.process: round(now - p.last_beat, 1) for p in lost}})
+    stalled = [p for p in live if p.step is not None and now - p.last_progress > self.cfg.progress_timeout_s]
+    if stalled:
+      # The others blocked within a step of the culprit, so whichever crossed
+      # the line first, every process stuck for longer than a heartbeat
+      # timeout is a suspect; `culprits` picks among them.
+      stalled = [p for p in live if p.step is not None
+                 and now - p.last_progress > self.cfg.heartbeat_timeout_s]
+      return Fault('hang', culprits(stalled),
+                   f'heartbeats continue but no step for more than progress_timeout_s = '
+                   f'{self.cfg.progress_timeout_s}s',
+                   extra={'stalled': {p.process: {'host': p.host, 'step': p.step, 'loop_step': p.loop_step,
+                                                  'phase': p.phase,
+                                                  'stalled_s': round(now - p.last_progress, 1)}
+                                      for p in stalled}})
+    return None
+
+  def max_step(self) -> Optional[int]:
+    steps = [p.step for p in self.procs.values() if p.step is not None]
+    return max(steps) if steps else None
+
+  def min_step(self) -> Optional[int]:
+    steps = [p.step for p in self.procs.values() if p.step is not None]
+    return min(steps) if len(steps) == len(self.procs) and steps else None
+
+
+def culprits(stalled: list[ProcState]) -> list[int]:
+  """Which of the stalled processes stopped first.
+
+  In a hang every process ends up waiting: the healthy ones inside the
+  collective the culprit never joined, having dispatched that step (the
+  loop runs one step ahead of the metrics), the culprit one step behind
+  (MegaScale §8: the ranks that fell silent first are the culprits). So the
+  processes furthest behind, by (loop step, step), are named; when all are
+  level, those whose progress stopped earliest (within one second).
+  """
+  known = [p for p in stalled if p.step is not None]
+  if not known:
+    return sorted(p.process for p in stalled)
+  pos = lambda p: (p.loop_step if p.loop_step is not None else p.step, p.step)
+  low = min(pos(p) for p in known)
+  at_low = [p for p in known if pos(p) == low]
+  if len(at_low) < len(known):
+    return sorted(p.process for p in at_low)
+  first = min(p.last_progress for p in at_low)
+  return sorted(p.process for p in at_low if p.last_progress - first <= 1.0)

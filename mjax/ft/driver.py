@@ -1,0 +1,791 @@
+"""The fault-tolerance driver: runs a job, watches it, recovers it (MegaScale §7).
+
+  mjax-launch --processes 2 --devices 1 --workdir runs/ft -- \
+      --gin_file configs/tiny.gin --gin.TrainConfig.steps=300
+
+One executor per host starts that host's training process (`mjax-train`
+with the arguments after `--`, plus `--workdir`); here hosts are process
+slots on this machine (`LocalExecutor`), named by `--hosts` (default
+slot0, slot1, ...). The driver generates a per-job secret, serves
+authenticated heartbeats (mjax/ft/heartbeat.py) on `--bind` (127.0.0.1 and
+a free port by default) and watches for:
+
+  exit             a process exits with a non-zero status (2 = bad input:
+                   stop, retrying cannot help; 3 = non-finite loss)
+  heartbeat_lost   no heartbeat for heartbeat_timeout_s
+  hang             heartbeats but no step for progress_timeout_s: every
+                   process is sent SIGUSR1 and dumps its Python stacks into
+                   its log, and the processes that stopped first are named
+  startup_timeout  no first step within collective_timeout_s of launch
+  nonfinite_loss   a NaN/Inf loss (exit status 3, or seen in a heartbeat)
+  loss_spike       loss_spike_count losses in a row > loss_spike_factor x
+                   the running median
+  straggler        mjax.ft.stragglers.find_stragglers on <workdir>/timings:
+                   flagged in the events; a fault only with evict_stragglers
+
+Timeout hierarchy (FaultConfig; checked at start, see mjax/ft/detect.py):
+heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s <
+collective_timeout_s. A lost process is noticed first, a hang next, and
+both before a collective times out on the healthy processes, so that the
+driver, not a timeout error on every rank, decides what failed.
+
+Recovery, without a human:
+  1. stop every process: SIGTERM, SIGKILL after --grace_s;
+  2. run `mjax-diagnose --json` on every host of the job (in parallel);
+     a host that fails is added to <workdir>/blocked_hosts.json and never
+     used again by this workdir; an evicted straggler too. When every host
+     of a multi-host job fails, none is blocked (a shared cause is likelier);
+  3. wait restart_backoff_s (doubled after each restart, at most 60 s);
+  4. restart from the newest good checkpoint (the trainer resumes from the
+     workdir by itself), on spare hosts (--spares) in place of blocked ones,
+     else on fewer hosts with gradient accumulation keeping the global
+     batch (mjax/ft/hosts.py); the attempt number goes to MJAX_ATTEMPT.
+  A numerical fault (NaN/Inf, loss spikes) also skips the data between the
+  checkpoint and the bad step (MJAX_SKIP_DATA_STEPS), so that the restart
+  does not replay the batches that led to it; checkpoints only ever hold
+  finite states, so the rollback target is good.
+FaultConfig.max_restarts bounds the restarts in a row that do not get
+training back to where it was: an attempt that catches up with the step
+reached before its fault resets the count and the back-off, so a weeks-long
+run survives any number of faults spread over time (MegaScale: > 100), while
+a job that fails again before recovering gives up after max_restarts.
+
+Everything it does is a line of <workdir>/events.jsonl (mjax/ft/events.py);
+process i writes to <workdir>/logs/process-<i>.log (appended over attempts).
+Exit status: 0 finished (or pre-empted cleanly), 1 gave up, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
+
+EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = 0, 1, 2
+TRAINER_BAD_INPUT, TRAINER_NONFINITE = 2, 3   # mjax-train's own statuses (mjax/cli.py)
+SKIP_ENV = 'MJAX_SKIP_DATA_STEPS'
+MAX_BACKOFF_S = 60.0
+STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
+
+
+# ----------------------------------------------------------------------------
+# Executors: where a host's processes run
+# ----------------------------------------------------------------------------
+
+class LocalExecutor:
+  """A host slot on this machine. A remote executor (ssh, a Kubernetes pod)
+  would offer the same four methods, and handles with Popen's poll /
+  send_signal / wait / pid / returncode; the driver uses nothing else."""
+
+  def __init__(self, host: str):
+    self.host = host
+
+  def coordinator(self, port: int) -> str:
+    """The coordinator address when this host runs process 0."""
+    return f'127.0.0.1:{port}'
+
+  def start(self, argv: Sequence[str], env: dict, log_path: str) -> subprocess.Popen:
+    """Starts a process; its stdout and stderr are appended to `log_path`."""
+    with open(log_path, 'ab') as log:
+      return subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+
+  def kill(self, handle: subprocess.Popen) -> None:
+    """SIGKILL to the process and anything it started (its own session)."""
+    try:
+      os.killpg(handle.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
+    """Runs a command to completion: (status, stdout, stderr); status 124 on timeout."""
+    try:
+      p = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
+      return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+      return 124, e.stdout or '', f'timed out after {timeout:.0f}s'
+
+
+# ----------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Options:
+  """What `mjax-launch` was asked to do (see `parse_args`)."""
+  processes: int
+  devices: Optional[int]
+  workdir: str
+  train_args: list[str]
+  hosts: list[str]
+  spares: list[str] = dataclasses.field(default_factory=list)
+  bind: str = '127.0.0.1:0'
+  host_env: dict = dataclasses.field(default_factory=dict)   # host -> {name: value}
+  grace_s: float = 5.0
+  trainer: Optional[list[str]] = None
+  diagnose: Optional[list[str]] = None          # the command (default: mjax-diagnose)
+  diagnose_args: list[str] = dataclasses.field(default_factory=list)
+  diagnose_timeout_s: float = 300.0
+  quiet: bool = False
+
+
+def _script(name: str) -> Optional[list[str]]:
+  """An installed console script: next to this interpreter, else on PATH."""
+  here = os.path.join(os.path.dirname(sys.executable), name)
+  found = here if os.path.exists(here) else shutil.which(name)
+  return [found] if found else None
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+  """mjax-launch's flags; everything after `--` goes to mjax-train."""
+  p = argparse.ArgumentParser(
+      prog='mjax-launch', description='Run mjax-train under the fault-tolerance driver.',
+      usage='%(prog)s --processes N [--devices M] [--hosts h1,h2 --spares s1] --workdir DIR -- '
+            '<mjax-train args>')
+  p.add_argument('--processes', type=int, required=True, help='training processes (one per host)')
+  p.add_argument('--devices', type=int, default=None,
+                 help='fake CPU devices per process (default: the real devices, e.g. GPUs)')
+  p.add_argument('--workdir', required=True, help='run directory (checkpoints, events.jsonl, logs/)')
+  p.add_argument('--hosts', default=None, help='comma-separated host names, one per process '
+                 '(default: slot0,slot1,...)')
+  p.add_argument('--spares', default='', help='comma-separated spare hosts, used in place of blocked ones')
+  p.add_argument('--bind', default='127.0.0.1:0',
+                 help='host:port the heartbeat server listens on (port 0: any free port)')
+  p.add_argument('--host_env', action='append', default=[], metavar='HOST:NAME=VALUE',
+                 help='an environment variable for one host\'s processes and diagnostics (repeatable)')
+  p.add_argument('--grace_s', type=float, default=5.0,
+                 help='seconds between SIGTERM and SIGKILL when stopping the job (default 5)')
+  p.add_argument('--diagnose_args', default='',
+                 help='extra arguments for mjax-diagnose, e.g. "--min_fraction 0.3 --checks memory,allreduce"')
+  p.add_argument('--diagnose_timeout_s', type=float, default=300.0,
+                 help='a diagnostic taking longer fails its host (default 300)')
+  p.add_argument('--quiet', action='store_true', help='do not echo events to stderr')
+  argv = list(argv)
+  if '--' not in argv:
+    p.parse_args(argv)   # --help, and missing flags, are answered first
+    p.error('give the mjax-train arguments after --, e.g. -- --gin_file configs/tiny.gin')
+  split = argv.index('--')
+  args, train_args = p.parse_args(argv[:split]), argv[split + 1:]
+  if any(a == '--workdir' or a.startswith('--workdir=') for a in train_args):
+    p.error('give --workdir to mjax-launch, before --: the driver passes it on to every process')
+  if args.processes < 1 or (args.devices is not None and args.devices < 1):
+    p.error('--processes and --devices must be at least 1')
+  hosts = args.hosts.split(',') if args.hosts else [f'slot{i}' for i in range(args.processes)]
+  spares = [h for h in args.spares.split(',') if h]
+  if len(hosts) != args.processes:
+    p.error(f'--hosts names {len(hosts)} host(s) for --processes {args.processes}: one host per '
+            f'process; list extra hosts with --spares')
+  if len(set(hosts + spares)) != len(hosts + spares):
+    p.error('a host appears twice in --hosts / --spares')
+  host_env: dict = {}
+  for item in args.host_env:
+    host, colon, kv = item.partition(':')
+    name, eq, value = kv.partition('=')
+    if not colon or not eq or not name:
+      p.error(f'--host_env {item!r}: expected HOST:NAME=VALUE, e.g. slot1:MJAX_DIAGNOSE_FAIL=matmul')
+    host_env.setdefault(host, {})[name] = value
+  try:
+    hb.parse_address(args.bind)
+  except ValueError as e:
+    p.error(f'--bind: {e}')
+  return Options(args.processes, args.devices, args.workdir, train_args, hosts, spares, args.bind,
+                 host_env, args.grace_s, diagnose_args=shlex.split(args.diagnose_args),
+                 diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet)
+
+
+# ----------------------------------------------------------------------------
+# Heartbeat server
+# ----------------------------------------------------------------------------
+
+class HeartbeatServer:
+  """UDP socket + Verifier; `receive` returns what arrived within a tick."""
+
+  def __init__(self, bind: str, secret: str, window_s: float):
+    host, port = hb.parse_address(bind)
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
+    self.sock.bind(info[4])
+    self.sock.setblocking(False)
+    bound_host, bound_port = self.sock.getsockname()[:2]
+    # A wildcard bind is reachable under the host's name, not 0.0.0.0.
+    shown = socket.gethostname() if bound_host in ('0.0.0.0', '::') else bound_host
+    self.address = f'{shown}:{bound_port}'
+    self.verifier = hb.Verifier(secret, window_s)
+
+  def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
+    """[(payload, None, sender) or (None, reason, sender)], waiting at most `timeout`."""
+    out = []
+    ready, _, _ = select.select([self.sock], [], [], timeout)
+    while ready:
+      try:
+        data, sender = self.sock.recvfrom(hb.MAX_DATAGRAM + 1)
+      except (BlockingIOError, InterruptedError):
+        break
+      except OSError:
+        continue  # e.g. an ICMP error reported on a UDP socket: not a datagram
+      try:
+        out.append((self.verifier.verify(data), None, sender))
+      except hb.Rejected as e:
+        out.append((None, e.reason, sender))
+    return out
+
+  def close(self) -> None:
+    self.sock.close()
+
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+def parse_stacks(text: str, frames: int = 4) -> list[dict]:
+  """faulthandler's dump -> [{"thread", "current", "frames", "where"}], the
+  thread that took the signal (the main one, in CPython) first.
+
+  `frames` are the innermost ones (often inside jax, waiting); `where` is
+  the innermost frame in mjax's own code: what the trainer was doing."""
+  threads, cur = [], None
+  for line in text.splitlines():
+    m = re.match(r'(Current thread|Thread) (0x[0-9a-f]+)', line)
+    if m:
+      cur = {'thread': m.group(2), 'current': m.group(1) == 'Current thread', 'frames': [], 'where': None}
+      threads.append(cur)
+    elif cur is not None and line.startswith('  File '):
+      frame = line.strip()
+      if len(cur['frames']) < frames:
+        cur['frames'].append(frame)
+      if cur['where'] is None and f'{os.sep}mjax{os.sep}' in frame:
+        cur['where'] = frame
+  return sorted(threads, key=lambda t: not t['current'])
+
+
+def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
+  try:
+    with open(path, 'rb') as fh:
+      fh.seek(offset)
+      return fh.read(limit).decode(errors='replace')
+  except OSError:
+    return ''
+
+
+def _size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
+
+
+def newest_checkpoint_step(cfg, workdir: str) -> int:
+  """The newest complete checkpoint step over both tiers (0: none yet).
+
+  A step directory exists only once Orbax has finished it (it writes into a
+  temporary name and renames), so the names say it all."""
+  from mjax.checkpoint import tier_directories
+  best = 0
+  for d in tier_directories(cfg.checkpoint, workdir).values():
+    if os.path.isdir(d):
+      best = max([best] + [int(n) for n in os.listdir(d) if n.isdigit()])
+  return best
+
+
+def _echo(line: str) -> None:
+  """One event on the driver's stderr, shortened (events.jsonl has it all)."""
+  rec = json.loads(line)
+  kind = rec.pop('event')
+  rec.pop('time', None)
+  text = json.dumps(rec, separators=(',', ':'))
+  print(f'mjax-launch: {time.strftime("%H:%M:%S")} {kind} {text[:300]}', file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Attempt:
+  """One launch of the job."""
+  number: int
+  hosts: list[str]
+  handles: dict            # process index -> Popen (or a remote executor's handle)
+  executors: list          # process index -> executor of its host
+  logs: dict               # process index -> (path, offset at launch)
+  monitor: detect.Monitor
+  bindings: list[str]
+  started: float
+  running: bool = False
+  startup_reported: bool = False
+  recovered: bool = False   # caught up with the step reached before the last fault
+
+
+# ----------------------------------------------------------------------------
+# The driver
+# ----------------------------------------------------------------------------
+
+class Driver:
+  """Runs, supervises and recovers one job; `run()` returns the exit status."""
+
+  def __init__(self, opts: Options, executor_factory=LocalExecutor):
+    from mjax import cli
+    from mjax.config import ConfigError, load_config
+    self.opts = opts
+    self.workdir = os.path.abspath(opts.workdir)
+    parser = cli._parser('mjax-launch', '')
+    args, bindings = cli._split_overrides(parser, opts.train_args)
+    self.gin_files = args.gin_file or [cli.DEFAULT_GIN]
+    self.bindings = bindings
+    total = opts.processes * (opts.devices or 1) if opts.devices else None
+    try:
+      self.cfg = load_config(self.gin_files, bindings, num_devices=total)
+    except ConfigError as e:
+      raise BadInput(str(e)) from None
+    try:
+      detect.check_timeouts(self.cfg.fault)
+    except detect.TimeoutOrderError as e:
+      raise BadInput(str(e)) from None
+    self.fault_cfg = self.cfg.fault
+    os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
+    self.executor_factory = executor_factory
+    self.trainer = opts.trainer or _script('mjax-train') or [
+        sys.executable, '-c', 'import sys; from mjax.cli import train_main; sys.argv[0] = "mjax-train"; train_main()']
+    self.diagnose_cmd = opts.diagnose or _script('mjax-diagnose')
+    self.secret = hb.new_secret()
+    window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
+    self.server = HeartbeatServer(opts.bind, self.secret, window)
+    self.events = events_lib.EventLog(
+        os.path.join(self.workdir, 'events.jsonl'),
+        echo=None if opts.quiet else _echo)
+    self.blocked = hosts_lib.BlockList(self.workdir)
+    self.losses = detect.LossMonitor(self.fault_cfg.loss_spike_factor, self.fault_cfg.loss_spike_count)
+    self.skip: Optional[tuple[int, int]] = None   # (checkpoint step, batches to skip after it)
+    self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
+    self._signal: Optional[int] = None
+    self._signals = 0
+    self._rejected: dict[str, list] = {}
+
+  # --- main loop ----------------------------------------------------------------
+
+  def run(self) -> int:
+    f = self.fault_cfg
+    self.events.emit('start', processes=self.opts.processes, devices=self.opts.devices,
+                     hosts=self.opts.hosts, spares=self.opts.spares, blocked=self.blocked.hosts(),
+                     heartbeat_address=self.server.address, trainer=self.trainer,
+                     train_args=self.opts.train_args, checkpoint_step=self._checkpoint_step(),
+                     timeouts={k: getattr(f, k) for k in ('heartbeat_interval_s', 'heartbeat_timeout_s',
+                                                          'progress_timeout_s', 'collective_timeout_s')},
+                     max_restarts=f.max_restarts, pid=os.getpid())
+    old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    restarts = 0      # in all, for the record
+    streak = 0        # in a row without recovering: bounded by max_restarts
+    try:
+      while True:
+        hosts = hosts_lib.plan_hosts(self.opts.processes, self.opts.hosts, self.opts.spares, self.blocked)
+        if not hosts:
+          return self._give_up('no healthy host left', restarts)
+        try:
+          bindings = self._elastic(len(hosts))
+        except hosts_lib.ElasticError as e:
+          return self._give_up(str(e), restarts)
+        att = self._launch(restarts, hosts, bindings)
+        outcome = self._supervise(att)
+        if outcome == 'finished':
+          self._stop(att, 'finished')
+          self.events.emit('finish', attempt=att.number, restarts=restarts, step=att.monitor.max_step())
+          return EXIT_OK
+        if outcome == 'preempted':
+          return self._preempt(att)
+        fault = outcome
+        self._on_fault(att, fault)
+        if fault.kind == 'bad_input':
+          self._stop(att, fault.kind)
+          self.events.emit('giveup', reason='a process reported bad input (exit status 2): retrying '
+                           'cannot help; see its log', restarts=restarts)
+          return EXIT_BAD_INPUT
+        self._stop(att, fault.kind)
+        if self._signal is not None:
+          self.events.emit('preempted', attempt=att.number, during='recovery')
+          return EXIT_OK
+        self._diagnose(att, fault)
+        if fault.kind in ('nonfinite_loss', 'loss_spike'):
+          self._rollback(att, fault)
+        if att.recovered:
+          streak = 0
+        if streak >= f.max_restarts:
+          return self._give_up(f'max_restarts = {f.max_restarts} restarts in a row without getting back '
+                               f'to the step reached before the fault', restarts)
+        restarts += 1
+        streak += 1
+        backoff = min(MAX_BACKOFF_S, f.restart_backoff_s * 2 ** (streak - 1))
+        self.events.emit('restart', attempt=restarts, restarts=restarts, in_a_row=streak, backoff_s=backoff,
+                         fault=fault.kind, checkpoint_step=self._checkpoint_step())
+        time.sleep(backoff)
+    finally:
+      for s, h in old.items():
+        signal.signal(s, h)
+      self.server.close()
+      self.events.close()
+
+  def _on_signal(self, signum, frame) -> None:
+    self._signal = signum
+    self._signals += 1
+
+  def _give_up(self, reason: str, restarts: int) -> int:
+    self.events.emit('giveup', reason=reason, restarts=restarts)
+    return EXIT_GAVE_UP
+
+  def _checkpoint_step(self) -> int:
+    return newest_checkpoint_step(self.cfg, self.workdir) if self.cfg.checkpoint.enabled else 0
+
+  def _elastic(self, n: int) -> list[str]:
+    """Bindings for running on n hosts instead of the --processes asked for."""
+    if n == self.opts.processes:
+      return []
+    extra = hosts_lib.elastic_bindings(self.cfg, self.opts.processes, n, self.opts.devices or 1)
+    if self.opts.devices:
+      hosts_lib.check_bindings(self.gin_files, self.bindings + extra, n * self.opts.devices)
+    return extra
+
+  # --- launching --------------------------------------------------------------
+
+  def _launch(self, number: int, hosts: list[str], bindings: list[str]) -> Attempt:
+    from mjax import launch
+    n = len(hosts)
+    executors = [self.executor_factory(h) for h in hosts]
+    coordinator = executors[0].coordinator(launch.free_port())
+    argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
+            *[f'--gin_param={b}' for b in bindings]]
+    skip = 0
+    if self.skip is not None and self.skip[0] == self._checkpoint_step():
+      skip = self.skip[1]   # still resuming from the rolled-back checkpoint
+    monitor = detect.Monitor(self.fault_cfg, self.losses)
+    self.losses.new_attempt()
+    handles, logs, now = {}, {}, time.monotonic()
+    for i, (host, ex) in enumerate(zip(hosts, executors)):
+      env = launch.local_env(i, n, coordinator, self.opts.devices)
+      env.update({hb.ADDRESS_ENV: self.server.address, hb.SECRET_ENV: self.secret, hb.HOST_ENV: host,
+                  hb.ATTEMPT_ENV: str(number), 'PYTHONUNBUFFERED': '1'})
+      env.update(self.opts.host_env.get(host, {}))
+      if skip:
+        env[SKIP_ENV] = str(skip)
+      else:
+        env.pop(SKIP_ENV, None)
+      log = os.path.join(self.workdir, 'logs', f'process-{i}.log')
+      with open(log, 'ab') as fh:
+        fh.write(f'=== mjax-launch attempt {number}: process {i} of {n} on {host} ===\n'.encode())
+      logs[i] = (log, _size(log))
+      handles[i] = ex.start(argv, env, log)
+      monitor.add(i, host, handles[i].pid, now)
+    self.events.emit('launch', attempt=number, hosts=hosts, processes=n,
+                     pids=[handles[i].pid for i in range(n)], bindings=bindings, skip_data_steps=skip,
+                     coordinator=coordinator)
+    return Attempt(number, hosts, handles, executors, logs, monitor, bindings, now)
+
+  # --- watching ---------------------------------------------------------------
+
+  def _supervise(self, att: Attempt):
+    """Returns 'finished', 'preempted' or the first Fault."""
+    f = self.fault_cfg
+    tick = min(0.1, f.heartbeat_interval_s / 4)
+    straggler_every = max(5.0, 5 * f.heartbeat_interval_s)
+    next_straggler_check = time.monotonic() + straggler_every
+    flagged: set[int] = set()
+    while True:
+      if self._signal is not None:
+        return 'preempted'
+      for payload, reason, sender in self.server.receive(tick):
+        now = time.monotonic()
+        if payload is None:
+          self._rejected_heartbeat(reason, sender)
+          continue
+        fault = att.monitor.beat(payload, now)
+        if fault is not None:
+          return fault
+      now = time.monotonic()
+      self._progress_events(att)
+      codes = {i: h.poll() for i, h in att.handles.items()}
+      for i, c in codes.items():
+        if c is not None and att.monitor.procs[i].exited is None:
+          att.monitor.procs[i].exited = c
+      failed = {i: c for i, c in codes.items() if c not in (None, 0)}
+      if failed:
+        return self._exit_fault(att, failed)
+      if all(c == 0 for c in codes.values()):
+        return 'finished'
+      fault = att.monitor.check(now)
+      if fault is not None:
+        return fault
+      if now >= next_straggler_check:
+        next_straggler_check = now + straggler_every
+        fault = self._stragglers(att, flagged)
+        if fault is not None:
+          return fault
+
+  def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
+    codes = {i: self._describe_status(c) for i, c in failed.items()}
+    if TRAINER_BAD_INPUT in failed.values():
+      return detect.Fault('bad_input', sorted(i for i, c in failed.items() if c == TRAINER_BAD_INPUT),
+                          'exit status 2 (configuration, data or usage error)', extra={'exit': codes})
+    if TRAINER_NONFINITE in failed.values():
+      procs = sorted(i for i, c in failed.items() if c == TRAINER_NONFINITE)
+      return detect.Fault('nonfinite_loss', procs, 'exit status 3 (non-finite loss)',
+                          step=self._nan_step(att, procs), extra={'exit': codes})
+    return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
+
+  @staticmethod
+  def _describe_status(code: int) -> str:
+    if code < 0:
+      try:
+        return signal.Signals(-code).name
+      except ValueError:
+        return f'signal {-code}'
+    return f'status {code}'
+
+  def _nan_step(self, att: Attempt, procs: list[int]) -> Optional[int]:
+    """The step whose loss was non-finite, from the trainer's last words."""
+    for i in procs:
+      path, offset = att.logs[i]
+      found = re.findall(r'loss is \S+ at step (\d+)', _read_from(path, offset))
+      if found:
+        return int(found[-1])
+    step = att.monitor.max_step()
+    return None if step is None else step + 1
+
+  def _rejected_heartbeat(self, reason: str, sender: tuple) -> None:
+    """Logged, at most once per reason per 5 s (a flood must not flood the log)."""
+    now = time.monotonic()
+    last, suppressed = self._rejected.get(reason, (-math.inf, 0))
+    if now - last < 5.0:
+      self._rejected[reason] = [last, suppressed + 1]
+      return
+    self._rejected[reason] = [now, 0]
+    self.events.emit('heartbeat_rejected', reason=reason, sender=f'{sender[0]}:{sender[1]}',
+                     suppressed_before=suppressed)
+
+  def _progress_events(self, att: Attempt) -> None:
+    m = att.monitor
+    if not att.running and m.everyone_beating():
+      att.running = True
+      self.events.emit('running', attempt=att.number, seconds=round(time.monotonic() - att.started, 3))
+    p0 = m.procs.get(0)
+    if not att.startup_reported and p0 is not None and p0.step is not None:
+      path, offset = att.logs[0]
+      found = re.findall(r'mjax: startup (\{.*\})', _read_from(path, offset))
+      if found:
+        att.startup_reported = True
+        self.events.emit('startup', attempt=att.number, **json.loads(found[-1]))
+    if self.pre_fault is not None:
+      low = m.min_step()
+      if low is not None and low >= self.pre_fault[0]:
+        self.events.emit('caught_up', attempt=att.number, step=low,
+                         seconds_since_fault=round(time.time() - self.pre_fault[1], 3))
+        self.pre_fault = None
+        att.recovered = True
+
+  def _stragglers(self, att: Attempt, flagged: set) -> Optional[detect.Fault]:
+    from mjax.ft import stragglers
+    try:
+      rows = stragglers.load_rows(self.workdir)
+    except FileNotFoundError:
+      return None
+    f = self.fault_cfg
+    # Only this attempt's processes: an earlier attempt may have had others.
+    rows = [r for r in rows if int(r['process']) in att.handles]
+    for s in stragglers.find_stragglers(rows, f.straggler_margin, f.straggler_window):
+      if s.process in flagged:
+        continue
+      flagged.add(s.process)
+      host = att.hosts[s.process]
+      fields = {**s.to_json(), 'timing_host': s.host, 'host': host}   # host: the driver's name for it
+      self.events.emit('straggler', attempt=att.number, detail=s.describe(), evict=f.evict_stragglers,
+                       **fields)
+      if f.evict_stragglers:
+        return detect.Fault('straggler', [s.process], s.describe())
+    return None
+
+  # --- recovering -------------------------------------------------------------
+
+  def _on_fault(self, att: Attempt, fault: detect.Fault) -> None:
+    m = att.monitor
+    step = m.max_step()
+    if step is not None and (self.pre_fault is None or step > self.pre_fault[0]):
+      self.pre_fault = (step, time.time())
+    elif self.pre_fault is not None:
+      self.pre_fault = (self.pre_fault[0], time.time())
+    self.events.emit('fault', kind=fault.kind, attempt=att.number, processes=fault.processes,
+                     hosts=[att.hosts[i] for i in fault.processes], detail=fault.detail,
+                     step=fault.step, reached_step=step,
+                     phases={i: p.phase for i, p in m.procs.items()},
+                     last_logs={i: p.logs for i, p in m.procs.items() if p.logs}, **fault.extra)
+    if fault.kind in ('hang', 'heartbeat_lost'):
+      # Named in the fault event first, then asked where they are: the
+      # stacks show what each process was waiting for.
+      self._dump_stacks(att)
+
+  def _dump_stacks(self, att: Attempt) -> None:
+    """SIGUSR1 to every process that can take it (it has heartbeated, so
+    faulthandler is registered), then the top frames of each into the events."""
+    asked = {}
+    for i, h in att.handles.items():
+      if h.poll() is None and att.monitor.procs[i].first_beat is not None:
+        asked[i] = _size(att.logs[i][0])
+        try:
+          h.send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+          pass
+    if not asked:
+      return
+    time.sleep(STACK_WAIT_S)
+    for i, offset in asked.items():
+      path = att.logs[i][0]
+      self.events.emit('stack_dump', attempt=att.number, process=i, host=att.hosts[i], log=path,
+                       step=att.monitor.procs[i].step, phase=att.monitor.procs[i].phase,
+                       threads=parse_stacks(_read_from(path, offset))[:8])
+
+  def _stop(self, att: Attempt, why: str) -> None:
+    """SIGTERM (the trainer saves if it can), SIGKILL after the grace period."""
+    t0 = time.monotonic()
+    alive = [h for h in att.handles.values() if h.poll() is None]
+    for h in alive:
+      try:
+        h.send_signal(signal.SIGTERM)
+      except ProcessLookupError:
+        pass
+    deadline = t0 + self.opts.grace_s
+    while any(h.poll() is None for h in alive) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    killed = []
+    for i, h in att.handles.items():
+      if h.poll() is None:
+        killed.append(i)
+        att.executors[i].kill(h)
+    for h in att.handles.values():
+      h.wait()
+    if why != 'finished' or killed:
+      self.events.emit('stopped', attempt=att.number, why=why, seconds=round(time.monotonic() - t0, 3),
+                       killed=killed, exit={i: self._describe_status(h.returncode)
+                                            for i, h in att.handles.items()})
+
+  def _diagnose(self, att: Attempt, fault: detect.Fault) -> None:
+    """mjax-diagnose on every host of the attempt, in parallel; failing
+    hosts (and an evicted straggler's) are blocked."""
+    if fault.kind == 'straggler':
+      for i in fault.processes:
+        self._block(att.hosts[i], f'straggler: {fault.detail}')
+    if not self.diagnose_cmd:
+      self.events.emit('diagnosis', host=None, passed=None,
+                       detail='mjax-diagnose is not installed: no host checked, none blocked')
+      return
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(att.hosts)) as pool:
+      results = list(pool.map(self._diagnose_host, att.hosts))
+    for host, (passed, report, detail) in zip(att.hosts, results):
+      self.events.emit('diagnosis', host=host, passed=passed, detail=detail,
+                       checks=report.get('checks') if report else None,
+                       seconds=round(time.monotonic() - t0, 3))
+    failing = [(h, r[2]) for h, r in zip(att.hosts, results) if not r[0]]
+    if len(att.hosts) > 1 and len(failing) == len(att.hosts):
+      # Every host failing at once points at something they share (the
+      # diagnostic's thresholds, a shared file system, the driver itself)
+      # rather than at all of them: blocking them all would end this
+      # workdir for good. Restart as is; max_restarts still bounds it.
+      self.events.emit('diagnosis_suspect', hosts=att.hosts,
+                       detail='every host failed: none blocked, the cause is probably shared')
+      return
+    for host, detail in failing:
+      self._block(host, f'diagnostic failed: {detail}')
+
+  def _diagnose_host(self, host: str) -> tuple[bool, Optional[dict], str]:
+    from mjax import distributed
+    env = dict(os.environ)
+    env.pop('MJAX_FAULT', None)      # the trainer's test faults are not the host's
+    if self.opts.devices:
+      env['XLA_FLAGS'] = distributed.with_device_count(env.get('XLA_FLAGS', ''), self.opts.devices)
+      env['JAX_PLATFORMS'] = 'cpu'
+    env[hb.HOST_ENV] = host
+    env.update(self.opts.host_env.get(host, {}))
+    code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args], env,
+                                                     self.opts.diagnose_timeout_s)
+    report = None
+    for line in reversed(out.strip().splitlines()):
+      try:
+        report = json.loads(line)
+        break
+      except ValueError:
+        continue
+    if not isinstance(report, dict):
+      # The whole output may be one indented JSON document.
+      try:
+        report = json.loads(out)
+      except ValueError:
+        report = None
+    passed = code == 0 and isinstance(report, dict) and bool(report.get('passed'))
+    if passed:
+      return True, report, 'passed'
+    failed = [c.get('name', '?') for c in (report or {}).get('checks', []) if not c.get('passed', True)]
+    if failed:
+      detail = 'failed checks: ' + ', '.join(failed)
+    else:
+      detail = f'exit status {code}: ' + (err.strip().splitlines() or ['no output'])[-1][:300]
+    return False, report, detail
+
+  def _block(self, host: str, reason: str) -> None:
+    if host in self.blocked:
+      return
+    entry = self.blocked.add(host, reason)
+    self.events.emit('host_blocked', **entry)
+
+  def _rollback(self, att: Attempt, fault: detect.Fault) -> None:
+    """After a numerical fault: back to the newest checkpoint (always a
+    finite state), skipping the data from there to the bad step."""
+    ckpt = self._checkpoint_step()
+    bad = fault.step if fault.step is not None else (att.monitor.max_step() or ckpt) + 1
+    # Steps after `ckpt` read batches `skip` further on than their number
+    # when this checkpoint was already rolled back to once.
+    already = self.skip[1] if self.skip is not None and self.skip[0] == ckpt else 0
+    skip = max(0, bad - ckpt) + already
+    self.skip = (ckpt, skip)
+    self.events.emit('rollback', kind=fault.kind, bad_step=bad, checkpoint_step=ckpt,
+                     skip_data_steps=skip)
+
+  def _preempt(self, att: Attempt) -> int:
+    """SIGTERM/SIGINT to the driver: pass SIGTERM on, so every process saves
+    and exits; wait for them (a collective timeout at most, or until a
+    second signal says not to wait)."""
+    for h in att.handles.values():
+      if h.poll() is None:
+        h.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + self.fault_cfg.collective_timeout_s
+    while (any(h.poll() is None for h in att.handles.values()) and time.monotonic() < deadline
+           and self._signals < 2):
+      time.sleep(0.1)
+    for i, h in att.handles.items():
+      if h.poll() is None:
+        att.executors[i].kill(h)
+      h.wait()
+    codes = {i: self._describe_status(h.returncode) for i, h in att.handles.items()}
+    self.events.emit('preempted', attempt=att.number, exit=codes)
+    return EXIT_OK if all(h.returncode == 0 for h in att.handles.values()) else EXIT_GAVE_UP
+
+
+class BadInput(ValueError):
+  """The job cannot start as asked (config, flags); exit status 2."""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """mjax-launch; returns the exit status."""
+  opts = parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    driver = Driver(opts)
+  except BadInput as e:
+    print(f'mjax-launch: error: {e}', file=sys.stderr)
+    return EXIT_BAD_INPUT
+  return driver.run()

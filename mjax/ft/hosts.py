@@ -1,0 +1,128 @@
+"""Which hosts a job runs on: the block list, spares, elastic shrinking.
+
+`<workdir>/blocked_hosts.json` lists the hosts that failed a diagnostic (or
+were evicted as stragglers) as `[{"host", "reason", "time"}, ...]`. It only
+grows: a host in it is never used again by that workdir (take it out by
+hand once it has been repaired).
+
+After a fault the job restarts on the same number of hosts when it can,
+taking spares for blocked ones; when not enough healthy hosts remain it
+shrinks (elastic): fewer processes, a smaller data-parallel size, and the
+same global batch kept by gradient accumulation, so the run trains the same
+model on the same data order (checkpoints restore onto any layout, and the
+data position is global).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional, Sequence
+
+BLOCKED_FILE = 'blocked_hosts.json'
+
+
+class ElasticError(ValueError):
+  """The job cannot continue on the hosts that are left."""
+
+
+class BlockList:
+  """The persisted list of hosts this workdir must not use."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, BLOCKED_FILE)
+    self.entries: list[dict] = []
+    if os.path.exists(self.path):
+      with open(self.path) as fh:
+        self.entries = json.load(fh)
+
+  def __contains__(self, host: str) -> bool:
+    return any(e['host'] == host for e in self.entries)
+
+  def hosts(self) -> list[str]:
+    return [e['host'] for e in self.entries]
+
+  def add(self, host: str, reason: str) -> dict:
+    entry = {'host': host, 'reason': reason, 'time': round(time.time(), 3)}
+    if host not in self:
+      self.entries.append(entry)
+      tmp = self.path + '.tmp'
+      with open(tmp, 'w') as fh:
+        json.dump(self.entries, fh, indent=1)
+      os.replace(tmp, self.path)   # never a half-written list
+    return entry
+
+
+def plan_hosts(wanted: int, hosts: Sequence[str], spares: Sequence[str], blocked: BlockList) -> list[str]:
+  """The hosts of the next attempt: the job's healthy hosts in order, then
+  spares for the blocked ones; fewer than `wanted` when both run out."""
+  pool = [h for h in list(hosts) + list(spares) if h not in blocked]
+  return pool[:wanted]
+
+
+def data_parallel_size(mesh, num_devices: int) -> int:
+  """data x fsdp of `mesh` (MeshConfig) on `num_devices`, dcn axes included."""
+  from mjax.config import resolve_mesh_shape
+  ici = resolve_mesh_shape(mesh, num_devices)
+  sizes = dict(zip(mesh.AXES, (i * j for i, j in zip(ici, mesh.dcn_shape()))))
+  return sizes['data'] * sizes['fsdp']
+
+
+def elastic_bindings(cfg, processes: int, new_processes: int, devices: int) -> list[str]:
+  """Gin bindings that run `cfg` (laid out for `processes` x `devices`) on
+  `new_processes` x `devices`, keeping the global batch.
+
+  The data-parallel size shrinks by processes / new_processes; each replica
+  then accumulates K = old_dp / new_dp times as many slices, so that a step
+  still sees `global_batch_size` sequences. Axes sized -1 adapt by
+  themselves; an explicit data-parallel axis (the dcn one on a hybrid mesh)
+  is scaled.
+
+  Raises:
+    ElasticError: the new size does not divide the old one, or the layout
+      needs more devices than are left; the message says which.
+  """
+  if new_processes == processes:
+    return []
+  mesh, train = cfg.mesh, cfg.train
+  model_parallel = mesh.tensor * mesh.dcn_tensor * mesh.pipeline * mesh.dcn_pipeline
+  new_devices = new_processes * devices
+  if new_devices % model_parallel:
+    raise ElasticError(
+        f'cannot continue on {new_processes} process(es) x {devices} device(s): the model-parallel '
+        f'group (tensor x pipeline = {model_parallel} devices) does not fit in {new_devices} '
+        f'devices. Bring back enough healthy hosts, or give spares with --spares.')
+  old_dp = data_parallel_size(mesh, processes * devices)
+  new_dp = new_devices // model_parallel
+  if old_dp % new_dp:
+    raise ElasticError(
+        f'cannot keep the global batch on {new_processes} process(es): the data-parallel size '
+        f'would go from {old_dp} to {new_dp}, which does not divide it, so no whole number of '
+        f'gradient-accumulation steps gives the same batch. Give spares with --spares, or run '
+        f'with a process count whose remainder divides the data-parallel size.')
+  k = old_dp // new_dp
+  out = [f'TrainConfig.grad_accum_steps = {train.grad_accum_steps * k}']
+  if mesh.dcn_data > 1 or mesh.dcn_fsdp > 1:
+    axis = 'dcn_data' if mesh.dcn_data > 1 else 'dcn_fsdp'
+    size = getattr(mesh, axis)
+    if size % k:
+      raise ElasticError(f'MeshConfig.{axis} = {size} cannot shrink by {k}; bring back hosts or give spares.')
+    out.append(f'MeshConfig.{axis} = {size // k}')
+  elif -1 not in (mesh.data, mesh.fsdp):
+    axis = 'data' if mesh.data > 1 else 'fsdp'
+    size = getattr(mesh, axis)
+    if size % k:
+      raise ElasticError(f'MeshConfig.{axis} = {size} cannot shrink by {k}; bring back hosts or give spares.')
+    out.append(f'MeshConfig.{axis} = {size // k}')
+  return out
+
+
+def check_bindings(gin_files: Sequence[str], bindings: Sequence[str], num_devices: Optional[int]) -> None:
+  """Validates the trainer's config with extra bindings before launching it;
+  raises ElasticError with the config's own one-paragraph message."""
+  from mjax.config import ConfigError, load_config
+  try:
+    load_config(gin_files, bindings, num_devices=num_devices)
+  except ConfigError as e:
+    raise ElasticError(f'the shrunk layout is not valid: {e}') from None

@@ -1,0 +1,494 @@
+"""Straggler analysis of the per-process step timings (MegaScale §4.2).
+
+Every training process appends one row per step to
+`<workdir>/timings/process-<i:05d>.jsonl` (see `mjax.metrics.PhaseTimer`):
+
+    {"step": 12, "process": 3, "host": "node-07", "time": 1718000000.123,
+     "phases": {"data": 0.004, "compute": 0.91, "checkpoint": 0.2}}
+
+`time` is the unix time at the end of the step and `phases` the host
+wall-clock seconds of each phase that ran in it. Everything here is a pure
+function of such rows (numpy only), so the driver can call it on rows it
+gathers itself, and `mjax-report stragglers` on the files of a workdir.
+
+How a straggler shows in these rows. An SPMD step ends in collectives, so
+in a multi-process job every process's step takes the same wall time: the
+healthy ones spend the straggler's extra time waiting, inside their own
+`compute` phase. What survives that:
+
+  lateness   a process whose extra work comes after the step's collective
+             (a busy or throttled CPU, host-side bookkeeping, the test-only
+             `slow` fault) ends each step after the others, which the
+             collective has already released: its end time lags theirs by
+             about its extra work, step after step.
+  excess     a process whose extra work comes before the collective in a
+             phase the others do not wait in (slow input: `data`) spends
+             longer in that phase than the others do; where processes are
+             not held in step at all, its whole step is longer.
+
+Per step, each process is compared with the median of the *other*
+processes (so that with two processes the reference is not halfway to the
+straggler). Its slowdown at that step is the largest of its lateness and
+its excess in the whole step and in each phase, all in units of a step
+(the others' median step time, less the time they spent waiting for this
+process): a `data` phase 0.3 s longer than the others' in steps of 1 s
+without it is a slowdown of 0.3 whatever the data phase's own length. A
+process is a straggler when, over the last `window` steps, its median
+slowdown exceeds `margin` and it was slower than `margin / 2` in at least
+`consistency` of those steps: one long step (a GC pause, a checkpoint only
+this process paid for) moves neither, and noise around a clean run stays
+far below both.
+
+Limits: comparing end times across hosts assumes their clocks agree to
+well under `margin` x the step time (NTP keeps them within milliseconds;
+steps of large models take seconds), and that the processes are held in
+step by their collectives, as every multi-process mjax job is (processes
+running each at its own pace drift apart, and their end times with them). A slow accelerator is invisible to
+host timings in a synchronous job (its collective partners wait on the
+device, not on the host, and all are released together); per-device
+throughput checks (`mjax.ft.diagnose`) find those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import warnings
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+# The order phases run in within one row: evaluation after step s is
+# accumulated into row s + 1 before its data, and a checkpoint closes the step.
+PHASE_ORDER = ('eval', 'data', 'compute', 'checkpoint')
+STEP = 'step'  # the metric "sum of all phases"
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+  """A process found consistently slower than the others.
+
+  Attributes:
+    process: process index.
+    host: host name from its rows.
+    slowdown: median over the window of its slowdown (the largest of its
+      lateness and its excess step or phase time, in step times).
+    reason: the signal with the largest median: 'late' (ends its steps
+      after the others), 'step' (longer steps) or a phase ('data', ...).
+    ratio: median over the window of its step time divided by the median
+      of the other processes' at the same step.
+    lateness: median over the window of how much later than the others it
+      ended each step, in step times (see `compare`).
+    lateness_s: the same lag in seconds.
+    slow_share: share of the window's steps in which its slowdown exceeded
+      margin / 2.
+    first_step: first step of the window.
+    last_step: last step of the window.
+  """
+  process: int
+  host: str
+  slowdown: float
+  reason: str
+  ratio: float
+  lateness: float
+  lateness_s: float
+  slow_share: float
+  first_step: int
+  last_step: int
+
+  def describe(self) -> str:
+    """One line for logs and the driver's decision record."""
+    why = {'late': 'ends its steps late', 'step': 'longer steps'}.get(self.reason, f'longer {self.reason} phase')
+    return (f'process {self.process} on {self.host}: {self.slowdown:+.0%} of a step slower than the others '
+            f'over steps {self.first_step}-{self.last_step}, mostly {why} (step time x{self.ratio:.2f}, '
+            f'ends {self.lateness_s * 1e3:.0f} ms late; slow in {self.slow_share:.0%} of the steps)')
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------
+
+def timings_dir(workdir: str) -> str:
+  return os.path.join(workdir, 'timings')
+
+
+def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
+  """All timing rows of a run directory, deduplicated.
+
+  Args:
+    workdir: the run's directory (the one holding `timings/`).
+    tail_bytes: read only the last this many bytes of each process's file:
+      enough for the latest steps, which is all a poller such as the
+      driver needs (a row is ~150 bytes; 64 KiB holds ~400 steps), at a
+      cost that does not grow with the run's length. None: whole files.
+
+  Returns:
+    Rows sorted by (process, step), one per (process, step): the last one
+    written, since a resumed run appends again the steps it redoes. What
+    a crash cut short is skipped.
+
+  Raises:
+    FileNotFoundError: when `workdir/timings` holds no process-*.jsonl file.
+  """
+  paths = sorted(glob.glob(os.path.join(timings_dir(workdir), 'process-*.jsonl')))
+  if not paths:
+    raise FileNotFoundError(
+        f'no timing files in {timings_dir(workdir)!r}: every training process writes '
+        f'timings/process-<index>.jsonl under its workdir (every FaultConfig.timing_every steps); '
+        f'give the --workdir of a run that has taken at least that many steps.')
+  rows = []
+  for path in paths:
+    with open(path, 'rb') as fh:
+      if tail_bytes is not None:
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, size - tail_bytes))
+        if size > tail_bytes:
+          fh.readline()  # most likely the end of a row cut in two by the seek
+      for line in fh:
+        row = _parse_row(line.decode('utf-8', errors='replace'))
+        if row is not None:
+          rows.append(row)
+  return dedupe_rows(rows)
+
+
+def _parse_row(line: str) -> Optional[dict]:
+  """One timing row, or None for a line that holds none.
+
+  A process killed mid-write leaves half a line without its newline; the
+  next run's first row is then appended to it. That row is recovered from
+  the end of the line.
+  """
+  for start in (0, line.rfind('{"step"')):
+    if start < 0:
+      break
+    try:
+      row = json.loads(line[start:])
+    except ValueError:
+      continue
+    if isinstance(row, dict) and {'step', 'process', 'time', 'phases'} <= set(row):
+      return row
+  return None
+
+
+def dedupe_rows(rows: Iterable[dict]) -> list[dict]:
+  """One row per (process, step), the last in iteration order.
+
+  Args:
+    rows: timing rows in the order they were written (per process, file
+      order is time order).
+
+  Returns:
+    The surviving rows sorted by (process, step).
+  """
+  latest = {}
+  for r in rows:
+    latest[(int(r['process']), int(r['step']))] = r
+  return [latest[k] for k in sorted(latest)]
+
+
+def step_duration(row: dict, metric: str = STEP) -> float:
+  """Seconds of one row: all phases summed (`metric='step'`) or one phase
+  (0 when that phase did not run in this step)."""
+  phases = row['phases']
+  if metric == STEP:
+    return float(sum(phases.values()))
+  return float(phases.get(metric, 0.0))
+
+
+def phases_of(rows: Iterable[dict]) -> list[str]:
+  """Phase names present in `rows`, in the order they run within a step."""
+  seen = set()
+  for r in rows:
+    seen.update(r['phases'])
+  return [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+
+
+def grid(rows: Sequence[dict], steps: Optional[Sequence[int]] = None) -> dict:
+  """Rows as process x step arrays, every metric at once.
+
+  Args:
+    rows: deduplicated timing rows.
+    steps: the step columns to build; default every step in `rows`.
+
+  Returns:
+    {'processes': [P], 'steps': [S], 'end': [P, S] unix end times,
+     'seconds': {'step': [P, S] sum of phases, phase: [P, S], ...}}. A
+    (process, step) without a row is NaN everywhere; a phase that did not
+    run in a row's step is 0.
+  """
+  processes = np.array(sorted({int(r['process']) for r in rows}), dtype=np.int64)
+  if steps is None:
+    steps = sorted({int(r['step']) for r in rows})
+  steps = np.asarray(steps, dtype=np.int64)
+  pi = {p: i for i, p in enumerate(processes.tolist())}
+  si = {s: i for i, s in enumerate(steps.tolist())}
+  names = phases_of(rows)
+  shape = (len(processes), len(steps))
+  end = np.full(shape, np.nan)
+  seconds = {name: np.full(shape, np.nan) for name in (STEP, *names)}
+  present = np.zeros(shape, bool)
+  for r in rows:
+    j = si.get(int(r['step']))
+    if j is None:
+      continue
+    i = pi[int(r['process'])]
+    present[i, j] = True
+    end[i, j] = float(r['time'])
+    phases = r['phases']
+    seconds[STEP][i, j] = float(sum(phases.values()))
+    for name, v in phases.items():
+      seconds[name][i, j] = float(v)
+  for name in names:
+    seconds[name][present & np.isnan(seconds[name])] = 0.0
+  return {'processes': processes, 'steps': steps, 'end': end, 'seconds': seconds}
+
+
+def matrices(rows: Sequence[dict], metric: str = STEP,
+             steps: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Rows as process x step arrays, one metric.
+
+  Args:
+    rows: deduplicated timing rows.
+    metric: 'step' (sum of phases) or a phase name.
+    steps: the step columns to build; default every step in `rows`.
+
+  Returns:
+    (processes [P], steps [S], seconds [P, S], end_times [P, S]); a
+    (process, step) without a row is NaN in both arrays.
+  """
+  g = grid(rows, steps)
+  values = g['seconds'].get(metric)
+  if values is None:  # a phase no row has: it never ran
+    values = np.where(np.isnan(g['end']), np.nan, 0.0)
+  return g['processes'], g['steps'], values, g['end']
+
+
+def _loo_median(x: np.ndarray) -> np.ndarray:
+  """Per column, the median of the other rows' values (NaNs ignored).
+
+  Leaving the row itself out keeps the reference honest in small jobs: with
+  two processes the plain median would be halfway to the straggler.
+
+  Args:
+    x: [P, S] array, NaN where missing.
+
+  Returns:
+    [P, S]: for each entry, the median of the column without that row; NaN
+    where the entry is NaN or no other value exists.
+  """
+  P, S = x.shape
+  order = np.argsort(x, axis=0, kind='stable')           # NaNs sort last
+  s = np.take_along_axis(x, order, axis=0)
+  rank = np.empty_like(order)
+  np.put_along_axis(rank, order, np.broadcast_to(np.arange(P)[:, None], (P, S)), axis=0)
+  m = np.sum(~np.isnan(x), axis=0) - 1                    # values left per column
+
+  def kth_remaining(k):
+    # The k-th smallest of the remaining values is at sorted index k, or k + 1
+    # when the removed entry sits at or before k.
+    k = np.broadcast_to(np.maximum(k, 0), (P, S))
+    idx = np.clip(np.where(k < rank, k, k + 1), 0, P - 1)
+    return np.take_along_axis(s, idx, axis=0)
+
+  med = 0.5 * (kth_remaining((m - 1) // 2) + kth_remaining(m // 2))
+  med[:, m < 1] = np.nan
+  med[np.isnan(x)] = np.nan
+  return med
+
+
+def _nanmedian(x, axis=None):
+  """np.nanmedian without the warning for all-NaN input (NaN is the answer)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)
+    return np.nanmedian(x, axis=axis)
+
+
+def compare(rows: Sequence[dict], steps: Optional[Sequence[int]] = None) -> dict:
+  """Per (process, step), how each process compares with the others.
+
+  Args:
+    rows: deduplicated timing rows.
+    steps: the steps to compare (default all of them).
+
+  Returns:
+    dict with 'processes' [P], 'steps' [S] and [P, S] arrays (NaN where a
+    row is missing or nothing is compared): 'ratio' (step time / the others'
+    median), 'lateness_s' (end time - the others' median end time),
+    'lateness' (lateness_s in step times), 'excess' ({'step' or phase:
+    seconds more than the others' median, in step times}), 'signals'
+    (lateness as 'late', and the excesses) and 'slowdown' (the largest
+    signal). A step time here is the others' median step time; for
+    lateness and phases, less this process's extra time, which the others
+    spent waiting for it.
+  """
+  g = grid(rows, steps)
+  processes, steps, end, seconds = g['processes'], g['steps'], g['end'], g['seconds']
+  total = seconds[STEP]
+
+  def per_step(extra_s, ref):
+    # In a lock-stepped job the others' step time includes waiting out this
+    # process's extra time; measured against a step without it, 30% of extra
+    # work reads as 0.3 rather than 0.3 / 1.3. The floor keeps a one-off lag
+    # longer than a whole step finite.
+    rest = np.maximum(ref - np.clip(extra_s, 0, None), 0.1 * ref)
+    return extra_s / rest
+
+  with np.errstate(invalid='ignore', divide='ignore'):
+    ref_total = _loo_median(total)
+    ref_total = np.where(ref_total > 0, ref_total, np.nan)
+    late_s = end - _loo_median(end)
+    excess = {STEP: (total - ref_total) / ref_total}
+    for ph, x in seconds.items():
+      if ph != STEP:
+        excess[ph] = per_step(x - _loo_median(x), ref_total)
+    signals = {'late': per_step(late_s, ref_total), **excess}
+    stacked = np.stack(list(signals.values()))
+    slowdown = np.where(np.all(np.isnan(stacked), axis=0), np.nan,
+                        np.nanmax(np.where(np.isnan(stacked), -np.inf, stacked), axis=0))
+  return {'processes': processes, 'steps': steps, 'ratio': total / ref_total, 'lateness_s': late_s,
+          'lateness': signals['late'], 'excess': excess, 'signals': signals, 'slowdown': slowdown}
+
+
+# ----------------------------------------------------------------------------
+# Detection
+# ----------------------------------------------------------------------------
+
+def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
+                    consistency: float = 0.8) -> list[Straggler]:
+  """Processes consistently slower than the others over the last steps.
+
+  Args:
+    rows: timing rows of any number of processes (duplicates allowed: the
+      last row of a (process, step) wins).
+    margin: FaultConfig.straggler_margin: how much slower than the others,
+      in step times (0.2: 20%), the median over the window must be.
+    window: FaultConfig.straggler_window: how many of the latest steps to
+      judge on. Fewer steps than this, or a single process, flag nobody.
+    consistency: the share of the window's steps in which a flagged
+      process must be slower than margin / 2.
+
+  Returns:
+    The stragglers, slowest first.
+  """
+  if margin <= 0 or window < 1 or not 0 < consistency <= 1:
+    raise ValueError(f'find_stragglers: margin {margin!r} must be > 0, window {window!r} >= 1 and '
+                     f'consistency {consistency!r} in (0, 1].')
+  rows = dedupe_rows(rows)
+  n_proc = len({r['process'] for r in rows})
+  if n_proc < 2:
+    return []
+  # Judge on the latest steps that enough processes have reported already:
+  # rows arrive in batches, so the newest steps may be missing a few processes.
+  counts: dict[int, int] = {}
+  for r in rows:
+    counts[int(r['step'])] = counts.get(int(r['step']), 0) + 1
+  quorum = max(2, (n_proc + 1) // 2)
+  steps = sorted(s for s, c in counts.items() if c >= quorum)[-window:]
+  if len(steps) < window:
+    return []
+  recent = [r for r in rows if int(r['step']) >= steps[0]]
+  sig = compare(recent, steps)
+  hosts = {int(r['process']): r.get('host', '?') for r in recent}
+  found = []
+  for i, p in enumerate(sig['processes'].tolist()):
+    slow = sig['slowdown'][i]
+    valid = ~np.isnan(slow)
+    if valid.sum() < max(1, window // 2):
+      continue  # too few of its rows in the window to judge it
+    med = float(np.median(slow[valid]))
+    share = float(np.mean(slow[valid] > margin / 2))
+    if med > margin and share >= consistency:
+      by_signal = {k: float(_nanmedian(v[i])) for k, v in sig['signals'].items()}
+      found.append(Straggler(
+          process=p, host=hosts.get(p, '?'), slowdown=med,
+          reason=max(by_signal, key=lambda k: -np.inf if np.isnan(by_signal[k]) else by_signal[k]),
+          ratio=float(_nanmedian(sig['ratio'][i])), lateness=by_signal['late'],
+          lateness_s=float(_nanmedian(sig['lateness_s'][i])), slow_share=share,
+          first_step=int(sig['steps'][0]), last_step=int(sig['steps'][-1])))
+  return sorted(found, key=lambda s: -s.slowdown)
+
+
+# ----------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------
+
+def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
+                  metric: str = STEP) -> list[dict]:
+  """Per-process summary of a run's timings, with a straggler verdict.
+
+  Args:
+    rows: timing rows (deduplicated here).
+    margin, window: as for `find_stragglers`, which gives the verdict.
+    metric: 'step' (sum of phases) or a phase name: what median_s and p90_s
+      describe.
+
+  Returns:
+    One dict per process, sorted by process: process, host, steps (rows),
+    first_step, last_step, median_s and p90_s (of `metric`), ratio (median
+    over all steps of its step time / the others' median), lateness_s
+    (median lag of its end of step behind the others'), phases ({phase:
+    median s}), verdict ('straggler', 'ok', or 'n/a' when there is nothing
+    to compare with or fewer than `window` steps) and, for stragglers,
+    slowdown and reason (the signal that gave it away: 'late', 'step' or a
+    phase).
+  """
+  rows = dedupe_rows(rows)
+  if not rows:
+    return []
+  sig = compare(rows)
+  processes, steps = sig['processes'], sig['steps']
+  seconds = grid(rows)['seconds']
+  values = seconds.get(metric, seconds[STEP] * 0)
+  phase_vals = {ph: v for ph, v in seconds.items() if ph != STEP}
+  hosts = {int(r['process']): r.get('host', '?') for r in rows}
+  flagged = {s.process: s for s in find_stragglers(rows, margin, window)}
+  judged = len(processes) >= 2 and len(steps) >= window
+  table = []
+  for i, p in enumerate(processes.tolist()):
+    have = ~np.isnan(values[i])
+    x = values[i][have]
+    entry = {
+        'process': p, 'host': hosts[p], 'steps': int(have.sum()),
+        'first_step': int(steps[have][0]), 'last_step': int(steps[have][-1]),
+        'median_s': float(np.median(x)), 'p90_s': float(np.percentile(x, 90)),
+        'ratio': float(_nanmedian(sig['ratio'][i])), 'lateness_s': float(_nanmedian(sig['lateness_s'][i])),
+        'phases': {ph: float(_nanmedian(v[i])) for ph, v in phase_vals.items()},
+        'verdict': 'straggler' if p in flagged else ('ok' if judged else 'n/a'),
+    }
+    if p in flagged:
+      entry.update(slowdown=flagged[p].slowdown, reason=flagged[p].reason)
+    table.append(entry)
+  return table
+
+
+def format_table(table: Sequence[dict], metric: str = STEP) -> str:
+  """`summary_table` as aligned text, one line per process."""
+  if not table:
+    return '(no timing rows)'
+  phase_names = list(table[0]['phases'])
+  head = ['process', 'host', 'steps', f'{metric} p50', 'p90', 'x others', 'late ms'] + \
+         [f'{ph} p50' for ph in phase_names] + ['verdict']
+
+  def ms(v):
+    return '-' if v != v else f'{v * 1e3:.1f}'  # v != v: NaN, nothing to compare
+
+  lines = []
+  for e in table:
+    verdict = e['verdict'] + (f' ({e["slowdown"]:+.0%}, {e["reason"]})' if 'slowdown' in e else '')
+    lines.append([str(e['process']), e['host'], str(e['steps']), ms(e['median_s']), ms(e['p90_s']),
+                  '-' if e['ratio'] != e['ratio'] else f'{e["ratio"]:.2f}', ms(e['lateness_s'])] +
+                 [ms(e['phases'][ph]) for ph in phase_names] + [verdict])
+  widths = [max(len(h), *(len(l[k]) for l in lines)) for k, h in enumerate(head)]
+
+  def fmt(cells):
+    return '  '.join(c.ljust(w) if k in (1, len(cells) - 1) else c.rjust(w)
+                     for k, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+  return '\n'.join([fmt(head), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines]) + \
+      '\n(times in ms; "x others": median step time / the other processes\' median at the same step; ' \
+      '"late ms": median lag of its end of step behind the others\')'

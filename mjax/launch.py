@@ -1,0 +1,186 @@
+"""Starting the processes of a multi-process job on this machine.
+
+The API, kept small because the fault-tolerance driver builds on it:
+
+  local_env(process_id, num_processes, coordinator, devices_per_process=None,
+            base_env=None) -> dict
+      The environment of one process: base_env (default os.environ) plus
+      MJAX_COORDINATOR_ADDRESS, MJAX_NUM_PROCESSES, MJAX_PROCESS_ID,
+      MJAX_LAUNCH_TIME (time.time() now, for the start-up report) and, when
+      devices_per_process is given, MJAX_LOCAL_DEVICE_COUNT, JAX_PLATFORMS=cpu
+      and XLA_FLAGS whose --xla_force_host_platform_device_count is replaced.
+
+  spawn_local(num_processes, devices_per_process, argv, workdir=None,
+              env=None, port=None) -> list[subprocess.Popen]
+      Starts `argv` num_processes times, coordinated on 127.0.0.1:port (a
+      free port when None). Output: with `workdir`, process i writes stdout
+      and stderr to <workdir>/logs/process-<i>.log (appended, so a restart
+      keeps the earlier attempt's lines); without, every line goes to this
+      process's stdout prefixed with '[i] '.
+
+  wait_all(procs, timeout=None) -> list[int]
+      Waits for every process. When one exits with a non-zero status the
+      others are killed at once (a job that lost a process cannot finish its
+      next collective, so waiting would only wait for a timeout); when
+      `timeout` seconds pass, all are killed. Returns the exit codes in
+      process order; a killed process reports -9 (-SIGKILL).
+
+  free_port() -> int
+      A TCP port on 127.0.0.1 that nothing listens on now.
+
+The child environment is the contract of mjax/distributed.py, which reads it
+in every process (`mjax-train` calls `initialize_from_env()` first thing).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, Optional, Sequence
+
+from mjax import distributed
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now.
+
+  Returns:
+    The port number. Another program may take it before the coordinator
+    binds it; on one machine that is rare enough not to guard against.
+  """
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def local_env(process_id: int, num_processes: int, coordinator: str,
+              devices_per_process: Optional[int] = None,
+              base_env: Optional[Mapping[str, str]] = None) -> dict:
+  """The environment of process `process_id` of a job.
+
+  Args:
+    process_id: 0 .. num_processes - 1.
+    num_processes: processes in the job.
+    coordinator: host:port of process 0's coordinator service.
+    devices_per_process: fake CPU devices per process (None: the devices
+      the machine has, e.g. its GPUs).
+    base_env: the variables to start from (default: os.environ).
+  Returns:
+    A new dict; base_env is not modified.
+  """
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f'process_id {process_id} is out of range for {num_processes} processes '
+                     f'(0 .. {num_processes - 1}).')
+  env = dict(os.environ if base_env is None else base_env)
+  env.update({
+      distributed.COORDINATOR: coordinator,
+      distributed.NUM_PROCESSES: str(num_processes),
+      distributed.PROCESS_ID: str(process_id),
+      distributed.LAUNCH_TIME: repr(time.time()),
+  })
+  if devices_per_process is not None:
+    if devices_per_process < 1:
+      raise ValueError(f'devices_per_process must be at least 1, got {devices_per_process}.')
+    env[distributed.LOCAL_DEVICE_COUNT] = str(devices_per_process)
+    env['XLA_FLAGS'] = distributed.with_device_count(env.get('XLA_FLAGS', ''), devices_per_process)
+    # Fake devices are CPU devices: without this a GPU machine would start
+    # its GPUs instead and ignore the count.
+    env['JAX_PLATFORMS'] = 'cpu'
+  return env
+
+
+def _pump(src: IO[bytes], prefix: str, dst: IO[str]) -> None:
+  """Copies `src` to `dst` line by line, each line prefixed."""
+  binary = getattr(dst, 'buffer', None)
+  for line in iter(src.readline, b''):
+    if binary is not None:   # bytes as they came, whatever the encoding
+      dst.flush()
+      binary.write(prefix.encode() + line)
+      binary.flush()
+    else:
+      dst.write(prefix + line.decode(errors='replace'))
+      dst.flush()
+  src.close()
+
+
+def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Sequence[str],
+                workdir: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                port: Optional[int] = None) -> list[subprocess.Popen]:
+  """Starts `argv` as the processes of one job on this machine.
+
+  Args:
+    num_processes: how many processes.
+    devices_per_process: fake CPU devices per process, or None.
+    argv: the command, e.g. ['mjax-train', '--gin_file', 'configs/tiny.gin'].
+    workdir: where logs/process-<i>.log go; None: this process's stdout,
+      each line prefixed with '[i] '.
+    env: the base environment (default: os.environ).
+    port: the coordinator's port on 127.0.0.1 (default: a free one).
+  Returns:
+    The processes, in process-id order.
+  """
+  if num_processes < 1:
+    raise ValueError(f'num_processes must be at least 1, got {num_processes}.')
+  if not argv:
+    raise ValueError('argv is empty: give the command to run, e.g. mjax-train --gin_file ...')
+  coordinator = f'127.0.0.1:{port or free_port()}'
+  log_dir = os.path.join(workdir, 'logs') if workdir else None
+  if log_dir:
+    os.makedirs(log_dir, exist_ok=True)
+  procs = []
+  for i in range(num_processes):
+    child_env = local_env(i, num_processes, coordinator, devices_per_process, env)
+    # Lines as they are written, not 8 KiB later: the log is what one reads
+    # when a process hangs.
+    child_env['PYTHONUNBUFFERED'] = '1'
+    if log_dir:
+      with open(os.path.join(log_dir, f'process-{i}.log'), 'ab') as log:
+        proc = subprocess.Popen(list(argv), env=child_env, stdout=log, stderr=subprocess.STDOUT)
+    else:
+      proc = subprocess.Popen(list(argv), env=child_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+      pump = threading.Thread(target=_pump, args=(proc.stdout, f'[{i}] ', sys.stdout), daemon=True)
+      pump.start()
+      proc.mjax_pump = pump  # joined by wait_all, so no output is lost
+    procs.append(proc)
+  return procs
+
+
+def _kill(procs: Sequence[subprocess.Popen]) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGKILL)
+  for p in procs:
+    p.wait()
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: Optional[float] = None) -> list[int]:
+  """Waits for every process; the first failure ends the others.
+
+  Args:
+    procs: as returned by spawn_local.
+    timeout: seconds to wait in all (None: no limit).
+  Returns:
+    The exit codes in process order (negative: killed by that signal).
+  """
+  deadline = None if timeout is None else time.monotonic() + timeout
+  try:
+    while True:
+      codes = [p.poll() for p in procs]
+      if all(c is not None for c in codes) or any(c for c in codes):
+        break
+      if deadline is not None and time.monotonic() > deadline:
+        break
+      time.sleep(0.1)
+  finally:
+    _kill(procs)
+  for p in procs:
+    pump = getattr(p, 'mjax_pump', None)
+    if pump is not None:
+      pump.join(timeout=5)
+  return [p.returncode for p in procs]

@@ -1,0 +1,549 @@
+"""Fault tolerance: heartbeats, detection, recovery under mjax-launch.
+
+Unit tests of the pieces first (heartbeat authentication, loss monitor,
+hang culprits, elastic layouts, block list), then the real driver on
+processes on 127.0.0.1 (1 fake CPU device each): kill -9 of a random
+process resumes bitwise, a hang names the silent process and a failing
+diagnostic shrinks the job, a NaN rolls back past the bad batches, and
+forged heartbeats are refused.
+"""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mjax import config as C
+from mjax.ft import detect, driver, events as events_lib, heartbeat as hb, hosts as hosts_lib
+
+SECRET = 'ab' * 32
+N = 12   # training steps of the end-to-end runs
+
+# The tiny model of the end-to-end runs, small timeouts (heartbeat 0.5 s,
+# lost after 3 s, hang after 8 s; collectives, and so start-up, 180 s: a
+# loaded CI machine can take a minute to start two processes) and a short back-off.
+TRAIN = ['--gin_file', 'configs/tiny.gin', '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
+         '--gin.ModelConfig.d_ff=256', '--gin.ModelConfig.full_attention_every=0',
+         '--gin.ModelConfig.sliding_window=16', '--gin.DataConfig.seq_len=64',
+         '--gin.TrainConfig.global_batch_size=16', f'--gin.TrainConfig.steps={N}',
+         f'--gin.OptimConfig.decay_steps={N}', '--gin.OptimConfig.warmup_steps=2',
+         '--gin.TrainConfig.eval_every=0', '--gin.TrainConfig.eval_batches=1',
+         '--gin.TrainConfig.progress=False', '--gin.CheckpointConfig.save_every=3',
+         '--gin.FaultConfig.heartbeat_interval_s=0.5', '--gin.FaultConfig.heartbeat_timeout_s=3',
+         '--gin.FaultConfig.progress_timeout_s=8', '--gin.FaultConfig.collective_timeout_s=180',
+         '--gin.FaultConfig.restart_backoff_s=0.2', '--gin.FaultConfig.timing_every=1']
+# Memory and all-reduce only: the matmul check compares with the machine's
+# peak, which a CPU shared with the other test processes does not reach.
+LAUNCH = ['--devices', '1', '--grace_s', '2', '--diagnose_args', '--checks memory,allreduce', '--quiet']
+
+
+# --- heartbeats: authentication ----------------------------------------------------
+
+def payload(**kw):
+  return {'host': 'h', 'process': 0, 'pid': 1, 'step': 3, 'ts': time.time(), 'nonce': os.urandom(8).hex(), **kw}
+
+
+def test_heartbeat_round_trip_and_forgeries_are_refused():
+  v = hb.Verifier(SECRET, window_s=30)
+  good = hb.sign(payload(), SECRET)
+  assert v.verify(good)['step'] == 3
+  with pytest.raises(hb.Rejected, match='replay'):
+    v.verify(good)                                         # the same datagram again
+  with pytest.raises(hb.Rejected, match='bad signature'):
+    v.verify(hb.sign(payload(), 'cd' * 32))                # another job's secret
+  tampered = json.loads(hb.sign(payload(), SECRET))
+  tampered['payload'] = tampered['payload'].replace('"step":3', '"step":4')
+  with pytest.raises(hb.Rejected, match='bad signature'):
+    v.verify(json.dumps(tampered).encode())
+  for garbage in (b'', b'\xff\xfe', b'not json', b'[1, 2]', b'{"payload": 1, "mac": "00"}'):
+    with pytest.raises(hb.Rejected, match='malformed'):
+      v.verify(garbage)
+  with pytest.raises(hb.Rejected, match='stale'):
+    v.verify(hb.sign(payload(ts=time.time() - 100), SECRET))
+  with pytest.raises(hb.Rejected, match='malformed'):
+    v.verify(b'x' * (hb.MAX_DATAGRAM + 1))
+  with pytest.raises(hb.Rejected, match='lacks'):
+    v.verify(hb.sign({'ts': time.time()}, SECRET))
+
+
+class _Timer:
+  current, step = 'data', 0
+
+
+def test_client_reports_step_phase_loss_and_warnings(monkeypatch):
+  import logging
+  sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  sock.bind(('127.0.0.1', 0))
+  sock.settimeout(5)
+  monkeypatch.setenv(hb.ADDRESS_ENV, '127.0.0.1:%d' % sock.getsockname()[1])
+  monkeypatch.setenv(hb.SECRET_ENV, SECRET)
+  monkeypatch.setenv(hb.HOST_ENV, 'node-7')
+  cfg = C.FaultConfig(heartbeat_interval_s=0.05)
+  client = hb.HeartbeatClient.from_env(_Timer(), cfg, process_index=3)
+  try:
+    client.report_step(5, 2.5, 0.1)
+    client.report_step(6, float('nan'), 0.1)
+    logging.getLogger('mjax.test').warning('disk almost full')
+    v = hb.Verifier(SECRET)
+    seen = []
+    deadline = time.time() + 5
+    while time.time() < deadline:
+      p = v.verify(sock.recv(hb.MAX_DATAGRAM))
+      seen.append(p)
+      if p['step'] == 6 and p['logs']:
+        break
+    last = seen[-1]
+    assert (last['host'], last['process'], last['pid'], last['phase']) == ('node-7', 3, os.getpid(), 'data')
+    assert np.isnan(last['loss']) and any('disk almost full' in l for l in last['logs'])
+    pairs = [tuple(x) for p in seen for x in p['losses']]
+    assert pairs[0] == (5, 2.5) and pairs[1][0] == 6          # every step's loss, once
+  finally:
+    client.close()
+  while True:   # the last message says the process is wrapping up
+    p = hb.Verifier(SECRET).verify(sock.recv(hb.MAX_DATAGRAM))
+    if p['final']:
+      break
+  sock.close()
+
+
+def test_no_driver_no_client(monkeypatch):
+  monkeypatch.delenv(hb.ADDRESS_ENV, raising=False)
+  assert hb.HeartbeatClient.from_env(_Timer(), C.FaultConfig(), 0) is None
+  monkeypatch.setenv(hb.ADDRESS_ENV, '127.0.0.1:9')
+  monkeypatch.delenv(hb.SECRET_ENV, raising=False)
+  with pytest.raises(ValueError, match='MJAX_JOB_SECRET'):
+    hb.HeartbeatClient.from_env(_Timer(), C.FaultConfig(), 0)
+
+
+# --- detection ----------------------------------------------------------------------
+
+def test_timeout_hierarchy_is_enforced():
+  detect.check_timeouts(C.FaultConfig())
+  bad = C.FaultConfig(heartbeat_timeout_s=30, progress_timeout_s=20)
+  with pytest.raises(detect.TimeoutOrderError, match='heartbeat_timeout_s = 30'):
+    detect.check_timeouts(bad)
+  with pytest.raises(C.ConfigError, match='heartbeat_interval_s < heartbeat_timeout_s'):
+    C.load_config(['tiny.gin'], ['FaultConfig.progress_timeout_s = 900'])
+
+
+def test_loss_monitor_nan_and_spike_runs():
+  m = detect.LossMonitor(factor=3.0, count=3, min_history=5)
+  for s in range(1, 11):
+    assert m.feed(s, 2.0 + 0.01 * s) is None
+  assert m.feed(11, 9.0) is None and m.feed(12, 9.5) is None   # two spikes: noise
+  assert m.feed(13, 2.1) is None                                # run broken
+  assert m.feed(13, 50.0) is None                               # a repeated step is ignored
+  for s in (14, 15):
+    assert m.feed(s, 10.0) is None
+  f = m.feed(16, 11.0)
+  assert f.kind == 'loss_spike' and f.step == 16 and f.extra['first_step'] == 14
+  m.new_attempt()
+  f = m.feed(9, float('inf'))
+  assert f.kind == 'nonfinite_loss' and f.step == 9
+
+
+def beat(mon, process, pid, step, phase='compute', now=0.0, **kw):
+  return mon.beat({'process': process, 'pid': pid, 'step': step, 'phase': phase, **kw}, now)
+
+
+def test_monitor_lost_hang_and_culprit():
+  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
+                      collective_timeout_s=60)
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+  mon.add(0, 'a', 100, now=0.0)
+  mon.add(1, 'b', 101, now=0.0)
+  assert mon.check(59.0) is None                                  # compiling: allowed
+  assert mon.check(61.0).kind == 'startup_timeout'
+  # Steps from t = 20; process 1 stops at step 25 (t = 22), process 0 one
+  # step later, blocked in the collective that 1 never joins.
+  for t in range(0, 40):
+    beat(mon, 0, 100, None if t < 20 else min(3 + t, 26), now=float(t))
+    beat(mon, 1, 101, None if t < 20 else min(3 + t, 25), now=float(t))
+  assert beat(mon, 1, 999, 40, now=39.0) is None and mon.procs[1].step == 25  # an old attempt's pid
+  assert mon.check(30.0) is None
+  f = mon.check(30.5)            # 1 crossed the line; 0, stuck for 7.5 s, is a suspect too
+  assert f.kind == 'hang' and f.processes == [1] and set(f.extra['stalled']) == {0, 1}
+  assert mon.check(39.0 + 3.5).kind == 'heartbeat_lost'           # heartbeats stop altogether
+
+
+def test_culprits_same_step_earliest_stop():
+  ps = [detect.ProcState(i, 'h', i, 0.0, step=7, last_progress=t) for i, t in ((0, 5.0), (1, 2.0), (2, 2.5))]
+  assert detect.culprits(ps) == [1, 2]
+  # Level on metrics, but 0 has dispatched step 8 (it waits in its
+  # collective); 1 never started it.
+  ps = [detect.ProcState(0, 'h', 0, 0.0, step=7, loop_step=8, last_progress=1.0),
+        detect.ProcState(1, 'h', 1, 0.0, step=7, loop_step=7, last_progress=2.0)]
+  assert detect.culprits(ps) == [1]
+
+
+def test_parse_stacks():
+  dump = ('Thread 0x01 (most recent call first):\n  File "/x/threading.py", line 1 in wait\n\n'
+          'Current thread 0x02 (most recent call first):\n  File "/x/jax/array.py", line 9 in _value\n'
+          f'  File "{os.sep}r{os.sep}mjax{os.sep}train.py", line 356 in finish\n')
+  t = driver.parse_stacks(dump)
+  assert t[0]['current'] and t[0]['where'].endswith('in finish') and t[1]['where'] is None
+
+
+# --- hosts: block list, spares, elastic -------------------------------------------
+
+def test_block_list_persists_and_spares_replace(tmp_path):
+  b = hosts_lib.BlockList(str(tmp_path))
+  b.add('h1', 'diagnostic failed: memory')
+  again = hosts_lib.BlockList(str(tmp_path))
+  assert 'h1' in again and again.entries[0]['reason'] == 'diagnostic failed: memory'
+  assert hosts_lib.plan_hosts(2, ['h0', 'h1'], ['s0'], again) == ['h0', 's0']
+  assert hosts_lib.plan_hosts(2, ['h0', 'h1'], [], again) == ['h0']
+
+
+def test_elastic_keeps_global_batch():
+  cfg = C.load_config(['tiny.gin'], ['TrainConfig.global_batch_size = 16'])
+  assert hosts_lib.elastic_bindings(cfg, 4, 2, 2) == ['TrainConfig.grad_accum_steps = 2']
+  assert hosts_lib.elastic_bindings(cfg, 2, 2, 1) == []
+  with pytest.raises(hosts_lib.ElasticError, match='does not divide'):
+    hosts_lib.elastic_bindings(cfg, 3, 2, 1)
+  hybrid = C.load_config(['tiny.gin'], ['MeshConfig.dcn_data = 4', 'TrainConfig.grad_accum_steps = 2'])
+  assert hosts_lib.elastic_bindings(hybrid, 4, 2, 2) == ['TrainConfig.grad_accum_steps = 4',
+                                                         'MeshConfig.dcn_data = 2']
+  tp = C.load_config(['tiny.gin'], ['MeshConfig.tensor = 2'])
+  with pytest.raises(hosts_lib.ElasticError, match='model-parallel'):
+    hosts_lib.elastic_bindings(tp, 2, 1, 1)
+
+
+def test_launch_flags_are_checked():
+  with pytest.raises(SystemExit):
+    driver.parse_args(['--processes', '2', '--workdir', 'w', '--hosts', 'a', '--', '--gin_file', 'x'])
+  with pytest.raises(SystemExit):
+    driver.parse_args(['--processes', '1', '--workdir', 'w', '--', '--workdir', 'other'])
+  o = driver.parse_args(['--processes', '2', '--workdir', 'w', '--spares', 's', '--host_env',
+                         'slot1:MJAX_DIAGNOSE_FAIL=matmul', '--', '--gin_file', 'tiny.gin'])
+  assert o.hosts == ['slot0', 'slot1'] and o.spares == ['s']
+  assert o.host_env == {'slot1': {'MJAX_DIAGNOSE_FAIL': 'matmul'}}
+
+
+# --- the driver's decisions, without training processes ------------------------------
+
+class FakeExecutor(driver.LocalExecutor):
+  """LocalExecutor whose diagnostics answer from a table."""
+  failing: dict = {}
+
+  def run(self, argv, env, timeout):
+    bad = self.failing.get(self.host)
+    checks = [{'name': 'memory', 'passed': bad != 'memory'}, {'name': 'allreduce', 'passed': True}]
+    report = {'host': self.host, 'process': 0, 'passed': not bad, 'checks': checks}
+    return (1 if bad else 0), json.dumps(report, indent=2), ''
+
+
+def make_driver(tmp_path, *flags, train=()):
+  opts = driver.parse_args(['--processes', '2', '--workdir', str(tmp_path), '--quiet', *flags, '--',
+                            '--gin_file', 'tiny.gin', *train])
+  opts.diagnose = ['mjax-diagnose']
+  return driver.Driver(opts, executor_factory=FakeExecutor)
+
+
+def fake_attempt(d, hosts):
+  mon = detect.Monitor(d.fault_cfg, d.losses)
+  for i, h in enumerate(hosts):
+    mon.add(i, h, 1000 + i, 0.0)
+  return driver.Attempt(0, hosts, {i: None for i in range(len(hosts))}, [], {}, mon, [], 0.0)
+
+
+def test_failing_diagnostic_blocks_its_host_only(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {'slot1': 'memory'})
+  d = make_driver(tmp_path)
+  d._diagnose(fake_attempt(d, ['slot0', 'slot1']), detect.Fault('exit', [1]))
+  blocked = hosts_lib.BlockList(str(tmp_path))
+  assert blocked.hosts() == ['slot1'] and 'memory' in blocked.entries[0]['reason']
+  # Every host failing at once: a shared cause, nobody blocked.
+  monkeypatch.setattr(FakeExecutor, 'failing', {'a': 'memory', 'b': 'memory'})
+  d._diagnose(fake_attempt(d, ['a', 'b']), detect.Fault('exit', [1]))
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == ['slot1']
+  assert events(tmp_path, 'diagnosis_suspect')
+  d.server.close()
+
+
+def test_straggler_flagged_then_evicted(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  os.makedirs(tmp_path / 'timings')
+  for p, slow in ((0, 1.0), (1, 1.0), (2, 1.5)):
+    with open(tmp_path / 'timings' / f'process-{p:05d}.jsonl', 'w') as fh:
+      for step in range(1, 31):
+        fh.write(json.dumps({'step': step, 'process': p, 'host': 'h', 'time': 1000.0 + step * 1.5,
+                             'phases': {'data': 0.01, 'compute': 1.0 * slow}}) + '\n')
+  d = make_driver(tmp_path, '--processes', '3')
+  att = fake_attempt(d, ['slot0', 'slot1', 'slot2'])
+  assert d._stragglers(att, set()) is None                       # flagged only
+  (ev,) = events(tmp_path, 'straggler')
+  assert ev['process'] == 2 and ev['host'] == 'slot2' and not ev['evict']
+  d.server.close()
+  d = make_driver(tmp_path, '--processes', '3', train=['--gin.FaultConfig.evict_stragglers=True'])
+  fault = d._stragglers(att, set())
+  assert fault.kind == 'straggler' and fault.processes == [2]
+  d._diagnose(att, fault)
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == ['slot2']
+  d.server.close()
+
+
+def test_rollback_accumulates_skips(tmp_path, monkeypatch):
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  monkeypatch.setattr(d, '_checkpoint_step', lambda: 6)
+  d._rollback(att, detect.Fault('nonfinite_loss', [0], step=8))
+  assert d.skip == (6, 2)
+  # NaN again before a newer checkpoint: step 7 now reads batch 7 + 2.
+  d._rollback(att, detect.Fault('nonfinite_loss', [0], step=7))
+  assert d.skip == (6, 3)
+  d.server.close()
+
+
+FAKE_TRAINER = """
+import os, signal, sys, time
+from mjax.config import FaultConfig
+from mjax.ft.heartbeat import HeartbeatClient
+
+class Timer:
+  current, step = 'compute', 0
+
+mode, attempt = os.environ['FAKE_MODE'], int(os.environ['MJAX_ATTEMPT'])
+if mode.startswith('exit') or (mode == 'crash_once' and attempt == 0):
+  sys.exit(int(mode[4:] or 1))
+client = HeartbeatClient.from_env(Timer, FaultConfig(heartbeat_interval_s=0.1), int(os.environ['MJAX_PROCESS_ID']))
+if mode == 'long':                       # trains until pre-empted, then exits cleanly
+  signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
+for step in range(1, 4):
+  Timer.step = step
+  client.report_step(step, 1.0, 0.01)
+  time.sleep(0.15)
+if mode == 'wedge' and attempt == 0 and os.environ['MJAX_PROCESS_ID'] == '1':
+  os.kill(os.getpid(), signal.SIGSTOP)   # alive, but silent: no heartbeats
+while mode == 'long':
+  Timer.step += 1
+  client.report_step(Timer.step, 1.0, 0.01)
+  time.sleep(0.05)
+client.close()
+"""
+QUICK = ['--gin.FaultConfig.heartbeat_interval_s=0.1', '--gin.FaultConfig.heartbeat_timeout_s=1',
+         '--gin.FaultConfig.progress_timeout_s=3', '--gin.FaultConfig.collective_timeout_s=30',
+         '--gin.FaultConfig.restart_backoff_s=0.05', '--gin.FaultConfig.max_restarts=2']
+
+
+def fake_run(tmp_path, monkeypatch, mode, processes=1):
+  """The driver, in this process, over a stand-in trainer (no JAX)."""
+  monkeypatch.setenv('FAKE_MODE', mode)
+  monkeypatch.delenv('MJAX_FAULT', raising=False)
+  d = make_driver(tmp_path, '--processes', str(processes), '--grace_s', '1', train=QUICK)
+  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  return d.run()
+
+
+def test_bad_input_is_not_retried(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  assert fake_run(tmp_path, monkeypatch, 'exit2') == driver.EXIT_BAD_INPUT
+  assert len(events(tmp_path, 'launch')) == 1 and events(tmp_path, 'fault')[0]['kind'] == 'bad_input'
+  assert 'bad input' in events(tmp_path, 'giveup')[0]['reason']
+
+
+def test_gives_up_after_max_restarts_in_a_row(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  assert fake_run(tmp_path, monkeypatch, 'exit1') == driver.EXIT_GAVE_UP
+  restarts = events(tmp_path, 'restart')
+  assert [r['in_a_row'] for r in restarts] == [1, 2]
+  assert [r['backoff_s'] for r in restarts] == [0.05, 0.1]      # doubling
+  assert 'max_restarts = 2' in events(tmp_path, 'giveup')[0]['reason']
+
+
+def test_silent_process_is_lost_and_restarted(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  assert fake_run(tmp_path, monkeypatch, 'wedge', processes=2) == driver.EXIT_OK
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'heartbeat_lost' and fault['processes'] == [1] and fault['hosts'] == ['slot1']
+  assert events(tmp_path, 'stopped')[0]['killed'] == [1]         # SIGTERM cannot stop a stopped process
+  assert [e['attempt'] for e in events(tmp_path, 'launch')] == [0, 1] and events(tmp_path, 'finish')
+
+
+def test_spare_replaces_blocked_host_for_good(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {'a1': 'memory'})
+  monkeypatch.setenv('FAKE_MODE', 'crash_once')
+  d = make_driver(tmp_path, '--hosts', 'a0,a1', '--spares', 's0', train=QUICK)
+  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  assert d.run() == driver.EXIT_OK
+  assert [e['hosts'] for e in events(tmp_path, 'launch')] == [['a0', 'a1'], ['a0', 's0']]
+  assert events(tmp_path, 'launch')[1]['bindings'] == []          # same size: no elastic change
+  # A new driver on this workdir never uses a1 again.
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  monkeypatch.setenv('FAKE_MODE', 'ok')
+  d = make_driver(tmp_path, '--hosts', 'a0,a1', '--spares', 's0', train=QUICK)
+  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  assert d.run() == driver.EXIT_OK
+  assert events(tmp_path, 'start')[-1]['blocked'] == ['a1']
+  assert events(tmp_path, 'launch')[-1]['hosts'] == ['a0', 's0']
+
+
+def test_sigterm_to_the_driver_preempts_the_job(tmp_path, monkeypatch):
+  import threading
+
+  def preempt():
+    while not events(tmp_path, 'running'):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)    # caught by the driver, passed on
+
+  threading.Thread(target=preempt, daemon=True).start()
+  assert fake_run(tmp_path, monkeypatch, 'long', processes=2) == driver.EXIT_OK
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and not events(tmp_path, 'fault')
+
+
+# --- the real driver ----------------------------------------------------------------
+
+def launch_cmd(workdir, processes, *extra, train=()):
+  exe = os.path.join(os.path.dirname(sys.executable), 'mjax-launch')
+  return [exe, '--processes', str(processes), '--workdir', str(workdir), *LAUNCH, *extra, '--', *TRAIN, *train]
+
+
+def child_env(**kw):
+  env = {k: v for k, v in os.environ.items() if k not in ('MJAX_FAULT', 'XLA_FLAGS')}
+  env.update(kw)
+  return env
+
+
+def events(workdir, kind=None):
+  evs = events_lib.read(os.path.join(workdir, 'events.jsonl'))
+  return [e for e in evs if kind is None or e['event'] == kind]
+
+
+def wait_event(workdir, kind, proc, timeout=300):
+  t0 = time.time()
+  while True:
+    found = events(workdir, kind)
+    if found:
+      return found
+    assert proc.poll() is None, f'driver exited {proc.returncode} before a {kind!r} event: {events(workdir)}'
+    assert time.time() - t0 < timeout, f'no {kind!r} event after {timeout}s'
+    time.sleep(0.05)
+
+
+def final_state(workdir):
+  """The saved train state of step N as numpy: saved by two processes, so it
+  is read without their device topology."""
+  path = os.path.join(workdir, 'checkpoints', str(N), 'state')
+  ck = ocp.PyTreeCheckpointer()
+  tree = ck.metadata(path).item_metadata.tree
+  return ck.restore(path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+
+
+def losses(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return {r['step']: r['loss'] for r in rows if 'loss' in r}
+
+
+def data_position(workdir, step):
+  with open(os.path.join(workdir, 'checkpoints', str(step), 'data', 'metadata')) as fh:
+    return json.load(fh)['next_index']
+
+
+def assert_bitwise(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb) > 0
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory, repo_root):
+  """An uninterrupted 2-process run; forged heartbeats are sent to it meanwhile."""
+  workdir = tmp_path_factory.mktemp('ref')
+  proc = subprocess.Popen(launch_cmd(workdir, 2), cwd=repo_root, env=child_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  start = wait_event(workdir, 'start', proc)[0]
+  host, port = hb.parse_address(start['heartbeat_address'])
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.sendto(b'\x00garbage', (host, port))
+    s.sendto(hb.sign(payload(process=0, step=10 ** 6), 'cd' * 32), (host, port))  # wrong secret
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  return workdir
+
+
+@pytest.mark.slow
+def test_forged_heartbeats_are_rejected_and_logged(reference):
+  reasons = [e['reason'] for e in events(reference, 'heartbeat_rejected')]
+  assert any(r.startswith('malformed') for r in reasons), reasons
+  assert any(r.startswith('bad signature') for r in reasons), reasons
+  assert events(reference, 'finish') and not events(reference, 'fault')
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_random_process_resumes_bitwise(reference, tmp_path, repo_root):
+  rng = random.Random()
+  proc = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=child_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pids = wait_event(tmp_path, 'launch', proc)[0]['pids']
+  ckpt = os.path.join(tmp_path, 'checkpoints', '3', 'meta')
+  while not os.path.exists(ckpt):                  # at least one complete checkpoint
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    time.sleep(0.05)
+  time.sleep(rng.uniform(0.0, 1.0))                 # then a random moment
+  victim = rng.randrange(2)
+  os.kill(pids[victim], signal.SIGKILL)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'exit' and victim in fault['processes'], fault
+  assert fault['exit'][str(victim)] == 'SIGKILL'
+  assert [e['attempt'] for e in events(tmp_path, 'launch')] == [0, 1]
+  assert events(tmp_path, 'finish')
+  assert losses(tmp_path) == losses(reference)
+  assert_bitwise(final_state(tmp_path), final_state(reference))
+
+
+@pytest.mark.slow
+def test_hang_names_silent_process_then_failing_host_is_blocked(tmp_path, repo_root):
+  """Process 1 hangs at step 7; its host then fails a diagnostic, so the job
+  continues on one process, accumulating gradients to keep the batch."""
+  cmd = launch_cmd(tmp_path, 2, '--host_env', 'slot1:MJAX_DIAGNOSE_FAIL=memory')
+  env = child_env(MJAX_FAULT='hang:step=7:process=1')
+  t0 = time.time()
+  proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'hang' and fault['processes'] == [1] and fault['hosts'] == ['slot1'], fault
+  stalled_s = max(s['stalled_s'] for s in fault['stalled'].values())
+  # Named once progress_timeout_s had passed, well before the collectives time out.
+  assert 8.0 <= stalled_s <= 8.0 + 3.0
+  dumps = {e['process']: e for e in events(tmp_path, 'stack_dump')}
+  assert 'inject.py' in dumps[1]['threads'][0]['where']            # what the silent one was doing
+  assert 'train.py' in dumps[0]['threads'][0]['where']
+  diag = {e['host']: e['passed'] for e in events(tmp_path, 'diagnosis')}
+  assert diag == {'slot0': True, 'slot1': False}
+  assert [e['host'] for e in events(tmp_path, 'host_blocked')] == ['slot1']
+  blocked = json.load(open(os.path.join(tmp_path, 'blocked_hosts.json')))
+  assert [b['host'] for b in blocked] == ['slot1'] and 'memory' in blocked[0]['reason']
+  relaunch = events(tmp_path, 'launch')[1]
+  assert relaunch['hosts'] == ['slot0'] and relaunch['bindings'] == ['TrainConfig.grad_accum_steps = 2']
+  assert events(tmp_path, 'finish')[0]['step'] == N
+  assert all(e['time'] >= t0 for e in events(tmp_path))
+
+
+@pytest.mark.slow
+def test_nan_rolls_back_and_skips_the_bad_batches(tmp_path, repo_root):
+  cmd = launch_cmd(tmp_path, 1)
+  proc = subprocess.run(cmd, cwd=repo_root, env=child_env(MJAX_FAULT='nan:step=8'), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'nonfinite_loss' and fault['step'] == 8, fault
+  rb = events(tmp_path, 'rollback')[0]
+  assert rb['bad_step'] == 8 and rb['checkpoint_step'] in (3, 6)
+  assert rb['skip_data_steps'] == 8 - rb['checkpoint_step']
+  assert events(tmp_path, 'launch')[1]['skip_data_steps'] == rb['skip_data_steps']
+  assert events(tmp_path, 'finish')
+  # The data went past the skipped batches: position = steps + skipped.
+  assert data_position(tmp_path, N) == N + rb['skip_data_steps']

@@ -1,0 +1,275 @@
+"""Multi-process jobs: reading the job from the environment, the local
+launcher, and a real 2-process run held to the 1-process run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from mjax import distributed as D
+from mjax import launch
+
+PY = sys.executable
+BIN = os.path.dirname(sys.executable)
+
+
+# --- the environment -> JobSpec ------------------------------------------------
+
+def test_nothing_set_is_one_process():
+  assert D.resolve({}) == D.JobSpec('none')
+  assert D.resolve({'PATH': '/bin', 'SLURM_JOB_ID': '7'}).source == 'none'  # salloc shell, no srun
+
+
+def test_explicit():
+  spec = D.resolve({'MJAX_COORDINATOR_ADDRESS': '10.0.0.1:1234', 'MJAX_NUM_PROCESSES': '4',
+                    'MJAX_PROCESS_ID': '3', 'MJAX_LOCAL_DEVICE_COUNT': '2'})
+  assert spec == D.JobSpec('explicit', 4, 3, '10.0.0.1:1234', None, 2)
+  # One process needs no coordinator.
+  assert D.resolve({'MJAX_NUM_PROCESSES': '1', 'MJAX_PROCESS_ID': '0'}).num_processes == 1
+
+
+def test_explicit_wins_over_slurm_and_jobset():
+  env = {'MJAX_COORDINATOR_ADDRESS': 'h:1', 'MJAX_NUM_PROCESSES': '2', 'MJAX_PROCESS_ID': '1',
+         'SLURM_JOB_ID': '5', 'SLURM_PROCID': '0', 'SLURM_NTASKS': '8', 'JOB_COMPLETION_INDEX': '0'}
+  assert D.resolve(env) == D.JobSpec('explicit', 2, 1, 'h:1')
+
+
+@pytest.mark.parametrize('env, names', [
+    ({'MJAX_COORDINATOR_ADDRESS': 'h:1', 'MJAX_NUM_PROCESSES': '2', 'MJAX_PROCESS_ID': '2'},
+     ['MJAX_PROCESS_ID=2', 'MJAX_NUM_PROCESSES=2', '0 to 1']),
+    ({'MJAX_COORDINATOR_ADDRESS': 'h:1', 'MJAX_NUM_PROCESSES': 'two', 'MJAX_PROCESS_ID': '0'},
+     ["MJAX_NUM_PROCESSES='two'", 'not an integer']),
+    ({'MJAX_COORDINATOR_ADDRESS': 'h:1', 'MJAX_NUM_PROCESSES': '0', 'MJAX_PROCESS_ID': '0'},
+     ['MJAX_NUM_PROCESSES=0']),
+    ({'MJAX_COORDINATOR_ADDRESS': 'h', 'MJAX_NUM_PROCESSES': '2', 'MJAX_PROCESS_ID': '0'},
+     ["MJAX_COORDINATOR_ADDRESS='h'", 'host:port']),
+    ({'MJAX_NUM_PROCESSES': '2', 'MJAX_PROCESS_ID': '0'}, ['MJAX_COORDINATOR_ADDRESS is not set']),
+    ({'MJAX_COORDINATOR_ADDRESS': 'h:1', 'MJAX_PROCESS_ID': '0'}, ['MJAX_NUM_PROCESSES is not set']),
+    ({'MJAX_COORDINATOR_ADDRESS': 'h:1', 'MJAX_NUM_PROCESSES': '2'}, ['MJAX_PROCESS_ID is not set']),
+    ({'MJAX_COORDINATOR_ADDRESS': 'h:1'}, ['MJAX_NUM_PROCESSES and MJAX_PROCESS_ID are not']),
+    ({'MJAX_NUM_PROCESSES': '1', 'MJAX_PROCESS_ID': '0', 'MJAX_LOCAL_DEVICE_COUNT': '-1'},
+     ['MJAX_LOCAL_DEVICE_COUNT=-1']),
+    ({'SLURM_JOB_ID': '9', 'SLURM_PROCID': '4', 'SLURM_NTASKS': '4', 'SLURM_JOB_NODELIST': 'n1'},
+     ['SLURM_PROCID=4', 'SLURM_NTASKS=4']),
+    ({'JOB_COMPLETION_INDEX': '0', 'JOBSET_NAME': 'run'}, ['MJAX_NUM_PROCESSES is not', 'manifest']),
+    ({'JOB_COMPLETION_INDEX': '3', 'MJAX_NUM_PROCESSES': '2', 'JOBSET_NAME': 'run'},
+     ['JOB_COMPLETION_INDEX=3', 'MJAX_NUM_PROCESSES=2']),
+    ({'JOB_COMPLETION_INDEX': '0', 'MJAX_NUM_PROCESSES': '2'}, ['JOBSET_NAME']),
+])
+def test_inconsistent_env_names_the_variable(env, names):
+  with pytest.raises(D.DistributedError) as e:
+    D.resolve(env)
+  for name in names:
+    assert name in str(e.value)
+
+
+SLURM = {'SLURM_JOB_ID': '123456', 'SLURM_PROCID': '1', 'SLURM_NTASKS': '2', 'SLURM_LOCALID': '0',
+         'SLURM_STEP_NODELIST': 'gpu[007-008]', 'SLURM_STEP_NUM_NODES': '2',
+         'SLURM_JOB_NODELIST': 'gpu[007-008]'}
+
+
+def test_slurm_one_task_per_node_sees_every_gpu():
+  spec = D.resolve(SLURM)
+  assert spec == D.JobSpec('slurm', 2, 1, f'gpu007:{123456 % 4096 + 61440}', None, None)
+
+
+def test_slurm_several_tasks_per_node_get_one_gpu_each():
+  spec = D.resolve({**SLURM, 'SLURM_NTASKS': '16', 'SLURM_PROCID': '11', 'SLURM_LOCALID': '3'})
+  assert (spec.num_processes, spec.process_id, spec.local_device_ids) == (16, 11, (3,))
+
+
+def test_slurm_port_and_address_overrides():
+  assert D.resolve({**SLURM, 'MJAX_COORDINATOR_PORT': '4000'}).coordinator_address == 'gpu007:4000'
+  assert D.resolve({**SLURM, 'MJAX_COORDINATOR_ADDRESS': 'ib0-gpu007:5'}).coordinator_address == 'ib0-gpu007:5'
+  batch_only = {k: v for k, v in SLURM.items() if not k.startswith('SLURM_STEP')}
+  assert D.resolve(batch_only).coordinator_address.startswith('gpu007:')
+
+
+@pytest.mark.parametrize('nodelist', ['node001', 'node001,host2', 'node[001-0015],host2',
+                                      'node[001,007-015],host2', 'a-b[09-12]'])
+def test_slurm_coordinator_agrees_with_jax(nodelist, monkeypatch):
+  """Same address as jax's own SLURM detector, so mixing the two never splits a job."""
+  from jax._src.clusters.slurm_cluster import SlurmCluster
+  monkeypatch.setenv('SLURM_STEP_NODELIST', nodelist)
+  monkeypatch.setenv('SLURM_JOB_ID', '98765')
+  ours = D.resolve({**SLURM, 'SLURM_JOB_ID': '98765', 'SLURM_STEP_NODELIST': nodelist})
+  assert ours.coordinator_address == SlurmCluster.get_coordinator_address(None, None)
+
+
+def test_first_slurm_host():
+  # 'x[7]' too, where jax 0.10's parser keeps the bracket ('x7]').
+  assert D.first_slurm_host('x[7]') == 'x7'
+  assert D.first_slurm_host('gpu[003-010,12],cpu1') == 'gpu003'
+  assert D.first_slurm_host('n-1,n-2') == 'n-1'
+
+
+def test_jobset():
+  env = {'JOB_COMPLETION_INDEX': '2', 'MJAX_NUM_PROCESSES': '4', 'JOBSET_NAME': 'mjax-run',
+         'REPLICATED_JOB_NAME': 'workers', 'MJAX_LOCAL_DEVICE_COUNT': '1'}
+  assert D.resolve(env) == D.JobSpec('jobset', 4, 2, 'mjax-run-workers-0-0.mjax-run:1234', None, 1)
+  manifest = {**env, 'MJAX_COORDINATOR_ADDRESS': 'mjax-run-workers-0-0.mjax-run:8476'}
+  assert D.resolve(manifest).coordinator_address == 'mjax-run-workers-0-0.mjax-run:8476'
+
+
+def test_with_device_count_replaces_the_count():
+  flags = '--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x'
+  assert D.with_device_count(flags, 4) == '--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=4'
+  assert D.with_device_count('', 2) == '--xla_force_host_platform_device_count=2'
+
+
+def test_initialize_after_backend_start_is_refused():
+  jax.devices()  # the test process's backend is up, as after any JAX call
+  one = D.initialize_from_env({})
+  assert (one['source'], one['initialized'], D.init_seconds()) == ('none', False, 0.0)
+  with pytest.raises(D.DistributedError, match='already started'):
+    D.initialize_from_env({'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
+                           'MJAX_PROCESS_ID': '0'})
+  with pytest.raises(D.DistributedError, match='MJAX_LOCAL_DEVICE_COUNT=3 came too late'):
+    D.initialize_from_env({'MJAX_LOCAL_DEVICE_COUNT': '3'})
+
+
+def test_multiprocess_cpu_jobs_compile_without_the_persistent_cache(monkeypatch):
+  """Only process 0 can hit the cache on CPU; a warm process 0 then waits
+  alone in the first collective until gloo gives up (see mjax/distributed.py)."""
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  monkeypatch.delenv('JAX_ENABLE_COMPILATION_CACHE', raising=False)
+  before = jax.config.jax_enable_compilation_cache
+  try:
+    D._symmetric_compilation_on_cpu()
+    assert jax.config.jax_enable_compilation_cache is False
+  finally:
+    jax.config.update('jax_enable_compilation_cache', before)
+
+
+def test_mjax_train_rejects_a_bad_env(repo_root):
+  env = {**os.environ, 'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
+         'MJAX_PROCESS_ID': '2'}
+  proc = subprocess.run([os.path.join(BIN, 'mjax-train'), '--gin_file', 'configs/tiny.gin'],
+                        env=env, cwd=repo_root, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert 'mjax-train: error: MJAX_PROCESS_ID=2 is out of range for MJAX_NUM_PROCESSES=2' in proc.stderr
+
+
+# --- the launcher ------------------------------------------------------------------
+
+SHOW_ENV = ('import os; print(*(os.environ.get(k) for k in ("MJAX_PROCESS_ID", "MJAX_NUM_PROCESSES", '
+            '"MJAX_COORDINATOR_ADDRESS", "XLA_FLAGS", "JAX_PLATFORMS", "MJAX_LAUNCH_TIME")), sep="|")')
+
+
+def test_local_env():
+  env = launch.local_env(1, 2, '127.0.0.1:5', 4, {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+  assert env['MJAX_PROCESS_ID'] == '1' and env['MJAX_NUM_PROCESSES'] == '2'
+  assert env['MJAX_LOCAL_DEVICE_COUNT'] == '4' and env['JAX_PLATFORMS'] == 'cpu'
+  assert env['XLA_FLAGS'] == '--xla_force_host_platform_device_count=4'
+  assert D.resolve(env) == D.JobSpec('explicit', 2, 1, '127.0.0.1:5', None, 4)
+  real = launch.local_env(0, 2, 'h:1', None, {'XLA_FLAGS': '--xla_foo'})
+  assert real['XLA_FLAGS'] == '--xla_foo' and 'JAX_PLATFORMS' not in real
+  with pytest.raises(ValueError, match='out of range'):
+    launch.local_env(2, 2, 'h:1')
+
+
+def test_spawn_local_writes_one_log_per_process(tmp_path):
+  procs = launch.spawn_local(2, 3, [PY, '-c', SHOW_ENV], workdir=str(tmp_path), port=4321)
+  assert launch.wait_all(procs, timeout=60) == [0, 0]
+  for i in range(2):
+    pid, num, addr, flags, platforms, t = open(tmp_path / 'logs' / f'process-{i}.log').read().strip().split('|')
+    assert (pid, num, addr, platforms) == (str(i), '2', '127.0.0.1:4321', 'cpu')
+    assert flags.endswith('--xla_force_host_platform_device_count=3') and float(t) > 0
+
+
+def test_spawn_local_prefixes_console_lines(capsys):
+  procs = launch.spawn_local(2, None, [PY, '-c', SHOW_ENV])
+  assert launch.wait_all(procs, timeout=60) == [0, 0]
+  lines = sorted(capsys.readouterr().out.splitlines())
+  assert [l[:5] for l in lines] == ['[0] 0', '[1] 1']
+
+
+def test_wait_all_stops_the_others_when_one_fails():
+  procs = launch.spawn_local(3, None, [PY, '-c', (
+      'import os, sys, time\nif os.environ["MJAX_PROCESS_ID"] == "1": sys.exit(7)\ntime.sleep(60)')])
+  assert launch.wait_all(procs, timeout=50) == [-9, 7, -9]
+
+
+def test_wait_all_timeout_kills_everything():
+  procs = launch.spawn_local(2, None, [PY, '-c', 'import time; time.sleep(60)'])
+  assert launch.wait_all(procs, timeout=0.5) == [-9, -9]
+
+
+def test_local_py_exits_with_the_failing_status(repo_root):
+  cmd = [PY, 'launch/local.py', '--processes', '2', '--', PY, '-c',
+         'import os, sys, time\nif os.environ["MJAX_PROCESS_ID"] == "0": sys.exit(5)\ntime.sleep(60)']
+  proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 5, proc.stderr
+  assert 'exit statuses [5, -9]' in proc.stderr
+
+
+# --- a real job: 2 processes x 4 devices == 1 process x 8 devices -----------------------
+
+STEPS = 4
+TRAIN = ['--gin_file', 'configs/tiny.gin', '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
+         '--gin.ModelConfig.full_attention_every=0', '--gin.ModelConfig.sliding_window=16',
+         '--gin.DataConfig.seq_len=64', '--gin.ModelConfig.dtype=float32', '--gin.MeshConfig.data=8',
+         f'--gin.TrainConfig.steps={STEPS}', '--gin.OptimConfig.warmup_steps=1',
+         '--gin.TrainConfig.eval_every=0', '--gin.TrainConfig.eval_batches=1',
+         '--gin.TrainConfig.progress=False', '--gin.TrainConfig.compilation_cache_dir=None']
+
+
+def _clean_env(**extra):
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('MJAX_', 'SLURM_', 'JOB_COMPLETION'))}
+  return {**env, 'JAX_PLATFORMS': 'cpu', **extra}
+
+
+def _losses(workdir):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return [r['loss'] for r in rows if 'loss' in r]
+
+
+def _final_state(workdir):
+  """The last checkpoint's train state on one local device: a checkpoint
+  written by 2 processes names devices this process does not have, so the
+  target layout is given instead of taken from the file."""
+  path = os.path.join(workdir, 'checkpoints', str(STEPS), 'state')
+  ck = ocp.StandardCheckpointer()
+  meta = ck.metadata(path)
+  meta = getattr(meta, 'item_metadata', meta)
+  one = SingleDeviceSharding(jax.devices()[0])
+  return ck.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta))
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, repo_root):
+  multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
+  cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
+         os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', multi]
+  run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  # One job over 8 devices, reported once, by process 0.
+  assert 'on 8 cpu device(s)' in run.stdout and '[1] mjax:' not in run.stdout
+  startup = json.loads(next(l for l in run.stdout.splitlines() if 'mjax: startup' in l).split('startup ', 1)[1])
+  assert startup['distributed_init_s'] > 0 and startup['launch_to_first_step_s'] > startup['run_to_first_step_s']
+
+  ref = subprocess.run([os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', single],
+                       env=_clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'),
+                       cwd=repo_root, capture_output=True, text=True, timeout=300)
+  assert ref.returncode == 0, ref.stderr[-3000:]
+
+  # Same rows on the same 8 devices; only the gradient all-reduce differs
+  # (gloo between processes, in-process otherwise), which reorders fp32 sums:
+  # ~1e-7 relative. A host reading the wrong rows moves the loss by > 1e-3,
+  # and a missing or doubled all-reduce moves the weights by about the
+  # learning rate (3e-3 relative per step under LAMB); the tolerances sit
+  # two orders of magnitude above rounding and below either.
+  np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-5)
+  assert len(_losses(multi)) == STEPS
+  got, want = _final_state(multi), _final_state(single)
+  assert int(got['step']) == int(want['step']) == STEPS
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * float(np.abs(y).max(initial=0)),
+                               err_msg=jax.tree_util.keystr(path))

@@ -1,0 +1,217 @@
+"""Straggler detection on synthetic timing rows, and the report's outputs.
+
+The synthetic rows follow what a synchronous multi-process run writes (see
+mjax/ft/stragglers.py): every step ends in a collective, so all processes
+share the step's wall time, and a process with extra host work ends its
+steps that much after the others.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mjax.cli import report_main
+from mjax.ft import stragglers as st
+from mjax.ft import timeline
+
+T0 = 1.7e9
+
+
+def lockstep_rows(n=8, steps=60, slow=None, factor=1.3, slow_from=1, slow_phase='after', noise=0.03,
+                  pause=None, checkpoint_every=20, seed=0):
+  """Rows of a synchronous run.
+
+  Args:
+    n: processes.
+    steps: steps.
+    slow: a process with (factor - 1) x the step's compute of extra host
+      work per step from step `slow_from` on: after the step's collective
+      (slow_phase 'after') or in its data phase, before it ('data').
+    noise: relative noise of the step time (common) and of each process's
+      end time (jitter), as a standard deviation.
+    pause: (process, step, seconds): one long pause of one process (a GC
+      pause, say), once.
+    checkpoint_every: every so many steps all processes save, and process 0
+      spends an extra half second on it.
+  """
+  rng = np.random.default_rng(seed)
+  end = np.full(n, T0)   # when each process ended the previous step
+  rows = []
+  for s in range(1, steps + 1):
+    compute = 1.0 * (1 + noise * rng.standard_normal())
+    data = 0.01 * (1 + 0.1 * rng.standard_normal(n))
+    if slow is not None and s >= slow_from and slow_phase == 'data':
+      data[slow] += (factor - 1) * compute
+    # The step's collective completes when the last process has arrived at it.
+    done = np.max(end + data + compute)
+    # Host work after it: a straggler's extra, a pause, a checkpoint.
+    after = np.zeros(n)
+    if slow is not None and s >= slow_from and slow_phase == 'after':
+      after[slow] = (factor - 1) * compute
+    if pause is not None and s == pause[1]:
+      after[pause[0]] += pause[2]
+    ckpt = np.zeros(n)
+    if checkpoint_every and s % checkpoint_every == 0:
+      ckpt[:] = 0.2
+      ckpt[0] += 0.5
+    new_end = done + after + ckpt + np.abs(noise * 0.2 * rng.standard_normal(n))
+    for p in range(n):
+      dur = new_end[p] - end[p]
+      phases = {'data': round(data[p], 6), 'compute': round(dur - data[p] - ckpt[p], 6)}
+      if ckpt[p]:
+        phases['checkpoint'] = round(ckpt[p], 6)
+      rows.append({'step': s, 'process': p, 'host': f'node-{p // 4}', 'time': float(new_end[p]),
+                   'phases': phases})
+    end = new_end
+  return rows
+
+
+def independent_rows(n=8, steps=60, slow=3, factor=1.3, seed=0):
+  """Rows of processes not held in step (each runs at its own pace)."""
+  rng = np.random.default_rng(seed)
+  rows, t = [], np.full(n, T0)
+  for s in range(1, steps + 1):
+    dur = 1.0 * (1 + 0.03 * rng.standard_normal(n))
+    dur[slow] *= factor
+    t = t + dur
+    rows += [{'step': s, 'process': p, 'host': 'h', 'time': float(t[p]),
+              'phases': {'data': 0.01, 'compute': float(dur[p] - 0.01)}} for p in range(n)]
+  return rows
+
+
+def upto(rows, step):
+  return [r for r in rows if r['step'] <= step]
+
+
+def first_flag(rows, margin=0.2, window=20):
+  """The first step at which a driver polling every step would flag, and whom."""
+  last = max(r['step'] for r in rows)
+  for s in range(1, last + 1):
+    found = st.find_stragglers(upto(rows, s), margin, window)
+    if found:
+      return s, [f.process for f in found]
+  return None, []
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_clean_run_flags_nobody(seed):
+  rows = lockstep_rows(n=8, steps=120, seed=seed, noise=0.05)
+  assert first_flag(rows) == (None, [])
+  assert {e['verdict'] for e in st.summary_table(rows)} == {'ok'}
+
+
+def test_slow_process_is_flagged_within_a_few_dozen_steps():
+  rows = lockstep_rows(n=8, steps=80, slow=5, factor=1.3, slow_from=30)
+  step, who = first_flag(rows)
+  assert who == [5]
+  assert 30 < step <= 30 + 20, step      # within one window of turning slow
+  (s,) = st.find_stragglers(rows, 0.2, 20)
+  assert s.host == 'node-1' and 0.2 < s.slowdown < 0.45 and s.slow_share >= 0.8
+  assert s.last_step == 80 and s.first_step == 61
+  assert 'process 5 on node-1' in s.describe()
+  # Its step time is everybody's; what gives it away is that it ends last.
+  assert abs(s.ratio - 1) < 0.1 and s.lateness > 0.2
+
+
+def test_slow_input_is_flagged_by_its_data_phase():
+  # Slow before the collective: everybody waits for it and ends together,
+  # and it is the only one whose data phase takes a third of a step.
+  rows = lockstep_rows(n=8, steps=40, slow=6, factor=1.35, slow_phase='data')
+  (s,) = st.find_stragglers(rows, 0.2, 20)
+  assert s.process == 6 and s.reason == 'data' and abs(s.lateness) < 0.05
+  assert 'longer data phase' in s.describe()
+
+
+def test_slow_process_is_flagged_by_its_step_time_when_not_in_lockstep():
+  rows = independent_rows(n=8, steps=20, slow=3, factor=1.3)
+  (s,) = st.find_stragglers(rows, 0.2, 20)
+  assert s.process == 3 and s.ratio == pytest.approx(1.3, abs=0.05)
+
+
+def test_two_processes_the_slow_one_is_compared_with_the_other():
+  (s,) = st.find_stragglers(lockstep_rows(n=2, steps=40, slow=1, factor=1.3), 0.2, 20)
+  assert s.process == 1
+
+
+def test_a_single_slow_step_does_not_flag():
+  rows = lockstep_rows(n=8, steps=100, pause=(4, 45, 3.0))
+  assert first_flag(rows) == (None, [])
+
+
+def test_too_few_steps_or_one_process_gives_no_verdict():
+  rows = lockstep_rows(n=8, steps=15, slow=2)
+  assert st.find_stragglers(rows, 0.2, 20) == []
+  assert {e['verdict'] for e in st.summary_table(rows, window=20)} == {'n/a'}
+  one = [r for r in lockstep_rows(n=4, steps=40, slow=0) if r['process'] == 0]
+  assert st.find_stragglers(one, 0.2, 20) == []
+  with pytest.raises(ValueError, match='margin'):
+    st.find_stragglers(rows, 0.0, 20)
+
+
+def _write(workdir, rows, truncated_tail=False):
+  os.makedirs(workdir / 'timings', exist_ok=True)
+  for p in sorted({r['process'] for r in rows}):
+    with open(workdir / 'timings' / f'process-{p:05d}.jsonl', 'a') as fh:
+      fh.writelines(json.dumps(r) + '\n' for r in rows if r['process'] == p)
+      if truncated_tail:
+        fh.write('{"step": 99, "process"')  # a crash mid-line
+
+
+def test_load_keeps_the_last_row_of_a_step_written_twice(tmp_path):
+  first = lockstep_rows(n=3, steps=30, seed=1)
+  # Resumed from a step-20 checkpoint: steps 21-40 are appended again, later.
+  again = [dict(r, time=r['time'] + 1000.0) for r in lockstep_rows(n=3, steps=40, seed=2) if r['step'] > 20]
+  _write(tmp_path, first, truncated_tail=True)
+  _write(tmp_path, again)
+  rows = st.load_rows(str(tmp_path))
+  assert len(rows) == 3 * 40
+  assert [(r['process'], r['step']) for r in rows] == [(p, s) for p in range(3) for s in range(1, 41)]
+  by_key = {(r['process'], r['step']): r for r in rows}
+  assert by_key[(1, 25)]['time'] > T0 + 1000 and by_key[(1, 20)]['time'] < T0 + 1000
+  assert st.dedupe_rows(first + again) == rows
+  # A poller reads only the ends of the files: the latest steps, whole.
+  tail = st.load_rows(str(tmp_path), tail_bytes=2000)
+  assert 0 < len(tail) < len(rows) and all(r['step'] > 20 for r in tail)
+  assert all(r == by_key[(r['process'], r['step'])] for r in tail)
+
+
+def test_trace_has_one_event_per_process_step_and_phase(tmp_path):
+  rows = lockstep_rows(n=3, steps=25, slow=2)
+  path = timeline.write_trace(rows, str(tmp_path / 'trace.json'))
+  with open(path) as fh:
+    trace = json.load(fh)
+  events = trace['traceEvents']
+  spans = [e for e in events if e['ph'] == 'X']
+  expected = {(r['process'], r['step'], ph) for r in rows for ph in r['phases']}
+  assert sorted((e['pid'], e['args']['step'], e['name']) for e in spans) == sorted(expected)
+  assert {e['pid']: e['args']['name'] for e in events if e['name'] == 'process_name'} == {
+      0: 'process 0 (node-0)', 1: 'process 1 (node-0)', 2: 'process 2 (node-0)'}
+  # One time axis: each process's phases follow one another and end at the row's end time.
+  origin = trace['otherData']['unix_time_origin']
+  for p in range(3):
+    mine = sorted((e for e in spans if e['pid'] == p), key=lambda e: e['ts'])
+    assert all(e['dur'] >= 0 for e in mine)
+    assert all(a['ts'] + a['dur'] <= b['ts'] + 1 for a, b in zip(mine, mine[1:]))
+    last = [r for r in rows if r['process'] == p][-1]
+    assert (mine[-1]['ts'] + mine[-1]['dur']) / 1e6 + origin == pytest.approx(last['time'], abs=1e-4)
+
+
+def test_report_stragglers_prints_table_and_writes_heatmap_and_trace(tmp_path, capsys):
+  _write(tmp_path, lockstep_rows(n=6, steps=40, slow=4, factor=1.4))
+  report_main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'out')])
+  out = capsys.readouterr().out
+  lines = {l.split()[0]: l for l in out.splitlines() if l.strip() and l.split()[0].isdigit()}
+  assert 'straggler' in lines['4'] and all('ok' in lines[str(p)] for p in (0, 1, 2, 3, 5))
+  assert 'straggler: process 4 on node-1' in out
+  with open(tmp_path / 'out' / 'stragglers.png', 'rb') as fh:
+    assert fh.read(8) == b'\x89PNG\r\n\x1a\n'
+  assert json.load(open(tmp_path / 'out' / 'trace.json'))['traceEvents']
+
+
+def test_report_stragglers_explains_a_missing_timings_folder(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    report_main(['stragglers', str(tmp_path)])
+  assert e.value.code == 2
+  assert 'no timing files' in capsys.readouterr().err
