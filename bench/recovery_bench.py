@@ -3,7 +3,9 @@
   python bench/recovery_bench.py --processes 2 --steps 400 --fault_every_s 60
 
 Two runs of the same job in fresh workdirs, the persistent compilation
-cache warmed first (one short run), so a restart's compile is a cache hit:
+cache warmed first (one short run), so a restart's compile is a cache hit
+(one process per job; a multi-process CPU job turns the cache off, see
+mjax/distributed.py, so there every restart compiles in full):
 
   baseline  no fault
   faulty    every --fault_every_s seconds of wall time a random training
