@@ -25,8 +25,11 @@ step reached before it, split into:
   first step    process 0's first step, which waits in its first collective
                 for the slowest process to finish its own start-up
   catch-up      first step -> the pre-crash step again
-Effective training time = steps x median step time of the baseline / wall
-time of the run: the share of wall time that moved training forward.
+Effective training time = steps x median step time / wall time of the run
+(each run's own median, so a change in the machine's load between the runs
+does not count as a gain or a loss): the share of wall time that moved
+training forward. The baseline's share is what start-up, checkpoints and
+the final evaluation leave of a run without faults.
 
 MegaScale's production figures are for faults every few hours on weeks-long
 runs; on a 2-core CPU the run is scaled down to minutes, with faults every
@@ -167,17 +170,19 @@ def main(argv=None) -> int:
     run(args, os.path.join(root, 'warm'), 3)
     print(f'recovery_bench: baseline, {args.steps} steps', file=sys.stderr, flush=True)
     base_wall, _ = run(args, os.path.join(root, 'baseline'), args.steps)
-    med = statistics.median(step_times(os.path.join(root, 'baseline'))[3:])
+    base_med = statistics.median(step_times(os.path.join(root, 'baseline'))[3:])
     print(f'recovery_bench: faulty run, a kill every {args.fault_every_s:.0f}s', file=sys.stderr, flush=True)
     faulty_dir = os.path.join(root, 'faulty')
     wall, kills = run(args, faulty_dir, args.steps, args.fault_every_s)
     parts = breakdown(faulty_dir, kills)
     faults = [e for e in events_lib.read(os.path.join(faulty_dir, 'events.jsonl')) if e['event'] == 'fault']
+    med = statistics.median(step_times(faulty_dir)[3:])
     result = {
-        'processes': args.processes, 'steps': args.steps, 'median_step_s': med,
-        'baseline': {'wall_s': base_wall, 'effective': args.steps * med / base_wall},
-        'faulty': {'wall_s': wall, 'effective': args.steps * med / wall, 'kills': len(kills),
-                   'faults_detected': len(faults)},
+        'processes': args.processes, 'steps': args.steps,
+        'baseline': {'wall_s': base_wall, 'median_step_s': base_med,
+                     'effective': args.steps * base_med / base_wall},
+        'faulty': {'wall_s': wall, 'median_step_s': med, 'effective': args.steps * med / wall,
+                   'kills': len(kills), 'faults_detected': len(faults)},
         'recovery': parts,
         'recovery_median': {k: statistics.median(r[k] for r in parts) for k in PARTS} if parts else {},
     }

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from mjax import config as C
-from mjax.ft import detect, driver, events as events_lib, heartbeat as hb, hosts as hosts_lib
+from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib
 
 SECRET = 'ab' * 32
 N = 12   # training steps of the end-to-end runs
@@ -173,6 +173,12 @@ def test_monitor_lost_hang_and_culprit():
   f = mon.check(30.5)            # 1 crossed the line; 0, stuck for 7.5 s, is a suspect too
   assert f.kind == 'hang' and f.processes == [1] and set(f.extra['stalled']) == {0, 1}
   assert mon.check(39.0 + 3.5).kind == 'heartbeat_lost'           # heartbeats stop altogether
+  # A process that said goodbye is not expected to beat, only to exit.
+  beat(mon, 0, 100, 26, now=40.0, final=True)
+  mon.procs[1].exited = 0
+  assert mon.check(99.0) is None
+  f = mon.check(101.0)
+  assert f.kind == 'hang' and f.processes == [0]
 
 
 def test_culprits_same_step_earliest_stop():
@@ -189,7 +195,7 @@ def test_parse_stacks():
   dump = ('Thread 0x01 (most recent call first):\n  File "/x/threading.py", line 1 in wait\n\n'
           'Current thread 0x02 (most recent call first):\n  File "/x/jax/array.py", line 9 in _value\n'
           f'  File "{os.sep}r{os.sep}mjax{os.sep}train.py", line 356 in finish\n')
-  t = driver.parse_stacks(dump)
+  t = detect.parse_stacks(dump)
   assert t[0]['current'] and t[0]['where'].endswith('in finish') and t[1]['where'] is None
 
 
@@ -231,7 +237,7 @@ def test_launch_flags_are_checked():
 
 # --- the driver's decisions, without training processes ------------------------------
 
-class FakeExecutor(driver.LocalExecutor):
+class FakeExecutor(executor.LocalExecutor):
   """LocalExecutor whose diagnostics answer from a table."""
   failing: dict = {}
 

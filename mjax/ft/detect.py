@@ -27,6 +27,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import os
+import re
 from typing import Optional
 
 
@@ -178,6 +180,14 @@ class Monitor:
   def check(self, now: float) -> Optional[Fault]:
     """A fault visible from timing alone (lost, stuck in start-up, hung)."""
     live = [p for p in self.procs.values() if p.exited is None and not p.final]
+    # After its last heartbeat a process only evaluates, saves and exits;
+    # one still there a collective timeout later is stuck on the way out.
+    stuck = [p for p in self.procs.values() if p.exited is None and p.final
+             and now - p.last_beat > self.cfg.collective_timeout_s]
+    if stuck:
+      return Fault('hang', [p.process for p in stuck],
+                   f'still running collective_timeout_s = {self.cfg.collective_timeout_s}s after its '
+                   f'final heartbeat')
     # Start-up (restore, compile, the first step and its first collectives)
     # ends with the first step reported; until then only the collective
     # timeout bounds it, since compiling can take long.
@@ -236,3 +246,24 @@ def culprits(stalled: list[ProcState]) -> list[int]:
     return sorted(p.process for p in at_low)
   first = min(p.last_progress for p in at_low)
   return sorted(p.process for p in at_low if p.last_progress - first <= 1.0)
+
+
+def parse_stacks(text: str, frames: int = 4) -> list[dict]:
+  """faulthandler's dump -> [{"thread", "current", "frames", "where"}], the
+  thread that took the signal (the main one, in CPython) first.
+
+  `frames` are the innermost ones (often inside jax, waiting); `where` is
+  the innermost frame in mjax's own code: what the trainer was doing."""
+  threads, cur = [], None
+  for line in text.splitlines():
+    m = re.match(r'(Current thread|Thread) (0x[0-9a-f]+)', line)
+    if m:
+      cur = {'thread': m.group(2), 'current': m.group(1) == 'Current thread', 'frames': [], 'where': None}
+      threads.append(cur)
+    elif cur is not None and line.startswith('  File '):
+      frame = line.strip()
+      if len(cur['frames']) < frames:
+        cur['frames'].append(frame)
+      if cur['where'] is None and f'{os.sep}mjax{os.sep}' in frame:
+        cur['where'] = frame
+  return sorted(threads, key=lambda t: not t['current'])

@@ -5,17 +5,20 @@
 
 One executor per host starts that host's training process (`mjax-train`
 with the arguments after `--`, plus `--workdir`); here hosts are process
-slots on this machine (`LocalExecutor`), named by `--hosts` (default
-slot0, slot1, ...). The driver generates a per-job secret, serves
+slots on this machine (`LocalExecutor`, mjax/ft/executor.py, the one place
+that would change for remote hosts), named by `--hosts` (default slot0,
+slot1, ...). The driver generates a per-job secret, serves
 authenticated heartbeats (mjax/ft/heartbeat.py) on `--bind` (127.0.0.1 and
 a free port by default) and watches for:
 
   exit             a process exits with a non-zero status (2 = bad input:
                    stop, retrying cannot help; 3 = non-finite loss)
   heartbeat_lost   no heartbeat for heartbeat_timeout_s
-  hang             heartbeats but no step for progress_timeout_s: every
-                   process is sent SIGUSR1 and dumps its Python stacks into
-                   its log, and the processes that stopped first are named
+  hang             heartbeats but no step for progress_timeout_s: the
+                   processes furthest behind are named (detect.culprits),
+                   then every process is sent SIGUSR1 and dumps its Python
+                   stacks into its log; where each one was goes into the
+                   events (also after heartbeat_lost)
   startup_timeout  no first step within collective_timeout_s of launch
   nonfinite_loss   a NaN/Inf loss (exit status 3, or seen in a heartbeat)
   loss_spike       loss_spike_count losses in a row > loss_spike_factor x
@@ -35,7 +38,8 @@ Recovery, without a human:
      a host that fails is added to <workdir>/blocked_hosts.json and never
      used again by this workdir; an evicted straggler too. When every host
      of a multi-host job fails, none is blocked (a shared cause is likelier);
-  3. wait restart_backoff_s (doubled after each restart, at most 60 s);
+  3. wait restart_backoff_s (doubled after each restart in a row, at most
+     60 s);
   4. restart from the newest good checkpoint (the trainer resumes from the
      workdir by itself), on spare hosts (--spares) in place of blocked ones,
      else on fewer hosts with gradient accumulation keeping the global
@@ -52,6 +56,8 @@ a job that fails again before recovering gives up after max_restarts.
 
 Everything it does is a line of <workdir>/events.jsonl (mjax/ft/events.py);
 process i writes to <workdir>/logs/process-<i>.log (appended over attempts).
+SIGTERM / SIGINT to the driver is a pre-emption: passed on as SIGTERM (each
+trainer saves and exits), no restart; a second one stops waiting.
 Exit status: 0 finished (or pre-empted cleanly), 1 gave up, 2 bad input.
 """
 
@@ -64,61 +70,21 @@ import json
 import math
 import os
 import re
-import select
 import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
+from mjax.ft.executor import LocalExecutor
 
 EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = 0, 1, 2
 TRAINER_BAD_INPUT, TRAINER_NONFINITE = 2, 3   # mjax-train's own statuses (mjax/cli.py)
 SKIP_ENV = 'MJAX_SKIP_DATA_STEPS'
 MAX_BACKOFF_S = 60.0
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
-
-
-# ----------------------------------------------------------------------------
-# Executors: where a host's processes run
-# ----------------------------------------------------------------------------
-
-class LocalExecutor:
-  """A host slot on this machine. A remote executor (ssh, a Kubernetes pod)
-  would offer the same four methods, and handles with Popen's poll /
-  send_signal / wait / pid / returncode; the driver uses nothing else."""
-
-  def __init__(self, host: str):
-    self.host = host
-
-  def coordinator(self, port: int) -> str:
-    """The coordinator address when this host runs process 0."""
-    return f'127.0.0.1:{port}'
-
-  def start(self, argv: Sequence[str], env: dict, log_path: str) -> subprocess.Popen:
-    """Starts a process; its stdout and stderr are appended to `log_path`."""
-    with open(log_path, 'ab') as log:
-      return subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-
-  def kill(self, handle: subprocess.Popen) -> None:
-    """SIGKILL to the process and anything it started (its own session)."""
-    try:
-      os.killpg(handle.pid, signal.SIGKILL)
-    except ProcessLookupError:
-      pass
-
-  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
-    """Runs a command to completion: (status, stdout, stderr); status 124 on timeout."""
-    try:
-      p = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
-      return p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-      return 124, e.stdout or '', f'timed out after {timeout:.0f}s'
 
 
 # ----------------------------------------------------------------------------
@@ -209,69 +175,8 @@ def parse_args(argv: Sequence[str]) -> Options:
 
 
 # ----------------------------------------------------------------------------
-# Heartbeat server
-# ----------------------------------------------------------------------------
-
-class HeartbeatServer:
-  """UDP socket + Verifier; `receive` returns what arrived within a tick."""
-
-  def __init__(self, bind: str, secret: str, window_s: float):
-    host, port = hb.parse_address(bind)
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
-    self.sock.bind(info[4])
-    self.sock.setblocking(False)
-    bound_host, bound_port = self.sock.getsockname()[:2]
-    # A wildcard bind is reachable under the host's name, not 0.0.0.0.
-    shown = socket.gethostname() if bound_host in ('0.0.0.0', '::') else bound_host
-    self.address = f'{shown}:{bound_port}'
-    self.verifier = hb.Verifier(secret, window_s)
-
-  def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
-    """[(payload, None, sender) or (None, reason, sender)], waiting at most `timeout`."""
-    out = []
-    ready, _, _ = select.select([self.sock], [], [], timeout)
-    while ready:
-      try:
-        data, sender = self.sock.recvfrom(hb.MAX_DATAGRAM + 1)
-      except (BlockingIOError, InterruptedError):
-        break
-      except OSError:
-        continue  # e.g. an ICMP error reported on a UDP socket: not a datagram
-      try:
-        out.append((self.verifier.verify(data), None, sender))
-      except hb.Rejected as e:
-        out.append((None, e.reason, sender))
-    return out
-
-  def close(self) -> None:
-    self.sock.close()
-
-
-# ----------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------
-
-def parse_stacks(text: str, frames: int = 4) -> list[dict]:
-  """faulthandler's dump -> [{"thread", "current", "frames", "where"}], the
-  thread that took the signal (the main one, in CPython) first.
-
-  `frames` are the innermost ones (often inside jax, waiting); `where` is
-  the innermost frame in mjax's own code: what the trainer was doing."""
-  threads, cur = [], None
-  for line in text.splitlines():
-    m = re.match(r'(Current thread|Thread) (0x[0-9a-f]+)', line)
-    if m:
-      cur = {'thread': m.group(2), 'current': m.group(1) == 'Current thread', 'frames': [], 'where': None}
-      threads.append(cur)
-    elif cur is not None and line.startswith('  File '):
-      frame = line.strip()
-      if len(cur['frames']) < frames:
-        cur['frames'].append(frame)
-      if cur['where'] is None and f'{os.sep}mjax{os.sep}' in frame:
-        cur['where'] = frame
-  return sorted(threads, key=lambda t: not t['current'])
-
 
 def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
   try:
@@ -360,7 +265,7 @@ class Driver:
     self.diagnose_cmd = opts.diagnose or _script('mjax-diagnose')
     self.secret = hb.new_secret()
     window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
-    self.server = HeartbeatServer(opts.bind, self.secret, window)
+    self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
     self.events = events_lib.EventLog(
         os.path.join(self.workdir, 'events.jsonl'),
         echo=None if opts.quiet else _echo)
@@ -648,7 +553,7 @@ class Driver:
       path = att.logs[i][0]
       self.events.emit('stack_dump', attempt=att.number, process=i, host=att.hosts[i], log=path,
                        step=att.monitor.procs[i].step, phase=att.monitor.procs[i].phase,
-                       threads=parse_stacks(_read_from(path, offset))[:8])
+                       threads=detect.parse_stacks(_read_from(path, offset))[:8])
 
   def _stop(self, att: Attempt, why: str) -> None:
     """SIGTERM (the trainer saves if it can), SIGKILL after the grace period."""

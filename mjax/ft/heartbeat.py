@@ -29,7 +29,7 @@ only). The driver refuses a datagram that is not this shape, whose MAC does
 not match, whose timestamp is outside its window, or whose nonce it has
 already seen inside that window (a replay). UDP because a lost heartbeat is
 harmless (the timeout is several intervals) and a sender must never block
-on a slow or dead driver.
+on a slow or dead driver. The driver's end is `HeartbeatServer`.
 
 On a hang the driver sends SIGUSR1: `from_env` registers faulthandler for
 it, so the process writes the Python stack of every thread to stderr (the
@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import threading
@@ -262,3 +263,39 @@ class HeartbeatClient:
     self._send(final=True)
     logging.getLogger().removeHandler(self._logs)
     self._sock.close()
+
+
+class HeartbeatServer:
+  """UDP socket + Verifier; `receive` returns what arrived within a tick."""
+
+  def __init__(self, bind: str, secret: str, window_s: float):
+    host, port = parse_address(bind)
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
+    self.sock.bind(info[4])
+    self.sock.setblocking(False)
+    bound_host, bound_port = self.sock.getsockname()[:2]
+    # A wildcard bind is reachable under the host's name, not 0.0.0.0.
+    shown = socket.gethostname() if bound_host in ('0.0.0.0', '::') else bound_host
+    self.address = f'{shown}:{bound_port}'
+    self.verifier = Verifier(secret, window_s)
+
+  def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
+    """[(payload, None, sender) or (None, reason, sender)], waiting at most `timeout`."""
+    out = []
+    ready, _, _ = select.select([self.sock], [], [], timeout)
+    while ready:
+      try:
+        data, sender = self.sock.recvfrom(MAX_DATAGRAM + 1)
+      except (BlockingIOError, InterruptedError):
+        break
+      except OSError:
+        continue  # e.g. an ICMP error reported on a UDP socket: not a datagram
+      try:
+        out.append((self.verifier.verify(data), None, sender))
+      except Rejected as e:
+        out.append((None, e.reason, sender))
+    return out
+
+  def close(self) -> None:
+    self.sock.close()
