@@ -20,7 +20,8 @@ step reached before it, split into:
   backoff       restart_backoff_s
   start + init  interpreter, imports, jax.distributed (launch -> run())
   restore       checkpoint read (the trainer's `state_s`)
-  compile       the train step, from the persistent cache
+  compile       the train step (from the persistent cache when it hits)
+  compile wait  the barrier after it: waiting for the slowest process's compile
   other setup   mesh, program, data iterator
   first step    process 0's first step, which waits in its first collective
                 for the slowest process to finish its own start-up
@@ -55,7 +56,8 @@ sys.path.insert(0, REPO)
 
 from mjax.ft import events as events_lib  # noqa: E402
 
-PARTS = ('detection', 'stop', 'diagnosis', 'backoff', 'start_init', 'restore', 'compile', 'other_setup',
+PARTS = ('detection', 'stop', 'diagnosis', 'backoff', 'start_init', 'restore', 'compile', 'compile_wait',
+         'other_setup',
          'first_step', 'catch_up', 'total')
 
 
@@ -134,12 +136,13 @@ def breakdown(workdir, kills):
     diag_end = max((e['time'] for e in diag), default=stopped['time'])
     first_step = launch['time'] + startup['launch_to_first_step_s']
     start_init = startup['launch_to_first_step_s'] - startup['run_to_first_step_s']
-    other = (startup['run_to_first_step_s'] - startup['state_s'] - startup['compile_s']
+    wait = startup.get('compile_wait_s', 0.0)
+    other = (startup['run_to_first_step_s'] - startup['state_s'] - startup['compile_s'] - wait
              - startup['first_step_s'])
     out.append({
         'detection': fault['time'] - k['time'], 'stop': stopped['time'] - fault['time'],
         'diagnosis': diag_end - stopped['time'], 'backoff': launch['time'] - diag_end,
-        'start_init': start_init, 'restore': startup['state_s'], 'compile': startup['compile_s'],
+        'start_init': start_init, 'restore': startup['state_s'], 'compile': startup['compile_s'], 'compile_wait': wait,
         'other_setup': other, 'catch_up': caught['time'] - first_step, 'total': caught['time'] - k['time'],
         'distributed_init': startup['distributed_init_s'], 'first_step': startup['first_step_s'],
         'steps_redone': (fault.get('reached_step') or 0) - restart['checkpoint_step'],

@@ -18,6 +18,17 @@ Restore takes the newest step across both tiers; a checkpoint that fails to
 read (truncated, corrupted, missing files) is reported and skipped, and the
 next older one is used.
 
+In a multi-process job every process must restore the same step, or they
+hang in their first collective: each one lists what it sees, only steps
+every process sees are candidates, and a failed read in any process moves
+all of them to the next one (agreed through the coordination service,
+mjax/distributed.py). Every tier must be a directory all processes share:
+Orbax's process 0 commits a save only once every process has written its
+shards there. The default fast tier, /dev/shm, is shared by the processes of
+one machine but not across machines, so at start-up process 0 leaves a probe
+file in each tier and a tier some process cannot see it in is a
+configuration error (exit 2) naming the tier and the processes.
+
 Resume semantics (the only place they are decided, see `train.run`):
   1. the workdir has a readable checkpoint in either tier: resume from the
      newest one (the usual restart after a fault or pre-emption);
@@ -30,13 +41,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
+import secrets
 from typing import Any, Optional
 
+import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from mjax.config import CheckpointConfig
+from mjax import distributed
+from mjax.config import CheckpointConfig, ConfigError
 
 log = logging.getLogger('mjax.checkpoint')
 
@@ -67,8 +83,50 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
     if fast is None:
       tag = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
       fast = os.path.join('/dev/shm', 'mjax', tag)
-    dirs['fast'] = os.path.abspath(os.path.expanduser(fast))
+    dirs['fast'] = _expand(fast)
   return dirs
+
+
+def _expand(path: str) -> str:
+  """~ and $VARS ($SLURM_TMPDIR, $HOSTNAME, ...) expanded; a remote path
+  (gs://, s3://) is left as it is."""
+  path = os.path.expandvars(os.path.expanduser(path))
+  return path if '://' in path else os.path.abspath(path)
+
+
+def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
+  """Raises ConfigError unless every process sees each tier directory as
+  the same directory (a no-op in a one-process job).
+
+  Process 0 writes a probe file with a fresh name into each directory; every
+  process looks for it; the verdicts are gathered so that all processes
+  raise alike, rather than some going on to hang in a save.
+  """
+  if jax.process_count() == 1:
+    return
+  token = distributed.all_gather_str('ckpt/probe/token', secrets.token_hex(8), timeout_s)[0]
+  probes = {name: epath.Path(d) / f'.mjax-probe-{token}' for name, d in dirs.items()}
+  if jax.process_index() == 0:
+    for probe in probes.values():
+      probe.parent.mkdir(parents=True, exist_ok=True)
+      probe.write_text(token)
+  distributed.barrier('ckpt/probe/written', timeout_s)
+  seen = {name: probe.exists() and probe.read_text() == token for name, probe in probes.items()}
+  verdicts = [json.loads(v) for v in distributed.all_gather_str('ckpt/probe/seen', json.dumps(seen), timeout_s)]
+  if jax.process_index() == 0:
+    for probe in probes.values():
+      probe.unlink(missing_ok=True)
+  for name, directory in dirs.items():
+    blind = [i for i, v in enumerate(verdicts) if not v[name]]
+    if blind:
+      key = 'fast_directory' if name == 'fast' else 'directory'
+      raise ConfigError(
+          f'CheckpointConfig.{key} = {directory!r} (the {name} tier) is not shared by every process: '
+          f'process(es) {blind} of {len(verdicts)} do not see the file process 0 wrote there, so '
+          f'their checkpoint shards would never be committed. A multi-host job needs each tier '
+          f'on a filesystem all hosts mount at the same path'
+          + ('; set CheckpointConfig.fast_directory to such a path, or fast_every = 0 to turn the '
+             'fast tier off.' if name == 'fast' else '.'))
 
 
 class Checkpointer:
@@ -78,6 +136,7 @@ class Checkpointer:
     self.cfg = cfg
     self.tiers: list[_Tier] = []
     dirs = tier_directories(cfg, workdir)
+    check_shared(dirs)
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
       options = ocp.CheckpointManagerOptions(
@@ -126,15 +185,34 @@ class Checkpointer:
         restoring reshards onto them (any mesh, any device count).
     """
     tiers = {t.name: t for t in self.tiers}
-    for step, name in self.steps():
+    for i, (step, name) in enumerate(self._candidates()):
       tier = tiers[name]
       path = os.path.join(tier.directory, str(step))
       try:
-        return self._restore(tier.manager, step, abstract_state, path)
+        restored, error = self._restore(tier.manager, step, abstract_state, path), None
       except Exception as e:  # any unreadable checkpoint: report, fall back
-        log.warning('checkpoint %s is unreadable (%s: %s); falling back to an older one',
-                    path, type(e).__name__, str(e).splitlines()[0] if str(e) else '')
+        restored, error = None, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+      # One process failing to read its shards sends every process back.
+      failed = [p for p, ok in enumerate(distributed.all_gather_str(
+          f'ckpt/restore/{i}', '1' if error is None else '0')) if ok != '1']
+      if not failed:
+        return restored
+      log.warning('checkpoint %s is unreadable%s; falling back to an older one', path,
+                  f' ({error})' if error else f' in process(es) {failed}')
     return None
+
+  def _candidates(self) -> list[tuple[int, str]]:
+    """`steps()`, narrowed in a multi-process job to those every process sees."""
+    mine = self.steps()
+    if jax.process_count() == 1:
+      return mine
+    seen = [set(map(tuple, json.loads(v)))
+            for v in distributed.all_gather_str('ckpt/steps', json.dumps(mine))]
+    common = set.intersection(*seen)
+    hidden = [c for c in mine if c not in common]
+    if hidden:
+      log.warning('checkpoints %s are not seen by every process; skipped', hidden)
+    return [c for c in mine if c in common]
 
   @staticmethod
   def _restore(manager, step, abstract_state, path) -> Restored:

@@ -97,10 +97,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   workdir = args.workdir or os.path.join(
       'runs', os.path.splitext(os.path.basename((args.gin_file or [DEFAULT_GIN])[-1]))[0])
   from mjax import train
+  from mjax.config import ConfigError
   from mjax.data import DataError
   try:
     train.run(cfg, workdir)
-  except DataError as e:
+  except (DataError, ConfigError) as e:   # found once running: data files, checkpoint tiers
     _die(prog, str(e))
   except train.NonFiniteLoss as e:
     # A distinct status, so that a supervisor can tell a numerical fault

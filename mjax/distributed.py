@@ -37,9 +37,15 @@ node runs several tasks, as jax does. Its Kubernetes detector needs the
 above does not.
 
 On CPU, cross-process collectives go through gloo (set explicitly, as the
-default has changed between jax versions), and the persistent compilation
-cache is turned off, because only process 0 can hit it there (see
-`_symmetric_compilation_on_cpu`); on GPU NCCL is used and the cache is kept.
+default has changed between jax versions); on GPU NCCL is used.
+
+The persistent compilation cache is written by process 0 only (jax's rule).
+On GPU jax keys an entry the same way in every process, so a restart hits
+it everywhere; on CPU the key includes the process's own device assignment
+and topology, so only process 0 hits and the others compile in full. The
+trainer waits at a barrier after compiling (`barrier`, train.py), so a
+process that hit the cache does not sit in the first collective until gloo
+gives up on the ones still compiling.
 """
 
 from __future__ import annotations
@@ -317,22 +323,49 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
       cluster_detection_method='deactivate', initialization_timeout=timeout_s)
   _INIT_SECONDS = time.perf_counter() - t0
   out.update(initialized=True, seconds=_INIT_SECONDS)
-  _symmetric_compilation_on_cpu()
   return out
 
 
-def _symmetric_compilation_on_cpu() -> None:
-  """Turns the persistent compilation cache off in a multi-process CPU job.
+# ----------------------------------------------------------------------------
+# Agreement between processes, through jax's coordination service
+# ----------------------------------------------------------------------------
+# Small decisions every process must take alike (which checkpoint to restore,
+# whether a directory is shared, when to stop) go through the coordination
+# service's key-value store rather than a device collective: it works before
+# the first step is compiled, and its waits have their own timeouts, so a
+# missing process shows up as an error naming it instead of a hung all-reduce.
 
-  jax writes cache entries from process 0 only, and on CPU the key includes
-  a topology fingerprint that differs from process to process, so only
-  process 0 ever finds its step in the cache. It then reaches the first
-  collective while the others are still compiling, and gloo gives up on a
-  peer after 30 s ('Gloo context initialization failed: ... timed out'),
-  which kills the job. With every process compiling, they arrive together.
-  JAX_ENABLE_COMPILATION_CACHE in the environment overrides this.
+def coordination_client():
+  """jax's coordination-service client (the key-value store, barriers)."""
+  from jax._src.distributed import global_state
+  if global_state.client is None:
+    raise RuntimeError('jax.distributed is not initialized in this multi-process job')
+  return global_state.client
+
+
+def all_gather_str(key: str, value: str, timeout_s: float = 300.0) -> list[str]:
+  """Every process's `value` for `key`, in process order (one process: [value]).
+
+  `key` must be new to this job: each call site adds what makes it unique.
   """
-  from mjax.parallel.xla_flags import detect_platform
-  if detect_platform() == 'cpu' and 'JAX_ENABLE_COMPILATION_CACHE' not in os.environ:
-    import jax
-    jax.config.update('jax_enable_compilation_cache', False)
+  import jax
+  n, me = jax.process_count(), jax.process_index()
+  if n == 1:
+    return [value]
+  client = coordination_client()
+  client.key_value_set(f'mjax/{key}/{me}', value)
+  out = []
+  for i in range(n):
+    try:
+      out.append(client.blocking_key_value_get(f'mjax/{key}/{i}', int(timeout_s * 1000)))
+    except Exception as e:
+      raise RuntimeError(f'process {i} did not report {key!r} within {timeout_s:.0f}s '
+                         f'(it may have died or be stuck): {e}') from e
+  return out
+
+
+def barrier(name: str, timeout_s: float = 300.0) -> None:
+  """Waits until every process has reached the barrier `name` (unique per job)."""
+  import jax
+  if jax.process_count() > 1:
+    coordination_client().wait_at_barrier(f'mjax/{name}', int(timeout_s * 1000))

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mjax import config as config_lib
 from mjax import data as data_lib
+from mjax import distributed
 from mjax.checkpoint import Checkpointer, restore_from_path
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
@@ -342,6 +343,12 @@ def run(cfg: Config, workdir: str) -> dict:
   with program.context():
     step_fn = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
   compile_s = time.perf_counter() - t0
+  # Every process waits here for the slowest compile (one that missed the
+  # compilation cache), so none sits in the first step's collectives long
+  # enough for gloo's or NCCL's own timeout; the coordination service's wait
+  # is bounded by the collective timeout the driver works under.
+  distributed.barrier('compiled', cfg.fault.collective_timeout_s)
+  marks['compiled'] = time.perf_counter()
   say(f'mjax: train step compiled in {compile_s:.1f}s; start-up {time.perf_counter() - t_start:.1f}s')
 
   # --- 6. loop -----------------------------------------------------------------
@@ -459,7 +466,6 @@ def _startup_report(marks: dict, t_start: float, compile_s: float, first_step_do
   §5: start-up time is a measured number). `launch_to_first_step_s` counts
   from MJAX_LAUNCH_TIME (set by the launcher) and so includes interpreter
   start, imports and distributed initialization."""
-  from mjax import distributed
   out = {
       'distributed_init_s': distributed.init_seconds(),
       'setup_s': marks['setup'] - t_start,
@@ -467,7 +473,8 @@ def _startup_report(marks: dict, t_start: float, compile_s: float, first_step_do
       'state_s': marks['state'] - marks['program'],
       'data_s': marks['data'] - marks['state'],
       'compile_s': compile_s,
-      'first_step_s': first_step_done - marks['data'] - compile_s,
+      'compile_wait_s': marks['compiled'] - marks['data'] - compile_s,   # for the other processes
+      'first_step_s': first_step_done - marks['compiled'],
       'run_to_first_step_s': first_step_done - t_start,
   }
   launched = os.environ.get('MJAX_LAUNCH_TIME')
@@ -516,8 +523,7 @@ class _StopOnSignal:
   def _agreed(self, step: int) -> bool:
     if jax.process_count() == 1:
       return self.signal is not None
-    from jax._src.distributed import global_state
-    client = global_state.client
+    client = distributed.coordination_client()
     if self._stop_after is None:
       if self.signal is not None:
         try:

@@ -134,19 +134,6 @@ def test_initialize_after_backend_start_is_refused():
     D.initialize_from_env({'MJAX_LOCAL_DEVICE_COUNT': '3'})
 
 
-def test_multiprocess_cpu_jobs_compile_without_the_persistent_cache(monkeypatch):
-  """Only process 0 can hit the cache on CPU; a warm process 0 then waits
-  alone in the first collective until gloo gives up (see mjax/distributed.py)."""
-  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
-  monkeypatch.delenv('JAX_ENABLE_COMPILATION_CACHE', raising=False)
-  before = jax.config.jax_enable_compilation_cache
-  try:
-    D._symmetric_compilation_on_cpu()
-    assert jax.config.jax_enable_compilation_cache is False
-  finally:
-    jax.config.update('jax_enable_compilation_cache', before)
-
-
 def test_mjax_train_rejects_a_bad_env(repo_root):
   env = {**os.environ, 'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
          'MJAX_PROCESS_ID': '2'}
@@ -245,8 +232,10 @@ def _final_state(workdir):
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path, repo_root):
   multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
+  # With a fast tier as well, which both processes must see (they do: one machine).
   cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
-         os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', multi]
+         os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', multi, '--gin.CheckpointConfig.fast_every=2',
+         f'--gin.CheckpointConfig.fast_directory={tmp_path / "fast"}']
   run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   # One job over 8 devices, reported once, by process 0.
@@ -273,3 +262,37 @@ def test_two_processes_match_one(tmp_path, repo_root):
     x, y = np.asarray(x), np.asarray(y)
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * float(np.abs(y).max(initial=0)),
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_checkpoint_tier_some_process_cannot_see_is_refused(tmp_path, repo_root):
+  """A host-local fast tier in a multi-host job (here: one directory per
+  process) would never commit a save; it is refused before training starts."""
+  fast = tmp_path / 'fast' / '$MJAX_PROCESS_ID'
+  cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
+         os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', str(tmp_path / 'run'),
+         '--gin.CheckpointConfig.fast_every=2', f'--gin.CheckpointConfig.fast_directory={fast}']
+  run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
+  out = run.stdout + run.stderr
+  assert run.returncode == 2, out[-3000:]
+  assert 'not shared by every process: process(es) [1] of 2' in out, out[-3000:]
+  assert f"fast_directory = '{tmp_path / 'fast' / '0'}'" in out and 'fast_every = 0' in out
+  assert 'Traceback' not in out
+  assert not (tmp_path / 'run' / 'checkpoints').exists() or not os.listdir(tmp_path / 'run' / 'checkpoints')
+
+
+def test_a_warm_compilation_cache_in_one_process_only(tmp_path, repo_root):
+  """On CPU only process 0 hits the persistent cache (mjax/distributed.py): a
+  restarted job waits at the barrier after compiling for process 1, instead
+  of process 0 waiting in the first all-reduce until gloo gives up."""
+  cache = tmp_path / 'cache'
+  for run_dir in ('cold', 'warm'):
+    cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
+           os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', str(tmp_path / run_dir),
+           '--gin.TrainConfig.steps=2', f'--gin.TrainConfig.compilation_cache_dir={cache}',
+           '--gin.CheckpointConfig.enabled=False']
+    run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  assert any(n.startswith('jit_train_step') for n in os.listdir(cache))
+  startup = json.loads(next(l for l in run.stdout.splitlines() if 'mjax: startup' in l).split('startup ', 1)[1])
+  # Process 0 loaded its step from the cache and then waited for process 1's compile.
+  assert startup['compile_wait_s'] > startup['compile_s'] * 0.5, startup
