@@ -73,12 +73,12 @@ def _apply_overlap_flags(cfg) -> None:
                   collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1)
 
 
-def _join_job(prog: str) -> None:
+def _join_job(prog: str, cfg=None) -> None:
   """Joins a multi-process job described by the environment (mjax/distributed.py):
   after the XLA flags are set, before anything starts the JAX backend."""
   from mjax import distributed
   try:
-    distributed.initialize_from_env()
+    distributed.initialize_from_env(peer_timeout_s=cfg.fault.collective_timeout_s if cfg else None)
   except distributed.DistributedError as e:
     _die(prog, str(e))
 
@@ -90,8 +90,9 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   p.add_argument('--workdir', default=None,
                  help='run directory: config, metrics.jsonl, TensorBoard events (default: runs/<config>)')
   args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
-  _apply_overlap_flags(_load(prog, args, bindings, num_devices=None))
-  _join_job(prog)
+  early = _load(prog, args, bindings, num_devices=None)
+  _apply_overlap_flags(early)
+  _join_job(prog, early)
   import jax
   cfg = _load(prog, args, bindings, num_devices=jax.device_count())
   workdir = args.workdir or os.path.join(

@@ -255,7 +255,7 @@ class FaultConfig:
   heartbeat_interval_s: float = 2.0
   heartbeat_timeout_s: float = 20.0     # no heartbeat for this long: process lost
   progress_timeout_s: float = 120.0     # heartbeats but no new step: hang
-  collective_timeout_s: float = 600.0   # what the collectives themselves tolerate
+  collective_timeout_s: float = 600.0   # what the job tolerates by itself (jax's peer heartbeat)
   timing_every: int = 10                # steps between per-process timing flushes
   straggler_margin: float = 0.2         # slower than the median by this share...
   straggler_window: int = 20            # ...over this many steps: a straggler

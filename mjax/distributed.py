@@ -271,7 +271,8 @@ def _backend_started() -> bool:
   return xla_bridge.backends_are_initialized()
 
 
-def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int = 300) -> dict:
+def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int = 300,
+                        peer_timeout_s: Optional[float] = None) -> dict:
   """Joins the multi-process job the environment describes, if any.
 
   Call it once per process, before anything asks JAX for devices. A second
@@ -281,6 +282,11 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
     env: the variables to read (default: os.environ). MJAX_LOCAL_DEVICE_COUNT
       is written into os.environ['XLA_FLAGS'] either way.
     timeout_s: how long to wait for every process to reach the coordinator.
+    peer_timeout_s: after how long without a heartbeat from a peer jax's
+      coordination service aborts every process (its own default: 100 s).
+      The trainer passes FaultConfig.collective_timeout_s, the outermost
+      timeout of the hierarchy (mjax/ft/detect.py), so that a supervising
+      driver, which acts within progress_timeout_s, always acts first.
   Returns:
     dict with `source`, `num_processes`, `process_id`, `coordinator_address`,
     `local_device_ids`, `local_device_count`, `initialized` (whether
@@ -320,7 +326,8 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
       coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
       process_id=spec.process_id,
       local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-      cluster_detection_method='deactivate', initialization_timeout=timeout_s)
+      cluster_detection_method='deactivate', initialization_timeout=timeout_s,
+      **({'heartbeat_timeout_seconds': max(1, int(peer_timeout_s))} if peer_timeout_s else {}))
   _INIT_SECONDS = time.perf_counter() - t0
   out.update(initialized=True, seconds=_INIT_SECONDS)
   return out

@@ -134,6 +134,24 @@ def test_initialize_after_backend_start_is_refused():
     D.initialize_from_env({'MJAX_LOCAL_DEVICE_COUNT': '3'})
 
 
+def test_peers_are_given_up_on_after_the_collective_timeout(monkeypatch):
+  """jax's coordination service aborts the job when a peer stops beating;
+  that is the outermost timeout of the hierarchy, after the driver's own."""
+  seen = {}
+  monkeypatch.setattr(D, '_backend_started', lambda: False)
+  monkeypatch.setattr(D, '_INIT_SECONDS', 0.0)    # restored afterwards: this job is pretend
+  monkeypatch.setattr(jax.distributed, 'is_initialized', lambda: False)
+  monkeypatch.setattr(jax.distributed, 'initialize', lambda **kw: seen.update(kw))
+  monkeypatch.setenv('JAX_CPU_COLLECTIVES_IMPLEMENTATION', 'gloo')   # leave jax's config alone
+  env = {'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2', 'MJAX_PROCESS_ID': '1'}
+  out = D.initialize_from_env(env, peer_timeout_s=180.0)
+  assert out['initialized'] and seen['heartbeat_timeout_seconds'] == 180
+  assert seen['num_processes'] == 2 and seen['process_id'] == 1
+  seen.clear()
+  D.initialize_from_env(env)
+  assert 'heartbeat_timeout_seconds' not in seen      # jax's default
+
+
 def test_mjax_train_rejects_a_bad_env(repo_root):
   env = {**os.environ, 'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
          'MJAX_PROCESS_ID': '2'}

@@ -13,7 +13,10 @@ Timeouts (FaultConfig), in the order they must hold:
   progress_timeout_s    heartbeats arrive but the step has not moved for
                         this long: a hang (typically a collective waiting
                         for a peer that will never come)
-  collective_timeout_s  what the collectives tolerate by themselves; the
+  collective_timeout_s  what the job tolerates by itself: the trainer sets
+                        jax's coordination-service heartbeat timeout (after
+                        which jax aborts every process once a peer is gone)
+                        and bounds its post-compile barrier with it. The
                         driver must act before that, or every healthy
                         process fails with a timeout of its own and the
                         culprit is no longer visible. Also the allowance for
