@@ -3,9 +3,9 @@
   python bench/recovery_bench.py --processes 2 --steps 2000 --fault_every_s 300
 
 Two runs of the same job in fresh workdirs, the persistent compilation
-cache warmed first (one short run), so a restart's compile is a cache hit
-(one process per job; a multi-process CPU job turns the cache off, see
-mjax/distributed.py, so there every restart compiles in full):
+cache warmed first (see below), so a restart's compile is a cache hit (on
+CPU for process 0 only; the others compile in full and process 0 waits for
+them, see mjax/distributed.py):
 
   baseline  no fault
   faulty    every --fault_every_s seconds of wall time a random training
