@@ -161,6 +161,17 @@ def _local_count(env: Mapping[str, str]) -> Optional[int]:
   return _int(env, LOCAL_DEVICE_COUNT, 1, 'the number of fake CPU devices of each process')
 
 
+def _rank(env: Mapping[str, str], id_name: str, id_what: str, num_name: str,
+          num_what: str) -> tuple[int, int, Optional[str]]:
+  """(processes, this process's id, the checked MJAX_COORDINATOR_ADDRESS or
+  None), read alike whichever scheduler named the first two."""
+  num = _int(env, num_name, 1, num_what)
+  pid = _int(env, id_name, 0, id_what)
+  _check_id(pid, num, id_name, num_name)
+  address = env.get(COORDINATOR)
+  return num, pid, _check_address(address, COORDINATOR) if address else None
+
+
 def _explicit(env: Mapping[str, str]) -> JobSpec:
   missing = [n for n in (NUM_PROCESSES, PROCESS_ID) if not env.get(n)]
   if missing:
@@ -168,16 +179,13 @@ def _explicit(env: Mapping[str, str]) -> JobSpec:
         f'{missing[0]} is not set, but {PROCESS_ID if missing[0] == NUM_PROCESSES else NUM_PROCESSES} '
         f'is: a multi-process job needs {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} in '
         f'every process (or none of them, for a single process).')
-  num = _int(env, NUM_PROCESSES, 1, 'the number of processes in the job')
-  pid = _int(env, PROCESS_ID, 0, 'the id of this process, 0 .. processes - 1')
-  _check_id(pid, num, PROCESS_ID, NUM_PROCESSES)
-  address = env.get(COORDINATOR)
+  num, pid, address = _rank(env, PROCESS_ID, 'the id of this process, 0 .. processes - 1',
+                            NUM_PROCESSES, 'the number of processes in the job')
   if num > 1 and not address:
     raise DistributedError(
         f'{COORDINATOR} is not set, but {NUM_PROCESSES}={num}: every process needs the host:port '
         f'of process 0, e.g. {COORDINATOR}=10.0.0.1:1234.')
-  return JobSpec('explicit', num, pid, _check_address(address, COORDINATOR) if address else None,
-                 None, _local_count(env))
+  return JobSpec('explicit', num, pid, address, None, _local_count(env))
 
 
 def _slurm(env: Mapping[str, str]) -> JobSpec:
@@ -186,13 +194,9 @@ def _slurm(env: Mapping[str, str]) -> JobSpec:
     raise DistributedError(
         'SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is: start '
         'mjax-train with srun inside an allocation (sbatch launch/slurm.sbatch).')
-  num = _int(env, num_name, 1, 'the number of SLURM tasks')
-  pid = _int(env, 'SLURM_PROCID', 0, 'the rank of this SLURM task')
-  _check_id(pid, num, 'SLURM_PROCID', num_name)
-  address = env.get(COORDINATOR)
-  if address:
-    address = _check_address(address, COORDINATOR)
-  elif num > 1:
+  num, pid, address = _rank(env, 'SLURM_PROCID', 'the rank of this SLURM task',
+                            num_name, 'the number of SLURM tasks')
+  if address is None and num > 1:
     list_name = next((n for n in ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST') if env.get(n)), None)
     if list_name is None:
       raise DistributedError(
@@ -216,13 +220,9 @@ def _jobset(env: Mapping[str, str]) -> JobSpec:
         f'JOB_COMPLETION_INDEX is set (a Kubernetes Indexed Job / JobSet pod) but {NUM_PROCESSES} '
         f'is not: set it in the manifest to the number of pods (the Job\'s parallelism), see '
         f'launch/jobset.yaml.')
-  num = _int(env, NUM_PROCESSES, 1, 'the number of pods in the job')
-  pid = _int(env, 'JOB_COMPLETION_INDEX', 0, 'the index of this pod')
-  _check_id(pid, num, 'JOB_COMPLETION_INDEX', NUM_PROCESSES)
-  address = env.get(COORDINATOR)
-  if address:
-    address = _check_address(address, COORDINATOR)
-  elif num > 1:
+  num, pid, address = _rank(env, 'JOB_COMPLETION_INDEX', 'the index of this pod',
+                            NUM_PROCESSES, 'the number of pods in the job')
+  if address is None and num > 1:
     jobset = env.get('JOBSET_NAME')
     if not jobset:
       raise DistributedError(
