@@ -111,19 +111,14 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tup
   return cache[key], f'{source}: {dtype} matmul on {_cpu_model()} ({os.cpu_count()} cores), {path}'
 
 
-def device_memory_stats(device: jax.Device) -> Optional[dict]:
-  """The device allocator's statistics, or None where the backend has none."""
-  try:
-    return device.memory_stats()
-  except Exception:  # some backends do not implement it
-    return None
-
-
 def peak_memory_bytes(devices: Sequence[jax.Device]) -> tuple[Optional[int], str]:
   """Largest per-device peak allocation, or the process's max RSS on CPU."""
   peaks = []
   for d in devices:
-    stats = device_memory_stats(d)
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends do not implement it
+      stats = None
     if stats and 'peak_bytes_in_use' in stats:
       peaks.append(stats['peak_bytes_in_use'])
   if peaks:

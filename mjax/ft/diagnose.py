@@ -300,10 +300,13 @@ def check_memory(devices: Sequence, fraction: float = 0.5, cpu_bytes: int = 128 
   Returns:
     One Check per device, named 'memory': value and expected in GiB.
   """
-  from mjax.metrics import device_memory_stats
   limits = []
   for d in devices:
-    limits.append((device_memory_stats(d) or {}).get('bytes_limit'))
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends do not implement it
+      stats = None
+    limits.append((stats or {}).get('bytes_limit'))
   if devices[0].platform != 'cpu' and all(limits):
     nbytes = int(min(limits) * fraction)
     note = f'{fraction:.0%} of the allocator limit {min(limits) / GIB:.1f} GiB'
