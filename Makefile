@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mjax-installed
 ARGS ?=
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,22 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/train_bench.py --gin_file configs/tiny.gin $(ARGS)
+
+# The GPU suite (bench/gpu_suite.py): attention, a 125m run, the MFU table.
+# On the GPU machine, with .whl/ brought along from `make gpu-wheels`.
+bench-gpu:
+	bash bench/gpu.sh $(ARGS)
+
+# Wheels of what the GPU image lacks (Python 3.12, x86-64), for machines that
+# reach no package registry. Run where pip works; .whl/ is git-ignored.
+GPU_PY ?= 3.12
+GPU_WHEELS ?= grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 gin-config==0.5.0 \
+	tensorboardX==2.6.5 importlib_resources==7.1.0
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+	  -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf runs .pytest_cache

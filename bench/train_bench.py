@@ -10,6 +10,7 @@ end to end, data loading included, syncing with the device only at the end.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -50,7 +51,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
   peak, source = peak_flops(devices, cfg.model.dtype, cfg.train.peak_cache_dir)
   tps = cfg.train.global_batch_size * cfg.data.seq_len / dt
   mem, mem_source = peak_memory_bytes(devices)
-  return dict(devices=f'{len(devices)} x {devices[0].device_kind}', tokens_per_sec=tps, step_time=dt,
+  return dict(batch=cfg.train.global_batch_size, seq_len=cfg.data.seq_len,
+              devices=f'{len(devices)} x {devices[0].device_kind}', tokens_per_sec=tps, step_time=dt,
               flops_per_token=fpt, achieved=fpt * tps, peak=peak, peak_source=source,
               mfu=fpt * tps / peak, mem=mem, mem_source=mem_source, loss=float(m['loss']))
 
@@ -67,6 +69,7 @@ def main(argv=None):
   p.add_argument('--steps', type=int, default=20, help='timed steps')
   p.add_argument('--warmup', type=int, default=3, help='untimed steps first (compilation included)')
   p.add_argument('--name', default=None, help='label in the table (default: the gin file)')
+  p.add_argument('--json', default=None, help='also write the result as JSON to this file')
   args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
   bindings = [*bindings, f'TrainConfig.steps = {args.steps + args.warmup}']
   _apply_overlap_flags(_load('train_bench', args, bindings, num_devices=None))
@@ -77,6 +80,9 @@ def main(argv=None):
   print(HEADER)
   print(row(name, r))
   print(f'\npeak source: {r["peak_source"]}; jax {jax.__version__}; loss after the run {r["loss"]:.3f}')
+  if args.json:
+    with open(args.json, 'w') as fh:
+      json.dump({'name': name, 'jax': jax.__version__, **r}, fh, indent=1)
 
 
 if __name__ == '__main__':

@@ -3,8 +3,8 @@
 Two implementations compute the same function:
   * `reference_attention`: einsum + explicit mask + fp32 softmax. Plain XLA,
     easy to read, the numerical reference every other path is tested against.
-  * `fast_attention`: `jax.nn.dot_product_attention`, which dispatches to cuDNN
-    flash attention on GPU (O(seq) memory, fused kernel) and to XLA elsewhere.
+  * `fast_attention`: `jax.nn.dot_product_attention`, run as cuDNN flash
+    attention on GPU (O(seq) memory, fused kernel) and as XLA elsewhere.
 
 Window convention (used everywhere in mjax, FLOP counting included): with
 window `w`, query position i attends to key positions j with i - w < j <= i,
@@ -82,10 +82,24 @@ def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[in
                                       implementation=implementation)
 
 
+def cudnn_eligible(q: jax.Array) -> bool:
+  """Whether cuDNN flash attention can run these queries on this backend.
+
+  jax.nn.dot_product_attention with implementation=None always runs XLA's
+  O(seq^2) attention, even on a GPU, so 'dot_product' chooses for itself:
+  cuDNN needs a CUDA device, 16-bit inputs and a head_dim that is a multiple
+  of 8 up to 128.
+  """
+  d = q.shape[-1]
+  return (jax.default_backend() == 'gpu' and q.dtype in (jnp.bfloat16, jnp.float16)
+          and d % 8 == 0 and d <= 128)
+
+
 def attend(q, k, v, window: Optional[int], impl: str, segment_ids=None) -> jax.Array:
   if impl == 'xla':
     return reference_attention(q, k, v, window, segment_ids)
-  return fast_attention(q, k, v, window, implementation='cudnn' if impl == 'cudnn' else None,
+  use_cudnn = impl == 'cudnn' or cudnn_eligible(q)
+  return fast_attention(q, k, v, window, implementation='cudnn' if use_cudnn else None,
                         segment_ids=segment_ids)
 
 

@@ -1,0 +1,388 @@
+"""The GPU suite: correctness on the GPU, then the MFU table, in one command.
+
+  make bench-gpu                      # on a GPU machine (see the Makefile for the wheels)
+  python bench/gpu_suite.py --smoke   # the same sections on CPU with tiny shapes
+
+Sections, each independent (one failing never stops the next):
+  attention  cuDNN flash attention (sliding window, segment ids, GQA) against
+             the fp32 einsum reference, forward and gradients, bf16 tolerance.
+  train      `mjax-train` on 125m for 30 steps through the real CLI (data,
+             async checkpoints, metrics.jsonl); the loss must fall.
+  mfu        bench/train_bench.py on 125m and 1p3b at seq 2048, bf16, cuDNN
+             attention, over remat policies, one process per row so that the
+             peak HBM column belongs to that row alone.
+  variants   the execution variants one GPU can run (scan or unrolled layers,
+             remat policies, gradient accumulation, XLA attention) train the
+             same model on the same batches: losses compared step by step.
+
+Everything runs under one deadline (--budget_s); rows that do not fit are
+reported as skipped. The tables go to stdout and, with --out DIR, to
+DIR/gpu_suite.md and DIR/gpu_suite.json with every sub-process log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, gin file, overrides). The remat sweep finds the best policy per size;
+# 'none' for 1p3b is expected to run out of memory on an 80 GB card and shows
+# where the limit is.
+MFU_ROWS = [
+    ('125m remat=none', '125m.gin', ['ModelConfig.remat_policy=none']),
+    ('125m remat=dots', '125m.gin', ['ModelConfig.remat_policy=dots']),
+    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch']),
+    ('125m remat=none unrolled', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False']),
+    ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots']),
+    ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
+    ('1p3b remat=dots_no_batch', '1p3b.gin', ['ModelConfig.remat_policy=dots_no_batch']),
+    ('1p3b remat=none', '1p3b.gin', ['ModelConfig.remat_policy=none']),
+]
+SMOKE_MFU_ROWS = [
+    ('tiny remat=none', 'tiny.gin', ['ModelConfig.remat_policy=none']),
+    ('tiny remat=full', 'tiny.gin', ['ModelConfig.remat_policy=full']),
+]
+
+
+class Suite:
+  def __init__(self, args):
+    self.args = args
+    self.deadline = time.monotonic() + args.budget_s
+    self.out = args.out or tempfile.mkdtemp(prefix='mjax-gpu-suite-')
+    os.makedirs(self.out, exist_ok=True)
+    self.results: dict = {'sections': {}}
+    self.lines: list[str] = []
+
+  def left(self) -> float:
+    return self.deadline - time.monotonic()
+
+  def say(self, line: str = '') -> None:
+    print(line, flush=True)
+    self.lines.append(line)
+
+  def save(self) -> None:
+    with open(os.path.join(self.out, 'gpu_suite.json'), 'w') as fh:
+      json.dump(self.results, fh, indent=1, default=str)
+    with open(os.path.join(self.out, 'gpu_suite.md'), 'w') as fh:
+      fh.write('\n'.join(self.lines) + '\n')
+
+  def section(self, name: str, fn) -> None:
+    t0 = time.monotonic()
+    try:
+      ok, detail = fn()
+    except Exception as e:  # a broken section is a finding, not the end of the suite
+      ok, detail = False, f'{type(e).__name__}: {e}'
+      traceback.print_exc()
+    status = 'PASS' if ok else 'FAIL'
+    self.results['sections'][name] = dict(ok=ok, detail=detail, seconds=time.monotonic() - t0)
+    self.say(f'[{status}] {name} ({time.monotonic() - t0:.0f} s): {detail}')
+    self.save()
+
+  def env(self) -> dict:
+    """Sub-process environment: the repository importable, and the card's
+    memory for the run (JAX pre-allocates 75% by default)."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO, env.get('PYTHONPATH')) if p)
+    env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.92')
+    env['PYTHONUNBUFFERED'] = '1'
+    return env
+
+  def run(self, argv: list[str], log_name: str, timeout: float) -> tuple[int, str]:
+    path = os.path.join(self.out, log_name)
+    with open(path, 'w') as log:
+      try:
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                            cwd=REPO, timeout=max(timeout, 1)).returncode
+      except subprocess.TimeoutExpired:
+        rc = 124
+    with open(path) as fh:
+      return rc, fh.read()
+
+
+# --- attention ---------------------------------------------------------------
+
+def check_attention(suite: Suite):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from mjax.model.attention import fast_attention, reference_attention
+
+  smoke = suite.args.smoke
+  impl = None if smoke else 'cudnn'
+  b, s = (2, 128) if smoke else (2, 2048)
+  cases = []
+  for heads, kv_heads, hd in ((8, 8, 64), (16, 4, 128)):
+    for window in (None, s // 4):
+      for segments in (False, True):
+        cases.append((heads, kv_heads, hd, window, segments))
+  rows, worst = [], 0.0
+  rel = lambda a, r: float(jnp.linalg.norm((a - r).astype(jnp.float32)) /
+                           jnp.linalg.norm(r.astype(jnp.float32)))
+  tol = 2e-2  # bf16 operands: 1e-3 .. 1e-2 relative is the expected band
+  for i, (h, kvh, hd, window, segments) in enumerate(cases):
+    keys = jax.random.split(jax.random.key(100 + i), 4)
+    q = jax.random.normal(keys[0], (b, s, h, hd), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, kvh, hd), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, kvh, hd), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (b, s, h, hd), jnp.bfloat16)
+    seg = None
+    if segments:  # three documents per row, boundaries differing between rows
+      cuts = np.array([[s // 5, s // 2], [s // 3, 3 * s // 4]])
+      seg = jnp.asarray((np.arange(s)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+
+    def loss(fn, q, k, v):
+      return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    fast = lambda q, k, v: fast_attention(q, k, v, window, implementation=impl, segment_ids=seg)
+    # The reference computes in fp32 from the same bf16 inputs.
+    ref = lambda q, k, v: reference_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                              v.astype(jnp.float32), window, seg)
+    out = jax.jit(fast)(q, k, v)
+    out_ref = jax.jit(ref)(q, k, v)
+    g = jax.jit(jax.grad(lambda *a: loss(fast, *a), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2)))(q, k, v)
+    errs = [rel(out, out_ref)] + [rel(a, r) for a, r in zip(g, g_ref)]
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in (out, *g))
+    worst = max(worst, *errs) if finite else float('inf')
+    hlo = jax.jit(fast).lower(q, k, v).as_text() if not smoke else ''
+    used = 'cudnn' if ('cudnn' in hlo or '__cudnn' in hlo) else ('xla' if smoke else '?')
+    rows.append(dict(heads=h, kv_heads=kvh, head_dim=hd, window=window, segments=segments,
+                     out=errs[0], dq=errs[1], dk=errs[2], dv=errs[3], finite=finite, kernel=used))
+  suite.say(f'\n### Attention on {jax.devices()[0].device_kind}: fast path vs fp32 reference, '
+            f'batch {b}, seq {s}, bf16 inputs (relative error, tolerance {tol})\n')
+  suite.say('| heads / kv | head_dim | window | segments | out | dq | dk | dv | kernel |')
+  suite.say('|---|---|---|---|---|---|---|---|---|')
+  for r in rows:
+    suite.say(f'| {r["heads"]}/{r["kv_heads"]} | {r["head_dim"]} | {r["window"] or "full"} | '
+              f'{"yes" if r["segments"] else "no"} | {r["out"]:.1e} | {r["dq"]:.1e} | '
+              f'{r["dk"]:.1e} | {r["dv"]:.1e} | {r["kernel"]} |')
+  suite.say()
+  suite.results['attention'] = rows
+  ok = worst < tol and all(r['kernel'] != '?' for r in rows)
+  return ok, f'{len(rows)} cases, worst relative error {worst:.2e} (tolerance {tol})'
+
+
+# --- train -------------------------------------------------------------------
+
+def check_train(suite: Suite):
+  smoke = suite.args.smoke
+  steps = 30
+  workdir = tempfile.mkdtemp(prefix='mjax-gpu-train-')
+  gin = 'tiny.gin' if smoke else '125m.gin'
+  argv = [sys.executable, '-c', 'from mjax.cli import train_main; train_main()',
+          '--gin_file', gin, '--workdir', workdir,
+          f'--gin.TrainConfig.steps={steps}', '--gin.TrainConfig.log_every=1',
+          '--gin.OptimConfig.warmup_steps=5', '--gin.TrainConfig.eval_every=0',
+          '--gin.CheckpointConfig.save_every=15']
+  if not smoke:
+    argv.append('--gin.ModelConfig.attention_impl=cudnn')
+  rc, log = suite.run(argv, 'train_125m.log', timeout=min(240, suite.left()))
+  losses = []
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as fh:
+      for line in fh:
+        m = json.loads(line)
+        if 'loss' in m and 'step' in m:
+          losses.append((m['step'], m['loss']))
+  except OSError:
+    pass
+  suite.results['train'] = dict(rc=rc, losses=losses, workdir=workdir)
+  if rc != 0 or len(losses) < 10:
+    tail = '\n'.join(log.strip().splitlines()[-15:])
+    return False, f'exit {rc}, {len(losses)} loss lines; log tail:\n{tail}'
+  first = sum(l for _, l in losses[:3]) / 3
+  last = sum(l for _, l in losses[-3:]) / 3
+  ckpts = sorted(os.listdir(workdir))
+  ok = last < first - 1.0 and all(l == l for _, l in losses)
+  return ok, (f'{gin}: loss {first:.3f} (first 3 steps) -> {last:.3f} (last 3) in {steps} steps; '
+              f'workdir holds {", ".join(ckpts)}')
+
+
+# --- mfu ---------------------------------------------------------------------
+
+def check_mfu(suite: Suite):
+  rows = SMOKE_MFU_ROWS if suite.args.smoke else MFU_ROWS
+  if suite.args.mfu_rows:
+    rows = [r for r in rows if any(sel in r[0] for sel in suite.args.mfu_rows.split(','))]
+  results = []
+  for i, (name, gin, overrides) in enumerate(rows):
+    left = suite.left()
+    if left < 45:
+      results.append(dict(name=name, status='skipped (suite deadline)'))
+      continue
+    jpath = os.path.join(suite.out, f'mfu_{i}.json')
+    argv = [sys.executable, os.path.join(REPO, 'bench', 'train_bench.py'), '--gin_file', gin,
+            '--steps', str(suite.args.steps), '--warmup', '2', '--name', name, '--json', jpath,
+            *[f'--gin.{o}' for o in overrides]]
+    if not suite.args.smoke:
+      argv.append('--gin.ModelConfig.attention_impl=cudnn')
+    t0 = time.monotonic()
+    rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5))
+    wall = time.monotonic() - t0
+    if rc == 0 and os.path.exists(jpath):
+      with open(jpath) as fh:
+        r = json.load(fh)
+      r.update(status='ok', wall_s=wall)
+    else:
+      oom = 'RESOURCE_EXHAUSTED' in log or 'Out of memory' in log or 'out of memory' in log
+      why = 'out of memory' if oom else ('timed out' if rc == 124 else f'exit {rc}')
+      r = dict(name=name, status=why, wall_s=wall,
+               tail='\n'.join(log.strip().splitlines()[-8:]))
+      if not oom:
+        suite.say(f'  {name}: {why}; log tail:\n' + r['tail'])
+    results.append(r)
+    suite.say(f'  {name}: {r["status"]}' + (f', MFU {r["mfu"]:.1%}, {r["tokens_per_sec"]:,.0f} tokens/s, '
+                                            f'peak {r["mem"] / 2**30:.1f} GiB, {wall:.0f} s'
+                                            if r['status'] == 'ok' else ''))
+  suite.results['mfu'] = results
+  done = [r for r in results if r['status'] == 'ok']
+  dev = done[0]['devices'] if done else '?'
+  suite.say(f'\n### MFU: {dev}, seq 2048, bf16, cuDNN attention, LAMB, real data '
+            f'(stdlib bytes), {suite.args.steps} timed steps\n')
+  suite.say('| config | batch x seq | tokens/s | step (ms) | GFLOP/token | TFLOP/s | MFU | peak HBM |')
+  suite.say('|---|---|---|---|---|---|---|---|')
+  for r in results:
+    if r['status'] != 'ok':
+      suite.say(f'| {r["name"]} | | {r["status"]} | | | | | |')
+      continue
+    suite.say(f'| {r["name"]} | {r["batch"]} x {r["seq_len"]} | '
+              f'{r["tokens_per_sec"]:,.0f} | {r["step_time"] * 1e3:.1f} | '
+              f'{r["flops_per_token"] / 1e9:.2f} | {r["achieved"] / 1e12:.1f} | {r["mfu"]:.1%} | '
+              f'{r["mem"] / 2**30:.1f} GiB |')
+  suite.say(f'\npeak: {done[0]["peak_source"] if done else "?"}')
+  best = {}
+  for r in done:
+    size = r['name'].split()[0]
+    if r['mfu'] > best.get(size, {}).get('mfu', -1):
+      best[size] = r
+  suite.results['mfu_best'] = {k: dict(name=v['name'], mfu=v['mfu']) for k, v in best.items()}
+  summary = '; '.join(f'{k}: {v["mfu"]:.1%} ({v["name"]})' for k, v in best.items())
+  failed = [r['name'] for r in results if r['status'] not in ('ok', 'out of memory')
+            and not r['status'].startswith('skipped')]
+  return bool(done) and not failed, f'best {summary or "none"}' + (
+      f'; failed: {", ".join(failed)}' if failed else '')
+
+
+# --- variants ----------------------------------------------------------------
+
+def check_variants(suite: Suite):
+  import jax
+  import numpy as np
+
+  from mjax import data as data_lib
+  from mjax import train
+  from mjax.config import load_config
+  from mjax.parallel import make_mesh
+
+  smoke = suite.args.smoke
+  base = ['ModelConfig.d_model = 256', 'ModelConfig.n_layers = 4', 'ModelConfig.n_heads = 4',
+          'ModelConfig.d_ff = 1024', 'ModelConfig.vocab_size = 512',
+          'ModelConfig.full_attention_every = 2', 'OptimConfig.warmup_steps = 2',
+          'TrainConfig.steps = 100', 'OptimConfig.learning_rate = 1e-3']
+  if smoke:
+    base += ['DataConfig.seq_len = 128', 'ModelConfig.sliding_window = 32',
+             'TrainConfig.global_batch_size = 8']
+  else:
+    base += ['DataConfig.seq_len = 1024', 'ModelConfig.sliding_window = 256',
+             'TrainConfig.global_batch_size = 8', "ModelConfig.dtype = 'bfloat16'"]
+  fast = 'dot_product' if smoke else 'cudnn'
+  variants = [
+      ('scan, remat dots_no_batch', [f"ModelConfig.attention_impl = '{fast}'"]),
+      ('unrolled layers', [f"ModelConfig.attention_impl = '{fast}'", 'ModelConfig.scan_layers = False']),
+      ('remat full', [f"ModelConfig.attention_impl = '{fast}'", "ModelConfig.remat_policy = 'full'"]),
+      ('remat none', [f"ModelConfig.attention_impl = '{fast}'", "ModelConfig.remat_policy = 'none'"]),
+      ('grad accumulation 2', [f"ModelConfig.attention_impl = '{fast}'", 'TrainConfig.grad_accum_steps = 2']),
+      ('XLA attention', ["ModelConfig.attention_impl = 'xla'"]),
+  ]
+  n_steps = 4
+  batches = params0 = None
+  losses = {}
+  for name, extra in variants:
+    if suite.left() < 20:
+      losses[name] = None
+      continue
+    cfg = load_config(['base.gin'], base + ["ModelConfig.remat_policy = 'dots_no_batch'"] + extra,
+                      num_devices=jax.device_count())
+    if batches is None:
+      it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size)
+      batches = [next(it) for _ in range(n_steps)]
+    program = train.make_program(cfg, make_mesh(cfg.mesh))
+    with program.context():
+      if params0 is None:  # every variant starts from these weights
+        params0 = jax.device_get(program.init(jax.random.key(0)).params)
+      params = params0
+      if not cfg.model.scan_layers:  # the unrolled tree holds layer g as 'layers_g'
+        params = {k: v for k, v in params0.items() if k != 'layers'}
+        for g in range(cfg.model.n_layers // cfg.model.layer_period):
+          params[f'layers_{g}'] = jax.tree.map(lambda w: w[g], params0['layers'])
+      params = jax.device_put(params, program.state_shardings.params)
+      state = train.TrainState(step=jax.device_put(np.zeros((), np.int32), program.state_shardings.step),
+                               params=params,
+                               opt_state=jax.jit(program.tx.init,
+                                                 out_shardings=program.state_shardings.opt_state)(params))
+      seq = []
+      for b in batches:
+        state, m = program.step(state, program.to_global(b))
+        seq.append(float(m['loss']))
+    losses[name] = seq
+  ref = losses[variants[0][0]]
+  tol = 2e-3 if smoke else 2e-2  # bf16 compute: orderings of sums differ between variants
+  suite.say(f'\n### Variants on one {jax.devices()[0].device_kind}: loss per step '
+            f'(d 256, 4 layers, window + full layers; relative tolerance {tol} vs the first row)\n')
+  suite.say('| variant | ' + ' | '.join(f'step {i + 1}' for i in range(n_steps)) + ' | max rel. diff |')
+  suite.say('|---|' + '---|' * (n_steps + 1))
+  worst = 0.0
+  for name, _ in variants:
+    seq = losses[name]
+    if seq is None:
+      suite.say(f'| {name} | skipped (suite deadline) |')
+      continue
+    d = max(abs(a - r) / abs(r) for a, r in zip(seq, ref))
+    worst = max(worst, d if np.isfinite(seq).all() else float('inf'))
+    suite.say(f'| {name} | ' + ' | '.join(f'{l:.4f}' for l in seq) + f' | {d:.1e} |')
+  suite.say()
+  suite.results['variants'] = losses
+  falls = ref[-1] < ref[0]
+  return worst < tol and falls, f'worst relative loss difference {worst:.1e} (tolerance {tol}); loss falls: {falls}'
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser('gpu_suite', description=__doc__.splitlines()[0])
+  p.add_argument('--smoke', action='store_true', help='tiny shapes, runs on CPU: checks the suite itself')
+  p.add_argument('--out', default=os.environ.get('OUT') or None, help='folder for tables and logs')
+  p.add_argument('--budget_s', type=float, default=560, help='deadline for the whole suite')
+  p.add_argument('--row_timeout_s', type=float, default=170, help='limit for one MFU row')
+  p.add_argument('--steps', type=int, default=10, help='timed steps per MFU row')
+  p.add_argument('--sections', default='attention,train,mfu,variants')
+  p.add_argument('--mfu_rows', default='', help='comma-separated substrings of MFU row names to run')
+  args = p.parse_args(argv)
+  suite = Suite(args)
+  import jax
+  devs = jax.devices()
+  suite.say(f'mjax GPU suite {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}: jax {jax.__version__}, '
+            f'{len(devs)} x {devs[0].device_kind} ({devs[0].platform}), python {sys.version.split()[0]}')
+  if devs[0].platform != 'gpu' and not args.smoke:
+    suite.say('no GPU: run with --smoke to check the suite on CPU')
+    sys.exit(2)
+  sections = dict(attention=check_attention, train=check_train, mfu=check_mfu, variants=check_variants)
+  for name in args.sections.split(','):
+    suite.section(name, lambda fn=sections[name]: fn(suite))
+  failed = [k for k, v in suite.results['sections'].items() if not v['ok']]
+  ran = suite.results['sections']
+  suite.say(f'\nsuite: {len(ran) - len(failed)} of {len(ran)} sections passed'
+            + (f'; failed: {", ".join(failed)}' if failed else ''))
+  suite.save()
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == '__main__':
+  main()
