@@ -25,25 +25,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, gin file, overrides). The remat sweep finds the best policy per size;
+# (name, gin file, overrides[, 'profile']). The remat sweep finds the best policy per size;
 # 'none' for 1p3b is expected to run out of memory on an 80 GB card and shows
 # where the limit is.
 MFU_ROWS = [
     ('125m remat=none', '125m.gin', ['ModelConfig.remat_policy=none']),
     ('125m remat=dots', '125m.gin', ['ModelConfig.remat_policy=dots']),
-    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch']),
+    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch'], 'profile'),
     ('125m remat=none unrolled', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False']),
     ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots']),
     ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
-    ('1p3b remat=dots_no_batch', '1p3b.gin', ['ModelConfig.remat_policy=dots_no_batch']),
+    ('1p3b remat=dots_no_batch', '1p3b.gin', ['ModelConfig.remat_policy=dots_no_batch'], 'profile'),
     ('1p3b remat=none', '1p3b.gin', ['ModelConfig.remat_policy=none']),
 ]
 SMOKE_MFU_ROWS = [
@@ -74,13 +76,23 @@ class Suite:
     with open(os.path.join(self.out, 'gpu_suite.md'), 'w') as fh:
       fh.write('\n'.join(self.lines) + '\n')
 
-  def section(self, name: str, fn) -> None:
+  def section(self, name: str) -> None:
+    """Runs one section in a child process (see `main`): a process that has
+    touched the GPU keeps its memory (JAX pre-allocates 75% of the card), so
+    the parent never does, and every section and MFU row starts on an empty card."""
     t0 = time.monotonic()
+    path = os.path.join(self.out, f'section_{name}.json')
+    argv = [sys.executable, os.path.abspath(__file__), '--child', name, *self.args.forward]
+    rc, log = self.run(argv, f'section_{name}.log', timeout=self.left() + 30, quiet=False)
     try:
-      ok, detail = fn()
-    except Exception as e:  # a broken section is a finding, not the end of the suite
-      ok, detail = False, f'{type(e).__name__}: {e}'
-      traceback.print_exc()
+      with open(path) as fh:
+        child = json.load(fh)
+      ok, detail = child['ok'], child['detail']
+      self.results[name] = child.get('results')
+      self.lines += child.get('lines', [])
+    except (OSError, ValueError):
+      tail = '\n'.join(log.strip().splitlines()[-15:])
+      ok, detail = False, f'exit {rc} without a result; log tail:\n{tail}'
     status = 'PASS' if ok else 'FAIL'
     self.results['sections'][name] = dict(ok=ok, detail=detail, seconds=time.monotonic() - t0)
     self.say(f'[{status}] {name} ({time.monotonic() - t0:.0f} s): {detail}')
@@ -95,16 +107,23 @@ class Suite:
     env['PYTHONUNBUFFERED'] = '1'
     return env
 
-  def run(self, argv: list[str], log_name: str, timeout: float) -> tuple[int, str]:
+  def run(self, argv: list[str], log_name: str, timeout: float, quiet: bool = True) -> tuple[int, str]:
+    """Runs argv with its output in OUT/log_name (and on stdout unless quiet)."""
     path = os.path.join(self.out, log_name)
     with open(path, 'w') as log:
-      try:
-        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                            cwd=REPO, timeout=max(timeout, 1)).returncode
-      except subprocess.TimeoutExpired:
-        rc = 124
+      proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
+                              cwd=REPO, text=True)
+      timer = threading.Timer(max(timeout, 1), proc.kill)
+      timer.start()
+      for line in proc.stdout:
+        log.write(line)
+        if not quiet:
+          print(line, end='', flush=True)
+      rc = proc.wait()
+      timed_out = not timer.is_alive()
+      timer.cancel()
     with open(path) as fh:
-      return rc, fh.read()
+      return (124 if timed_out else rc), fh.read()
 
 
 # --- attention ---------------------------------------------------------------
@@ -214,7 +233,7 @@ def check_mfu(suite: Suite):
   if suite.args.mfu_rows:
     rows = [r for r in rows if any(sel in r[0] for sel in suite.args.mfu_rows.split(','))]
   results = []
-  for i, (name, gin, overrides) in enumerate(rows):
+  for i, (name, gin, overrides, *extra) in enumerate(rows):
     left = suite.left()
     if left < 45:
       results.append(dict(name=name, status='skipped (suite deadline)'))
@@ -225,6 +244,8 @@ def check_mfu(suite: Suite):
             *[f'--gin.{o}' for o in overrides]]
     if not suite.args.smoke:
       argv.append('--gin.ModelConfig.attention_impl=cudnn')
+    if 'profile' in extra and suite.args.profile:
+      argv += ['--profile', os.path.join(suite.out, f'profile_{i}')]
     t0 = time.monotonic()
     rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5))
     wall = time.monotonic() - t0
@@ -268,6 +289,8 @@ def check_mfu(suite: Suite):
   summary = '; '.join(f'{k}: {v["mfu"]:.1%} ({v["name"]})' for k, v in best.items())
   failed = [r['name'] for r in results if r['status'] not in ('ok', 'out of memory')
             and not r['status'].startswith('skipped')]
+  sizes = {r['name'].split()[0] for r in results if not r['status'].startswith('skipped')}
+  failed += [f'{size} (no row fits)' for size in sorted(sizes - set(best))]
   return bool(done) and not failed, f'best {summary or "none"}' + (
       f'; failed: {", ".join(failed)}' if failed else '')
 
@@ -364,20 +387,48 @@ def main(argv=None):
   p.add_argument('--steps', type=int, default=10, help='timed steps per MFU row')
   p.add_argument('--sections', default='attention,train,mfu,variants')
   p.add_argument('--mfu_rows', default='', help='comma-separated substrings of MFU row names to run')
+  p.add_argument('--profile', action='store_true', help='trace the rows marked for it (jax.profiler)')
+  p.add_argument('--child', default=None, help=argparse.SUPPRESS)
+  argv = sys.argv[1:] if argv is None else argv
   args = p.parse_args(argv)
-  suite = Suite(args)
-  import jax
-  devs = jax.devices()
-  suite.say(f'mjax GPU suite {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}: jax {jax.__version__}, '
-            f'{len(devs)} x {devs[0].device_kind} ({devs[0].platform}), python {sys.version.split()[0]}')
-  if devs[0].platform != 'gpu' and not args.smoke:
-    suite.say('no GPU: run with --smoke to check the suite on CPU')
-    sys.exit(2)
   sections = dict(attention=check_attention, train=check_train, mfu=check_mfu, variants=check_variants)
+  if args.child:  # one section in this process; the parent collects the JSON
+    suite = Suite(args)
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform != 'gpu' and not args.smoke:
+      ok, detail = False, f'no GPU (jax sees {dev.platform}): run with --smoke to check the suite on CPU'
+    else:
+      try:
+        ok, detail = sections[args.child](suite)
+      except Exception as e:  # a broken section is a finding, not the end of the suite
+        traceback.print_exc()
+        ok, detail = False, f'{type(e).__name__}: {e}'
+    with open(os.path.join(suite.out, f'section_{args.child}.json'), 'w') as fh:
+      json.dump(dict(ok=ok, detail=detail, lines=suite.lines, results=suite.results.get(args.child),
+                     device=dev.device_kind, jax=jax.__version__), fh, indent=1, default=str)
+    return
+  # Children see the same options; the deadline they get is what is left.
+  args.forward, skip = [], False
+  for a in argv:
+    if not skip and not a.startswith('--budget_s'):
+      args.forward.append(a)
+    skip = a == '--budget_s'
+  suite = Suite(args)
+  args.forward = [*args.forward, '--out', suite.out]
+  gpus = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout.strip() \
+      if shutil.which('nvidia-smi') else 'no nvidia-smi'
+  suite.say(f'mjax GPU suite {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, '
+            f'python {sys.version.split()[0]}: {gpus}')
   for name in args.sections.split(','):
-    suite.section(name, lambda fn=sections[name]: fn(suite))
-  failed = [k for k, v in suite.results['sections'].items() if not v['ok']]
+    if name not in sections:
+      sys.exit(f'gpu_suite: unknown section {name!r}; choose from {", ".join(sections)}')
+  for name in args.sections.split(','):
+    suite.args.forward = [*args.forward, '--budget_s', str(max(suite.left(), 1))]
+    suite.section(name)
   ran = suite.results['sections']
+  failed = [k for k, v in ran.items() if not v['ok']]
+  print('\n=== summary ===\n' + '\n'.join(suite.lines), flush=True)
   suite.say(f'\nsuite: {len(ran) - len(failed)} of {len(ran)} sections passed'
             + (f'; failed: {", ".join(failed)}' if failed else ''))
   suite.save()

@@ -30,7 +30,7 @@ HEADER = ('| config | devices | tokens/s | step time (s) | FLOPs/token | achieve
           '|---|---|---|---|---|---|---|---|---|')
 
 
-def bench(cfg, steps: int, warmup: int) -> dict:
+def bench(cfg, steps: int, warmup: int, profile_dir: str = '') -> dict:
   mesh = make_mesh(cfg.mesh)
   devices = list(mesh.devices.flat)
   program = train.make_program(cfg, mesh)
@@ -47,6 +47,11 @@ def bench(cfg, steps: int, warmup: int) -> dict:
       state, m = program.step(state, program.to_global(next(it)))
     jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / steps
+    if profile_dir:  # after the timing, so the profiler's overhead is not in it
+      with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+        for _ in range(2):
+          state, m = program.step(state, program.to_global(next(it)))
+        jax.block_until_ready((state, m))
   fpt = flops_per_token(cfg.model, cfg.data.seq_len)
   peak, source = peak_flops(devices, cfg.model.dtype, cfg.train.peak_cache_dir)
   tps = cfg.train.global_batch_size * cfg.data.seq_len / dt
@@ -70,12 +75,14 @@ def main(argv=None):
   p.add_argument('--warmup', type=int, default=3, help='untimed steps first (compilation included)')
   p.add_argument('--name', default=None, help='label in the table (default: the gin file)')
   p.add_argument('--json', default=None, help='also write the result as JSON to this file')
+  p.add_argument('--profile', default='', help='trace 2 more steps into this folder '
+                 '(perfetto_trace.json.gz; summarize with bench/trace_summary.py)')
   args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
   bindings = [*bindings, f'TrainConfig.steps = {args.steps + args.warmup}']
   _apply_overlap_flags(_load('train_bench', args, bindings, num_devices=None))
   cfg = _load('train_bench', args, bindings, num_devices=jax.device_count())
   train.setup_compilation_cache(cfg.train.compilation_cache_dir)
-  r = bench(cfg, args.steps, args.warmup)
+  r = bench(cfg, args.steps, args.warmup, args.profile)
   name = args.name or ' + '.join(os.path.basename(f) for f in (args.gin_file or ['tiny.gin']))
   print(HEADER)
   print(row(name, r))

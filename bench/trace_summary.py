@@ -1,0 +1,104 @@
+"""Where a traced train step's device time goes, op by op, as markdown tables.
+
+  python bench/train_bench.py --gin_file configs/125m.gin --profile /tmp/prof
+  python bench/trace_summary.py /tmp/prof            # finds perfetto_trace.json.gz below it
+
+Reads the Chrome-trace JSON that `jax.profiler.trace(create_perfetto_trace=True)`
+writes, keeps the complete events of the device streams (GPU kernels; on CPU,
+the XLA ops of the host threads that run them) and sums their durations by
+name and by kind (matrix products, attention, fusions, collectives, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+# Kernel-name patterns, first match wins. cuBLAS/cuBLASLt and CUTLASS GEMMs
+# carry 'gemm' or 'xmma' or 'cutlass'; cuDNN flash attention 'fmha' or 'cudnn'.
+KINDS = [
+    ('attention (cuDNN)', re.compile(r'fmha|flash|cudnn|sdpa', re.I)),
+    ('matrix product', re.compile(r'gemm|xmma|cutlass|matmul|dot|nvjet|sm90_', re.I)),
+    ('collective', re.compile(r'nccl|all-reduce|all-gather|reduce-scatter|collective', re.I)),
+    ('copy / transpose', re.compile(r'memcpy|memset|copy|transpose', re.I)),
+    ('reduction / norm fusion', re.compile(r'reduce|norm', re.I)),
+    ('elementwise / other fusion', re.compile(r'fusion|loop_|input_|wrapped_|convert', re.I)),
+]
+
+
+def find_trace(path: str) -> str:
+  if os.path.isfile(path):
+    return path
+  hits = sorted(glob.glob(os.path.join(path, '**', '*perfetto_trace.json.gz'), recursive=True)
+                or glob.glob(os.path.join(path, '**', '*.trace.json.gz'), recursive=True))
+  if not hits:
+    raise SystemExit(f'trace_summary: no perfetto_trace.json.gz under {path}')
+  return hits[-1]
+
+
+def kind_of(name: str) -> str:
+  for kind, pat in KINDS:
+    if pat.search(name):
+      return kind
+  return 'other'
+
+
+def summarize(path: str, steps: int = 2, top: int = 25) -> str:
+  with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
+    trace = json.load(fh)
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  pname = {e['pid']: e.get('args', {}).get('name', '') for e in events
+           if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  device_pids = {p for p, n in pname.items() if re.search(r'/device:(GPU|TPU)', n)}
+  if not device_pids:  # CPU: the XLA ops run on host threads
+    device_pids = {p for p, n in pname.items() if 'host' in n.lower() or 'cpu' in n.lower()}
+  ops = [e for e in events if e.get('ph') == 'X' and e.get('pid') in device_pids and 'dur' in e]
+  if not ops:
+    return f'no device events in {path}'
+  # GPU kernels of one stream never overlap; where several streams run, busy
+  # time is the union of their intervals.
+  spans = sorted((e['ts'], e['ts'] + e['dur']) for e in ops)
+  busy, end = 0.0, -1.0
+  for a, b in spans:
+    if b > end:
+      busy += b - max(a, end)
+      end = b
+  wall = spans[-1][1] - spans[0][0]
+  by_name = collections.Counter()
+  by_kind = collections.Counter()
+  count = collections.Counter()
+  for e in ops:
+    by_name[e['name']] += e['dur']
+    by_kind[kind_of(e['name'])] += e['dur']
+    count[e['name']] += 1
+  total = sum(by_name.values())
+  out = [f'trace {os.path.basename(path)}: {len(ops)} device events over {wall / 1e3:.1f} ms; '
+         f'device busy {busy / 1e3:.1f} ms ({busy / wall:.0%} of the span), '
+         f'{busy / 1e3 / steps:.1f} ms per step over {steps} steps', '',
+         '| kind | ms per step | share |', '|---|---|---|']
+  for k, v in by_kind.most_common():
+    out.append(f'| {k} | {v / 1e3 / steps:.2f} | {v / total:.1%} |')
+  out += ['', f'| top {top} ops | calls per step | ms per step | share | kind |', '|---|---|---|---|---|']
+  for name, v in by_name.most_common(top):
+    short = name if len(name) <= 70 else name[:67] + '...'
+    out.append(f'| `{short}` | {count[name] / steps:g} | {v / 1e3 / steps:.2f} | {v / total:.1%} | '
+               f'{kind_of(name)} |')
+  return '\n'.join(out)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser('trace_summary', description=__doc__.splitlines()[0])
+  p.add_argument('path', help='a perfetto_trace.json.gz or a folder holding one')
+  p.add_argument('--steps', type=int, default=2, help='steps the trace holds')
+  p.add_argument('--top', type=int, default=25)
+  args = p.parse_args(argv)
+  print(summarize(find_trace(args.path), args.steps, args.top))
+
+
+if __name__ == '__main__':
+  main()
