@@ -32,21 +32,23 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (name, gin file, overrides[, 'profile']). The remat sweep finds the best policy per size;
 # 'none' for 1p3b is expected to run out of memory on an 80 GB card and shows
 # where the limit is.
+NO_TRITON = {'XLA_FLAGS': '--xla_gpu_enable_triton_gemm=false'}
 MFU_ROWS = [
-    ('125m remat=none', '125m.gin', ['ModelConfig.remat_policy=none']),
-    ('125m remat=dots', '125m.gin', ['ModelConfig.remat_policy=dots']),
-    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch'], 'profile'),
+    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch']),
     ('125m remat=none unrolled', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False']),
+    ('125m remat=none unrolled no-triton', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False'], NO_TRITON),
     ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots']),
+    ('1p3b remat=dots no-triton', '1p3b.gin', ['ModelConfig.remat_policy=dots'], NO_TRITON),
+    ('1p3b remat=dots unrolled', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=False']),
+    ('1p3b remat=dots unrolled no-triton', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=False'], NO_TRITON, 'profile'),
     ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
-    ('1p3b remat=dots_no_batch', '1p3b.gin', ['ModelConfig.remat_policy=dots_no_batch'], 'profile'),
-    ('1p3b remat=none', '1p3b.gin', ['ModelConfig.remat_policy=none']),
 ]
 SMOKE_MFU_ROWS = [
     ('tiny remat=none', 'tiny.gin', ['ModelConfig.remat_policy=none']),
@@ -107,11 +109,16 @@ class Suite:
     env['PYTHONUNBUFFERED'] = '1'
     return env
 
-  def run(self, argv: list[str], log_name: str, timeout: float, quiet: bool = True) -> tuple[int, str]:
-    """Runs argv with its output in OUT/log_name (and on stdout unless quiet)."""
+  def run(self, argv: list[str], log_name: str, timeout: float, quiet: bool = True,
+          env: Optional[dict] = None) -> tuple[int, str]:
+    """Runs argv with its output in OUT/log_name (and on stdout unless quiet);
+    `env` adds to the environment (XLA_FLAGS are appended to)."""
     path = os.path.join(self.out, log_name)
+    full_env = self.env()
+    for k, v in (env or {}).items():
+      full_env[k] = f'{full_env.get(k, "")} {v}'.strip() if k == 'XLA_FLAGS' else v
     with open(path, 'w') as log:
-      proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(),
+      proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                               cwd=REPO, text=True)
       timer = threading.Timer(max(timeout, 1), proc.kill)
       timer.start()
@@ -246,8 +253,10 @@ def check_mfu(suite: Suite):
       argv.append('--gin.ModelConfig.attention_impl=cudnn')
     if 'profile' in extra and suite.args.profile:
       argv += ['--profile', os.path.join(suite.out, f'profile_{i}')]
+    row_env = next((e for e in extra if isinstance(e, dict)), {})
     t0 = time.monotonic()
-    rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5))
+    rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5),
+                        env=row_env)
     wall = time.monotonic() - t0
     if rc == 0 and os.path.exists(jpath):
       with open(jpath) as fh:
