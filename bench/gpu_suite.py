@@ -36,18 +36,15 @@ from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, gin file, overrides[, 'profile']). The remat sweep finds the best policy per size;
+# (name, gin file, overrides[, 'profile'][, {env var: value}]). The remat sweep finds the best policy per size;
 # 'none' for 1p3b is expected to run out of memory on an 80 GB card and shows
 # where the limit is.
-NO_TRITON = {'XLA_FLAGS': '--xla_gpu_enable_triton_gemm=false'}
 MFU_ROWS = [
     ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch']),
     ('125m remat=none unrolled', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False']),
-    ('125m remat=none unrolled no-triton', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False'], NO_TRITON),
     ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots']),
-    ('1p3b remat=dots no-triton', '1p3b.gin', ['ModelConfig.remat_policy=dots'], NO_TRITON),
-    ('1p3b remat=dots unrolled', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=False']),
-    ('1p3b remat=dots unrolled no-triton', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=False'], NO_TRITON, 'profile'),
+    ('1p3b remat=dots unrolled', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=False'],
+     'profile'),
     ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
 ]
 SMOKE_MFU_ROWS = [
@@ -253,10 +250,9 @@ def check_mfu(suite: Suite):
       argv.append('--gin.ModelConfig.attention_impl=cudnn')
     if 'profile' in extra and suite.args.profile:
       argv += ['--profile', os.path.join(suite.out, f'profile_{i}')]
-    row_env = next((e for e in extra if isinstance(e, dict)), {})
     t0 = time.monotonic()
     rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5),
-                        env=row_env)
+                        env=next((e for e in extra if isinstance(e, dict)), {}))
     wall = time.monotonic() - t0
     if rc == 0 and os.path.exists(jpath):
       with open(jpath) as fh:

@@ -122,13 +122,10 @@ class Transformer(nn.Module):
     if c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one
       # all-gather of the embedding per step instead of two.
-      logits = jnp.einsum('bse,ve->bsv', x, lookup.astype(dtype), preferred_element_type=jnp.float32)
+      logits = jnp.einsum('bse,ve->bsv', x, lookup.astype(dtype))
     else:
       head = self.param('lm_head', nn.with_logical_partitioning(
           nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)
-      logits = jnp.einsum('bse,ev->bsv', x, head.astype(dtype), preferred_element_type=jnp.float32)
-    # The softmax / loss run in fp32 whatever the compute dtype. The head's
-    # matrix product writes fp32 straight from its fp32 accumulators: rounding
-    # the (batch, seq, vocab) logits to bf16 and converting them back would
-    # cost two more passes over the step's largest activation, and precision.
+      logits = jnp.einsum('bse,ev->bsv', x, head.astype(dtype))
+    # The softmax / loss run in fp32 whatever the compute dtype.
     return constrain(logits.astype(jnp.float32), ('batch', 'seq', 'vocab'))
