@@ -9,7 +9,9 @@ import pytest
 
 from mjax.parallel import xla_flags as X
 
-FLAG_LIB = (b'\x7fELF junk\x00xla_dump_to\x00'
+# What every real flag table holds (XLA's long-standing dump flags).
+TABLE = b'\x00xla_dump_to\x00xla_dump_hlo_as_text\x00xla_dump_hlo_pass_re\x00xla_backend_optimization_level\x00'
+FLAG_LIB = (b'\x7fELF junk' + TABLE +
             b'xla_gpu_enable_latency_hiding_scheduler\x00'
             b'xla_gpu_enable_pipelined_all_gather\x00'
             b'xla_gpu_all_reduce_combine_threshold_bytes\x00'
@@ -17,17 +19,22 @@ FLAG_LIB = (b'\x7fELF junk\x00xla_dump_to\x00'
             # a length byte, the name, no NUL. XLA rejects it.
             b'R\x20xla_gpu_enable_async_collectivesR\x05other')
 # The GPU plugin's own XLA copy, older: lacks the pipelined all-gather flag.
-PLUGIN_LIB = (b'\x00xla_dump_to\x00xla_gpu_enable_latency_hiding_scheduler\x00'
+PLUGIN_LIB = (TABLE + b'xla_gpu_enable_latency_hiding_scheduler\x00'
               b'xla_gpu_all_reduce_combine_threshold_bytes\x00')
 # A kernel library without a flag table: never consulted.
 KERNEL_LIB = b'\x00cuda_prng_kernel\x00'
+# An extension module with a stray 'xla_dump_to' and the DebugOptions proto
+# descriptor (names length-prefixed, no NUL), as jax-cuda13-plugin 0.11's
+# _triton.so: it parses no flags and must not veto any.
+STRAY_LIB = b'\x00xla_dump_to\x00\n\x27xla_gpu_enable_latency_hiding_scheduler\x18\xba\x01'
 
 
 @pytest.fixture
 def libs(tmp_path):
   paths = {'jaxlib/libjax_common.so': FLAG_LIB,
            'jax_plugins/xla_cuda12/xla_cuda_plugin.so': PLUGIN_LIB,
-           'jax_cuda12_plugin/_cuda_prng.so': KERNEL_LIB}
+           'jax_cuda12_plugin/_cuda_prng.so': KERNEL_LIB,
+           'jax_cuda12_plugin/_triton.so': STRAY_LIB}
   for rel, data in paths.items():
     (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / rel).write_bytes(data)
@@ -37,7 +44,7 @@ def libs(tmp_path):
 def test_libraries_are_found_in_jaxlib_and_plugin_dirs(libs):
   found = {os.path.relpath(p, libs) for p in X.xla_libraries([str(libs)])}
   assert found == {'jaxlib/libjax_common.so', 'jax_plugins/xla_cuda12/xla_cuda_plugin.so',
-                   'jax_cuda12_plugin/_cuda_prng.so'}
+                   'jax_cuda12_plugin/_cuda_prng.so', 'jax_cuda12_plugin/_triton.so'}
 
 
 def test_only_flags_every_flag_table_defines_are_supported(libs):
@@ -54,6 +61,8 @@ def test_only_flags_every_flag_table_defines_are_supported(libs):
       'xla_gpu_all_reduce_combine_threshold_bytes'}
   # No flag table anywhere: nothing can be checked, nothing is supported.
   assert X.supported_flags(names, [str(libs / 'jax_cuda12_plugin/_cuda_prng.so')]) == set()
+  # A stray 'xla_dump_to' string does not make a flag table.
+  assert X.supported_flags(names, [str(libs / 'jax_cuda12_plugin/_triton.so')]) == set()
 
 
 def test_apply_never_overrides_the_user_and_drops_unknown_flags(libs, monkeypatch, caplog):

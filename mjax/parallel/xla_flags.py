@@ -83,9 +83,14 @@ COLLECTIVE_MATMUL_FLAGS: dict[str, str] = {
     'xla_gpu_multi_streamed_windowed_einsum': 'true',
 }
 
-# A string every XLA build that parses XLA_FLAGS contains; libraries without
-# it (CUDA kernels, MLIR bindings) have no flag table and are not consulted.
-_FLAG_TABLE_MARKER = b'xla_dump_to\x00'
+# Names every XLA flag table has defined for years. A library is a flag table
+# only if it defines all of them: one alone is not enough, since some
+# extension modules that parse no flags hold a stray 'xla_dump_to' string
+# (jax-cuda13-plugin 0.11's _triton.so and cuda_plugin_extension.so did, and
+# counting them as flag tables without the GPU flags dropped every overlap flag).
+_FLAG_TABLE_MARKERS = tuple(n + b'\x00' for n in (
+    b'xla_dump_to', b'xla_dump_hlo_as_text', b'xla_dump_hlo_pass_re',
+    b'xla_backend_optimization_level'))
 _GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
 _scan_cache: dict[tuple[str, int, float], dict[str, bool]] = {}
 
@@ -140,7 +145,7 @@ def _scan(path: str, names: Iterable[str]) -> dict[str, bool]:
       data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b''
       try:
         if '' not in cached:
-          cached[''] = data.find(_FLAG_TABLE_MARKER) >= 0
+          cached[''] = all(data.find(m) >= 0 for m in _FLAG_TABLE_MARKERS)
         for n in todo:
           cached[n] = cached[''] and data.find(n.encode() + b'\x00') >= 0
       finally:
