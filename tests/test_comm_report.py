@@ -234,3 +234,52 @@ def test_report_and_memory_analysis(fsdp):
   text = format_report(report)
   for word in ('all-gather', 'expected (analytical minimum)', 'memory analysis', 'largest'):
     assert word in text
+
+
+WIDENED_HLO = """\
+HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%cast_back (p0: f32[16,128]) -> f32[16,128] {
+  %p0 = f32[16,128]{1,0} parameter(0)
+  %narrow = bf16[16,128]{1,0} convert(%p0)
+  %t = bf16[16,128]{1,0} copy(%narrow)
+  ROOT %wide = f32[16,128]{1,0} convert(%t)
+}
+
+ENTRY %main (w: f32[16,128], v: f32[16,128]) -> (f32[128,128], f32[128,128]) {
+  %w = f32[16,128]{1,0} parameter(0)
+  %v = f32[16,128]{1,0} parameter(1)
+  %f = f32[16,128]{1,0} fusion(%w), kind=kLoop, calls=%cast_back
+  %b = f32[16,128]{1,0} bitcast(%f)
+  %ag.1 = f32[128,128]{1,0} all-gather(%b), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %ag.2 = f32[128,128]{1,0} all-gather(%v), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %out = (f32[128,128]{1,0}, f32[128,128]{1,0}) tuple(%ag.1, %ag.2)
+}
+"""
+
+
+def test_collectives_widened_by_the_backend_are_traced_to_their_16_bit_source():
+  ops = {o.name: o for o in collective_stats(WIDENED_HLO).ops}
+  # Through a bitcast, into the fusion, to a convert from bf16: the program
+  # gathers bf16 and the backend widened it; half the wire bytes at bf16.
+  assert ops['ag.1'].widened_from == 'bf16'
+  assert ops['ag.1'].program_wire_bytes == ops['ag.1'].wire_bytes / 2
+  # An fp32 parameter gathered as it is: fp32 for real.
+  assert ops['ag.2'].widened_from is None
+  assert ops['ag.2'].program_wire_bytes == ops['ag.2'].wire_bytes
+
+
+def test_fsdp_weights_are_cast_on_the_shard_then_gathered_in_bf16():
+  cfg, mesh, compiled = compile_step('MeshConfig.data = 1', 'MeshConfig.fsdp = 8',
+                                     'ModelConfig.dtype = "bfloat16"')
+  stats = collective_stats(compiled.as_text())
+  matrices = [o for o in stats.of_kind('all-gather') if any(len(a.dims) >= 2 for a in o.arrays)]
+  # Every weight matrix (the embedding included) travels as bf16 in the
+  # program; XLA's CPU backend widens 16-bit collectives to f32 afterwards.
+  assert matrices and all('bf16' in (o.widened_from, o.arrays[0].dtype) for o in matrices), \
+      [(o.op_name, o.arrays[0].dtype) for o in matrices if o.widened_from is None]
+  wire = sum(o.executions * o.program_wire_bytes for o in stats.of_kind('all-gather'))
+  ratio = wire / expected(cfg, mesh, 'all-gather')
+  assert 0.8 < ratio <= 1.1, ratio
+  text = format_report(comm_report(compiled, cfg, mesh))
+  assert 'widens them to f32' in text and 'gathered before their cast' not in text

@@ -47,8 +47,11 @@ class Linear(nn.Module):
     kernel = self.param('kernel', nn.with_logical_partitioning(init, self.axes),
                         (*in_shape, *self.features), self.param_dtype)
     # Master weights stay fp32; the matrix product runs in the compute dtype.
+    # The cast is pinned to the kernel's own (FSDP-sharded) layout, so each
+    # device casts its shard and the all-gather moves bf16, half the bytes of
+    # gathering fp32 and casting afterwards.
     x = x.astype(self.dtype)
-    kernel = kernel.astype(self.dtype)
+    kernel = constrain(kernel.astype(self.dtype), self.axes)
     y = jax.lax.dot_general(
         x, kernel, (((tuple(range(x.ndim - self.n_in, x.ndim))), tuple(range(self.n_in))), ((), ())))
     if self.use_bias:
@@ -106,6 +109,32 @@ class Mlp(nn.Module):
       h = nn.gelu(up, approximate=True)
     h = constrain(h, ('batch', 'seq', 'mlp'))  # (batch, seq, mlp)
     return Linear((c.d_model,), ('mlp', 'embed'), std=self.out_std, name='wo', **kw)(h)
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """table[tokens], with the gradient summed in fp32 whatever the table's dtype.
+
+  The embedding is cast to the compute dtype before it is gathered (FSDP then
+  moves half the bytes), but a frequent token's gradient is the sum of
+  thousands of rows: a bf16 scatter-add would round after every one of them.
+  The backward sums in fp32 and rounds once, as a matrix product's
+  accumulator does for every other weight gradient.
+  """
+  shape = table.shape
+
+  @jax.custom_vjp
+  def lookup(t, tok):
+    return jnp.take(t, tok, axis=0)
+
+  def fwd(t, tok):
+    return lookup(t, tok), tok
+
+  def bwd(tok, ct):
+    grad = jnp.zeros(shape, jnp.float32).at[tok].add(ct.astype(jnp.float32))
+    return grad.astype(table.dtype), None
+
+  lookup.defvjp(fwd, bwd)
+  return lookup(table, tokens)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

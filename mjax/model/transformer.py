@@ -23,7 +23,7 @@ from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
-from mjax.model.layers import Mlp, constrain, dtype_of, make_norm, out_proj_std
+from mjax.model.layers import Mlp, constrain, dtype_of, embed_lookup, make_norm, out_proj_std
 
 # The residual stream: sharded over the sequence under sequence parallelism.
 ACT = ('batch', 'residual_seq', 'embed')
@@ -99,8 +99,10 @@ class Transformer(nn.Module):
     # Look rows up in a table gathered along `embed` (FSDP): GSPMD cannot move
     # a shard from the table's embed dim to the activations' batch dim inside
     # a gather except by replicating everything.
-    lookup = constrain(table, ('vocab', None))
-    x = constrain(jnp.take(lookup, tokens, axis=0).astype(dtype), ACT)  # (batch, seq, embed)
+    # Cast on the shard before gathering (half the bytes); the values are the
+    # same as casting the looked-up rows.
+    lookup = constrain(constrain(table.astype(dtype), ('vocab', 'embed')), ('vocab', None))
+    x = constrain(embed_lookup(lookup, tokens), ACT)  # (batch, seq, embed)
 
     group = LayerGroup
     if c.remat_policy != 'none':
@@ -122,7 +124,7 @@ class Transformer(nn.Module):
     if c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one
       # all-gather of the embedding per step instead of two.
-      logits = jnp.einsum('bse,ve->bsv', x, lookup.astype(dtype))
+      logits = jnp.einsum('bse,ve->bsv', x, lookup)
     else:
       head = self.param('lm_head', nn.with_logical_partitioning(
           nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)

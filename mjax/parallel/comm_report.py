@@ -82,6 +82,9 @@ class CollectiveOp:
   group_size: Optional[int]
   arrays: list[hlo_text.Array]
   op_name: str
+  # The 16-bit dtype the program gave this f32 collective's operand, when the
+  # backend widened it (see `_widened_from`); None otherwise.
+  widened_from: Optional[str] = None
 
   @property
   def wire_bytes(self) -> float:
@@ -93,6 +96,13 @@ class CollectiveOp:
       return 0.0
     factor = 2 * (n - 1) / n if self.kind == 'all-reduce' else (n - 1) / n
     return factor * self.buffer_bytes
+
+  @property
+  def program_wire_bytes(self) -> float:
+    """wire_bytes at the dtype the program asked for (before widening)."""
+    if not self.widened_from:
+      return self.wire_bytes
+    return self.wire_bytes * hlo_text.DTYPE_BYTES[self.widened_from] / hlo_text.DTYPE_BYTES['f32']
 
 
 @dataclasses.dataclass
@@ -156,6 +166,50 @@ def _buffer(module: Module, inst: Instruction, kind: str, group: Optional[int]):
   return shape_bytes(shape), shape_arrays(shape)
 
 
+# Ops that move or re-lay values without computing on them: followed when
+# tracing a collective's operand back to where its dtype was set.
+_MOVES = ('copy', 'bitcast', 'reshape', 'transpose', 'dynamic-slice', 'slice')
+
+
+def _widened_from(module: Module, inst: Instruction) -> Optional[str]:
+  """'bf16' / 'f16' when an f32 collective moves a value the program had in
+  16 bits: tracing its operand back through data movement and fusion bodies
+  reaches a convert from a 16-bit value. XLA's CPU backend has no 16-bit
+  collectives and widens them to f32 after partitioning (float
+  normalization); the program, and a GPU backend, move the 16-bit value:
+  e.g. FSDP weights cast on the shard and then gathered."""
+  arrays = [a for a in shape_arrays(inst.shape) if a.dims]
+  if not arrays or any(a.dtype != 'f32' for a in arrays) or not inst.operands:
+    return None
+  callers: list[Instruction] = []   # fusions entered, innermost last
+  src = module.instruction(inst.operands[0])
+  for _ in range(64):  # a chain of moves is short; never loop forever
+    if src is None:
+      return None
+    if src.opcode == 'fusion':
+      body = [c for role, c in hlo_text.called(src) if role == 'calls']
+      insts = module.computations.get(body[0], []) if body else []
+      if not insts:
+        return None
+      callers.append(src)
+      src = insts[-1]  # HLO text prints a computation's ROOT last
+    elif src.opcode == 'parameter' and callers:
+      caller = callers.pop()
+      k = int(src.args.strip() or 0)
+      src = module.instruction(caller.operands[k]) if k < len(caller.operands) else None
+    elif src.opcode == 'convert' and src.operands:
+      inner = module.instruction(src.operands[0])
+      dtypes = {a.dtype for a in shape_arrays(inner.shape)} if inner is not None else set()
+      if len(dtypes) == 1 and dtypes <= {'bf16', 'f16'}:
+        return dtypes.pop()
+      src = inner
+    elif src.opcode in _MOVES and src.operands:
+      src = module.instruction(src.operands[0])
+    else:
+      return None
+  return None
+
+
 def collective_stats(text: str) -> CommStats:
   """Every collective in optimized HLO text, with its executions per step."""
   module = hlo_text.parse_module(text)
@@ -173,7 +227,7 @@ def collective_stats(text: str) -> CommStats:
       nbytes, arrays = _buffer(module, inst, kind, group)
       op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
       ops.append(CollectiveOp(inst.name, kind, comp, n, nbytes, group, arrays,
-                              op_name.group(1) if op_name else ''))
+                              op_name.group(1) if op_name else '', _widened_from(module, inst)))
   return CommStats(ops, unknown, module.num_partitions)
 
 
@@ -359,11 +413,25 @@ def format_report(report: CommReport) -> str:
       and not s.per_step('reduce-scatter')['static']:
     lines.append('note: no reduce-scatter in the HLO: this backend reduces the FSDP gradients with '
                  'all-reduce + slice (2x the reduce-scatter wire bytes, counted under all-reduce).')
-  gather_dtypes = {a.dtype for o in s.of_kind('all-gather') for a in o.arrays if a.dims}
-  if report.compute_dtype != 'f32' and 'f32' in gather_dtypes:
-    lines.append('note: some all-gathers move f32 where the expectation assumes the compute dtype: '
-                 'the fp32 weights are gathered before their cast (2x the bytes; on CPU, XLA '
-                 'also runs bf16 matmuls in f32).')
+  gathers = s.of_kind('all-gather')
+  widened = [o for o in gathers if o.widened_from]
+  if widened:
+    exp = report.expected_wire('all-gather')
+    wire = sum(o.executions * o.program_wire_bytes for o in gathers)
+    lines.append(
+        f'note: {len(widened)} of {len(gathers)} all-gather instructions move f32 values that the '
+        f'program cast to {widened[0].widened_from} on each shard before gathering: this backend '
+        'has no 16-bit collectives and widens them to f32 after partitioning (a GPU gathers them '
+        f'in {widened[0].widened_from}). At the program\'s dtypes the all-gathers send '
+        f'{_mb(wire)} MiB per device' + (f', ratio {wire / exp:.2f}.' if exp else '.'))
+  # Large f32 gathers that nothing widened: weights gathered before their cast.
+  # (Norm scales and biases stay f32 on purpose: the norms compute in f32.)
+  unwidened = [o for o in gathers if not o.widened_from and any(
+      a.dtype == 'f32' and len(a.dims) >= 2 for a in o.arrays)]
+  if report.compute_dtype != 'f32' and unwidened:
+    lines.append(f'note: {len(unwidened)} all-gather instructions move f32 matrices where the '
+                 'expectation assumes the compute dtype: weights gathered before their cast '
+                 f'(2x the bytes), e.g. {unwidened[0].op_name or unwidened[0].name}.')
   lines.append('')
   lines.append(format_top(s))
   lines.append('')
