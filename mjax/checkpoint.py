@@ -139,9 +139,14 @@ class Checkpointer:
     check_shared(dirs)
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
+      # Orbax names its multi-process barriers by step ('async_write_complete.4'):
+      # two tiers saving the same step would meet in one barrier and fail
+      # ("already ongoing"). A prefix per tier keeps their barriers apart.
       options = ocp.CheckpointManagerOptions(
           max_to_keep=keep, create=True, cleanup_tmp_directories=True,
-          enable_async_checkpointing=cfg.async_save)
+          enable_async_checkpointing=cfg.async_save,
+          multiprocessing_options=ocp.options.MultiprocessingOptions(
+              barrier_sync_key_prefix=f'mjax_{name}'))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
       self.tiers.append(_Tier(name, directory, every, manager))
 

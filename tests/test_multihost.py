@@ -250,10 +250,12 @@ def _final_state(workdir):
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path, repo_root):
   multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
-  # With a fast tier as well, which both processes must see (they do: one machine).
+  # With a fast tier as well, which both processes must see (they do: one
+  # machine). Both tiers save steps 2 and 4: their multi-process barriers
+  # must not meet (Orbax names them by step).
   cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
          os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', multi, '--gin.CheckpointConfig.fast_every=2',
-         f'--gin.CheckpointConfig.fast_directory={tmp_path / "fast"}']
+         '--gin.CheckpointConfig.save_every=2', f'--gin.CheckpointConfig.fast_directory={tmp_path / "fast"}']
   run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   # One job over 8 devices, reported once, by process 0.
