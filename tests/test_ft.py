@@ -8,6 +8,7 @@ diagnostic shrinks the job, a NaN rolls back past the bad batches, and
 forged heartbeats are refused.
 """
 
+import collections
 import json
 import os
 import random
@@ -553,3 +554,84 @@ def test_nan_rolls_back_and_skips_the_bad_batches(tmp_path, repo_root):
   assert events(tmp_path, 'finish')
   # The data went past the skipped batches: position = steps + skipped.
   assert data_position(tmp_path, N) == N + rb['skip_data_steps']
+
+
+def _hostile_datagrams(rng: random.Random, n: int):
+  """Random bytes, mangled envelopes and payloads, and the shapes that once
+  escaped the verifier (lone surrogate, non-ASCII mac, deep nesting)."""
+  good = hb.sign({'ts': time.time(), 'nonce': 'n0', 'process': 0}, SECRET)
+  fixed = [
+      json.dumps({'payload': '\ud800', 'mac': '0' * 64}).encode(),           # lone surrogate
+      json.dumps({'payload': '{}', 'mac': '\u00e9' * 64}).encode(),          # non-ASCII mac
+      b'[' * 16000 + b']' * 16000,                                          # deep nesting
+      b'{"payload":' + b'[' * 8000 + b']' * 8000 + b',"mac":"00"}',
+      json.dumps({'payload': '{}', 'mac': 'zz'}).encode(),
+      json.dumps({'payload': 1, 'mac': None}).encode(), b'', b'null', b'[]', b'"x"', b'1e999',
+      json.dumps({'payload': json.dumps({'ts': 'nan', 'nonce': 1, 'process': 0}), 'mac': '0' * 64}).encode(),
+  ]
+  for d in fixed:
+    yield d
+  pieces = [b'{', b'}', b'[', b']', b'"', b'\\', b'payload', b'mac', b':', b',', b'\\ud800', b'\xff',
+            b'1e400', b'-0', b'null', b'true', 'é'.encode(), b'\x00']
+  for i in range(n - len(fixed)):
+    k = i % 4
+    if k == 0:
+      yield bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+    elif k == 1:
+      yield b''.join(rng.choice(pieces) for _ in range(rng.randint(1, 40)))
+    elif k == 2:  # a real datagram with bytes flipped, cut or repeated
+      d = bytearray(good)
+      for _ in range(rng.randint(1, 4)):
+        d[rng.randrange(len(d))] = rng.getrandbits(8)
+      out = bytes(d[:rng.randint(0, len(d))]) if rng.random() < 0.3 else bytes(d)
+      yield out if out != good else out[:-1]  # a flip back to the original is no attack
+    else:  # well-formed envelopes with hostile fields
+      payload = rng.choice(['{}', '[]', '"s"', '{"ts":1}', '\ud800x', '[' * 200 + ']' * 200,
+                            json.dumps({'ts': rng.random(), 'nonce': [], 'process': {}})])
+      mac = rng.choice(['', '0' * 64, 'g' * 64, '\u0100' * 64, 'A' * 64, '0' * 63])
+      yield json.dumps({'payload': payload, 'mac': mac}).encode(errors='surrogatepass') \
+          if '\ud800' in payload else json.dumps({'payload': payload, 'mac': mac}).encode()
+
+
+def test_verifier_survives_100k_hostile_datagrams_and_accepts_the_next_real_one():
+  seed = random.randrange(2**32)
+  rng = random.Random(seed)
+  v = hb.Verifier(SECRET, window_s=30)
+  reasons = collections.Counter()
+  for d in _hostile_datagrams(rng, 100_000):
+    try:
+      v.verify(d)
+    except hb.Rejected as e:
+      reasons[e.reason.split(':')[0]] += 1
+      continue
+    raise AssertionError(f'seed {seed}: accepted {d[:200]!r}')
+  assert sum(reasons.values()) == 100_000, (seed, reasons)
+  assert not v._seen, 'nothing unauthenticated may be remembered'
+  # The driver's verifier still works for the real thing, once.
+  real = hb.sign({'ts': time.time(), 'nonce': 'real', 'process': 1}, SECRET)
+  assert v.verify(real)['process'] == 1
+  with pytest.raises(hb.Rejected, match='replay'):
+    v.verify(real)
+
+
+def test_heartbeat_server_turns_every_datagram_into_a_verdict():
+  server = hb.HeartbeatServer('127.0.0.1:0', SECRET, window_s=30)
+  sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  try:
+    host, port = hb.parse_address(server.address)
+    sent = list(_hostile_datagrams(random.Random(0), 300))
+    sent = [d for d in sent if len(d) <= 60000]  # UDP's own limit
+    sent.append(hb.sign({'ts': time.time(), 'nonce': 'ok', 'process': 3}, SECRET))
+    got = []
+    for d in sent:
+      sock.sendto(d, (host, port))
+      got += server.receive(0.0)
+    deadline = time.time() + 5
+    while len(got) < len(sent) and time.time() < deadline:
+      got += server.receive(0.2)
+    assert len(got) == len(sent)
+    accepted = [p for p, reason, _ in got if p is not None]
+    assert [p['process'] for p in accepted] == [3]
+  finally:
+    sock.close()
+    server.close()

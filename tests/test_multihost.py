@@ -276,6 +276,9 @@ def test_two_processes_match_one(tmp_path, repo_root):
   # two orders of magnitude above rounding and below either.
   np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-5)
   assert len(_losses(multi)) == STEPS
+  # Every save of both tiers committed.
+  for tier in (os.path.join(multi, 'checkpoints'), str(tmp_path / 'fast')):
+    assert {'2', '4'} <= set(os.listdir(tier)), (tier, os.listdir(tier))
   got, want = _final_state(multi), _final_state(single)
   assert int(got['step']) == int(want['step']) == STEPS
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):

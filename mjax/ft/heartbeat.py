@@ -44,7 +44,9 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
+import re
 import secrets
 import select
 import signal
@@ -61,6 +63,9 @@ MAX_DATAGRAM = 16384      # bytes; a heartbeat is ~1 KB, this leaves room for lo
 LOG_LINES = 5             # warning/error records carried by each heartbeat
 LOG_CHARS = 400           # each one cut to this length
 MAX_LOSSES = 256          # [step, loss] pairs per heartbeat (the newest kept)
+
+
+_HEX_MAC = re.compile(r'[0-9a-f]{64}')
 
 
 class Rejected(ValueError):
@@ -107,7 +112,14 @@ class Verifier:
     self._last_prune = 0.0
 
   def verify(self, data: bytes, now: Optional[float] = None) -> dict:
-    """Returns the payload of an authentic, fresh datagram; raises Rejected."""
+    """Returns the payload of an authentic, fresh datagram; raises Rejected.
+
+    Anyone who can reach the port can send anything, so every step is
+    bounded before it runs: the size before parsing, the envelope's types
+    and the MAC's form before comparing, the payload's encoding before
+    hashing, and parser failures of any kind (deep nesting included) become
+    a rejection. Nothing is remembered before the MAC has checked out.
+    """
     now = time.time() if now is None else now
     if len(data) > MAX_DATAGRAM:
       raise Rejected(f'malformed: {len(data)} bytes, more than {MAX_DATAGRAM}')
@@ -116,16 +128,21 @@ class Verifier:
       text, mac = outer['payload'], outer['mac']
       if not isinstance(text, str) or not isinstance(mac, str):
         raise TypeError
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+      text_bytes = text.encode('utf-8')  # a lone surrogate fails here, not in hmac
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):  # UnicodeError is a ValueError
       raise Rejected('malformed: not a heartbeat envelope') from None
-    want = hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(want, mac):
+    if not _HEX_MAC.fullmatch(mac):
+      raise Rejected('malformed: the mac is not 64 hex digits')
+    want = hmac.new(self._key, text_bytes, hashlib.sha256).hexdigest().encode()
+    if not hmac.compare_digest(want, mac.encode()):  # bytes: constant time, any content
       raise Rejected('bad signature: wrong job secret or altered payload')
     try:
       payload = json.loads(text)
       ts, nonce = float(payload['ts']), str(payload['nonce'])
       int(payload['process'])
-    except (ValueError, KeyError, TypeError):
+      if not math.isfinite(ts):
+        raise ValueError
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError, OverflowError):
       raise Rejected('malformed: signed payload lacks ts / nonce / process') from None
     if abs(now - ts) > self.window_s:
       raise Rejected(f'stale: timestamp {now - ts:+.1f}s from now, outside +-{self.window_s:.0f}s')
@@ -295,6 +312,8 @@ class HeartbeatServer:
         out.append((self.verifier.verify(data), None, sender))
       except Rejected as e:
         out.append((None, e.reason, sender))
+      except Exception as e:  # noqa: BLE001 -- no datagram may stop the driver's loop
+        out.append((None, f'malformed: verifier raised {type(e).__name__}', sender))
     return out
 
   def close(self) -> None:
