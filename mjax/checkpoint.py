@@ -40,11 +40,13 @@ Resume semantics (the only place they are decided, see `train.run`):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
 import secrets
+import socket
 from typing import Any, Optional
 
 import jax
@@ -94,6 +96,53 @@ def _expand(path: str) -> str:
   return path if '://' in path else os.path.abspath(path)
 
 
+_PROBE_BYTES = 1 << 20  # a full filesystem refuses a megabyte as surely as a checkpoint
+
+
+def write_problem(directory: str) -> Optional[str]:
+  """Why `directory` cannot take files (read-only, full, not a directory, no
+  permission), or None. Creates it if needed; remote paths are not probed."""
+  if '://' in directory:
+    return None
+  probe = os.path.join(directory, f'.mjax-write-probe-{socket.gethostname()}-{os.getpid()}')
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with open(probe, 'wb') as fh:
+      fh.write(b'\0' * _PROBE_BYTES)
+      fh.flush()
+      os.fsync(fh.fileno())
+  except OSError as e:
+    return f'{e.strerror or type(e).__name__} ({errno.errorcode.get(e.errno, e.errno)})'
+  finally:
+    try:
+      os.unlink(probe)
+    except OSError:
+      pass
+  return None
+
+
+def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
+  """Raises ConfigError, in every process alike, unless every process can
+  write each tier directory: a read-only or full filesystem is found before
+  anything compiles, not at the first save."""
+  mine = {name: write_problem(d) for name, d in dirs.items()}
+  if jax.process_count() == 1:
+    verdicts = [mine]
+  else:
+    verdicts = [json.loads(v) for v in distributed.all_gather_str('ckpt/probe/writable', json.dumps(mine),
+                                                                 timeout_s)]
+  for name, directory in dirs.items():
+    bad = {i: v[name] for i, v in enumerate(verdicts) if v[name]}
+    if bad:
+      key = 'fast_directory' if name == 'fast' else 'directory'
+      who = '' if len(verdicts) == 1 else f' in process(es) {sorted(bad)} of {len(verdicts)}'
+      raise ConfigError(
+          f'CheckpointConfig.{key} = {directory!r} (the {name} tier) cannot be written{who}: '
+          f'{next(iter(bad.values()))}. Checkpoints need a writable filesystem with room for '
+          f'the train state; free space there, or point CheckpointConfig.{key} at another '
+          f'directory' + (' (or set fast_every = 0).' if name == 'fast' else '.'))
+
+
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError unless every process sees each tier directory as
   the same directory (a no-op in a one-process job).
@@ -136,6 +185,7 @@ class Checkpointer:
     self.cfg = cfg
     self.tiers: list[_Tier] = []
     dirs = tier_directories(cfg, workdir)
+    check_writable(dirs)
     check_shared(dirs)
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed
-from mjax.checkpoint import Checkpointer, restore_from_path
+from mjax.checkpoint import Checkpointer, restore_from_path, write_problem
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
 from mjax.config import Config
@@ -281,6 +281,11 @@ def run(cfg: Config, workdir: str) -> dict:
   setup_compilation_cache(cfg.train.compilation_cache_dir)
   is_main = jax.process_index() == 0
   if is_main:
+    problem = write_problem(workdir)
+    if problem:
+      raise config_lib.ConfigError(
+          f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
+          f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
     config_lib.write(cfg, workdir)
   mesh = make_mesh(cfg.mesh)
   devices = list(mesh.devices.flat)

@@ -220,3 +220,35 @@ def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_ro
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert losses(tmp_path) == losses(one_device_reference)
   assert_bitwise(final_state(tmp_path, N), final_state(one_device_reference, N))
+
+
+def _tmpfs(path, options):
+  """A small tmpfs at `path` (root only); None where mounting is not allowed."""
+  os.makedirs(path, exist_ok=True)
+  ok = subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', str(path)],
+                      capture_output=True).returncode == 0
+  return path if ok else None
+
+
+@pytest.mark.parametrize('options, reason', [('size=256k', 'ENOSPC'), ('ro,size=1m', 'EROFS')],
+                         ids=['full', 'read-only'])
+def test_a_full_or_read_only_checkpoint_filesystem_is_refused_before_compiling(tmp_path, options, reason):
+  fs = _tmpfs(tmp_path / 'fs', options)
+  if fs is None:
+    pytest.skip('mounting a tmpfs needs root')
+  try:
+    cfg = C.CheckpointConfig(directory=str(fs / 'ckpt'))
+    with pytest.raises(C.ConfigError, match=rf"CheckpointConfig.directory = '{fs}/ckpt' \(the persistent tier\) "
+                                             rf'cannot be written: .*\({reason}\)'):
+      Checkpointer(cfg, str(tmp_path / 'run'))
+  finally:
+    subprocess.run(['umount', str(fs)], capture_output=True)
+
+
+def test_a_workdir_that_is_a_file_is_refused_and_left_alone(tmp_path):
+  workdir = tmp_path / 'notes.txt'
+  workdir.write_text('keep me')
+  cfg = C.load_config(['tiny.gin'], SMALL, num_devices=N)
+  with pytest.raises(C.ConfigError, match=r"--workdir '.*notes.txt' cannot be written: File exists"):
+    train.run(cfg, str(workdir))
+  assert workdir.read_text() == 'keep me'
