@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 DEFAULT_GIN = 'tiny.gin'
 EXIT_BAD_INPUT = 2     # config, data or usage error: retrying will not help
 EXIT_NONFINITE = 3     # the loss became NaN/Inf
+EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell convention 128 + SIGINT)
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -109,6 +110,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     # (roll back, skip the data) from a crash (restart as is).
     print(f'{prog}: error: {e}; last good checkpoint kept', file=sys.stderr)
     sys.exit(EXIT_NONFINITE)
+  except KeyboardInterrupt:
+    # Ctrl-C during start-up or compilation (the loop itself stops cleanly on
+    # the first one), or a second Ctrl-C: nothing more to save. Leave at once:
+    # unwinding through XLA's running threads at interpreter exit can crash.
+    print(f'{prog}: interrupted; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def flops_main(argv: Optional[Sequence[str]] = None) -> None:

@@ -67,3 +67,22 @@ def test_same_command_twice_gives_the_same_losses(tmp_path):
   assert a['eval_loss'] == b['eval_loss']
   for x, y in zip(jax.tree.leaves(a['state'].params), jax.tree.leaves(b['state'].params)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, repo_root):
+  import signal
+  env = {k: v for k, v in os.environ.items() if not k.startswith('MJAX_')}
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  proc = subprocess.Popen(
+      [os.path.join(os.path.dirname(sys.executable), 'mjax-train'), '--gin_file', 'configs/tiny.gin',
+       '--workdir', str(tmp_path / 'run'), '--gin.TrainConfig.compilation_cache_dir=None',
+       '--gin.TrainConfig.progress=False'],
+      cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # The first line comes once the program is built, before the state and the
+  # compiled step: Ctrl-C lands in start-up.
+  first = proc.stdout.readline()
+  assert 'params' in first, first
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, (proc.returncode, err[-2000:])
+  assert 'interrupted' in err and 'Traceback' not in err, err[-2000:]
