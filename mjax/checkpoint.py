@@ -178,6 +178,39 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
              'fast tier off.' if name == 'fast' else '.'))
 
 
+# ModelConfig fields that set the shapes (or the tree) of the saved state;
+# everything else (attention kernel, remat, dtype of compute, optimizer
+# hyper-parameters, mesh) may change between a run and its resumption.
+STATE_SHAPE_KEYS = ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
+                    'block', 'mlp', 'norm', 'use_bias', 'tie_embeddings', 'full_attention_every',
+                    'scan_layers', 'param_dtype')
+
+
+def check_same_model(cfg: Any, workdir: str) -> None:
+  """Raises ConfigError when `workdir` holds checkpoints of a model whose
+  state has other shapes than `cfg`'s: resuming would fail, and starting
+  over would overwrite the earlier run's config and metrics."""
+  try:
+    with open(os.path.join(workdir, 'config.json')) as fh:
+      before = json.load(fh).get('model', {})
+  except (OSError, ValueError, AttributeError):
+    return  # a new workdir, or one without a readable record: nothing to protect
+  tiers = tier_directories(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else {}
+  has_steps = any(os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
+                  for d in tiers.values() if '://' not in d)
+  if not has_steps:
+    return
+  now = dataclasses.asdict(cfg.model)
+  differ = [k for k in STATE_SHAPE_KEYS if k in before and before[k] != now[k]]
+  if differ:
+    changes = ', '.join(f'ModelConfig.{k} = {before[k]!r} there, {now[k]!r} now' for k in differ)
+    raise ConfigError(
+        f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
+        f'resumed with this config, and starting over there would overwrite that run\'s config '
+        f'and metrics. Either train this model in a new --workdir, or start it from a checkpoint '
+        f'of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
+
+
 class Checkpointer:
   """Saves and restores train state, data-iterator state and config."""
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed
-from mjax.checkpoint import Checkpointer, restore_from_path, write_problem
+from mjax.checkpoint import Checkpointer, check_same_model, restore_from_path, write_problem
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
 from mjax.config import Config
@@ -286,6 +286,7 @@ def run(cfg: Config, workdir: str) -> dict:
       raise config_lib.ConfigError(
           f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
           f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
+    check_same_model(cfg, workdir)
     config_lib.write(cfg, workdir)
   mesh = make_mesh(cfg.mesh)
   devices = list(mesh.devices.flat)

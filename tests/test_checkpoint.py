@@ -252,3 +252,17 @@ def test_a_workdir_that_is_a_file_is_refused_and_left_alone(tmp_path):
   with pytest.raises(C.ConfigError, match=r"--workdir '.*notes.txt' cannot be written: File exists"):
     train.run(cfg, str(workdir))
   assert workdir.read_text() == 'keep me'
+
+
+def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_overwritten(uninterrupted):
+  from mjax.checkpoint import check_same_model
+  workdir, _ = uninterrupted
+  before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
+  bigger = cfg8(f'TrainConfig.steps = {N}', 'ModelConfig.d_model = 256', 'ModelConfig.d_ff = 512')
+  with pytest.raises(C.ConfigError, match=r'holds checkpoints of another model \(ModelConfig.d_model = 128 '
+                                           r'there, 256 now, ModelConfig.d_ff = 256 there, 512 now\).*new --workdir'):
+    train.run(bigger, workdir)
+  assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
+  # The same model with other training settings resumes as before.
+  check_same_model(cfg8(f'TrainConfig.steps = {2 * N}', 'OptimConfig.learning_rate = 1e-4',
+                        "ModelConfig.remat_policy = 'full'"), workdir)
