@@ -209,15 +209,11 @@ def check_train(suite: Suite):
   if not smoke:
     argv.append('--gin.ModelConfig.attention_impl=cudnn')
   rc, log = suite.run(argv, 'train_125m.log', timeout=min(240, suite.left()))
-  losses = []
+  from mjax.metrics import read_metrics
   try:
-    with open(os.path.join(workdir, 'metrics.jsonl')) as fh:
-      for line in fh:
-        m = json.loads(line)
-        if 'loss' in m and 'step' in m:
-          losses.append((m['step'], m['loss']))
+    losses = [(m['step'], m['loss']) for m in read_metrics(workdir) if 'loss' in m]
   except OSError:
-    pass
+    losses = []
   suite.results['train'] = dict(rc=rc, losses=losses, workdir=workdir)
   if rc != 0 or len(losses) < 10:
     tail = '\n'.join(log.strip().splitlines()[-15:])

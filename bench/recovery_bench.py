@@ -66,6 +66,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from mjax.ft import events as events_lib  # noqa: E402
+from mjax.metrics import read_metrics  # noqa: E402
 
 PARTS = ('detection', 'stop', 'diagnosis', 'backoff', 'start_init', 'restore', 'compile', 'compile_wait',
          'other_setup',
@@ -127,7 +128,7 @@ def run(args, workdir, steps, fault_every_s=None, warm_only=False):
 
 def step_times(workdir) -> dict[int, float]:
   """Step -> its step time; a step run again after a restart, its last run."""
-  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  rows = read_metrics(workdir)
   return {r['step']: r['step_time'] for r in rows if 'step_time' in r}
 
 

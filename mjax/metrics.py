@@ -127,6 +127,31 @@ def peak_memory_bytes(devices: Sequence[jax.Device]) -> tuple[Optional[int], str
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'host max RSS'
 
 
+# Key of the marker row a resumed (or restarted) run appends: rows written
+# before it for steps past its value are superseded.
+SUPERSEDES = 'supersedes_after_step'
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The rows of `<workdir>/metrics.jsonl` as one uninterrupted run: rows a
+  later start superseded are left out, as are the markers and any line a
+  crash cut short."""
+  rows: list[dict] = []
+  with open(os.path.join(workdir, 'metrics.jsonl')) as fh:
+    for line in fh:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      if not isinstance(row, dict):
+        continue
+      if SUPERSEDES in row:
+        rows = [r for r in rows if r.get('step', 0) <= row[SUPERSEDES]]
+      else:
+        rows.append(row)
+  return rows
+
+
 class MetricsWriter:
   """Appends one JSON line per record to metrics.jsonl and mirrors the
   scalars to TensorBoard event files. Only process 0 writes."""
@@ -139,20 +164,14 @@ class MetricsWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, 'metrics.jsonl')
-    # A fresh run starts a new file. A resumed run keeps the records up to the
-    # step it resumes from and drops the ones of steps it will redo, so the
-    # file reads as one uninterrupted run.
-    kept = []
-    if resume_step and os.path.exists(path):
-      with open(path) as fh:
-        for line in fh:
-          try:
-            if json.loads(line).get('step', 0) <= resume_step:
-              kept.append(line if line.endswith('\n') else line + '\n')
-          except ValueError:
-            pass  # a line cut short by a crash
-    self._jsonl = open(path, 'w', buffering=1)
-    self._jsonl.writelines(kept)
+    # Append only: nothing an earlier run wrote is ever deleted. A run that
+    # starts at `resume_step` (0: from scratch) over an existing file first
+    # writes a marker that supersedes the earlier rows past that step, so
+    # `read_metrics` reads the file as one uninterrupted run.
+    self._jsonl = open(path, 'a', buffering=1)
+    if self._jsonl.tell():
+      self._jsonl.write(json.dumps({'step': int(resume_step), SUPERSEDES: int(resume_step),
+                                    'time': time.time()}) + '\n')
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 

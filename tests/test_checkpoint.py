@@ -16,6 +16,7 @@ from mjax import config as C
 from mjax import train
 from mjax.checkpoint import Checkpointer
 from mjax.parallel import make_mesh
+from mjax.metrics import read_metrics
 
 N = 8
 # The learning-rate schedule is pinned to N steps so that a run stopped early
@@ -28,7 +29,7 @@ SMALL = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d
 
 
 def losses(workdir):
-  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  rows = read_metrics(workdir)
   return {r['step']: r['loss'] for r in rows if 'loss' in r}
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from mjax import config as C
 from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib
+from mjax.metrics import read_metrics
 
 SECRET = 'ab' * 32
 N = 12   # training steps of the end-to-end runs
@@ -447,7 +448,7 @@ def final_state(workdir):
 
 
 def losses(workdir):
-  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  rows = read_metrics(workdir)
   return {r['step']: r['loss'] for r in rows if 'loss' in r}
 
 

@@ -14,6 +14,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mjax import distributed as D
 from mjax import launch
+from mjax.metrics import read_metrics
 
 PY = sys.executable
 BIN = os.path.dirname(sys.executable)
@@ -231,7 +232,7 @@ def _clean_env(**extra):
 
 
 def _losses(workdir):
-  rows = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  rows = read_metrics(workdir)
   return [r['loss'] for r in rows if 'loss' in r]
 
 

@@ -17,8 +17,8 @@ REQUIRED_KEYS = {'step', 'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec
 
 
 def read_metrics(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as fh:
-    rows = [json.loads(line) for line in fh]
+  from mjax.metrics import read_metrics as read
+  rows = read(workdir)
   return [r for r in rows if 'loss' in r], [r for r in rows if 'eval_loss' in r]
 
 
@@ -86,3 +86,25 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, repo_roo
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 130, (proc.returncode, err[-2000:])
   assert 'interrupted' in err and 'Traceback' not in err, err[-2000:]
+
+
+def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_path):
+  from mjax.metrics import MetricsWriter, read_metrics as read
+  first = MetricsWriter(str(tmp_path))
+  for step in range(1, 6):
+    first.write(step, {'loss': float(step)})
+  first.close()
+  before = (tmp_path / 'metrics.jsonl').read_text()
+  again = MetricsWriter(str(tmp_path), resume_step=3)   # steps 4 and 5 are redone
+  for step in (4, 5):
+    again.write(step, {'loss': 10.0 * step})
+  again.close()
+  after = (tmp_path / 'metrics.jsonl').read_text()
+  assert after.startswith(before)                         # nothing deleted or rewritten
+  assert [(r['step'], r['loss']) for r in read(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+  # A restart from scratch over the same file supersedes everything.
+  fresh = MetricsWriter(str(tmp_path))
+  fresh.write(1, {'loss': 7.0})
+  fresh.close()
+  assert (tmp_path / 'metrics.jsonl').read_text().startswith(after)
+  assert [(r['step'], r['loss']) for r in read(str(tmp_path))] == [(1, 7.0)]
