@@ -47,9 +47,12 @@ import logging
 import os
 import secrets
 import socket
+import time
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -57,6 +60,9 @@ from mjax import distributed
 from mjax.config import CheckpointConfig, ConfigError
 
 log = logging.getLogger('mjax.checkpoint')
+
+# Key in a checkpoint's meta item: per-array checksums of the state (see `fingerprints`).
+FINGERPRINTS = 'fingerprints'
 
 
 @dataclasses.dataclass
@@ -178,6 +184,55 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
              'fast tier off.' if name == 'fast' else '.'))
 
 
+def _words(x: jax.Array) -> jax.Array:
+  """The array's bits as uint32 words, one per element, same shape."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+  if bits is None:  # 8-byte types: fold the two halves
+    halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return halves[..., 0] ^ (halves[..., 1] * jnp.uint32(0x9E3779B1))
+  return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
+
+
+# Odd multipliers that turn an element's coordinates into a position weight
+# (no flat index: one stacked array of a 500B model has more than 2^32 elements).
+_AXIS_WEIGHTS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5)
+
+
+@jax.jit
+def _fingerprints(leaves: list) -> jax.Array:
+  # Per array: the wrapping sum of its words, and of words x a weight of
+  # their position. Any single flipped bit changes the first; moved elements
+  # change the second. Integer sums of the global array: the same numbers on
+  # any mesh and in any reduction order.
+  out = []
+  for x in leaves:
+    w = _words(x)
+    pos = jnp.ones(w.shape, jnp.uint32)
+    for k in range(w.ndim):
+      pos = pos + jax.lax.broadcasted_iota(jnp.uint32, w.shape, k) * jnp.uint32(_AXIS_WEIGHTS[k % 7])
+    out.append(jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * pos, dtype=jnp.uint32)]))
+  return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+
+
+def fingerprints(state: Any) -> dict[str, list[int]]:
+  """{array path: [sum, weighted sum]} of every array in `state`, computed on
+  the devices (one pass over the state, a few numbers back to the host)."""
+  paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(state)) if jax.tree.leaves(state) else ((), ())
+  values = np.asarray(jax.device_get(_fingerprints(list(leaves))))
+  return {jax.tree_util.keystr(p): [int(a), int(b)] for p, (a, b) in zip(paths, values)}
+
+
+def _mismatch(expected: dict, state: Any) -> Optional[str]:
+  """The first array of `state` whose fingerprint differs from `expected`."""
+  got = fingerprints(state)
+  for key, want in expected.items():
+    if got.get(key) != want:
+      return key
+  return None
+
+
 # ModelConfig fields that set the shapes (or the tree) of the saved state;
 # everything else (attention kernel, remat, dtype of compute, optimizer
 # hyper-parameters, mesh) may change between a run and its resumption.
@@ -242,15 +297,18 @@ class Checkpointer:
     Blocks only while the arrays are copied to host memory; call `wait` to
     know the files are durable.
     """
-    saved = []
+    saved, prints = [], None
     for tier in self.tiers:
       if not (force or (tier.every and step % tier.every == 0)):
         continue
       if step in tier.manager.all_steps():
         continue
+      if prints is None:  # once per step, whatever the number of tiers
+        prints = fingerprints(state)
       args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                 data=ocp.args.JsonSave(data or {}),
-                                meta=ocp.args.JsonSave({**meta, 'step': int(step)}))
+                                meta=ocp.args.JsonSave({**meta, 'step': int(step),
+                                                        FINGERPRINTS: prints}))
       tier.manager.save(step, args=args, force=True)
       saved.append(tier.name)
     return saved
@@ -276,8 +334,12 @@ class Checkpointer:
     for i, (step, name) in enumerate(self._candidates()):
       tier = tiers[name]
       path = os.path.join(tier.directory, str(step))
+      damaged = False
       try:
         restored, error = self._restore(tier.manager, step, abstract_state, path), None
+        bad = _mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
+        if bad is not None:
+          damaged, error = True, f'array {bad} does not match the checksum saved with it'
       except Exception as e:  # any unreadable checkpoint: report, fall back
         restored, error = None, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
       # One process failing to read its shards sends every process back.
@@ -285,9 +347,25 @@ class Checkpointer:
           f'ckpt/restore/{i}', '1' if error is None else '0')) if ok != '1']
       if not failed:
         return restored
-      log.warning('checkpoint %s is unreadable%s; falling back to an older one', path,
-                  f' ({error})' if error else f' in process(es) {failed}')
+      log.warning('checkpoint %s (step %d) is %s%s; falling back to an older one', path, step,
+                  'damaged' if damaged else 'unreadable', f' ({error})' if error else f' in process(es) {failed}')
+      self._move_aside(tier, step, path)
     return None
+
+  @staticmethod
+  def _move_aside(tier: _Tier, step: int, path: str) -> None:
+    """Renames a damaged step out of the tier (kept for inspection), so that
+    training saves that step afresh when it gets there again."""
+    if jax.process_index() == 0 and '://' not in path and os.path.isdir(path):
+      aside = os.path.join(tier.directory, f'damaged-{step}-{int(time.time())}')
+      try:
+        os.rename(path, aside)
+        log.warning('moved %s aside to %s', path, aside)
+      except OSError as e:
+        log.warning('could not move %s aside (%s); it will be skipped again', path, e)
+    if jax.process_count() > 1:
+      distributed.barrier(f'ckpt/aside/{tier.name}/{step}', 300.0)
+    tier.manager.reload()
 
   def _candidates(self) -> list[tuple[int, str]]:
     """`steps()`, narrowed in a multi-process job to those every process sees."""

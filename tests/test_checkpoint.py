@@ -111,7 +111,7 @@ def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path, caplog)
   restored = ck.restore_latest(program.abstract_state(canonical=True))
   ck.close()
   assert restored is not None and restored.step == 2
-  assert 'checkpoints/4 is unreadable' in caplog.text
+  assert 'checkpoints/4 (step 4) is unreadable' in caplog.text
 
 
 def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
@@ -267,3 +267,36 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
   # The same model with other training settings resumes as before.
   check_same_model(cfg8(f'TrainConfig.steps = {2 * N}', 'OptimConfig.learning_rate = 1e-4',
                         "ModelConfig.remat_policy = 'full'"), workdir)
+
+
+def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterrupted, tmp_path, caplog):
+  """One bit of one weight changed in the newest checkpoint, every file still
+  valid (what a flipped bit in an uncompressed chunk does): the restore names
+  the step and the array, falls back, moves the step aside, and the run
+  saves that step afresh and ends bitwise equal to an uninterrupted one."""
+  import shutil
+  full_dir, full = uninterrupted
+  workdir = str(tmp_path / 'run')
+  train.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  ckdir = os.path.join(workdir, 'checkpoints')
+  state = jax.tree.map(np.array, final_state(workdir, 4))   # writable host copies
+  kernel = state['params']['layers']['block_0']['mlp']['wi']['kernel']
+  kernel.view(np.uint32).flat[1234] ^= np.uint32(1 << 7)   # one mantissa bit
+  writer = ocp.StandardCheckpointer()
+  writer.save(str(tmp_path / 'forged'), state)
+  writer.wait_until_finished()
+  writer.close()
+  shutil.rmtree(os.path.join(ckdir, '4', 'state'))
+  shutil.move(str(tmp_path / 'forged'), os.path.join(ckdir, '4', 'state'))
+
+  with caplog.at_level('WARNING'):
+    out = train.run(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
+  assert out['start_step'] == 2
+  assert "checkpoints/4 (step 4) is damaged (array .params['layers']['block_0']['mlp']['wi']['kernel'] " \
+         "does not match the checksum saved with it)" in caplog.text, caplog.text
+  assert any(n.startswith('damaged-4-') for n in os.listdir(ckdir))
+  # Step 4 was saved afresh on the way (the newest 3 of 2, 4, 6, 8 are kept).
+  assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [4, 6, 8]
+  assert losses(workdir) == losses(full_dir)
+  assert_bitwise(out['state'].params, full['state'].params)
+  assert_bitwise(out['state'].opt_state, full['state'].opt_state)
