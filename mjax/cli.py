@@ -139,6 +139,10 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
         XLA_FLAGS=--xla_force_host_platform_device_count=N.
     mjax-report memory --gin_file F --mesh data=16,tensor=8,pipeline=8 [--micro_batch N]
         prints a per-device memory estimate for a hypothetical mesh (no devices).
+    mjax-report checkpoint WORKDIR [--verify]
+        lists every saved step of both checkpoint tiers of a run; with --verify
+        reads each one and checks every array against the checksum saved with
+        it (exit 1 when a step is damaged or unreadable).
     mjax-report stragglers WORKDIR [--out DIR] [--phase P] [--margin M] [--window W]
         reads the per-process step timings of a run (WORKDIR/timings), prints a
         per-process summary with a straggler verdict, and writes a heat map
@@ -149,7 +153,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
   import textwrap
   prog = 'mjax-report'
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or argv[0] not in ('comm', 'memory', 'stragglers'):
+  if not argv or argv[0] not in ('comm', 'memory', 'stragglers', 'checkpoint'):
     asked = argv[:1] in (['-h'], ['--help'])
     usage = textwrap.dedent(report_main.__doc__.split('\n', 1)[1]).rstrip()
     print('usage:' + usage, file=sys.stdout if asked else sys.stderr)
@@ -159,6 +163,9 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
 
   if command == 'stragglers':
     _report_stragglers(prog, rest)
+    return
+  if command == 'checkpoint':
+    _report_checkpoint(prog, rest)
     return
 
   if command == 'memory':
@@ -211,6 +218,43 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
         f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
   print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
 
+
+
+def _report_checkpoint(prog: str, argv: Sequence[str]) -> None:
+  p = argparse.ArgumentParser(prog=prog, description='Saved steps of a run, and whether they are intact.')
+  p.add_argument('workdir')
+  p.add_argument('--verify', action='store_true', help='read every step and check its checksums')
+  args = p.parse_args(argv)
+  from mjax.config import CheckpointConfig
+  from mjax.checkpoint import tier_directories, verify_step
+  try:
+    with open(os.path.join(args.workdir, 'config.json')) as fh:
+      ck = CheckpointConfig(**json.load(fh)['checkpoint'])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    _die(prog, f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
+               f'of an mjax-train run.')
+  rows, bad = [], 0
+  for tier, directory in tier_directories(ck, args.workdir).items():
+    steps = sorted((int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else []) if n.isdigit()),
+                   reverse=True)
+    aside = sorted(n for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+                   if n.startswith('damaged-'))
+    for step in steps:
+      path = os.path.join(directory, str(step))
+      verdict, detail = verify_step(path) if args.verify else ('-', '')
+      bad += verdict in ('damaged', 'unreadable')
+      rows.append((tier, str(step), verdict, detail, path))
+    rows += [(tier, n.split('-')[1], 'moved aside', 'damaged at restore', os.path.join(directory, n))
+             for n in aside]
+  if not rows:
+    print(f'{prog}: no saved steps under {args.workdir}')
+    return
+  widths = [max(len(r[i]) for r in rows + [('tier', 'step', 'verdict', 'detail', 'path')]) for i in range(4)]
+  for r in [('tier', 'step', 'verdict', 'detail', 'path')] + rows:
+    print('  '.join(c.ljust(w) for c, w in zip(r[:4], widths)) + '  ' + r[4])
+  if bad:
+    print(f'{prog}: {bad} step(s) damaged or unreadable; a restart falls back past them', file=sys.stderr)
+    sys.exit(1)
 
 
 def _report_stragglers(prog: str, argv: Sequence[str]) -> None:

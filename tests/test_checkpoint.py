@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,7 +270,7 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
                         "ModelConfig.remat_policy = 'full'"), workdir)
 
 
-def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterrupted, tmp_path, caplog):
+def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterrupted, tmp_path, caplog, capsys):
   """One bit of one weight changed in the newest checkpoint, every file still
   valid (what a flipped bit in an uncompressed chunk does): the restore names
   the step and the array, falls back, moves the step aside, and the run
@@ -288,6 +289,15 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
   writer.close()
   shutil.rmtree(os.path.join(ckdir, '4', 'state'))
   shutil.move(str(tmp_path / 'forged'), os.path.join(ckdir, '4', 'state'))
+  # The offline check finds it too.
+  from mjax.cli import report_main
+  with pytest.raises(SystemExit) as stop:
+    report_main(['checkpoint', workdir, '--verify'])
+  assert stop.value.code == 1
+  table = capsys.readouterr().out
+  assert re.search(r"persistent\s+4\s+damaged\s+\['params'\]\['layers'\]\['block_0'\]\['mlp'\]\['wi'\]"
+                   r"\['kernel'\]", table), table
+  assert re.search(r'persistent\s+2\s+ok\s+\d+ arrays match', table), table
 
   with caplog.at_level('WARNING'):
     out = train.run(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)

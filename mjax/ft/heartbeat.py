@@ -179,7 +179,12 @@ def install_stack_dump() -> None:
   main thread is blocked (in C, in a collective): faulthandler needs no
   cooperation from it."""
   if hasattr(faulthandler, 'register') and hasattr(signal, 'SIGUSR1'):
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+      faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (ValueError, OSError, AttributeError):
+      # stderr without a file descriptor (a notebook, captured output): no
+      # stack dumps, but training goes on. (io.UnsupportedOperation is both.)
+      pass
 
 
 class HeartbeatClient:
