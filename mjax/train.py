@@ -323,6 +323,13 @@ def run(cfg: Config, workdir: str) -> dict:
     else:
       state = program.init(jax.random.key(cfg.train.seed))
   start_step = int(state.step)
+  if start_step >= cfg.train.steps:
+    # Re-running a finished run: say so, and touch neither metrics nor checkpoints.
+    say(f'mjax: this run already finished at step {start_step} (TrainConfig.steps = '
+        f'{cfg.train.steps}); nothing to do. Raise TrainConfig.steps to train further.')
+    if ckpt is not None:
+      ckpt.close()
+    return {'start_step': start_step, 'final_step': start_step, 'already_finished': True, 'state': state}
 
   marks['state'] = time.perf_counter()
   # --- 4. data -----------------------------------------------------------------

@@ -310,3 +310,12 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out['state'].params, full['state'].params)
   assert_bitwise(out['state'].opt_state, full['state'].opt_state)
+
+
+def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
+  workdir, _ = uninterrupted
+  before = open(os.path.join(workdir, 'metrics.jsonl')).read()
+  out = train.run(cfg8(f'TrainConfig.steps = {N}'), workdir)
+  assert out['already_finished'] and out['final_step'] == N
+  assert f'already finished at step {N}' in capsys.readouterr().out
+  assert open(os.path.join(workdir, 'metrics.jsonl')).read() == before

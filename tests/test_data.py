@@ -166,7 +166,7 @@ def test_eval_batches_are_ordered_sharded_and_wrap(corpus_dir):
 
 def test_single_file_is_split_by_position(tmp_path):
   path = tmp_path / 'one.txt'
-  path.write_bytes(bytes(range(256)) * 20)
+  path.write_text(''.join(chr(c) for c in range(32, 127)) * 50 + 'ünïcödé\n' * 40)
   cfg = _cfg(path, heldout_fraction=0.25)
   c = data.load_corpus(cfg)
   assert c.split == 'position'
@@ -231,3 +231,21 @@ def test_data_position_restores_onto_another_number_of_hosts(tmp_path):
     halves.append(next(it))
   for key in want:
     np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), want[key])
+
+
+def test_files_that_are_not_text_are_left_out_by_name_and_a_binary_source_is_refused(tmp_path, caplog):
+  from mjax.data import corpus as corpus_lib
+  from mjax.data.errors import DataError
+  src = tmp_path / 'src'
+  src.mkdir()
+  (src / 'a.txt').write_text('hello world\n' * 50)
+  (src / 'b.txt').write_text('more text, ünïcode too\n' * 50)
+  (src / 'tool.txt').write_bytes(bytes(range(256)) * 8)          # NUL bytes: a binary
+  (src / 'latin1.txt').write_bytes('caf\xe9 '.encode('latin-1') * 40)  # 20% invalid UTF-8
+  with caplog.at_level('WARNING'):
+    c = corpus_lib.load_text(str(src), '*.txt', 'bytes', 0.0)
+  assert set(c.train_files) == {'a.txt', 'b.txt'}
+  assert 'left out 2 of 4 files that are not text' in caplog.text
+  assert 'tool.txt (NUL bytes)' in caplog.text and 'latin1.txt (20% of it not UTF-8)' in caplog.text
+  with pytest.raises(DataError, match=r'no text to train on: tool.txt \(NUL bytes\) is not text'):
+    corpus_lib.load_text(str(src / 'tool.txt'), '*', 'bytes', 0.0)

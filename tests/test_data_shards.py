@@ -230,7 +230,7 @@ def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):
 
 def test_prepare_splits_a_single_file_by_position(tmp_path):
   src = tmp_path / 'one.txt'
-  src.write_bytes(bytes(range(256)) * 20)
+  src.write_text(''.join(chr(c) for c in range(32, 127)) * 50 + 'ünïcödé\n' * 40)
   out = tmp_path / 'one'
   m = data.prepare_shards(str(src), str(out), heldout_fraction=0.25)
   c = data.load_corpus(DataConfig(source=str(src), heldout_fraction=0.25))

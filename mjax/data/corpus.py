@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import logging
 import os
 import sysconfig
 import zlib
@@ -26,6 +27,8 @@ from mjax.data.errors import DataError
 from mjax.data.tokenizer import ByteTokenizer, TokenizerInfo, load_tokenizer
 # The byte tokenizer's constants were first defined here; callers still import them from here.
 from mjax.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: F401
+
+log = logging.getLogger('mjax.data')
 
 # Third-party packages live inside the stdlib folder on most installs; they
 # differ between machines and would make the corpus unreproducible.
@@ -187,11 +190,49 @@ def _frozen(a: np.ndarray) -> np.ndarray:
   return a
 
 
+# A file with NUL bytes, or with more than this share of bytes that are not
+# UTF-8, is not text: an executable or an image would train the model on noise.
+MAX_INVALID_SHARE = 0.01
+
+
+def not_text(data: bytes) -> Optional[str]:
+  """Why `data` is not UTF-8 text, or None when it is."""
+  if b'\x00' in data:
+    return 'NUL bytes'
+  text = data.decode('utf-8', errors='replace')
+  bad = text.count('\ufffd')
+  if bad > MAX_INVALID_SHARE * max(1, len(text)):
+    return f'{bad / len(text):.0%} of it not UTF-8'
+  return None
+
+
+def keep_text(source: str, files: list[str], docs: list[bytes],
+              require_some: bool = True) -> tuple[list[str], list[bytes]]:
+  """The files (and contents) that are text. The others are left out with
+  one warning naming them; DataError when none is left (unless not
+  `require_some`: one batch of a larger source may hold no text)."""
+  verdicts = [not_text(d) for d in docs]
+  dropped = [(f, why) for f, why in zip(files, verdicts) if why]
+  if not dropped:
+    return files, docs
+  names = ', '.join(f'{f} ({why})' for f, why in dropped[:5])
+  names += f' and {len(dropped) - 5} more' if len(dropped) > 5 else ''
+  if len(dropped) == len(files) and require_some:
+    raise DataError(f'data source {source}: no text to train on: {names} '
+                    f'{"is" if len(files) == 1 else "are"} not text. Text is UTF-8 without NUL '
+                    f'bytes (at most {MAX_INVALID_SHARE:.0%} of the bytes invalid); give text files '
+                    f'(DataConfig.file_pattern selects them) or shards made by mjax-prepare.')
+  log.warning('data source %s: left out %d of %d files that are not text: %s', source, len(dropped),
+              len(files), names)
+  kept = [(f, d) for f, d, why in zip(files, docs, verdicts) if not why]
+  return [f for f, _ in kept], [d for _, d in kept]
+
+
 @functools.lru_cache(maxsize=4)
 def _load(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
   tok = load_tokenizer(tokenizer)
   root, files = find_source_files(source, file_pattern)
-  docs = read_documents(root, files)
+  files, docs = keep_text(root, files, read_documents(root, files))
 
   held = split_flags(files, heldout_fraction)
   if held is None:

@@ -210,7 +210,8 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
   else:
     flag = dict(zip(files, held))
     for batch in _batches(root, files):
-      docs = corpus_lib.read_documents(root, batch)
+      batch, docs = corpus_lib.keep_text(root, batch, corpus_lib.read_documents(root, batch),
+                                         require_some=False)
       for s, want in (('train', False), ('heldout', True)):
         chosen = [d for f, d in zip(batch, docs) if flag[f] == want]
         if chosen:
