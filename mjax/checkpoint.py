@@ -195,7 +195,7 @@ def _words(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
 
 
-# Odd multipliers that turn an element's coordinates into a position weight
+# Multipliers that turn an element's coordinates into a position weight
 # (no flat index: one stacked array of a 500B model has more than 2^32 elements).
 _AXIS_WEIGHTS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5)
 
@@ -214,6 +214,23 @@ def _fingerprints(leaves: list) -> jax.Array:
       pos = pos + jax.lax.broadcasted_iota(jnp.uint32, w.shape, k) * jnp.uint32(_AXIS_WEIGHTS[k % 7])
     out.append(jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * pos, dtype=jnp.uint32)]))
   return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+
+
+def _fingerprint_np(x: np.ndarray) -> list[int]:
+  """`_fingerprints` of one host array, in numpy (same numbers, no device)."""
+  if x.dtype == np.bool_:
+    w = x.astype(np.uint32)
+  elif x.dtype.itemsize == 8:
+    halves = np.ascontiguousarray(x).view(np.uint32).reshape(*x.shape, 2)
+    w = halves[..., 0] ^ (halves[..., 1] * np.uint32(0x9E3779B1))
+  else:
+    w = np.ascontiguousarray(x).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
+  pos = np.ones(w.shape, np.uint32)
+  for k in range(w.ndim):
+    shape = [1] * w.ndim
+    shape[k] = w.shape[k]
+    pos = pos + np.arange(w.shape[k], dtype=np.uint32).reshape(shape) * np.uint32(_AXIS_WEIGHTS[k % 7])
+  return [int(np.sum(w, dtype=np.uint32)), int(np.sum(w * pos, dtype=np.uint32))]
 
 
 def fingerprints(state: Any) -> dict[str, list[int]]:
@@ -244,8 +261,12 @@ def verify_step(path: str) -> tuple[str, str]:
   try:
     with open(os.path.join(path, 'meta', 'metadata')) as fh:
       saved = json.load(fh).get(FINGERPRINTS)
-    reader = ocp.StandardCheckpointer()
-    state = reader.restore(os.path.join(path, 'state'))
+    # Host arrays, whatever devices and mesh saved them: this runs on a login
+    # node as well as next to a job that holds the GPUs.
+    reader = ocp.PyTreeCheckpointer()
+    tree = reader.metadata(os.path.join(path, 'state')).item_metadata.tree
+    state = reader.restore(os.path.join(path, 'state'), restore_args=jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
     reader.close()
   except Exception as e:  # any reason the step cannot be read is the verdict
     return 'unreadable', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
@@ -254,7 +275,8 @@ def verify_step(path: str) -> tuple[str, str]:
   # Read without the train state's classes, the tree's names differ from the
   # saved ones (dicts for dataclasses): match the checksums as a multiset.
   want = collections.Counter(tuple(v) for v in saved.values())
-  got = fingerprints(state)
+  got = {jax.tree_util.keystr(p): _fingerprint_np(np.asarray(x))
+         for p, x in jax.tree_util.tree_leaves_with_path(state)}
   bad = []
   for key, value in got.items():
     if want[tuple(value)]:
@@ -289,9 +311,17 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   if not has_steps:
     return
   now = dataclasses.asdict(cfg.model)
-  differ = [k for k in STATE_SHAPE_KEYS if k in before and before[k] != now[k]]
+
+  def resolved(m: dict, key: str):
+    # None means "the default shape": 4 kv heads and None are the same with 4 heads.
+    if key == 'n_kv_heads':
+      return m.get(key) or m.get('n_heads')
+    if key == 'head_dim':
+      return m.get(key) or (m['d_model'] // m['n_heads'] if m.get('n_heads') else None)
+    return m.get(key)
+  differ = [k for k in STATE_SHAPE_KEYS if k in before and resolved(before, k) != resolved(now, k)]
   if differ:
-    changes = ', '.join(f'ModelConfig.{k} = {before[k]!r} there, {now[k]!r} now' for k in differ)
+    changes = ', '.join(f'ModelConfig.{k} = {resolved(before, k)!r} there, {resolved(now, k)!r} now' for k in differ)
     raise ConfigError(
         f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
         f'resumed with this config, and starting over there would overwrite that run\'s config '
@@ -305,6 +335,7 @@ class Checkpointer:
   def __init__(self, cfg: CheckpointConfig, workdir: str):
     self.cfg = cfg
     self.tiers: list[_Tier] = []
+    self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
     dirs = tier_directories(cfg, workdir)
     check_writable(dirs)
     check_shared(dirs)
@@ -335,7 +366,11 @@ class Checkpointer:
       if not (force or (tier.every and step % tier.every == 0)):
         continue
       if step in tier.manager.all_steps():
-        continue
+        if (tier.name, step) not in self._unusable:
+          continue
+        # This step failed to restore earlier in this run: replace it.
+        self._move_aside(tier, step, os.path.join(tier.directory, str(step)))
+        self._unusable.discard((tier.name, step))
       if prints is None:  # once per step, whatever the number of tiers
         prints = fingerprints(state)
       args = ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -376,13 +411,20 @@ class Checkpointer:
       except Exception as e:  # any unreadable checkpoint: report, fall back
         restored, error = None, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
       # One process failing to read its shards sends every process back.
-      failed = [p for p, ok in enumerate(distributed.all_gather_str(
-          f'ckpt/restore/{i}', '1' if error is None else '0')) if ok != '1']
+      verdicts = distributed.all_gather_str(f'ckpt/restore/{i}',
+                                            '1' if error is None else ('D' if damaged else '0'))
+      failed = [p for p, v in enumerate(verdicts) if v != '1']
       if not failed:
         return restored
+      restored = None  # freed before the next candidate is read
       log.warning('checkpoint %s (step %d) is %s%s; falling back to an older one', path, step,
                   'damaged' if damaged else 'unreadable', f' ({error})' if error else f' in process(es) {failed}')
-      self._move_aside(tier, step, path)
+      # Saved afresh when training passes this step again (see `save`).
+      self._unusable.add((name, step))
+      if all(v == 'D' for v in verdicts):
+        # Bits that changed since the save: never usable again. (An unreadable
+        # step may be a passing I/O fault: it stays where it is.)
+        self._move_aside(tier, step, path)
     return None
 
   @staticmethod

@@ -170,6 +170,10 @@ class MetricsWriter:
     # `read_metrics` reads the file as one uninterrupted run.
     self._jsonl = open(path, 'a', buffering=1)
     if self._jsonl.tell():
+      with open(path, 'rb') as fh:   # a line a crash cut short must not swallow the marker
+        fh.seek(-1, os.SEEK_END)
+        if fh.read(1) != b'\n':
+          self._jsonl.write('\n')
       self._jsonl.write(json.dumps({'step': int(resume_step), SUPERSEDES: int(resume_step),
                                     'time': time.time()}) + '\n')
     from tensorboardX import SummaryWriter

@@ -280,14 +280,7 @@ def run(cfg: Config, workdir: str) -> dict:
   t_start = time.perf_counter()
   setup_compilation_cache(cfg.train.compilation_cache_dir)
   is_main = jax.process_index() == 0
-  if is_main:
-    problem = write_problem(workdir)
-    if problem:
-      raise config_lib.ConfigError(
-          f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
-          f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
-    check_same_model(cfg, workdir)
-    config_lib.write(cfg, workdir)
+  _check_workdir(cfg, workdir, is_main)
   mesh = make_mesh(cfg.mesh)
   devices = list(mesh.devices.flat)
   say = lambda msg: print(msg, flush=True) if is_main else None
@@ -312,7 +305,8 @@ def run(cfg: Config, workdir: str) -> dict:
   # --- 3. state: resume (see mjax/checkpoint.py for the rules) or initialize --
   ckpt = Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
   restored = ckpt.restore_latest(program.abstract_state(canonical=True)) if ckpt else None
-  if restored is None and cfg.checkpoint.restore_from:
+  explicit = restored is None and bool(cfg.checkpoint.restore_from)
+  if explicit:
     restored = restore_from_path(cfg.checkpoint.restore_from, program.abstract_state(canonical=True))
     if not cfg.checkpoint.restore_data:
       restored.data = None
@@ -325,11 +319,15 @@ def run(cfg: Config, workdir: str) -> dict:
   start_step = int(state.step)
   if start_step >= cfg.train.steps:
     # Re-running a finished run: say so, and touch neither metrics nor checkpoints.
-    say(f'mjax: this run already finished at step {start_step} (TrainConfig.steps = '
-        f'{cfg.train.steps}); nothing to do. Raise TrainConfig.steps to train further.')
+    where = (f'CheckpointConfig.restore_from is at step {start_step}' if explicit
+             else f'this run already finished at step {start_step}')
+    say(f'mjax: {where} (TrainConfig.steps = {cfg.train.steps}); nothing to do. '
+        f'Raise TrainConfig.steps to train further.')
     if ckpt is not None:
       ckpt.close()
     return {'start_step': start_step, 'final_step': start_step, 'already_finished': True, 'state': state}
+  if is_main:   # after the finished-run check: re-running a finished run rewrites nothing
+    config_lib.write(cfg, workdir)
 
   marks['state'] = time.perf_counter()
   # --- 4. data -----------------------------------------------------------------
@@ -472,6 +470,27 @@ def run(cfg: Config, workdir: str) -> dict:
       f'(peak {peak_source}), wall {summary["wall_s"]:.0f}s')
   summary['state'] = state
   return summary
+
+
+def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
+  """Process 0 checks the workdir (writable; no checkpoints of another model)
+  and every process raises the same ConfigError, so none is left waiting in
+  the next collective."""
+  verdict = ''
+  if is_main:
+    problem = write_problem(workdir)
+    try:
+      if problem:
+        raise config_lib.ConfigError(
+            f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
+            f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
+      check_same_model(cfg, workdir)
+    except config_lib.ConfigError as e:
+      verdict = str(e)
+  if jax.process_count() > 1:
+    verdict = distributed.all_gather_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)[0]
+  if verdict:
+    raise config_lib.ConfigError(verdict)
 
 
 def _startup_report(marks: dict, t_start: float, compile_s: float, first_step_done: float) -> dict:

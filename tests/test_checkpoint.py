@@ -262,8 +262,10 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
   bigger = cfg8(f'TrainConfig.steps = {N}', 'ModelConfig.d_model = 256', 'ModelConfig.d_ff = 512')
   with pytest.raises(C.ConfigError, match=r'holds checkpoints of another model \(ModelConfig.d_model = 128 '
-                                           r'there, 256 now, ModelConfig.d_ff = 256 there, 512 now\).*new --workdir'):
+                                           r'there, 256 now, .*ModelConfig.d_ff = 256 there, 512 now\).*new --workdir'):
     train.run(bigger, workdir)
+  # Spelled differently, the same shapes: 4 kv heads and None (= n_heads) are one model.
+  check_same_model(cfg8('ModelConfig.n_kv_heads = 4', 'ModelConfig.head_dim = 32'), workdir)
   assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
   # The same model with other training settings resumes as before.
   check_same_model(cfg8(f'TrainConfig.steps = {2 * N}', 'OptimConfig.learning_rate = 1e-4',
@@ -314,8 +316,30 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
 
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
   workdir, _ = uninterrupted
-  before = open(os.path.join(workdir, 'metrics.jsonl')).read()
-  out = train.run(cfg8(f'TrainConfig.steps = {N}'), workdir)
+  before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
+  # Another learning rate on the command line: still nothing is rewritten.
+  out = train.run(cfg8(f'TrainConfig.steps = {N}', 'OptimConfig.learning_rate = 1e-5'), workdir)
   assert out['already_finished'] and out['final_step'] == N
   assert f'already finished at step {N}' in capsys.readouterr().out
-  assert open(os.path.join(workdir, 'metrics.jsonl')).read() == before
+  assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
+
+
+def test_an_unreadable_newest_step_is_saved_afresh_when_training_passes_it(uninterrupted, tmp_path):
+  full_dir, full = uninterrupted
+  workdir = str(tmp_path / 'run')
+  train.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  for root, _, files in os.walk(os.path.join(workdir, 'checkpoints', '4', 'state')):
+    for f in files:
+      if os.path.getsize(os.path.join(root, f)) > 64:
+        with open(os.path.join(root, f), 'r+b') as fh:
+          fh.truncate(16)
+  out = train.run(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2'), workdir)
+  assert out['start_step'] == 2
+  # Step 4 was written again on the way: the run's checkpoints are all readable.
+  program = train.make_program(cfg8(), make_mesh(cfg8().mesh))
+  ck = Checkpointer(cfg8().checkpoint, workdir)
+  assert [s for s, _ in ck.steps()] == [6, 4, 2]
+  assert ck.restore_latest(program.abstract_state(canonical=True)).step == 6
+  ck.close()
+  from mjax.checkpoint import verify_step
+  assert verify_step(os.path.join(workdir, 'checkpoints', '4'))[0] == 'ok'

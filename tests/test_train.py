@@ -94,6 +94,8 @@ def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_
   for step in range(1, 6):
     first.write(step, {'loss': float(step)})
   first.close()
+  with open(tmp_path / 'metrics.jsonl', 'a') as fh:
+    fh.write('{"step": 6, "lo')                           # a crash in the middle of a line
   before = (tmp_path / 'metrics.jsonl').read_text()
   again = MetricsWriter(str(tmp_path), resume_step=3)   # steps 4 and 5 are redone
   for step in (4, 5):

@@ -209,13 +209,18 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
     split = 'position'
   else:
     flag = dict(zip(files, held))
+    kept = 0
     for batch in _batches(root, files):
       batch, docs = corpus_lib.keep_text(root, batch, corpus_lib.read_documents(root, batch),
                                          require_some=False)
+      kept += len(batch)
       for s, want in (('train', False), ('heldout', True)):
         chosen = [d for f, d in zip(batch, docs) if flag[f] == want]
         if chosen:
           writers[s].add(tok.encode_documents(chosen))
+    if not kept:
+      raise DataError(f'data source {root}: no text to train on: none of its {len(files)} files is '
+                      f'text (UTF-8 without NUL bytes); DataConfig.file_pattern selects the files.')
     split = 'file'
 
   shards = writers['train'].finish() + writers['heldout'].finish()

@@ -91,8 +91,15 @@ def cudnn_eligible(q: jax.Array) -> bool:
   of 8 up to 128.
   """
   d = q.shape[-1]
-  return (jax.default_backend() == 'gpu' and q.dtype in (jnp.bfloat16, jnp.float16)
-          and d % 8 == 0 and d <= 128)
+  if jax.default_backend() != 'gpu' or q.dtype not in (jnp.bfloat16, jnp.float16) or d % 8 or d > 128:
+    return False
+  # cuDNN flash attention needs an NVIDIA GPU of compute capability 8.0
+  # (Ampere) or newer; jax's own cuDNN check reads the same attribute. Other
+  # GPUs (ROCm: no such attribute, or not a number) keep XLA's attention.
+  try:
+    return float(getattr(jax.devices()[0], 'compute_capability', None)) >= 8.0
+  except (TypeError, ValueError):
+    return False
 
 
 def attend(q, k, v, window: Optional[int], impl: str, segment_ids=None) -> jax.Array:

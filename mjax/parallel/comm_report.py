@@ -181,8 +181,12 @@ def _widened_from(module: Module, inst: Instruction) -> Optional[str]:
   arrays = [a for a in shape_arrays(inst.shape) if a.dims]
   if not arrays or any(a.dtype != 'f32' for a in arrays) or not inst.operands:
     return None
+  found = {_trace_16_bit(module, module.instruction(o)) for o in inst.operands}
+  return found.pop() if len(found) == 1 and None not in found else None  # every operand, one dtype
+
+
+def _trace_16_bit(module: Module, src: Optional[Instruction]) -> Optional[str]:
   callers: list[Instruction] = []   # fusions entered, innermost last
-  src = module.instruction(inst.operands[0])
   for _ in range(64):  # a chain of moves is short; never loop forever
     if src is None:
       return None
@@ -363,7 +367,13 @@ def comm_report(compiled: Any, cfg: Config, mesh: Mapping[str, int]) -> CommRepo
     mesh: mesh axis sizes (dict(mesh.shape)).
   """
   hlo_dtype = {'bfloat16': 'bf16', 'float32': 'f32', 'float16': 'f16'}[cfg.model.dtype]
-  return CommReport(stats=collective_stats(compiled.as_text()),
+  stats = collective_stats(compiled.as_text())
+  if hlo_dtype == 'f32':
+    # f32 compute: a convert from 16 bits (bf16 master weights, say) is the
+    # program's own cast, and its f32 collectives are real.
+    for op in stats.ops:
+      op.widened_from = None
+  return CommReport(stats=stats,
                     expected=expected_traffic(cfg, mesh),
                     memory=memory_stats(compiled), mesh=dict(mesh), compute_dtype=hlo_dtype)
 
