@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,9 +116,17 @@ class Suite:
     for k, v in (env or {}).items():
       full_env[k] = f'{full_env.get(k, "")} {v}'.strip() if k == 'XLA_FLAGS' else v
     with open(path, 'w') as log:
+      # Its own process group: a timed-out section takes its MFU rows (which
+      # hold the GPU) down with it.
       proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                              cwd=REPO, text=True)
-      timer = threading.Timer(max(timeout, 1), proc.kill)
+                              cwd=REPO, text=True, start_new_session=True)
+
+      def kill_group():
+        try:
+          os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      timer = threading.Timer(max(timeout, 1), kill_group)
       timer.start()
       for line in proc.stdout:
         log.write(line)
