@@ -395,3 +395,22 @@ def test_embedding_gradient_sums_in_fp32_from_a_bf16_table():
   assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 5e-3
   # The forward is a plain lookup.
   np.testing.assert_array_equal(np.asarray(embed_lookup(table, tok)), np.asarray(table)[np.asarray(tok)])
+
+
+def test_tied_table_gradients_of_lookup_and_head_meet_in_fp32():
+  from mjax.model.transformer import _gathered_twice
+  table = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
+  ca = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32) * 1e3
+  cb = jax.random.normal(jax.random.key(2), (64, 32), jnp.float32) * 1e-1
+
+  def loss(t):
+    a, b = _gathered_twice(t, jnp.bfloat16)
+    return jnp.sum(a.astype(jnp.float32) * ca) + jnp.sum(b.astype(jnp.float32) * cb)
+  got = jax.grad(loss)(table)
+  # Each cotangent rounded to bf16 once (the compute dtype), then an fp32 sum:
+  # the small one survives next to the large one.
+  want = ca.astype(jnp.bfloat16).astype(jnp.float32) + cb.astype(jnp.bfloat16).astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  a, b = _gathered_twice(table, jnp.bfloat16)
+  assert a.dtype == b.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(table.astype(jnp.bfloat16)))

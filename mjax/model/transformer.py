@@ -55,6 +55,31 @@ class Block(nn.Module):
     return constrain(x, ACT)
 
 
+def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """The embedding cast to `dtype` on its shards and gathered along `embed`,
+  once, returned for its two readers (lookup and tied head). Their gradients
+  come back separately and are added in fp32: through one shared bf16 value
+  JAX would add them in bf16."""
+
+  def gather(t):
+    g = constrain(constrain(t.astype(dtype), ('vocab', 'embed')), ('vocab', None))
+    return g, g
+
+  @jax.custom_vjp
+  def f(t):
+    return gather(t)
+
+  def fwd(t):
+    return gather(t), None
+
+  def bwd(_, cts):
+    a, b = cts
+    return ((a.astype(jnp.float32) + b.astype(jnp.float32)).astype(table.dtype),)
+
+  f.defvjp(fwd, bwd)
+  return f(table)
+
+
 def remat(fn: Callable, cfg: ModelConfig) -> Callable:
   """`fn` under the configured rematerialization policy (identity for 'none')."""
   if cfg.remat_policy == 'none':
@@ -100,8 +125,9 @@ class Transformer(nn.Module):
     # a shard from the table's embed dim to the activations' batch dim inside
     # a gather except by replicating everything.
     # Cast on the shard before gathering (half the bytes); the values are the
-    # same as casting the looked-up rows.
-    lookup = constrain(constrain(table.astype(dtype), ('vocab', 'embed')), ('vocab', None))
+    # same as casting the looked-up rows. The tied head reads the same
+    # gathered table (one gather per step).
+    lookup, head_table = _gathered_twice(table, dtype)
     x = constrain(embed_lookup(lookup, tokens), ACT)  # (batch, seq, embed)
 
     group = LayerGroup
@@ -124,7 +150,7 @@ class Transformer(nn.Module):
     if c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one
       # all-gather of the embedding per step instead of two.
-      logits = jnp.einsum('bse,ve->bsv', x, lookup)
+      logits = jnp.einsum('bse,ve->bsv', x, head_table)
     else:
       head = self.param('lm_head', nn.with_logical_partitioning(
           nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)
