@@ -73,8 +73,10 @@ def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return gather(t), None
 
   def bwd(_, cts):
-    a, b = cts
-    return ((a.astype(jnp.float32) + b.astype(jnp.float32)).astype(table.dtype),)
+    # Laid out as the forward's values (gathered, then the table's own
+    # shards): left free, GSPMD may pick layouts that cost a full regather.
+    a, b = (constrain(c.astype(jnp.float32), ('vocab', None)) for c in cts)
+    return (constrain((a + b).astype(table.dtype), ('vocab', 'embed')),)
 
   f.defvjp(fwd, bwd)
   return f(table)
