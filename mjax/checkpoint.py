@@ -39,6 +39,7 @@ Resume semantics (the only place they are decided, see `train.run`):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import hashlib
@@ -127,6 +128,11 @@ def write_problem(directory: str) -> Optional[str]:
   return None
 
 
+def _tier_key(name: str) -> str:
+  """The CheckpointConfig field that sets tier `name`'s directory."""
+  return 'fast_directory' if name == 'fast' else 'directory'
+
+
 def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError, in every process alike, unless every process can
   write each tier directory: a read-only or full filesystem is found before
@@ -140,7 +146,7 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   for name, directory in dirs.items():
     bad = {i: v[name] for i, v in enumerate(verdicts) if v[name]}
     if bad:
-      key = 'fast_directory' if name == 'fast' else 'directory'
+      key = _tier_key(name)
       who = '' if len(verdicts) == 1 else f' in process(es) {sorted(bad)} of {len(verdicts)}'
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) cannot be written{who}: '
@@ -174,7 +180,7 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   for name, directory in dirs.items():
     blind = [i for i, v in enumerate(verdicts) if not v[name]]
     if blind:
-      key = 'fast_directory' if name == 'fast' else 'directory'
+      key = _tier_key(name)
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) is not shared by every process: '
           f'process(es) {blind} of {len(verdicts)} do not see the file process 0 wrote there, so '
@@ -216,23 +222,6 @@ def _fingerprints(leaves: list) -> jax.Array:
   return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
 
 
-def _fingerprint_np(x: np.ndarray) -> list[int]:
-  """`_fingerprints` of one host array, in numpy (same numbers, no device)."""
-  if x.dtype == np.bool_:
-    w = x.astype(np.uint32)
-  elif x.dtype.itemsize == 8:
-    halves = np.ascontiguousarray(x).view(np.uint32).reshape(*x.shape, 2)
-    w = halves[..., 0] ^ (halves[..., 1] * np.uint32(0x9E3779B1))
-  else:
-    w = np.ascontiguousarray(x).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
-  pos = np.ones(w.shape, np.uint32)
-  for k in range(w.ndim):
-    shape = [1] * w.ndim
-    shape[k] = w.shape[k]
-    pos = pos + np.arange(w.shape[k], dtype=np.uint32).reshape(shape) * np.uint32(_AXIS_WEIGHTS[k % 7])
-  return [int(np.sum(w, dtype=np.uint32)), int(np.sum(w * pos, dtype=np.uint32))]
-
-
 def fingerprints(state: Any) -> dict[str, list[int]]:
   """{array path: [sum, weighted sum]} of every array in `state`, computed on
   the devices (one pass over the state, a few numbers back to the host)."""
@@ -257,7 +246,6 @@ def verify_step(path: str) -> tuple[str, str]:
     (verdict, detail): 'ok', 'damaged' (detail names the arrays),
     'unreadable' (the error) or 'unchecked' (saved without checksums).
   """
-  import collections
   try:
     with open(os.path.join(path, 'meta', 'metadata')) as fh:
       saved = json.load(fh).get(FINGERPRINTS)
@@ -275,8 +263,12 @@ def verify_step(path: str) -> tuple[str, str]:
   # Read without the train state's classes, the tree's names differ from the
   # saved ones (dicts for dataclasses): match the checksums as a multiset.
   want = collections.Counter(tuple(v) for v in saved.values())
-  got = {jax.tree_util.keystr(p): _fingerprint_np(np.asarray(x))
-         for p, x in jax.tree_util.tree_leaves_with_path(state)}
+  try:  # the host's CPU, not an accelerator a running job may hold
+    cpu = jax.devices('cpu')[0]
+  except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+    cpu = None
+  with jax.default_device(cpu):
+    got = fingerprints(state)
   bad = []
   for key, value in got.items():
     if want[tuple(value)]:

@@ -235,10 +235,9 @@ def _report_checkpoint(prog: str, argv: Sequence[str]) -> None:
                f'of an mjax-train run.')
   rows, bad = [], 0
   for tier, directory in tier_directories(ck, args.workdir).items():
-    steps = sorted((int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else []) if n.isdigit()),
-                   reverse=True)
-    aside = sorted(n for n in (os.listdir(directory) if os.path.isdir(directory) else [])
-                   if n.startswith('damaged-'))
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = sorted((int(n) for n in names if n.isdigit()), reverse=True)
+    aside = sorted(n for n in names if n.startswith('damaged-'))
     for step in steps:
       path = os.path.join(directory, str(step))
       verdict, detail = verify_step(path) if args.verify else ('-', '')

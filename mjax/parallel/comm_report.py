@@ -214,8 +214,13 @@ def _trace_16_bit(module: Module, src: Optional[Instruction]) -> Optional[str]:
   return None
 
 
-def collective_stats(text: str) -> CommStats:
-  """Every collective in optimized HLO text, with its executions per step."""
+def collective_stats(text: str, trace_widening: bool = True) -> CommStats:
+  """Every collective in optimized HLO text, with its executions per step.
+
+  Args:
+    trace_widening: look for f32 collectives the backend widened from 16
+      bits (`_widened_from`); off for a program that computes in f32.
+  """
   module = hlo_text.parse_module(text)
   counts, unknown = hlo_text.execution_counts(module)
   ops = []
@@ -231,7 +236,8 @@ def collective_stats(text: str) -> CommStats:
       nbytes, arrays = _buffer(module, inst, kind, group)
       op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
       ops.append(CollectiveOp(inst.name, kind, comp, n, nbytes, group, arrays,
-                              op_name.group(1) if op_name else '', _widened_from(module, inst)))
+                              op_name.group(1) if op_name else '',
+                              _widened_from(module, inst) if trace_widening else None))
   return CommStats(ops, unknown, module.num_partitions)
 
 
@@ -367,12 +373,9 @@ def comm_report(compiled: Any, cfg: Config, mesh: Mapping[str, int]) -> CommRepo
     mesh: mesh axis sizes (dict(mesh.shape)).
   """
   hlo_dtype = {'bfloat16': 'bf16', 'float32': 'f32', 'float16': 'f16'}[cfg.model.dtype]
-  stats = collective_stats(compiled.as_text())
-  if hlo_dtype == 'f32':
-    # f32 compute: a convert from 16 bits (bf16 master weights, say) is the
-    # program's own cast, and its f32 collectives are real.
-    for op in stats.ops:
-      op.widened_from = None
+  # f32 compute: a convert from 16 bits (bf16 master weights, say) is the
+  # program's own cast, and its f32 collectives are real.
+  stats = collective_stats(compiled.as_text(), trace_widening=hlo_dtype != 'f32')
   return CommReport(stats=stats,
                     expected=expected_traffic(cfg, mesh),
                     memory=memory_stats(compiled), mesh=dict(mesh), compute_dtype=hlo_dtype)
