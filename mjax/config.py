@@ -20,8 +20,10 @@ from typing import Literal, Optional, Sequence
 
 import gin
 
+from mjax.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
   """A config value is unknown, mistyped or inconsistent with another one."""
 
 

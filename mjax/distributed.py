@@ -57,6 +57,8 @@ import shlex
 import time
 from typing import Mapping, Optional
 
+from mjax.errors import UserError
+
 COORDINATOR = 'MJAX_COORDINATOR_ADDRESS'
 NUM_PROCESSES = 'MJAX_NUM_PROCESSES'
 PROCESS_ID = 'MJAX_PROCESS_ID'
@@ -69,7 +71,7 @@ DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 _INIT_SECONDS = 0.0
 
 
-class DistributedError(ValueError):
+class DistributedError(UserError):
   """The environment describes an impossible or incomplete job."""
 
 

@@ -1,0 +1,15 @@
+"""The one base class of errors that are the user's to fix.
+
+A `UserError` means the input is wrong: a config key or value, a data file,
+the distributed set-up, a checkpoint path. Retrying cannot help, so every
+entry point turns it into one paragraph on stderr and exit status 2
+(`mjax.protocol.EXIT_USER_ERROR`, in `mjax.cli`), and the fault-tolerance
+driver never restarts a job that exited with it. Anything else that escapes
+is a crash, which the driver does restart.
+
+This module imports nothing from mjax: every layer may raise these.
+"""
+
+
+class UserError(ValueError):
+  """Bad input; the message names the bad value and what is allowed."""

@@ -1,0 +1,111 @@
+"""Flags and config loading, shared by every entry point, the driver, bench/
+and the tests.
+
+  p = flags.parser('my-tool', 'What it does.')
+  args, bindings = flags.parse(p, sys.argv[1:])       # --gin_file, --gin_param, --gin.KEY=VALUE
+  cfg = flags.setup(flags.gin_files(args), bindings)  # XLA flags, job joined, mesh-checked Config
+
+Order matters once per process: XLA reads XLA_FLAGS when the backend starts,
+and `jax.distributed.initialize` must run before that too, so `setup` loads
+the config without devices first, sets the flags, joins the job, and only
+then asks JAX for its devices and checks the config against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional, Sequence
+
+from mjax import config as config_lib
+from mjax.config import Config
+
+DEFAULT_GIN = 'tiny.gin'
+GIN_PREFIX = '--gin.'
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+  """An argument parser with --gin_file and --gin_param (add your own flags)."""
+  p = argparse.ArgumentParser(
+      prog=prog, description=description,
+      epilog='Overrides: --gin_param="TrainConfig.steps = 30" or --gin.TrainConfig.steps=30 '
+             '(both repeatable, applied after the gin files, last one wins).')
+  p.add_argument('--gin_file', action='append', default=[],
+                 help=f'gin config file, repeatable (default: configs/{DEFAULT_GIN}); '
+                      'a bare name is looked up in the configs/ folder')
+  p.add_argument('--gin_param', action='append', default=[], help="gin binding, e.g. 'TrainConfig.steps = 30'")
+  return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  """Parses `p`'s flags; every `--gin.KEY=VALUE` (or `--gin.KEY VALUE`) becomes
+  a binding after those of --gin_param. Anything else unknown is a usage error."""
+  args, rest = p.parse_known_args(list(argv))
+  bindings = list(args.gin_param)
+  i = 0
+  while i < len(rest):
+    tok = rest[i]
+    if not tok.startswith(GIN_PREFIX):
+      p.error(f'unrecognized argument {tok!r}; see --help')
+    key, eq, value = tok[len(GIN_PREFIX):].partition('=')
+    if not eq:
+      if i + 1 >= len(rest):
+        p.error(f'{tok} needs a value: {tok}=VALUE')
+      i += 1
+      value = rest[i]
+    bindings.append(config_lib.override_to_binding(key, value))
+    i += 1
+  return args, bindings
+
+
+def gin_files(args: argparse.Namespace) -> list[str]:
+  """The --gin_file values, or the default config."""
+  return list(args.gin_file) or [DEFAULT_GIN]
+
+
+def run_name(args: argparse.Namespace) -> str:
+  """The last gin file's name without extension: the default run directory's name."""
+  return os.path.splitext(os.path.basename(gin_files(args)[-1]))[0]
+
+
+def load(files: Sequence[str], bindings: Sequence[str] = (), num_devices: Optional[int] = None) -> Config:
+  """The validated config, including the checks that read data files (the
+  tokenizer's or the shards' vocabulary against the model's).
+
+  Raises:
+    ConfigError (a mjax.errors.UserError): with a one-paragraph explanation.
+  """
+  cfg = config_lib.load_config(files, bindings, num_devices=num_devices)
+  from mjax.data.sources import check_vocab
+  check_vocab(cfg.model, cfg.data)
+  return cfg
+
+
+def apply_xla_flags(cfg: Config) -> None:
+  """The config's XLA flags into XLA_FLAGS: before anything starts the JAX backend."""
+  from mjax.parallel.xla_flags import apply_xla_flags as apply
+  apply(cfg.train.xla_overlap_flags, extra=cfg.train.xla_extra_flags,
+        collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1)
+
+
+def join_job(cfg: Optional[Config] = None) -> None:
+  """Joins the multi-process job the environment describes (mjax/distributed.py),
+  if any: after the XLA flags, before anything starts the JAX backend.
+
+  Raises:
+    DistributedError (a mjax.errors.UserError): the environment is inconsistent.
+  """
+  from mjax import distributed
+  distributed.initialize_from_env(peer_timeout_s=cfg.fault.collective_timeout_s if cfg else None)
+
+
+def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
+          xla_flags: bool = True) -> Config:
+  """Config -> XLA flags -> job joined -> config checked against the devices."""
+  early = load(files, bindings)
+  if xla_flags:
+    apply_xla_flags(early)
+  if join:
+    join_job(early)
+  import jax
+  return load(files, bindings, num_devices=jax.device_count())

@@ -1,0 +1,99 @@
+"""The contract between a training process and the fault-tolerance driver.
+
+Everything the two sides agree on lives here, as data:
+
+  exit statuses   what a trainer's (and the driver's) exit status means
+  environment     the variables the driver sets for the processes it starts
+  facts           structured things the driver needs from a trainer, written
+                  by the trainer as one small JSON file per process under
+                  <workdir>/protocol/ and read by the driver: the start-up
+                  report (MegaScale §5, start-up time as a measured number)
+                  and the step whose loss was not finite
+  skipped data    the batches to skip after a rollback travel in the config
+                  (TrainConfig.skip_batches), as a gin binding the driver adds
+
+Live state (step, loss, phase) travels in heartbeats (mjax/ft/heartbeat.py);
+facts are what must not be lost with a dropped datagram, hence a file,
+written atomically. Neither side ever parses the other's log text.
+
+This module imports nothing from mjax and nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+# --- exit statuses ------------------------------------------------------------
+EXIT_OK = 0            # finished, or stopped cleanly on request (pre-emption)
+EXIT_FAILED = 1        # a crash (the driver restarts it); the driver's own: it gave up
+EXIT_USER_ERROR = 2    # bad input (mjax.errors.UserError): retrying cannot help, never restarted
+EXIT_NONFINITE = 3     # the loss became NaN/Inf: the driver rolls back and skips the data
+EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell convention 128 + SIGINT)
+
+# --- environment the driver sets for each training process ----------------------
+DRIVER_ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'   # host:port of the driver's heartbeat server
+SECRET_ENV = 'MJAX_JOB_SECRET'               # per-job HMAC secret of the heartbeats (hex)
+HOST_ENV = 'MJAX_HOST'                       # the driver's name for this process's host
+ATTEMPT_ENV = 'MJAX_ATTEMPT'                 # launch attempt, 0 first, +1 per restart
+INJECT_ENV = 'MJAX_FAULT'                    # test-only fault injection (mjax/ft/inject.py)
+DIAGNOSE_FAIL_ENV = 'MJAX_DIAGNOSE_FAIL'     # test-only diagnostic failure (mjax/ft/diagnose.py)
+
+# --- gin binding the driver adds after a rollback --------------------------------
+SKIP_BATCHES_KEY = 'TrainConfig.skip_batches'
+
+# --- facts ------------------------------------------------------------------------
+FACTS_DIR = 'protocol'
+STARTUP = 'startup'          # {part: seconds} to the first completed step
+NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan'}
+
+
+def attempt() -> int:
+  """This process's launch attempt (0 when not started by the driver)."""
+  try:
+    return int(os.environ.get(ATTEMPT_ENV, '0') or 0)
+  except ValueError:
+    return 0
+
+
+def facts_path(workdir: str, process: int) -> str:
+  return os.path.join(workdir, FACTS_DIR, f'process-{process:05d}.json')
+
+
+class Facts:
+  """The trainer's side: records facts for the driver, one file per process.
+
+  The file holds the facts of the current attempt only; each `record` rewrites
+  it atomically (write, then rename), so the driver never reads half of it.
+  """
+
+  def __init__(self, workdir: str, process: int):
+    self.path = facts_path(workdir, process)
+    self._facts: dict[str, Any] = {'attempt': attempt(), 'process': process}
+
+  def record(self, name: str, value: Any) -> None:
+    self._facts[name] = value
+    try:
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      tmp = f'{self.path}.{os.getpid()}.tmp'
+      with open(tmp, 'w') as fh:
+        json.dump(self._facts, fh)
+      os.replace(tmp, self.path)
+    except OSError:
+      pass   # a fact the driver cannot read costs it a detail, never the run
+
+
+def read_facts(workdir: str, process: int, attempt_number: Optional[int] = None) -> dict:
+  """The driver's side: what process `process` recorded ({} if nothing, or
+  only facts of another attempt)."""
+  try:
+    with open(facts_path(workdir, process)) as fh:
+      facts = json.load(fh)
+  except (OSError, ValueError):
+    return {}
+  if not isinstance(facts, dict):
+    return {}
+  if attempt_number is not None and facts.get('attempt') != attempt_number:
+    return {}
+  return facts
