@@ -23,9 +23,8 @@ import time
 import jax
 import numpy as np
 
-from mjax import train
+from mjax import flags, train
 from mjax.checkpoint import Checkpointer
-from mjax.cli import _load, _parser, _split_overrides
 from mjax.parallel import make_mesh
 
 
@@ -51,11 +50,11 @@ def measure(cfg, program, state, directory: str, async_save: bool, repeats: int)
 
 
 def main(argv=None):
-  p = _parser('checkpoint_bench', __doc__.splitlines()[0])
+  p = flags.parser('checkpoint_bench', __doc__.splitlines()[0])
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--dir', default=None, help='where to write (default: a temporary directory)')
-  args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
-  cfg = _load('checkpoint_bench', args, bindings, num_devices=jax.device_count())
+  args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
+  cfg = flags.load(flags.gin_files(args), bindings, num_devices=jax.device_count())
   program = train.make_program(cfg, make_mesh(cfg.mesh))
   with program.context():
     state = program.init(jax.random.key(0))

@@ -317,7 +317,7 @@ def check_variants(suite: Suite):
 
   from mjax import data as data_lib
   from mjax import train
-  from mjax.config import load_config
+  from mjax import flags
   from mjax.parallel import make_mesh
 
   smoke = suite.args.smoke
@@ -347,7 +347,7 @@ def check_variants(suite: Suite):
     if suite.left() < 20:
       losses[name] = None
       continue
-    cfg = load_config(['base.gin'], base + ["ModelConfig.remat_policy = 'dots_no_batch'"] + extra,
+    cfg = flags.load(['base.gin'], base + ["ModelConfig.remat_policy = 'dots_no_batch'"] + extra,
                       num_devices=jax.device_count())
     if batches is None:
       it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size)

@@ -17,7 +17,7 @@ import jax
 sys.path.insert(0, __file__.rsplit('/', 1)[0])
 from train_bench import bench  # noqa: E402
 
-from mjax.cli import _load, _parser, _split_overrides  # noqa: E402
+from mjax import flags  # noqa: E402
 
 LAYOUTS = {
     'data=8': ['MeshConfig.data = 8'],
@@ -39,16 +39,16 @@ MODEL = ['ModelConfig.n_layers = 8', 'ModelConfig.full_attention_every = 0',
 
 
 def main(argv=None):
-  p = _parser('layouts_bench', __doc__.splitlines()[0])
+  p = flags.parser('layouts_bench', __doc__.splitlines()[0])
   p.add_argument('--steps', type=int, default=10)
   p.add_argument('--warmup', type=int, default=2)
-  args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
+  args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
   print('| layout | tokens/s | step time (s) | MFU | step time vs data=8 |\n|---|---|---|---|---|')
   base = None
   for name, layout in LAYOUTS.items():
-    cfg = _load('layouts_bench', args, [*MODEL, *bindings, *layout,
-                                        f'TrainConfig.steps = {args.steps + args.warmup}'],
-                num_devices=jax.device_count())
+    cfg = flags.load(flags.gin_files(args), [*MODEL, *bindings, *layout,
+                                             f'TrainConfig.steps = {args.steps + args.warmup}'],
+                     num_devices=jax.device_count())
     r = bench(cfg, args.steps, args.warmup)
     base = base or r['step_time']
     print(f'| {name} | {r["tokens_per_sec"]:,.0f} | {r["step_time"]:.3f} | {r["mfu"]:.1%} | '

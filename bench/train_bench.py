@@ -20,8 +20,8 @@ import numpy as np
 
 from mjax import data as data_lib
 from mjax import train
-from mjax.cli import _apply_overlap_flags, _load, _parser, _split_overrides
-from mjax.metrics import peak_flops, peak_memory_bytes
+from mjax import flags
+from mjax.devices import peak_flops, peak_memory_bytes
 from mjax.model.flops import flops_per_token
 from mjax.parallel import make_mesh
 
@@ -70,20 +70,19 @@ def row(name: str, r: dict) -> str:
 
 
 def main(argv=None):
-  p = _parser('train_bench', __doc__.splitlines()[0])
+  p = flags.parser('train_bench', __doc__.splitlines()[0])
   p.add_argument('--steps', type=int, default=20, help='timed steps')
   p.add_argument('--warmup', type=int, default=3, help='untimed steps first (compilation included)')
   p.add_argument('--name', default=None, help='label in the table (default: the gin file)')
   p.add_argument('--json', default=None, help='also write the result as JSON to this file')
   p.add_argument('--profile', default='', help='trace 2 more steps into this folder '
                  '(perfetto_trace.json.gz; summarize with bench/trace_summary.py)')
-  args, bindings = _split_overrides(p, sys.argv[1:] if argv is None else argv)
+  args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
   bindings = [*bindings, f'TrainConfig.steps = {args.steps + args.warmup}']
-  _apply_overlap_flags(_load('train_bench', args, bindings, num_devices=None))
-  cfg = _load('train_bench', args, bindings, num_devices=jax.device_count())
+  cfg = flags.setup(flags.gin_files(args), bindings, join=False)
   train.setup_compilation_cache(cfg.train.compilation_cache_dir)
   r = bench(cfg, args.steps, args.warmup, args.profile)
-  name = args.name or ' + '.join(os.path.basename(f) for f in (args.gin_file or ['tiny.gin']))
+  name = args.name or ' + '.join(os.path.basename(f) for f in flags.gin_files(args))
   print(HEADER)
   print(row(name, r))
   print(f'\npeak source: {r["peak_source"]}; jax {jax.__version__}; loss after the run {r["loss"]:.3f}')

@@ -29,7 +29,7 @@ one machine but not across machines, so at start-up process 0 leaves a probe
 file in each tier and a tier some process cannot see it in is a
 configuration error (exit 2) naming the tier and the processes.
 
-Resume semantics (the only place they are decided, see `train.run`):
+Resume semantics (decided in `resume`, and nowhere else):
   1. the workdir has a readable checkpoint in either tier: resume from the
      newest one (the usual restart after a fault or pre-emption);
   2. else `CheckpointConfig.restore_from` names a checkpoint: start from its
@@ -59,6 +59,7 @@ from etils import epath
 
 from mjax import distributed
 from mjax.config import CheckpointConfig, ConfigError
+from mjax.errors import UserError
 
 log = logging.getLogger('mjax.checkpoint')
 
@@ -66,13 +67,18 @@ log = logging.getLogger('mjax.checkpoint')
 FINGERPRINTS = 'fingerprints'
 
 
+class CheckpointNotFound(UserError):
+  """CheckpointConfig.restore_from names no readable checkpoint."""
+
+
 @dataclasses.dataclass
 class Restored:
   step: int
   state: Any
-  data: Optional[dict]
+  data: Optional[dict]     # the data iterator's state; None: start the data afresh
   meta: dict
   path: str
+  explicit: bool = False   # from CheckpointConfig.restore_from, not from the workdir
 
 
 @dataclasses.dataclass
@@ -94,6 +100,18 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
       fast = os.path.join('/dev/shm', 'mjax', tag)
     dirs['fast'] = _expand(fast)
   return dirs
+
+
+def saved_steps(cfg: CheckpointConfig, workdir: str) -> list[tuple[int, str, str]]:
+  """(step, tier, path) of every complete checkpoint, newest first (the
+  persistent tier first at equal steps). Orbax writes a step under a
+  temporary name and renames it when complete, so the names say it all."""
+  found = []
+  for tier, directory in tier_directories(cfg, workdir).items():
+    d = epath.Path(directory)
+    names = [p.name for p in d.iterdir()] if d.is_dir() else []
+    found += [(int(n), tier, os.path.join(directory, n)) for n in names if n.isdigit()]
+  return sorted(found, key=lambda x: (x[0], x[1] == 'persistent'), reverse=True)
 
 
 def _expand(path: str) -> str:
@@ -326,6 +344,7 @@ class Checkpointer:
 
   def __init__(self, cfg: CheckpointConfig, workdir: str):
     self.cfg = cfg
+    self.workdir = workdir
     self.tiers: list[_Tier] = []
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
     dirs = tier_directories(cfg, workdir)
@@ -380,8 +399,7 @@ class Checkpointer:
 
   def steps(self) -> list[tuple[int, str]]:
     """(step, tier) of every complete checkpoint, newest first."""
-    found = [(s, t.name) for t in self.tiers for s in t.manager.all_steps()]
-    return sorted(found, key=lambda x: (x[0], x[1] == 'persistent'), reverse=True)
+    return [(step, tier) for step, tier, _ in saved_steps(self.cfg, self.workdir)]
 
   def restore_latest(self, abstract_state: Any) -> Optional[Restored]:
     """Newest readable checkpoint across the tiers, or None if there is none.
@@ -461,12 +479,37 @@ class Checkpointer:
       tier.manager.close()
 
 
+def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: Any) -> Optional[Restored]:
+  """What a run starts from; the one place the policy is decided:
+    1. the workdir's newest readable checkpoint (`ckpt`, either tier);
+    2. else the checkpoint `CheckpointConfig.restore_from` names: its train
+       state, and its data position unless `restore_data` is False;
+    3. else None: initialize from `TrainConfig.seed`.
+
+  Args:
+    ckpt: the run's Checkpointer, or None when checkpointing is disabled.
+    abstract_state: the state's ShapeDtypeStructs with target shardings, in
+      the checkpoint layout.
+  Raises:
+    CheckpointNotFound: `restore_from` names no readable checkpoint.
+  """
+  restored = ckpt.restore_latest(abstract_state) if ckpt is not None else None
+  if restored is not None or not cfg.restore_from:
+    return restored
+  restored = restore_from_path(cfg.restore_from, abstract_state)
+  restored.explicit = True
+  if not cfg.restore_data:
+    restored.data = None
+  return restored
+
+
 def restore_from_path(path: str, abstract_state: Any) -> Restored:
   """Restores an explicit checkpoint: a step directory (`.../checkpoints/120`)
   or a checkpoint directory (its newest step)."""
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
-    raise FileNotFoundError(f'CheckpointConfig.restore_from = {path!r}: no such directory')
+    raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no such directory; give a '
+                             f'run\'s checkpoints/ directory or one of its step folders.')
   base, leaf = os.path.split(path.rstrip('/'))
   if leaf.isdigit() and os.path.isdir(os.path.join(path, 'state')):
     directory, step = base, int(leaf)
@@ -478,7 +521,8 @@ def restore_from_path(path: str, abstract_state: Any) -> Restored:
     if step is None:
       step = manager.latest_step()
       if step is None:
-        raise FileNotFoundError(f'CheckpointConfig.restore_from = {path!r}: no checkpoint in it')
+        raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no checkpoint in it; give '
+                                 f'a run\'s checkpoints/ directory or one of its step folders.')
     return Checkpointer._restore(manager, step, abstract_state, os.path.join(directory, str(step)))
   finally:
     manager.close()

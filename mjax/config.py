@@ -243,6 +243,10 @@ class TrainConfig:
   # replaces flags; a flag already in the XLA_FLAGS environment always wins.
   xla_overlap_flags: bool = True
   xla_extra_flags: str = ''
+  # Batches to skip after the start position (resumed or fresh). The
+  # fault-tolerance driver sets it after a NaN / loss-spike rollback, so that
+  # the restart does not replay the batches that led to the fault.
+  skip_batches: int = 0
 
 
 @gin.configurable
@@ -283,7 +287,6 @@ class Config:
 SECTIONS = {'model': ModelConfig, 'data': DataConfig, 'optim': OptimConfig, 'mesh': MeshConfig,
             'checkpoint': CheckpointConfig, 'train': TrainConfig, 'fault': FaultConfig}
 _CLASSES = {c.__name__: c for c in SECTIONS.values()}
-BYTE_VOCAB = 258  # 256 byte values + EOS + PAD; see mjax.data
 
 
 # ----------------------------------------------------------------------------
@@ -536,26 +539,6 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
               f"source {src!r} must be 'stdlib' or an existing file or directory")
   if d.tokenizer != 'bytes' and not os.path.isfile(os.path.expanduser(d.tokenizer)):
     _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json")
-  shard_dirs = [s for s, _ in d.source_weights()
-                if s != 'stdlib' and os.path.isfile(os.path.join(os.path.expanduser(s), 'manifest.json'))]
-  if d.tokenizer == 'bytes' and not shard_dirs:
-    if m.vocab_size < BYTE_VOCAB:
-      _fail('ModelConfig.vocab_size', m.vocab_size,
-            f'the byte tokenizer needs at least {BYTE_VOCAB} ids (256 bytes + EOS + PAD)')
-  else:
-    # Reading a tokenizer.json or a manifest is cheap; the shards themselves
-    # are checked when the pipeline opens them.
-    from mjax.data.sources import data_vocab
-    from mjax.data.errors import DataError
-    try:
-      vocab, what = data_vocab(d)
-    except DataError as e:
-      raise ConfigError(f'DataConfig: {e}') from None
-    if m.vocab_size < vocab:
-      _fail('ModelConfig.vocab_size', m.vocab_size,
-            f'{what} produces ids up to {vocab - 1}, so the model needs vocab_size >= {vocab} '
-            f'(a multiple of 128 suits GPUs: {-(-vocab // 128) * 128})')
-
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
   if not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -565,7 +548,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
-  _positive(t, 'eval_every', allow_zero=True)
+  _positive(t, 'eval_every', 'skip_batches', allow_zero=True)
   _positive(ck, 'keep', 'fast_keep')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.restore_from is not None and not os.path.isdir(os.path.expanduser(ck.restore_from)):
@@ -577,10 +560,16 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
             'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
             'loss_spike_count')
   _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', allow_zero=True)
-  if not (f.heartbeat_interval_s < f.heartbeat_timeout_s < f.progress_timeout_s < f.collective_timeout_s):
-    _fail('FaultConfig timeouts', (f.heartbeat_interval_s, f.heartbeat_timeout_s, f.progress_timeout_s,
-                                   f.collective_timeout_s),
-          'need heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s < collective_timeout_s')
+  # The driver has to notice a lost process (heartbeat) before it calls it a
+  # hang (progress), and both before a collective times out on the healthy
+  # processes (collective): then the driver, not a timeout on every rank,
+  # decides what failed.
+  chain = ('heartbeat_interval_s', 'heartbeat_timeout_s', 'progress_timeout_s', 'collective_timeout_s')
+  for a, b in zip(chain, chain[1:]):
+    if not getattr(f, a) < getattr(f, b):
+      _fail(f'FaultConfig.{a}', getattr(f, a),
+            f'must be less than FaultConfig.{b} = {getattr(f, b)}; the driver needs '
+            f'heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s < collective_timeout_s')
 
   for a in mesh.AXES:
     for key in (a, 'dcn_' + a):

@@ -57,6 +57,7 @@ import shlex
 import time
 from typing import Mapping, Optional
 
+from mjax import devices
 from mjax.errors import UserError
 
 COORDINATOR = 'MJAX_COORDINATOR_ADDRESS'
@@ -268,11 +269,6 @@ def with_device_count(xla_flags: str, count: int) -> str:
   return ' '.join(kept + [f'{DEVICE_COUNT_FLAG}={count}'])
 
 
-def _backend_started() -> bool:
-  from jax._src import xla_bridge
-  return xla_bridge.backends_are_initialized()
-
-
 def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int = 300,
                         peer_timeout_s: Optional[float] = None) -> dict:
   """Joins the multi-process job the environment describes, if any.
@@ -305,14 +301,14 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
     flags = os.environ.get('XLA_FLAGS', '')
     wanted = with_device_count(flags, spec.local_device_count)
     if wanted != flags:
-      if _backend_started():
+      if devices.backend_started():
         raise DistributedError(
             f'{LOCAL_DEVICE_COUNT}={spec.local_device_count} came too late: the JAX backend has '
             f'already started; set XLA_FLAGS={DEVICE_COUNT_FLAG}=N before starting the process.')
       os.environ['XLA_FLAGS'] = wanted
   if spec.num_processes == 1 or jax.distributed.is_initialized():
     return out
-  if _backend_started():
+  if devices.backend_started():
     raise DistributedError(
         f'the environment describes process {spec.process_id} of {spec.num_processes} ({spec.source}), '
         f'but the JAX backend has already started in this process; join the job before anything '

@@ -94,6 +94,17 @@ def local_env(process_id: int, num_processes: int, coordinator: str,
   return env
 
 
+def start_logged(argv: Sequence[str], env: Mapping[str, str], log_path: str,
+                 new_session: bool = False) -> subprocess.Popen:
+  """Starts `argv` with stdout and stderr appended to `log_path` (a restart
+  keeps the earlier attempt's lines). `new_session`: in a process group of its
+  own, so that it and everything it starts can be killed together, and a
+  Ctrl-C at the terminal reaches only the supervisor."""
+  with open(log_path, 'ab') as log:
+    return subprocess.Popen(list(argv), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=new_session)
+
+
 def _pump(src: IO[bytes], prefix: str, dst: IO[str]) -> None:
   """Copies `src` to `dst` line by line, each line prefixed."""
   binary = getattr(dst, 'buffer', None)
@@ -139,8 +150,7 @@ def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Se
     # when a process hangs.
     child_env['PYTHONUNBUFFERED'] = '1'
     if log_dir:
-      with open(os.path.join(log_dir, f'process-{i}.log'), 'ab') as log:
-        proc = subprocess.Popen(list(argv), env=child_env, stdout=log, stderr=subprocess.STDOUT)
+      proc = start_logged(argv, child_env, os.path.join(log_dir, f'process-{i}.log'))
     else:
       proc = subprocess.Popen(list(argv), env=child_env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT)

@@ -47,6 +47,12 @@ SKIP_BATCHES_KEY = 'TrainConfig.skip_batches'
 FACTS_DIR = 'protocol'
 STARTUP = 'startup'          # {part: seconds} to the first completed step
 NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan'}
+USER_ERROR = 'user_error'    # the message of the bad input that ended the process (exit status 2)
+
+
+def under_driver() -> bool:
+  """Whether this process was started by the fault-tolerance driver."""
+  return bool(os.environ.get(DRIVER_ADDRESS_ENV))
 
 
 def attempt() -> int:

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from mjax import config as C
-from mjax import train
+from mjax import train, trainer
 from mjax.checkpoint import Checkpointer
 from mjax.parallel import make_mesh
 from mjax.metrics import read_metrics
@@ -27,6 +27,12 @@ SMALL = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d
          'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16',
          f'OptimConfig.decay_steps = {N}', 'OptimConfig.warmup_steps = 2', 'TrainConfig.eval_every = 0',
          'TrainConfig.eval_batches = 1', 'TrainConfig.progress = False']
+
+
+def fit(cfg, workdir):
+  """Trains `cfg` in `workdir`; the summary and the final train state."""
+  t = trainer.Trainer(cfg, str(workdir))
+  return t.train(), t.state
 
 
 def losses(workdir):
@@ -57,33 +63,33 @@ def cfg8(*extra):
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('full'))
-  out = train.run(cfg8(f'TrainConfig.steps = {N}'), workdir)
-  return workdir, out
+  _, state = fit(cfg8(f'TrainConfig.steps = {N}'), workdir)
+  return workdir, state
 
 
 def test_fsdp_resume_is_bitwise(uninterrupted, tmp_path):
-  full_dir, full = uninterrupted
+  full_dir, full_state = uninterrupted
   workdir = str(tmp_path)
-  first = train.run(cfg8('TrainConfig.steps = 3'), workdir)   # a clean stop at step 3
-  assert first['final_step'] == 3
-  second = train.run(cfg8(f'TrainConfig.steps = {N}'), workdir)
-  assert second['start_step'] == 3
+  first, first_state = fit(cfg8('TrainConfig.steps = 3'), workdir)   # a clean stop at step 3
+  assert first.final_step == 3
+  second, second_state = fit(cfg8(f'TrainConfig.steps = {N}'), workdir)
+  assert second.start_step == 3
   assert losses(workdir) == losses(full_dir)                  # every step, bit for bit
-  assert_bitwise(second['state'].params, full['state'].params)
-  assert_bitwise(second['state'].opt_state, full['state'].opt_state)
+  assert_bitwise(second_state.params, full_state.params)
+  assert_bitwise(second_state.opt_state, full_state.opt_state)
 
 
 def test_resume_on_another_layout_matches(uninterrupted, tmp_path):
   """Stop on FSDP=8, resume on data=2 x pipeline=2 x tensor=2: resharding on
   restore, same numbers within the layout-equivalence tolerance."""
-  full_dir, full = uninterrupted
+  full_dir, full_state = uninterrupted
   workdir = str(tmp_path)
-  train.run(cfg8('TrainConfig.steps = 4'), workdir)
+  trainer.run(cfg8('TrainConfig.steps = 4'), workdir)
   other = C.load_config(['tiny.gin'], [
       *SMALL, f'TrainConfig.steps = {N}', 'MeshConfig.data = 2', 'MeshConfig.pipeline = 2',
       'MeshConfig.tensor = 2', 'ModelConfig.dtype = "bfloat16"'], num_devices=8)
-  out = train.run(other, workdir)
-  assert out['start_step'] == 4
+  out, out_state = fit(other, workdir)
+  assert out.start_step == 4
   full_losses, got = losses(full_dir), losses(workdir)
   # bf16 compute on both sides; a different reduction order moves bf16 losses
   # by ~1e-3 relative, a wrong restore by O(1).
@@ -94,7 +100,7 @@ def test_resume_on_another_layout_matches(uninterrupted, tmp_path):
 def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path, caplog):
   full_dir, _ = uninterrupted
   workdir = str(tmp_path)
-  train.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
   ckdir = os.path.join(workdir, 'checkpoints')
   assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [2, 4]
   # Damage every data file of the newest checkpoint's state.
@@ -118,27 +124,27 @@ def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path, caplog)
 def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
   """Fast tier every 2 steps (2 kept), persistent every 3, both at the end: a
   restart picks the newest step across the tiers and continues bitwise."""
-  full_dir, full = uninterrupted
+  full_dir, full_state = uninterrupted
   workdir, fast = str(tmp_path / 'run'), str(tmp_path / 'fast')
   tiers = ['CheckpointConfig.save_every = 3', 'CheckpointConfig.fast_every = 2',
            f'CheckpointConfig.fast_directory = "{fast}"']
-  train.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)
+  trainer.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)
   persistent = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
   fast_steps = sorted(int(s) for s in os.listdir(fast) if s.isdigit())
   assert persistent == [3, 5] and fast_steps == [4, 5]
   # Lose the persistent copy of step 5: the fast tier's step 5 is still newest.
   import shutil
   shutil.rmtree(os.path.join(workdir, 'checkpoints', '5'))
-  out = train.run(cfg8(f'TrainConfig.steps = {N}', *tiers), workdir)
-  assert out['start_step'] == 5
+  out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', *tiers), workdir)
+  assert out.start_step == 5
   assert losses(workdir) == losses(full_dir)
-  assert_bitwise(out['state'].params, full['state'].params)
+  assert_bitwise(out_state.params, full_state.params)
 
 
 def test_partial_save_is_ignored(uninterrupted, tmp_path):
   """A save cut off mid-way leaves a temporary directory, never a step."""
   workdir = str(tmp_path)
-  train.run(cfg8('TrainConfig.steps = 2'), workdir)
+  trainer.run(cfg8('TrainConfig.steps = 2'), workdir)
   ckdir = os.path.join(workdir, 'checkpoints')
   os.makedirs(os.path.join(ckdir, '7.orbax-checkpoint-tmp-123', 'state'))
   ck = Checkpointer(cfg8().checkpoint, workdir)
@@ -252,7 +258,7 @@ def test_a_workdir_that_is_a_file_is_refused_and_left_alone(tmp_path):
   workdir.write_text('keep me')
   cfg = C.load_config(['tiny.gin'], SMALL, num_devices=N)
   with pytest.raises(C.ConfigError, match=r"--workdir '.*notes.txt' cannot be written: File exists"):
-    train.run(cfg, str(workdir))
+    trainer.run(cfg, str(workdir))
   assert workdir.read_text() == 'keep me'
 
 
@@ -263,7 +269,7 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
   bigger = cfg8(f'TrainConfig.steps = {N}', 'ModelConfig.d_model = 256', 'ModelConfig.d_ff = 512')
   with pytest.raises(C.ConfigError, match=r'holds checkpoints of another model \(ModelConfig.d_model = 128 '
                                            r'there, 256 now, .*ModelConfig.d_ff = 256 there, 512 now\).*new --workdir'):
-    train.run(bigger, workdir)
+    trainer.run(bigger, workdir)
   # Spelled differently, the same shapes: 4 kv heads and None (= n_heads) are one model.
   check_same_model(cfg8('ModelConfig.n_kv_heads = 4', 'ModelConfig.head_dim = 32'), workdir)
   assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
@@ -278,9 +284,9 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
   the step and the array, falls back, moves the step aside, and the run
   saves that step afresh and ends bitwise equal to an uninterrupted one."""
   import shutil
-  full_dir, full = uninterrupted
+  full_dir, full_state = uninterrupted
   workdir = str(tmp_path / 'run')
-  train.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
   ckdir = os.path.join(workdir, 'checkpoints')
   state = jax.tree.map(np.array, final_state(workdir, 4))   # writable host copies
   kernel = state['params']['layers']['block_0']['mlp']['wi']['kernel']
@@ -292,49 +298,47 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
   shutil.rmtree(os.path.join(ckdir, '4', 'state'))
   shutil.move(str(tmp_path / 'forged'), os.path.join(ckdir, '4', 'state'))
   # The offline check finds it too.
-  from mjax.cli import report_main
-  with pytest.raises(SystemExit) as stop:
-    report_main(['checkpoint', workdir, '--verify'])
-  assert stop.value.code == 1
+  from mjax import report
+  assert report.main(['checkpoint', workdir, '--verify']) == 1
   table = capsys.readouterr().out
   assert re.search(r"persistent\s+4\s+damaged\s+\['params'\]\['layers'\]\['block_0'\]\['mlp'\]\['wi'\]"
                    r"\['kernel'\]", table), table
   assert re.search(r'persistent\s+2\s+ok\s+\d+ arrays match', table), table
 
   with caplog.at_level('WARNING'):
-    out = train.run(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
-  assert out['start_step'] == 2
+    out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
+  assert out.start_step == 2
   assert "checkpoints/4 (step 4) is damaged (array .params['layers']['block_0']['mlp']['wi']['kernel'] " \
          "does not match the checksum saved with it)" in caplog.text, caplog.text
   assert any(n.startswith('damaged-4-') for n in os.listdir(ckdir))
   # Step 4 was saved afresh on the way (the newest 3 of 2, 4, 6, 8 are kept).
   assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [4, 6, 8]
   assert losses(workdir) == losses(full_dir)
-  assert_bitwise(out['state'].params, full['state'].params)
-  assert_bitwise(out['state'].opt_state, full['state'].opt_state)
+  assert_bitwise(out_state.params, full_state.params)
+  assert_bitwise(out_state.opt_state, full_state.opt_state)
 
 
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
   workdir, _ = uninterrupted
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
   # Another learning rate on the command line: still nothing is rewritten.
-  out = train.run(cfg8(f'TrainConfig.steps = {N}', 'OptimConfig.learning_rate = 1e-5'), workdir)
-  assert out['already_finished'] and out['final_step'] == N
+  out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', 'OptimConfig.learning_rate = 1e-5'), workdir)
+  assert out.already_finished and out.final_step == N
   assert f'already finished at step {N}' in capsys.readouterr().out
   assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
 
 
 def test_an_unreadable_newest_step_is_saved_afresh_when_training_passes_it(uninterrupted, tmp_path):
-  full_dir, full = uninterrupted
+  full_dir, full_state = uninterrupted
   workdir = str(tmp_path / 'run')
-  train.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
   for root, _, files in os.walk(os.path.join(workdir, 'checkpoints', '4', 'state')):
     for f in files:
       if os.path.getsize(os.path.join(root, f)) > 64:
         with open(os.path.join(root, f), 'r+b') as fh:
           fh.truncate(16)
-  out = train.run(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2'), workdir)
-  assert out['start_step'] == 2
+  out, out_state = fit(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2'), workdir)
+  assert out.start_step == 2
   # Step 4 was written again on the way: the run's checkpoints are all readable.
   program = train.make_program(cfg8(), make_mesh(cfg8().mesh))
   ck = Checkpointer(cfg8().checkpoint, workdir)

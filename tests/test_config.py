@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from mjax import config as C
-from mjax.cli import _parser, _split_overrides
+from mjax import flags
 
 
 def load(*bindings, files=('tiny.gin',), num_devices=8):
-  return C.load_config(list(files), list(bindings), num_devices=num_devices)
+  return flags.load(list(files), list(bindings), num_devices=num_devices)
 
 
 def test_tiny_loads_with_base_include():
@@ -23,8 +23,8 @@ def test_tiny_loads_with_base_include():
 
 
 def test_both_override_forms_and_later_wins():
-  parser = _parser('t', 't')
-  args, bindings = _split_overrides(parser, [
+  parser = flags.parser('t', 't')
+  args, bindings = flags.parse(parser, [
       '--gin_file', 'tiny.gin', '--gin_param', 'TrainConfig.steps = 30',
       '--gin.TrainConfig.steps=31', '--gin.DataConfig.source=stdlib',
       '--gin.ModelConfig.sliding_window', '32', '--gin.ModelConfig.n_kv_heads=None',

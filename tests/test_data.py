@@ -94,8 +94,7 @@ def test_tokens_are_bytes_with_eos_between_documents(corpus_dir):
 
 
 def test_vocab_matches_config():
-  from mjax.config import BYTE_VOCAB
-  assert data.VOCAB_SIZE == BYTE_VOCAB and data.EOS_ID == 256 and data.PAD_ID == 257
+  assert data.VOCAB_SIZE == 258 and data.EOS_ID == 256 and data.PAD_ID == 257
 
 
 def test_determinism_and_seed(corpus_dir):

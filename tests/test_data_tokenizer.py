@@ -13,6 +13,7 @@ from mjax import config as C
 from mjax import data
 from mjax.cli import tokenizer_main
 from mjax.config import DataConfig, ModelConfig
+from mjax.data.sources import check_vocab
 from mjax.data.tokenizer import token_dtype
 
 SEQ = 16
@@ -147,17 +148,16 @@ def test_model_vocab_must_cover_the_tokenizer(tmp_path, bpe_path, corpus_dir):
   d = DataConfig(source=str(corpus_dir), tokenizer=str(bpe_path), seq_len=64)
   small = C.Config(model=ModelConfig(vocab_size=vocab - 1), data=d)
   with pytest.raises(C.ConfigError) as err:
-    C.validate(small)
+    check_vocab(small.model, small.data)
   msg = str(err.value)
   assert f'ModelConfig.vocab_size = {vocab - 1}' in msg and f'vocab_size >= {vocab}' in msg
   assert str(bpe_path) in msg
-  C.validate(dataclasses.replace(small, model=ModelConfig(vocab_size=vocab)))
+  check_vocab(ModelConfig(vocab_size=vocab), d)
   # A shard directory's manifest sets the bound too.
   out = tmp_path / 'shards'
   data.prepare_shards(str(corpus_dir), str(out), str(bpe_path), heldout_fraction=0.2)
   with pytest.raises(C.ConfigError, match=f'vocab_size >= {vocab}'):
-    C.validate(C.Config(model=ModelConfig(vocab_size=vocab - 1),
-                        data=DataConfig(source=str(out), seq_len=64)))
+    check_vocab(ModelConfig(vocab_size=vocab - 1), DataConfig(source=str(out), seq_len=64))
   with pytest.raises(C.ConfigError, match="DataConfig.tokenizer = '/no/tok.json'"):
     C.validate(C.Config(data=DataConfig(tokenizer='/no/tok.json', seq_len=64)))
 

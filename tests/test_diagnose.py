@@ -13,22 +13,36 @@ import sys
 import jax
 import pytest
 
+from mjax.devices import peak_cache_key
 from mjax.ft import diagnose
-from mjax.metrics import _cpu_model
+from mjax.protocol import DIAGNOSE_FAIL_ENV
 
 SMALL = dict(cpu_memory_bytes=16 * diagnose.MIB, collective_bytes=diagnose.MIB, seconds=0.05)
 
 
 def _cache(tmp_path, tflops):
   """A peak-FLOP/s cache like mjax-train's, claiming `tflops` for this CPU."""
-  key = f'cpu|{_cpu_model()}|{os.cpu_count()}|{{}}|jax {jax.__version__}'
   with open(tmp_path / 'peak_flops.json', 'w') as fh:
-    json.dump({key.format(dt): tflops * 1e12 for dt in ('bfloat16', 'float32')}, fh)
+    json.dump({peak_cache_key('cpu', dt): tflops * 1e12 for dt in ('bfloat16', 'float32')}, fh)
   return str(tmp_path)
 
 
+def test_device_facts_match_the_longest_name_and_load_without_jax():
+  from mjax import devices as F
+  assert F.lookup_peak('NVIDIA H100 PCIe', 'bfloat16') == 756e12      # not the SXM 'H100' row
+  assert F.lookup_peak('NVIDIA H100 80GB HBM3', 'float32') == 494.7e12
+  assert F.lookup_peak('cpu', 'float32') is None
+  assert F.link_bandwidth('NVIDIA H100 80GB HBM3') == 450.0
+  assert F.link_bandwidth('NVIDIA H100 PCIe') is None and F.link_bandwidth('NVIDIA L4') is None
+  jax.local_devices()
+  assert F.backend_started()
+  # The health checks import it between collectives: it must not load JAX.
+  code = 'import sys, mjax.devices as F; assert not F.backend_started(); assert "jax" not in sys.modules'
+  subprocess.run([sys.executable, '-c', code], check=True, timeout=60)
+
+
 def test_every_check_measures_and_passes_on_8_devices(tmp_path, monkeypatch):
-  monkeypatch.delenv(diagnose.FAIL_ENV, raising=False)
+  monkeypatch.delenv(DIAGNOSE_FAIL_ENV, raising=False)
   report = diagnose.run_diagnostics(cache_dir=_cache(tmp_path, 1e-4), **SMALL)
   names = [c.name for c in report.checks]
   assert names == ['matmul_bfloat16', 'matmul_float32'] + ['memory'] * 8 + ['allreduce_local', 'allgather_local']
@@ -66,7 +80,7 @@ def test_collective_bus_bandwidth_follows_the_nccl_tests_formulas():
 
 
 def test_injected_allreduce_failure_makes_the_cli_exit_1(repo_root):
-  env = dict(os.environ, **{diagnose.FAIL_ENV: 'allreduce'})
+  env = dict(os.environ, **{DIAGNOSE_FAIL_ENV: 'allreduce'})
   proc = subprocess.run(
       [os.path.join(os.path.dirname(sys.executable), 'mjax-diagnose'), '--json', '--checks', 'memory,allreduce',
        '--cpu_memory_mib', '16', '--collective_mib', '1'],
@@ -83,15 +97,15 @@ def test_injected_allreduce_failure_makes_the_cli_exit_1(repo_root):
 
 def test_cli_passes_and_rejects_unknown_injected_names(monkeypatch, capsys):
   from mjax.cli import diagnose_main
-  monkeypatch.delenv(diagnose.FAIL_ENV, raising=False)
+  monkeypatch.delenv(DIAGNOSE_FAIL_ENV, raising=False)
   with pytest.raises(SystemExit) as e:
     diagnose_main(['--checks', 'memory', '--cpu_memory_mib', '8'])
   assert e.value.code == 0 and 'verdict: PASS' in capsys.readouterr().out
-  monkeypatch.setenv(diagnose.FAIL_ENV, 'allredcue')
+  monkeypatch.setenv(DIAGNOSE_FAIL_ENV, 'allredcue')
   with pytest.raises(SystemExit) as e:
     diagnose_main(['--checks', 'memory'])
   assert e.value.code == 2 and 'unknown check(s) allredcue' in capsys.readouterr().err
-  monkeypatch.setenv(diagnose.FAIL_ENV, 'memory')
+  monkeypatch.setenv(DIAGNOSE_FAIL_ENV, 'memory')
   with pytest.raises(SystemExit) as e:
     diagnose_main(['--checks', 'memory', '--cpu_memory_mib', '8'])
   out = capsys.readouterr().out
@@ -103,7 +117,7 @@ def test_two_processes_also_check_the_collectives_across_them(repo_root, tmp_pat
   with socket.socket() as s:
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', diagnose.FAIL_ENV)}
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', DIAGNOSE_FAIL_ENV)}
   env.update(MJAX_COORDINATOR_ADDRESS=f'localhost:{port}', MJAX_NUM_PROCESSES='2', MJAX_LOCAL_DEVICE_COUNT='2')
   procs = [subprocess.Popen(
       [os.path.join(os.path.dirname(sys.executable), 'mjax-diagnose'), '--json', '--checks', 'allreduce,allgather',

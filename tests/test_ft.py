@@ -129,10 +129,10 @@ def test_no_driver_no_client(monkeypatch):
 # --- detection ----------------------------------------------------------------------
 
 def test_timeout_hierarchy_is_enforced():
-  detect.check_timeouts(C.FaultConfig())
-  bad = C.FaultConfig(heartbeat_timeout_s=30, progress_timeout_s=20)
-  with pytest.raises(detect.TimeoutOrderError, match='heartbeat_timeout_s = 30'):
-    detect.check_timeouts(bad)
+  C.validate(C.Config())
+  with pytest.raises(C.ConfigError, match=r'FaultConfig.heartbeat_timeout_s = 30.0 is not allowed: must be '
+                                          r'less than FaultConfig.progress_timeout_s = 20.0'):
+    C.validate(C.Config(fault=C.FaultConfig(heartbeat_timeout_s=30, progress_timeout_s=20)))
   with pytest.raises(C.ConfigError, match='heartbeat_interval_s < heartbeat_timeout_s'):
     C.load_config(['tiny.gin'], ['FaultConfig.progress_timeout_s = 900'])
 
@@ -528,7 +528,7 @@ def test_hang_names_silent_process_then_failing_host_is_blocked(tmp_path, repo_r
   assert 8.0 <= stalled_s <= 8.0 + 3.0
   dumps = {e['process']: e for e in events(tmp_path, 'stack_dump')}
   assert 'inject.py' in dumps[1]['threads'][0]['where']            # what the silent one was doing
-  assert 'train.py' in dumps[0]['threads'][0]['where']
+  assert 'trainer.py' in dumps[0]['threads'][0]['where']
   diag = {e['host']: e['passed'] for e in events(tmp_path, 'diagnosis')}
   assert diag == {'slot0': True, 'slot1': False}
   assert [e['host'] for e in events(tmp_path, 'host_blocked')] == ['slot1']

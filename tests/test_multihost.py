@@ -139,7 +139,7 @@ def test_peers_are_given_up_on_after_the_collective_timeout(monkeypatch):
   """jax's coordination service aborts the job when a peer stops beating;
   that is the outermost timeout of the hierarchy, after the driver's own."""
   seen = {}
-  monkeypatch.setattr(D, '_backend_started', lambda: False)
+  monkeypatch.setattr('mjax.devices.backend_started', lambda: False)
   monkeypatch.setattr(D, '_INIT_SECONDS', 0.0)    # restored afterwards: this job is pretend
   monkeypatch.setattr(jax.distributed, 'is_initialized', lambda: False)
   monkeypatch.setattr(jax.distributed, 'initialize', lambda **kw: seen.update(kw))

@@ -11,9 +11,15 @@ import pytest
 
 from mjax import config as C
 from mjax import data as data_lib
-from mjax import train
+from mjax import trainer
 
 REQUIRED_KEYS = {'step', 'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec', 'mfu'}
+
+
+def fit(cfg, workdir):
+  """Trains `cfg` in `workdir`; the summary and the final train state."""
+  t = trainer.Trainer(cfg, str(workdir))
+  return t.train(), t.state
 
 
 def read_metrics(workdir):
@@ -59,13 +65,13 @@ def _small(*extra, num_devices=8):
 
 def test_same_command_twice_gives_the_same_losses(tmp_path):
   cfg = _small('TrainConfig.steps = 4', 'TrainConfig.eval_every = 0')
-  a = train.run(cfg, str(tmp_path / 'a'))
-  b = train.run(cfg, str(tmp_path / 'b'))
+  a, a_state = fit(cfg, str(tmp_path / 'a'))
+  b, b_state = fit(cfg, str(tmp_path / 'b'))
   la = [r['loss'] for r in read_metrics(tmp_path / 'a')[0]]
   lb = [r['loss'] for r in read_metrics(tmp_path / 'b')[0]]
   assert la == lb and len(la) == 4
-  assert a['eval_loss'] == b['eval_loss']
-  for x, y in zip(jax.tree.leaves(a['state'].params), jax.tree.leaves(b['state'].params)):
+  assert a.eval_loss == b.eval_loss
+  for x, y in zip(jax.tree.leaves(a_state.params), jax.tree.leaves(b_state.params)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

@@ -125,17 +125,6 @@ def split_flags(files: list[str], heldout_fraction: float) -> Optional[list[bool
   return None if all(held) or not any(held) else held
 
 
-def encode_documents(docs: list[bytes]) -> np.ndarray:
-  """Byte-tokenizes documents and joins them, each followed by EOS.
-
-  Args:
-    docs: raw file contents.
-  Returns:
-    uint16 array of length sum(len(d) + 1).
-  """
-  return ByteTokenizer().encode_documents(docs)
-
-
 def read_documents(root: str, rel_paths: list[str]) -> list[bytes]:
   """The raw contents of files under `root`.
 

@@ -34,8 +34,8 @@ from mjax.data.errors import DataError
 from mjax.data.packing import Batch, Windows, num_windows, rows_from_windows
 from mjax.data.sources import TokenSource, load_sources
 
-__all__ = ['describe', 'gather_windows', 'make_eval_batches', 'make_train_dataset',
-           'make_train_iterator', 'num_windows']
+__all__ = ['describe', 'make_eval_batches', 'make_train_dataset', 'make_train_iterator',
+           'num_windows']
 
 # A row id is window_id + (source index << _SOURCE_SHIFT): one int64 per row
 # keeps grain's batching a plain np.stack.
@@ -79,19 +79,6 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
           + (', or a larger heldout_fraction.' if split == 'heldout' else '.'))
     out.append(win)
   return out
-
-
-def gather_windows(tokens: np.ndarray, seq_len: int, window_ids: np.ndarray) -> Batch:
-  """Builds a batch from the window ids of one token stream.
-
-  Args:
-    tokens: token stream of a split.
-    seq_len: model sequence length.
-    window_ids: int array (B,) of window indices.
-  Returns:
-    {'inputs', 'targets'}: int32 (B, seq_len); 'loss_mask': float32 ones.
-  """
-  return rows_from_windows(Windows([tokens], seq_len).gather(window_ids), -1, False)
 
 
 class _Tag:

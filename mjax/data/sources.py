@@ -20,11 +20,11 @@ from typing import Literal
 
 import numpy as np
 
-from mjax.config import DataConfig
+from mjax.config import ConfigError, DataConfig, ModelConfig
 from mjax.data import corpus as corpus_lib
 from mjax.data import shards as shards_lib
 from mjax.data.errors import DataError
-from mjax.data.tokenizer import BYTES, TokenizerInfo, load_tokenizer
+from mjax.data.tokenizer import BYTES, VOCAB_SIZE, TokenizerInfo, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +115,22 @@ def data_vocab(cfg: DataConfig) -> tuple[int, str]:
       found = (info.vocab_size, f'the tokenizer {info.path or repr(info.name)}')
     best = max(best, found, key=lambda t: t[0])
   return best
+
+
+def check_vocab(model: ModelConfig, data: DataConfig) -> None:
+  """Raises ConfigError unless the model's vocabulary covers every id the
+  data can produce. Reads a tokenizer.json or a manifest at most (cheap); the
+  shards themselves are checked when the pipeline opens them."""
+  if data.tokenizer == BYTES and not any(s != 'stdlib' and shards_lib.is_shard_dir(s)
+                                         for s, _ in data.source_weights()):
+    vocab, what = VOCAB_SIZE, 'the byte tokenizer (256 bytes + EOS + PAD)'
+  else:
+    try:
+      vocab, what = data_vocab(data)
+    except DataError as e:
+      raise ConfigError(f'DataConfig: {e}') from None
+  if model.vocab_size < vocab:
+    raise ConfigError(
+        f'ModelConfig.vocab_size = {model.vocab_size!r} is not allowed: {what} produces ids up to '
+        f'{vocab - 1}, so the model needs vocab_size >= {vocab} (a multiple of 128 suits GPUs: '
+        f'{-(-vocab // 128) * 128}).')

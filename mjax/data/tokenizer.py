@@ -27,13 +27,12 @@ from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from mjax.config import BYTE_VOCAB
 from mjax.data.errors import DataError
 
 BYTES = 'bytes'
 EOS_ID = 256          # byte tokenizer: separates documents
 PAD_ID = 257          # byte tokenizer: never produced by the pipeline; reserved
-VOCAB_SIZE = BYTE_VOCAB
+VOCAB_SIZE = 258      # byte tokenizer: 256 byte values + EOS + PAD
 
 # Looked up in this order when no tokenizer_config.json names the EOS token.
 EOS_CANDIDATES = ('<|endoftext|>', '</s>', '<eos>', '<|end_of_text|>', '<|eos|>')

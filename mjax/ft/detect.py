@@ -35,24 +35,6 @@ import re
 from typing import Optional
 
 
-class TimeoutOrderError(ValueError):
-  """The FaultConfig timeouts are not strictly increasing."""
-
-
-def check_timeouts(fault_cfg) -> None:
-  """Raises TimeoutOrderError unless interval < heartbeat < progress < collective."""
-  f = fault_cfg
-  chain = (('heartbeat_interval_s', f.heartbeat_interval_s), ('heartbeat_timeout_s', f.heartbeat_timeout_s),
-           ('progress_timeout_s', f.progress_timeout_s), ('collective_timeout_s', f.collective_timeout_s))
-  for (a, x), (b, y) in zip(chain, chain[1:]):
-    if not x < y:
-      raise TimeoutOrderError(
-          f'FaultConfig.{a} = {x} must be less than FaultConfig.{b} = {y}: the driver has to notice a '
-          f'lost process (heartbeat) before it calls it a hang (progress), and both before a '
-          f'collective times out on the healthy processes (collective). Set them so that '
-          f'heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s < collective_timeout_s.')
-
-
 @dataclasses.dataclass
 class Fault:
   """What went wrong. `processes` are the ones named as the cause."""

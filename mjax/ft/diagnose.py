@@ -49,27 +49,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+# Device facts only from mjax.devices, which imports no JAX at load time:
+# importing more inside a check once left the next all-reduce check stuck.
+from mjax.devices import link_bandwidth, lookup_peak, memory_stats, peak_cache_key
+from mjax.protocol import DIAGNOSE_FAIL_ENV
+
 CHECKS = ('matmul', 'memory', 'allreduce', 'allgather')
-FAIL_ENV = 'MJAX_DIAGNOSE_FAIL'
 MIB = 1 << 20
 GIB = 1 << 30
-
-# NVLink bandwidth per GPU and direction, GB/s, from NVIDIA's data sheets
-# (half the bidirectional figure they quote). Longest names first, as in
-# `lookup_peak`. PCIe-only cards (L4, L40S, A10, H100 PCIe without bridges)
-# have no entry: their collectives are reported without a verdict.
-NVLINK_GBPS = {
-    'GB200': 900.0,
-    'B200': 900.0,
-    'H200': 450.0,
-    'H100 PCIe': None,
-    'H100': 450.0,     # SXM, NVLink 4
-    'H800': 200.0,
-    'H20': 450.0,
-    'A100': 300.0,     # SXM, NVLink 3
-    'A800': 200.0,
-    'V100': 150.0,
-}
 
 
 @dataclasses.dataclass
@@ -148,13 +135,13 @@ def injected_failures(environ=None) -> set[str]:
     ValueError: for a name that matches no check, so a typo in a test does
       not quietly test nothing.
   """
-  spec = (os.environ if environ is None else environ).get(FAIL_ENV, '')
+  spec = (os.environ if environ is None else environ).get(DIAGNOSE_FAIL_ENV, '')
   names = {n.strip() for n in spec.split(',') if n.strip()}
   known = set(CHECKS) | {'matmul_bfloat16', 'matmul_float32'} | {
       f'{c}_{scope}' for c in ('allreduce', 'allgather') for scope in ('local', 'global')}
   bad = sorted(names - known)
   if bad:
-    raise ValueError(f'{FAIL_ENV}={spec!r}: unknown check(s) {", ".join(bad)}; '
+    raise ValueError(f'{DIAGNOSE_FAIL_ENV}={spec!r}: unknown check(s) {", ".join(bad)}; '
                      f'known: {", ".join(sorted(known))} (comma-separated).')
   return names
 
@@ -162,7 +149,7 @@ def injected_failures(environ=None) -> set[str]:
 def _apply_injection(check: Check, forced: set[str]) -> Check:
   if any(check.name == f or check.name.startswith(f + '_') for f in forced):
     check.passed = False
-    check.note = (check.note + '; ' if check.note else '') + f'failure injected by {FAIL_ENV} (test only)'
+    check.note = (check.note + '; ' if check.note else '') + f'failure injected by {DIAGNOSE_FAIL_ENV} (test only)'
   return check
 
 
@@ -212,13 +199,10 @@ def _time_per_call(fn, *args, seconds: float = 0.3, max_calls: int = 64,
 
 def _cpu_peak(dtype: str, cache_dir: str) -> tuple[Optional[float], str]:
   """The machine's cached measured matmul peak, as mjax-train stores it."""
-  import jax
-  from mjax.metrics import _cpu_model
   path = os.path.join(os.path.expanduser(cache_dir), 'peak_flops.json')
-  key = f'cpu|{_cpu_model()}|{os.cpu_count()}|{dtype}|jax {jax.__version__}'
   try:
     with open(path) as fh:
-      value = json.load(fh).get(key)
+      value = json.load(fh).get(peak_cache_key('cpu', dtype))
   except (OSError, ValueError, AttributeError):
     value = None
   if value is None:
@@ -251,7 +235,6 @@ def check_matmul(devices: Sequence, dtype: str, min_fraction: float = 0.5, cache
     peak, source = _cpu_peak(dtype, cache_dir)
   else:
     n, measured_on = 8192, list(devices)
-    from mjax.metrics import lookup_peak
     peak = lookup_peak(devices[0].device_kind, dtype)
     source = (f'data sheet {peak / 1e12:.1f} TFLOP/s ({devices[0].device_kind})' if peak else
               f'no data-sheet figure for {devices[0].device_kind!r}: nothing to compare with')
@@ -300,13 +283,7 @@ def check_memory(devices: Sequence, fraction: float = 0.5, cpu_bytes: int = 128 
   Returns:
     One Check per device, named 'memory': value and expected in GiB.
   """
-  limits = []
-  for d in devices:
-    try:
-      stats = d.memory_stats()
-    except Exception:  # some backends do not implement it
-      stats = None
-    limits.append((stats or {}).get('bytes_limit'))
+  limits = [memory_stats(d).get('bytes_limit') for d in devices]
   if devices[0].platform != 'cpu' and all(limits):
     nbytes = int(min(limits) * fraction)
     note = f'{fraction:.0%} of the allocator limit {min(limits) / GIB:.1f} GiB'
@@ -364,13 +341,6 @@ def _fill_and_verify(devices: Sequence, rows: int) -> list[int]:
   return [int(x) for x in per_row.reshape(n, rows).sum(axis=1)]
 
 
-def _link_bandwidth(device_kind: str) -> Optional[float]:
-  for name in sorted(NVLINK_GBPS, key=len, reverse=True):
-    if name.lower() in device_kind.lower():
-      return NVLINK_GBPS[name]
-  return None
-
-
 def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'local',
                      min_fraction: float = 0.5, seconds: float = 0.3) -> Check:
   """Bus bandwidth of an all-reduce or all-gather over `devices`.
@@ -419,7 +389,7 @@ def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'lo
     return (col % 251).astype(jnp.float32)
 
   make = jax.jit(block, out_shardings=NamedSharding(mesh, P('d')))
-  link = _link_bandwidth(devices[0].device_kind) if scope == 'local' else None
+  link = link_bandwidth(devices[0].device_kind) if scope == 'local' else None
   expected = link * min_fraction if link else None
   try:
     x = make()

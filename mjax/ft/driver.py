@@ -12,7 +12,9 @@ authenticated heartbeats (mjax/ft/heartbeat.py) on `--bind` (127.0.0.1 and
 a free port by default) and watches for:
 
   exit             a process exits with a non-zero status (2 = bad input:
-                   stop, retrying cannot help; 3 = non-finite loss)
+                   stop, retrying cannot help; 3 = non-finite loss; see
+                   mjax/protocol.py for every status and what travels
+                   between trainer and driver)
   heartbeat_lost   no heartbeat for heartbeat_timeout_s
   hang             heartbeats but no step for progress_timeout_s: the
                    processes furthest behind are named (detect.culprits),
@@ -45,7 +47,7 @@ Recovery, without a human:
      else on fewer hosts with gradient accumulation keeping the global
      batch (mjax/ft/hosts.py); the attempt number goes to MJAX_ATTEMPT.
   A numerical fault (NaN/Inf, loss spikes) also skips the data between the
-  checkpoint and the bad step (MJAX_SKIP_DATA_STEPS), so that the restart
+  checkpoint and the bad step (TrainConfig.skip_batches), so that the restart
   does not replay the batches that led to it; checkpoints only ever hold
   finite states, so the rollback target is good.
 FaultConfig.max_restarts bounds the restarts in a row that do not get
@@ -69,7 +71,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -77,13 +78,14 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from mjax import flags, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
 from mjax.ft.executor import LocalExecutor
 
-EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = 0, 1, 2
-TRAINER_BAD_INPUT, TRAINER_NONFINITE = 2, 3   # mjax-train's own statuses (mjax/cli.py)
-SKIP_ENV = 'MJAX_SKIP_DATA_STEPS'
+# The driver's own exit statuses.
+EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, protocol.EXIT_USER_ERROR
 MAX_BACKOFF_S = 60.0
+TIMING_TAIL_BYTES = 1 << 16   # of each process's timing file: ~400 steps, more than any straggler window
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
 
 
@@ -194,19 +196,6 @@ def _size(path: str) -> int:
     return 0
 
 
-def newest_checkpoint_step(cfg, workdir: str) -> int:
-  """The newest complete checkpoint step over both tiers (0: none yet).
-
-  A step directory exists only once Orbax has finished it (it writes into a
-  temporary name and renames), so the names say it all."""
-  from mjax.checkpoint import tier_directories
-  best = 0
-  for d in tier_directories(cfg.checkpoint, workdir).values():
-    if os.path.isdir(d):
-      best = max([best] + [int(n) for n in os.listdir(d) if n.isdigit()])
-  return best
-
-
 def _echo(line: str) -> None:
   """One event on the driver's stderr, shortened (events.jsonl has it all)."""
   rec = json.loads(line)
@@ -240,23 +229,15 @@ class Driver:
   """Runs, supervises and recovers one job; `run()` returns the exit status."""
 
   def __init__(self, opts: Options, executor_factory=LocalExecutor):
-    from mjax import cli
-    from mjax.config import ConfigError, load_config
+    """Raises mjax.errors.UserError (exit status 2) for a config that cannot run."""
     self.opts = opts
     self.workdir = os.path.abspath(opts.workdir)
-    parser = cli._parser('mjax-launch', '')
-    args, bindings = cli._split_overrides(parser, opts.train_args)
-    self.gin_files = args.gin_file or [cli.DEFAULT_GIN]
+    args, bindings = flags.parse(flags.parser('mjax-launch', ''), opts.train_args)
+    self.gin_files = flags.gin_files(args)
     self.bindings = bindings
     total = opts.processes * (opts.devices or 1) if opts.devices else None
-    try:
-      self.cfg = load_config(self.gin_files, bindings, num_devices=total)
-    except ConfigError as e:
-      raise BadInput(str(e)) from None
-    try:
-      detect.check_timeouts(self.cfg.fault)
-    except detect.TimeoutOrderError as e:
-      raise BadInput(str(e)) from None
+    # The trainers validate exactly the same way; failing here spares a launch.
+    self.cfg = flags.load(self.gin_files, bindings, num_devices=total)
     self.fault_cfg = self.cfg.fault
     os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
     self.executor_factory = executor_factory
@@ -312,8 +293,8 @@ class Driver:
         self._on_fault(att, fault)
         if fault.kind == 'bad_input':
           self._stop(att, fault.kind)
-          self.events.emit('giveup', reason='a process reported bad input (exit status 2): retrying '
-                           'cannot help; see its log', restarts=restarts)
+          self.events.emit('giveup', reason=f'a process reported bad input (exit status 2), retrying '
+                           f'cannot help: {fault.detail}', restarts=restarts)
           return EXIT_BAD_INPUT
         self._stop(att, fault.kind)
         if self._signal is not None:
@@ -348,7 +329,12 @@ class Driver:
     return EXIT_GAVE_UP
 
   def _checkpoint_step(self) -> int:
-    return newest_checkpoint_step(self.cfg, self.workdir) if self.cfg.checkpoint.enabled else 0
+    """The newest complete checkpoint over both tiers (0: none yet)."""
+    if not self.cfg.checkpoint.enabled:
+      return 0
+    from mjax.checkpoint import saved_steps
+    found = saved_steps(self.cfg.checkpoint, self.workdir)
+    return found[0][0] if found else 0
 
   def _elastic(self, n: int) -> list[str]:
     """Bindings for running on n hosts instead of the --processes asked for."""
@@ -366,23 +352,21 @@ class Driver:
     n = len(hosts)
     executors = [self.executor_factory(h) for h in hosts]
     coordinator = executors[0].coordinator(launch.free_port())
-    argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
-            *[f'--gin_param={b}' for b in bindings]]
     skip = 0
     if self.skip is not None and self.skip[0] == self._checkpoint_step():
       skip = self.skip[1]   # still resuming from the rolled-back checkpoint
+    if skip:
+      bindings = [*bindings, f'{protocol.SKIP_BATCHES_KEY} = {skip}']
+    argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
+            *[f'--gin_param={b}' for b in bindings]]
     monitor = detect.Monitor(self.fault_cfg, self.losses)
     self.losses.new_attempt()
     handles, logs, now = {}, {}, time.monotonic()
     for i, (host, ex) in enumerate(zip(hosts, executors)):
       env = launch.local_env(i, n, coordinator, self.opts.devices)
-      env.update({hb.ADDRESS_ENV: self.server.address, hb.SECRET_ENV: self.secret, hb.HOST_ENV: host,
-                  hb.ATTEMPT_ENV: str(number), 'PYTHONUNBUFFERED': '1'})
+      env.update({protocol.DRIVER_ADDRESS_ENV: self.server.address, protocol.SECRET_ENV: self.secret,
+                  protocol.HOST_ENV: host, protocol.ATTEMPT_ENV: str(number), 'PYTHONUNBUFFERED': '1'})
       env.update(self.opts.host_env.get(host, {}))
-      if skip:
-        env[SKIP_ENV] = str(skip)
-      else:
-        env.pop(SKIP_ENV, None)
       log = os.path.join(self.workdir, 'logs', f'process-{i}.log')
       with open(log, 'ab') as fh:
         fh.write(f'=== mjax-launch attempt {number}: process {i} of {n} on {host} ===\n'.encode())
@@ -436,14 +420,21 @@ class Driver:
 
   def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
     codes = {i: self._describe_status(c) for i, c in failed.items()}
-    if TRAINER_BAD_INPUT in failed.values():
-      return detect.Fault('bad_input', sorted(i for i, c in failed.items() if c == TRAINER_BAD_INPUT),
-                          'exit status 2 (configuration, data or usage error)', extra={'exit': codes})
-    if TRAINER_NONFINITE in failed.values():
-      procs = sorted(i for i, c in failed.items() if c == TRAINER_NONFINITE)
+    if protocol.EXIT_USER_ERROR in failed.values():
+      procs = sorted(i for i, c in failed.items() if c == protocol.EXIT_USER_ERROR)
+      error = next((f[protocol.USER_ERROR] for f in (self._facts(att, i) for i in procs)
+                    if isinstance(f.get(protocol.USER_ERROR), str)), None)
+      return detect.Fault('bad_input', procs, error or 'exit status 2 (configuration, data or usage error)',
+                          extra={'exit': codes})
+    if protocol.EXIT_NONFINITE in failed.values():
+      procs = sorted(i for i, c in failed.items() if c == protocol.EXIT_NONFINITE)
       return detect.Fault('nonfinite_loss', procs, 'exit status 3 (non-finite loss)',
                           step=self._nan_step(att, procs), extra={'exit': codes})
     return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
+
+  def _facts(self, att: Attempt, process: int) -> dict:
+    """What process `process` of this attempt recorded for the driver (mjax/protocol.py)."""
+    return protocol.read_facts(self.workdir, process, att.number)
 
   @staticmethod
   def _describe_status(code: int) -> str:
@@ -455,12 +446,11 @@ class Driver:
     return f'status {code}'
 
   def _nan_step(self, att: Attempt, procs: list[int]) -> Optional[int]:
-    """The step whose loss was non-finite, from the trainer's last words."""
+    """The step whose loss was non-finite, as the trainer recorded it."""
     for i in procs:
-      path, offset = att.logs[i]
-      found = re.findall(r'loss is \S+ at step (\d+)', _read_from(path, offset))
-      if found:
-        return int(found[-1])
+      step = (self._facts(att, i).get(protocol.NONFINITE) or {}).get('step')
+      if isinstance(step, int):
+        return step
     step = att.monitor.max_step()
     return None if step is None else step + 1
 
@@ -482,11 +472,10 @@ class Driver:
       self.events.emit('running', attempt=att.number, seconds=round(time.monotonic() - att.started, 3))
     p0 = m.procs.get(0)
     if not att.startup_reported and p0 is not None and p0.step is not None:
-      path, offset = att.logs[0]
-      found = re.findall(r'mjax: startup (\{.*\})', _read_from(path, offset))
-      if found:
+      report = self._facts(att, 0).get(protocol.STARTUP)
+      if isinstance(report, dict):
         att.startup_reported = True
-        self.events.emit('startup', attempt=att.number, **json.loads(found[-1]))
+        self.events.emit('startup', attempt=att.number, **report)
     if self.pre_fault is not None:
       low = m.min_step()
       if low is not None and low >= self.pre_fault[0]:
@@ -498,7 +487,7 @@ class Driver:
   def _stragglers(self, att: Attempt, flagged: set) -> Optional[detect.Fault]:
     from mjax.ft import stragglers
     try:
-      rows = stragglers.load_rows(self.workdir)
+      rows = stragglers.load_rows(self.workdir, tail_bytes=TIMING_TAIL_BYTES)
     except FileNotFoundError:
       return None
     f = self.fault_cfg
@@ -555,17 +544,18 @@ class Driver:
                        step=att.monitor.procs[i].step, phase=att.monitor.procs[i].phase,
                        threads=detect.parse_stacks(_read_from(path, offset))[:8])
 
-  def _stop(self, att: Attempt, why: str) -> None:
-    """SIGTERM (the trainer saves if it can), SIGKILL after the grace period."""
-    t0 = time.monotonic()
+  def _terminate(self, att: Attempt, wait_s: float, patient=lambda: True) -> list[int]:
+    """SIGTERM to every live process (a trainer saves and exits), SIGKILL to
+    those still alive after `wait_s` or once `patient()` turns False; returns
+    the processes killed."""
     alive = [h for h in att.handles.values() if h.poll() is None]
     for h in alive:
       try:
         h.send_signal(signal.SIGTERM)
       except ProcessLookupError:
         pass
-    deadline = t0 + self.opts.grace_s
-    while any(h.poll() is None for h in alive) and time.monotonic() < deadline:
+    deadline = time.monotonic() + wait_s
+    while any(h.poll() is None for h in alive) and time.monotonic() < deadline and patient():
       time.sleep(0.05)
     killed = []
     for i, h in att.handles.items():
@@ -574,10 +564,18 @@ class Driver:
         att.executors[i].kill(h)
     for h in att.handles.values():
       h.wait()
+    return killed
+
+  def _exit_statuses(self, att: Attempt) -> dict:
+    return {i: self._describe_status(h.returncode) for i, h in att.handles.items()}
+
+  def _stop(self, att: Attempt, why: str) -> None:
+    """Stops the job after a fault or at the end, with --grace_s to save."""
+    t0 = time.monotonic()
+    killed = self._terminate(att, self.opts.grace_s)
     if why != 'finished' or killed:
       self.events.emit('stopped', attempt=att.number, why=why, seconds=round(time.monotonic() - t0, 3),
-                       killed=killed, exit={i: self._describe_status(h.returncode)
-                                            for i, h in att.handles.items()})
+                       killed=killed, exit=self._exit_statuses(att))
 
   def _diagnose(self, att: Attempt, fault: detect.Fault) -> None:
     """mjax-diagnose on every host of the attempt, in parallel; failing
@@ -611,11 +609,11 @@ class Driver:
   def _diagnose_host(self, host: str) -> tuple[bool, Optional[dict], str]:
     from mjax import distributed
     env = dict(os.environ)
-    env.pop('MJAX_FAULT', None)      # the trainer's test faults are not the host's
+    env.pop(protocol.INJECT_ENV, None)   # the trainer's test faults are not the host's
     if self.opts.devices:
       env['XLA_FLAGS'] = distributed.with_device_count(env.get('XLA_FLAGS', ''), self.opts.devices)
       env['JAX_PLATFORMS'] = 'cpu'
-    env[hb.HOST_ENV] = host
+    env[protocol.HOST_ENV] = host
     env.update(self.opts.host_env.get(host, {}))
     code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args], env,
                                                      self.opts.diagnose_timeout_s)
@@ -665,32 +663,6 @@ class Driver:
     """SIGTERM/SIGINT to the driver: pass SIGTERM on, so every process saves
     and exits; wait for them (a collective timeout at most, or until a
     second signal says not to wait)."""
-    for h in att.handles.values():
-      if h.poll() is None:
-        h.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + self.fault_cfg.collective_timeout_s
-    while (any(h.poll() is None for h in att.handles.values()) and time.monotonic() < deadline
-           and self._signals < 2):
-      time.sleep(0.1)
-    for i, h in att.handles.items():
-      if h.poll() is None:
-        att.executors[i].kill(h)
-      h.wait()
-    codes = {i: self._describe_status(h.returncode) for i, h in att.handles.items()}
-    self.events.emit('preempted', attempt=att.number, exit=codes)
+    self._terminate(att, self.fault_cfg.collective_timeout_s, patient=lambda: self._signals < 2)
+    self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att))
     return EXIT_OK if all(h.returncode == 0 for h in att.handles.values()) else EXIT_GAVE_UP
-
-
-class BadInput(ValueError):
-  """The job cannot start as asked (config, flags); exit status 2."""
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  """mjax-launch; returns the exit status."""
-  opts = parse_args(sys.argv[1:] if argv is None else argv)
-  try:
-    driver = Driver(opts)
-  except BadInput as e:
-    print(f'mjax-launch: error: {e}', file=sys.stderr)
-    return EXIT_BAD_INPUT
-  return driver.run()

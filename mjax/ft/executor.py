@@ -31,9 +31,8 @@ class LocalExecutor:
 
   def start(self, argv: Sequence[str], env: dict, log_path: str) -> subprocess.Popen:
     """Starts a process; its stdout and stderr are appended to `log_path`."""
-    with open(log_path, 'ab') as log:
-      return subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    from mjax.launch import start_logged
+    return start_logged(argv, env, log_path, new_session=True)
 
   def kill(self, handle: subprocess.Popen) -> None:
     """SIGKILL to the process and anything it started (its own session)."""

@@ -55,10 +55,9 @@ import threading
 import time
 from typing import Any, Optional
 
-ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'
-SECRET_ENV = 'MJAX_JOB_SECRET'
-HOST_ENV = 'MJAX_HOST'
-ATTEMPT_ENV = 'MJAX_ATTEMPT'
+from mjax import protocol
+from mjax.protocol import DRIVER_ADDRESS_ENV as ADDRESS_ENV, HOST_ENV, SECRET_ENV
+
 MAX_DATAGRAM = 16384      # bytes; a heartbeat is ~1 KB, this leaves room for logs
 LOG_LINES = 5             # warning/error records carried by each heartbeat
 LOG_CHARS = 400           # each one cut to this length
@@ -246,7 +245,7 @@ class HeartbeatClient:
                        f'are authenticated with the per-job secret the driver generates, so a '
                        f'process started by mjax-launch always has both.') from None
     return cls(address, secret, timer, fault_cfg.heartbeat_interval_s, process_index,
-               attempt=int(os.environ.get(ATTEMPT_ENV, '0') or 0))
+               attempt=protocol.attempt())
 
   def report_step(self, step: int, loss: float, step_time: float) -> None:
     """Called by the loop once a step's metrics are known."""

@@ -21,11 +21,13 @@ import signal
 import time
 from typing import Optional
 
+from mjax import protocol
+
 KINDS = ('kill', 'hang', 'slow', 'nan', 'exit')
 
 
 @dataclasses.dataclass(frozen=True)
-class Fault:
+class InjectedFault:
   kind: str
   step: int = 0
   process: Optional[int] = None
@@ -34,37 +36,37 @@ class Fault:
   attempt: int = 0
 
 
-def parse(spec: str) -> list[Fault]:
+def parse(spec: str) -> list[InjectedFault]:
   """Parses MJAX_FAULT; raises ValueError naming the bad part."""
   faults = []
   for part in filter(None, (p.strip() for p in spec.split(';'))):
     kind, *fields = part.split(':')
     if kind not in KINDS:
-      raise ValueError(f'MJAX_FAULT: unknown fault {kind!r} in {part!r}; known: {", ".join(KINDS)}')
+      raise ValueError(f'{protocol.INJECT_ENV}: unknown fault {kind!r} in {part!r}; known: {", ".join(KINDS)}')
     kw = {}
     for f in fields:
       key, _, value = f.partition('=')
       if key not in ('step', 'process', 'factor', 'code', 'attempt'):
-        raise ValueError(f'MJAX_FAULT: unknown field {key!r} in {part!r}')
+        raise ValueError(f'{protocol.INJECT_ENV}: unknown field {key!r} in {part!r}')
       kw[key] = float(value) if key == 'factor' else int(value)
-    faults.append(Fault(kind, **kw))
+    faults.append(InjectedFault(kind, **kw))
   return faults
 
 
 class Injector:
   """Fires the faults meant for this process at the right step."""
 
-  def __init__(self, faults: list[Fault], process_index: int, attempt: int):
+  def __init__(self, faults: list[InjectedFault], process_index: int, attempt: int):
     self.faults = [f for f in faults
                    if (f.process is None or f.process == process_index) and f.attempt == attempt]
     self._t = None
 
   @classmethod
   def from_env(cls, process_index: int) -> Optional['Injector']:
-    spec = os.environ.get('MJAX_FAULT')
+    spec = os.environ.get(protocol.INJECT_ENV)
     if not spec:
       return None
-    return cls(parse(spec), process_index, int(os.environ.get('MJAX_ATTEMPT', '0')))
+    return cls(parse(spec), process_index, protocol.attempt())
 
   def before_step(self, step: int) -> None:
     for f in self.faults:

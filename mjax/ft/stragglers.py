@@ -1,7 +1,7 @@
 """Straggler analysis of the per-process step timings (MegaScale §4.2).
 
 Every training process appends one row per step to
-`<workdir>/timings/process-<i:05d>.jsonl` (see `mjax.metrics.PhaseTimer`):
+`<workdir>/timings/process-<i:05d>.jsonl` (see `mjax.ft.phases.PhaseTimer`):
 
     {"step": 12, "process": 3, "host": "node-07", "time": 1718000000.123,
      "phases": {"data": 0.004, "compute": 0.91, "checkpoint": 0.2}}

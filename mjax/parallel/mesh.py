@@ -10,7 +10,6 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from mjax.config import MeshConfig, resolve_mesh_shape
-from mjax.parallel.rules import MESH_AXES
 
 
 def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -29,4 +28,5 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
     grid = mesh_utils.create_device_mesh(ici, devices=devices)
   else:  # a subset (tests): keep the given order
     grid = np.asarray(devices).reshape(ici)
-  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  # Axes in MeshConfig.AXES order: outermost (slowest network) first.
+  return Mesh(grid, MeshConfig.AXES, axis_types=(AxisType.Auto,) * len(MeshConfig.AXES))

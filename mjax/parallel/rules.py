@@ -24,9 +24,6 @@ from mjax.config import MeshConfig
 
 Rules = tuple[tuple[str, object], ...]
 
-# Mesh axis order, outermost (slowest network) first.
-MESH_AXES = ('data', 'fsdp', 'tensor', 'pipeline')
-
 
 def logical_rules(mesh: MeshConfig | None = None) -> Rules:
   """Rules for the layout `mesh` describes (default: data + FSDP + tensor)."""

@@ -39,6 +39,8 @@ import shlex
 import sys
 from typing import Iterable, Optional, Sequence
 
+from mjax import devices
+
 log = logging.getLogger('mjax')
 
 # Flag name -> value. Each one exists for the reason in its comment.
@@ -192,11 +194,6 @@ def detect_platform() -> str:
   return 'gpu' if plugins else 'cpu'
 
 
-def _backend_started() -> bool:
-  xb = sys.modules.get('jax._src.xla_bridge')
-  return bool(getattr(xb, '_backends', None))
-
-
 def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = None, *,
                     collective_matmul: bool = False,
                     libraries: Optional[Sequence[str]] = None) -> list[str]:
@@ -245,7 +242,7 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
                 'left out (XLA aborts on unknown flags)', ', '.join(dropped))
   added = [f'--{k}' if v is None else f'--{k}={v}' for k, v in todo.items() if k in ok]
   if added:
-    if _backend_started():
+    if devices.backend_started():
       log.warning('XLA overlap flags set after the JAX backend started; they take '
                   'effect only in processes started later')
     os.environ['XLA_FLAGS'] = ' '.join([current.strip(), *added]).strip()

@@ -1,0 +1,195 @@
+"""Facts about this machine's devices: data-sheet peaks and link bandwidths,
+the measured peak and its cache, memory statistics, whether the backend has
+started.
+
+Imports neither JAX nor NumPy at load time (only inside the functions that
+run something on a device), so that the health checks (mjax/ft/diagnose.py),
+the XLA flag setup and the job start-up can import it at any point: a helper
+imported from the metrics module inside the memory check once left the next
+all-reduce check stuck in XLA's rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TypeVar
+
+if TYPE_CHECKING:
+  import jax
+
+V = TypeVar('V')
+
+# Dense (no sparsity) peak TFLOP/s per device, from the vendors' data sheets:
+# (bf16/fp16 tensor core, fp32 as XLA runs it: TF32 tensor cores on NVIDIA
+# Ampere and later, bf16 passes on TPU). Looked up longest name first
+# (`lookup_by_kind`): 'H100 PCIe' matches before 'H100'.
+PEAK_TFLOPS = {
+    'GB200': (2500.0, 1250.0),
+    'B200': (2250.0, 1100.0),
+    'H200': (989.4, 494.7),
+    'H100 PCIe': (756.0, 378.0),
+    'H100': (989.4, 494.7),          # SXM
+    'H800': (989.4, 494.7),
+    'H20': (148.0, 74.0),
+    'A100': (312.0, 156.0),
+    'A800': (312.0, 156.0),
+    'L40S': (362.1, 183.0),
+    'L4': (121.0, 60.0),
+    'A10G': (70.0, 35.0),
+    'A10': (125.0, 62.5),
+    'V100': (125.0, 15.7),
+    'TPU v6': (918.0, 918.0),
+    'TPU v5p': (459.0, 459.0),
+    'TPU v5 lite': (197.0, 197.0),
+    'TPU v5e': (197.0, 197.0),
+    'TPU v4': (275.0, 275.0),
+}
+
+# NVLink bandwidth per GPU and direction, GB/s, from NVIDIA's data sheets
+# (half the bidirectional figure they quote). PCIe-only cards (L4, L40S, A10,
+# H100 PCIe without bridges) have no figure: their collectives are reported
+# without a verdict. 'H100 PCIe' is listed, as None, so that it does not
+# match 'H100'.
+NVLINK_GBPS = {
+    'GB200': 900.0,
+    'B200': 900.0,
+    'H200': 450.0,
+    'H100 PCIe': None,
+    'H100': 450.0,     # SXM, NVLink 4
+    'H800': 200.0,
+    'H20': 450.0,
+    'A100': 300.0,     # SXM, NVLink 3
+    'A800': 200.0,
+    'V100': 150.0,
+}
+
+
+def lookup_by_kind(table: dict[str, V], device_kind: str) -> Optional[V]:
+  """The value of the longest key of `table` contained in `device_kind`
+  (case-insensitive), or None. Longest first, since one name can contain
+  another ('H100 PCIe' and 'H100')."""
+  kind = device_kind.lower()
+  for name in sorted(table, key=len, reverse=True):
+    if name.lower() in kind:
+      return table[name]
+  return None
+
+
+def lookup_peak(device_kind: str, dtype: str) -> Optional[float]:
+  """Per-device peak FLOP/s from the table, or None for an unknown device."""
+  peaks = lookup_by_kind(PEAK_TFLOPS, device_kind)
+  if peaks is None:
+    return None
+  bf16, fp32 = peaks
+  return (fp32 if dtype == 'float32' else bf16) * 1e12
+
+
+def link_bandwidth(device_kind: str) -> Optional[float]:
+  """NVLink GB/s per direction of one device, or None where none is known."""
+  return lookup_by_kind(NVLINK_GBPS, device_kind)
+
+
+def cpu_model() -> str:
+  """The host CPU's model name."""
+  try:
+    with open('/proc/cpuinfo') as fh:
+      for line in fh:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def peak_cache_key(platform: str, dtype: str) -> str:
+  """Key of a measured peak in `<cache_dir>/peak_flops.json`: one machine,
+  one dtype, one JAX version."""
+  import jax
+  return f'{platform}|{cpu_model()}|{os.cpu_count()}|{dtype}|jax {jax.__version__}'
+
+
+def memory_stats(device: Any) -> dict:
+  """`device.memory_stats()`, or {} where the backend does not keep any."""
+  try:
+    return device.memory_stats() or {}
+  except Exception:  # some backends do not implement it
+    return {}
+
+
+def backend_started() -> bool:
+  """Whether this process's JAX backend has started (it reads XLA_FLAGS then,
+  once). Imports nothing: JAX not yet imported means not started."""
+  xb = sys.modules.get('jax._src.xla_bridge')
+  if xb is None:
+    return False
+  started = getattr(xb, 'backends_are_initialized', None)
+  if started is not None:
+    return bool(started())
+  return bool(getattr(xb, '_backends', None))   # older JAX: no accessor
+
+
+def measure_matmul_flops(dtype: str, n: int = 1024, seconds: float = 1.0) -> float:
+  """Best sustained FLOP/s of an n x n matrix product on the first device.
+
+  On CPU every fake device shares the same cores and XLA's thread pool, so
+  one device's product already measures the whole machine.
+  """
+  import jax
+  import jax.numpy as jnp
+  dt = jnp.dtype(dtype)
+  a = jnp.ones((n, n), dt)
+  f = jax.jit(lambda x, y: (x @ y).astype(dt))
+  f(a, a).block_until_ready()
+  best = float('inf')
+  deadline = time.perf_counter() + seconds
+  while time.perf_counter() < deadline:
+    t = time.perf_counter()
+    f(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n ** 3 / best
+
+
+def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tuple[float, str]:
+  """Peak FLOP/s of `devices` together, and where the figure comes from.
+
+  Known accelerators use the data-sheet table; anything else (CPU) runs a
+  short matrix-product benchmark, cached per machine under `cache_dir`.
+  """
+  kind = devices[0].device_kind
+  per_device = lookup_peak(kind, dtype)
+  if per_device is not None:
+    return per_device * len(devices), f'table: {len(devices)} x {kind} {dtype} {per_device / 1e12:.1f} TFLOP/s'
+  cache_dir = os.path.expanduser(cache_dir)
+  path = os.path.join(cache_dir, 'peak_flops.json')
+  key = peak_cache_key(devices[0].platform, dtype)
+  cache = {}
+  try:
+    with open(path) as fh:
+      cache = json.load(fh)
+  except (OSError, ValueError):
+    pass
+  if key not in cache:
+    cache[key] = measure_matmul_flops(dtype)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'w') as fh:
+      json.dump(cache, fh, indent=1)
+    os.replace(tmp, path)  # atomic: concurrent runs never see half a file
+    source = 'measured'
+  else:
+    source = 'measured, cached'
+  # CPU fake devices share one machine: its peak is the peak of all of them.
+  return cache[key], f'{source}: {dtype} matmul on {cpu_model()} ({os.cpu_count()} cores), {path}'
+
+
+def peak_memory_bytes(devices: Sequence[jax.Device]) -> tuple[Optional[int], str]:
+  """Largest per-device peak allocation, or the process's max RSS on CPU."""
+  peaks = [s['peak_bytes_in_use'] for s in map(memory_stats, devices) if 'peak_bytes_in_use' in s]
+  if peaks:
+    return max(peaks), 'device peak'
+  import resource
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'host max RSS'

@@ -1,0 +1,70 @@
+"""Per-phase step timers of every process, read by the straggler report
+(mjax/ft/stragglers.py) and the heartbeats (mjax/ft/heartbeat.py)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import socket
+import time
+
+
+class PhaseTimer:
+  """Always-on, per-process timers of the phases of each step.
+
+  Host wall-clock only, no device synchronization beyond the one the loop
+  already does (fetching the previous step's metrics), so it is cheap enough
+  to leave on in production (MegaScale §8). Phases, as the host sees them:
+    data        next batch from the pipeline + host-to-device transfer
+    compute     dispatch + waiting for the device: forward, backward,
+                optimizer and their collectives run as one XLA program
+    checkpoint  the blocking part of a save
+    eval        held-out evaluation
+  Rows are appended every `every` steps to
+  `<workdir>/timings/process-<index>.jsonl`, one JSON object per step:
+  {"step", "process", "host", "time" (unix, end of step), "phases": {...}}.
+  `current` and `step` are what a heartbeat reports.
+  """
+
+  def __init__(self, workdir: str, process_index: int, every: int = 10):
+    self.process = process_index
+    self.host = socket.gethostname()
+    self.every = every
+    self.current = 'startup'
+    self.step = 0
+    self._acc = collections.defaultdict(float)
+    self._rows: list[dict] = []
+    directory = os.path.join(workdir, 'timings')
+    os.makedirs(directory, exist_ok=True)
+    self._fh = open(os.path.join(directory, f'process-{process_index:05d}.jsonl'), 'a', buffering=1)
+
+  def phase(self, name: str):
+    """Context manager timing one phase of the current step."""
+    @contextlib.contextmanager
+    def timed():
+      prev, self.current = self.current, name
+      t0 = time.perf_counter()
+      try:
+        yield
+      finally:
+        self._acc[name] += time.perf_counter() - t0
+        self.current = prev
+    return timed()
+
+  def end_step(self, step: int) -> None:
+    self.step = step
+    self._rows.append({'step': int(step), 'process': self.process, 'host': self.host,
+                       'time': time.time(), 'phases': {k: round(v, 6) for k, v in self._acc.items()}})
+    self._acc.clear()
+    if len(self._rows) >= self.every:
+      self.flush()
+
+  def flush(self) -> None:
+    self._fh.writelines(json.dumps(r) + '\n' for r in self._rows)
+    self._rows.clear()
+
+  def close(self) -> None:
+    self.flush()
+    self._fh.close()

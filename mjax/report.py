@@ -1,0 +1,262 @@
+"""mjax-report: what a config communicates, how much memory it needs, and
+what a run left behind (its checkpoints, its step timings).
+
+  mjax-report comm --gin_file configs/1p3b.gin
+  mjax-report memory --gin_file configs/gpt3_175b.gin --mesh data=16,tensor=8,pipeline=8
+  mjax-report checkpoint runs/tiny --verify
+  mjax-report stragglers runs/ft
+
+Each subcommand is one function registered with `@command`, which takes its
+prog (for messages) and its arguments and returns the exit status; `main`
+picks the function. Bad input is a `UserError`, which `main` prints as
+`mjax-report COMMAND: error: ...` with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import textwrap
+from typing import Callable, Optional, Sequence
+
+from mjax import flags, protocol
+from mjax.errors import UserError
+
+PROG = 'mjax-report'
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  name: str
+  help: str                             # for the usage listing, wrapped there
+  synopsis: str                         # the arguments, as the usage listing shows them
+  run: Callable[[str, list[str]], int]  # (prog, argv) -> exit status
+
+
+COMMANDS: dict[str, Command] = {}  # in registration order, which is the usage's order
+
+
+def command(name: str, help: str, synopsis: str = ''):
+  """Registers `fn(prog, argv) -> exit status` as the subcommand `name`."""
+  def register(fn: Callable[[str, list[str]], int]):
+    if name in COMMANDS:
+      raise ValueError(f'{PROG} {name} is registered twice')
+    COMMANDS[name] = Command(name, help, synopsis, fn)
+    return fn
+  return register
+
+
+def usage() -> str:
+  """Every registered command: its synopsis, then what it does."""
+  lines = ['usage:']
+  for c in COMMANDS.values():
+    lines.append(f'{PROG} {c.name} {c.synopsis}'.rstrip())
+    lines += textwrap.wrap(c.help, width=79, initial_indent=' ' * 4, subsequent_indent=' ' * 4)
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the subcommand argv[0] (default sys.argv[1:]) and returns the exit status."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] not in COMMANDS:
+    asked = argv[:1] in (['-h'], ['--help'])
+    print(usage(), file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else protocol.EXIT_USER_ERROR
+  name, rest = argv[0], argv[1:]
+  prog = f'{PROG} {name}'
+  try:
+    return COMMANDS[name].run(prog, rest)
+  except UserError as e:
+    # Here rather than in the entry point, so that the message names the subcommand.
+    print(f'{prog}: error: {e}', file=sys.stderr)
+    return protocol.EXIT_USER_ERROR
+  except SystemExit as e:
+    # argparse's own exits (a usage error, --help): `main` answers with a status, as for the rest.
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
+  """Left-aligned columns two spaces apart; the last one (a path) is not padded."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+  return ['  '.join(c.ljust(w) for c, w in zip(r, widths)) + '  ' + r[-1] for r in rows]
+
+
+@command('comm', 'compiles the train step on the available devices (no training) and prints its '
+         'collectives per step next to the layout\'s analytical minimum, and XLA\'s memory analysis. '
+         'For N fake CPU devices run it with XLA_FLAGS=--xla_force_host_platform_device_count=N.',
+         synopsis='--gin_file F [--gin.X=Y ...] [--overlap_flags]')
+def comm(prog: str, argv: list[str]) -> int:
+  p = flags.parser(prog, 'Compile the train step and report its collectives and memory (no training).')
+  p.add_argument('--overlap_flags', action='store_true',
+                 help='set the GPU collective-overlap XLA flags first (mjax.parallel.xla_flags)')
+  args, bindings = flags.parse(p, argv)
+  # The overlap flags change what XLA compiles, hence what this reports: only
+  # when asked. Either way they are set, and the job joined, before JAX starts.
+  cfg = flags.setup(flags.gin_files(args), bindings, join=True, xla_flags=args.overlap_flags)
+  import time
+  import jax
+  from mjax.parallel import make_mesh
+  from mjax.parallel.comm_report import comm_report, format_report
+  from mjax.train import make_program
+  mesh = make_mesh(cfg.mesh)
+  program = make_program(cfg, mesh)
+  t0 = time.perf_counter()
+  with program.context():
+    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
+  print(f'{prog}: train step compiled in {time.perf_counter() - t0:.1f}s on {jax.device_count()} '
+        f'{jax.devices()[0].platform} device(s); batch {cfg.train.global_batch_size} x seq '
+        f'{cfg.data.seq_len}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, '
+        f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
+  print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
+  return 0
+
+
+@command('memory', 'prints a per-device memory estimate for a hypothetical mesh (no devices).',
+         synopsis='--gin_file F --mesh data=16,tensor=8,pipeline=8 [--micro_batch N]')
+def memory(prog: str, argv: list[str]) -> int:
+  p = flags.parser(prog, 'Per-device memory estimate of a config on a hypothetical mesh (nothing is allocated).')
+  p.add_argument('--mesh', required=True, help='axis sizes, e.g. data=16,tensor=8,pipeline=8 (others 1)')
+  p.add_argument('--micro_batch', type=int, default=1,
+                 help='sequences per micro-batch per data-parallel replica (default 1, as Megatron '
+                      'runs GPT-3 175B; 0: the whole replica batch, no accumulation)')
+  p.add_argument('--schedule', choices=('1f1b', 'gpipe'), default='1f1b', help='pipeline schedule')
+  p.add_argument('--attention', choices=('auto', 'flash', 'materialized'), default='auto',
+                 help='auto: flash unless ModelConfig.attention_impl is xla')
+  p.add_argument('--sequence_parallel', action='store_true', help='split norms / residuals over tensor too')
+  args, bindings = flags.parse(p, argv)
+  # No devices: the mesh is hypothetical, so the config is not checked against this host's.
+  cfg = flags.load(flags.gin_files(args), bindings, num_devices=None)
+  from mjax.parallel.memory import estimate_memory, format_estimate
+  try:
+    mesh = {k.strip(): int(v) for k, v in (item.split('=') for item in args.mesh.split(',') if item.strip())}
+  except ValueError:
+    raise UserError(f'--mesh {args.mesh!r}: expected AXIS=SIZE pairs separated by commas, '
+                    'e.g. data=16,tensor=8') from None
+  flash = {'auto': None, 'flash': True, 'materialized': False}[args.attention]
+  try:
+    est = estimate_memory(cfg, mesh, args.micro_batch or None, flash=flash, schedule=args.schedule,
+                          sequence_parallel=args.sequence_parallel)
+  except ValueError as e:   # a mesh or micro-batch that does not fit the config
+    raise UserError(str(e)) from None
+  print(format_estimate(est))
+  return 0
+
+
+@command('checkpoint', 'lists every saved step of both checkpoint tiers of a run; with --verify reads '
+         'each one and checks every array against the checksum saved with it (exit 1 when a step is '
+         'damaged or unreadable).',
+         synopsis='WORKDIR [--verify]')
+def checkpoint(prog: str, argv: list[str]) -> int:
+  p = argparse.ArgumentParser(prog=prog, description='Saved steps of a run, and whether they are intact.')
+  p.add_argument('workdir')
+  p.add_argument('--verify', action='store_true', help='read every step and check its checksums')
+  args = p.parse_args(argv)
+  from mjax.config import CheckpointConfig
+  from mjax.checkpoint import tier_directories, verify_step
+  try:
+    with open(os.path.join(args.workdir, 'config.json')) as fh:
+      ck = CheckpointConfig(**json.load(fh)['checkpoint'])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
+                    f'of an mjax-train run.') from None
+  rows, bad = [], 0
+  for tier, directory in tier_directories(ck, args.workdir).items():
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = sorted((int(n) for n in names if n.isdigit()), reverse=True)
+    aside = sorted(n for n in names if n.startswith('damaged-'))
+    for step in steps:
+      path = os.path.join(directory, str(step))
+      verdict, detail = verify_step(path) if args.verify else ('-', '')
+      bad += verdict in ('damaged', 'unreadable')
+      rows.append((tier, str(step), verdict, detail, path))
+    rows += [(tier, n.split('-')[1], 'moved aside', 'damaged at restore', os.path.join(directory, n))
+             for n in aside]
+  if not rows:
+    print(f'{prog}: no saved steps under {args.workdir}')
+    return 0
+  for line in format_table([('tier', 'step', 'verdict', 'detail', 'path')] + rows):
+    print(line)
+  if bad:
+    print(f'{prog}: {bad} step(s) damaged or unreadable; a restart falls back past them', file=sys.stderr)
+    return 1
+  return 0
+
+
+@command('stragglers', 'reads the per-process step timings of a run (WORKDIR/timings), prints a '
+         'per-process summary with a straggler verdict, and writes a heat map (stragglers.png) and a '
+         'Chrome/Perfetto trace (trace.json) to DIR (default WORKDIR/stragglers). Defaults of --margin '
+         'and --window come from the run\'s config.json when it has one.',
+         synopsis='WORKDIR [--out DIR] [--phase P] [--margin M] [--window W]')
+def stragglers(prog: str, argv: list[str]) -> int:
+  from mjax.config import FaultConfig
+  from mjax.ft import stragglers as st
+  p = argparse.ArgumentParser(
+      prog=prog, description='Per-process step timings of a run: summary with straggler verdict, '
+      'heat map (processes x steps) and a Chrome/Perfetto trace of every process\'s phases.')
+  p.add_argument('workdir', help='the run directory (holds timings/process-*.jsonl)')
+  p.add_argument('--out', default=None, help='where to write stragglers.png and trace.json '
+                 '(default WORKDIR/stragglers)')
+  p.add_argument('--phase', default=st.STEP,
+                 help="what the heat map colours and the table's p50 / p90 describe: 'step' (sum of "
+                      "phases, default) or a phase (data, compute, checkpoint, eval); the verdict "
+                      "always weighs every phase and the end times")
+  p.add_argument('--margin', type=float, default=None,
+                 help='slower than the others by this share: a straggler (default: the run\'s '
+                      f'FaultConfig.straggler_margin, else {FaultConfig.straggler_margin})')
+  p.add_argument('--window', type=int, default=None,
+                 help='judge on this many of the latest steps (default: the run\'s '
+                      f'FaultConfig.straggler_window, else {FaultConfig.straggler_window})')
+  p.add_argument('--json', action='store_true', help='print the summary as JSON instead of a table')
+  args = p.parse_args(argv)
+  # The run's own thresholds, so that the report agrees with what its driver saw.
+  fault = {}
+  try:
+    with open(os.path.join(args.workdir, 'config.json')) as fh:
+      fault = json.load(fh).get('fault', {}) or {}
+  except (OSError, ValueError, AttributeError):
+    pass
+  margin = args.margin if args.margin is not None else fault.get('straggler_margin', FaultConfig.straggler_margin)
+  window = args.window if args.window is not None else fault.get('straggler_window', FaultConfig.straggler_window)
+  if margin <= 0 or window < 1:
+    raise UserError(f'--margin {margin} must be > 0 and --window {window} >= 1.')
+  try:
+    rows = st.load_rows(args.workdir)
+  except FileNotFoundError as e:
+    raise UserError(str(e)) from None
+  known = st.phases_of(rows)
+  if args.phase != st.STEP and args.phase not in known:
+    raise UserError(f'--phase {args.phase!r}: this run\'s timings have the phases {", ".join(known)}; '
+                    f"give one of them or 'step' (their sum).")
+  from mjax.ft import timeline
+  table = st.summary_table(rows, margin=margin, window=window, metric=args.phase)
+  found = st.find_stragglers(rows, margin=margin, window=window)
+  out = args.out or os.path.join(args.workdir, 'stragglers')
+  png = timeline.plot_heatmap(rows, os.path.join(out, 'stragglers.png'), metric=args.phase,
+                              run=os.path.abspath(args.workdir), stragglers=[s.process for s in found])
+  trace = timeline.write_trace(rows, os.path.join(out, 'trace.json'))
+  if args.json:
+    print(json.dumps({'margin': margin, 'window': window, 'metric': args.phase, 'processes': table,
+                      'stragglers': [s.to_json() for s in found], 'heatmap': png, 'trace': trace}, indent=2))
+    return 0
+  n_steps = len({r['step'] for r in rows})
+  print(f'{prog}: {len(table)} process(es), {n_steps} step(s) in {st.timings_dir(args.workdir)}; '
+        f'straggler: > {margin:.0%} slower than the others over the last {window} steps\n')
+  print(st.format_table(table, metric=args.phase))
+  print()
+  if len(table) < 2:
+    print('one process: nothing to compare it with, no straggler verdict.')
+  elif n_steps < window:
+    print(f'fewer than {window} steps: no straggler verdict yet.')
+  elif not found:
+    print('no straggler.')
+  for s in found:
+    print('straggler: ' + s.describe())
+  print(f'heat map: {png}\ntrace:    {trace} (open in ui.perfetto.dev or chrome://tracing)')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
