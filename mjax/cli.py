@@ -11,6 +11,7 @@ becomes exit status 2 in `entry_point`, and nowhere else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -202,33 +203,38 @@ def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
   except ValueError as e:
     raise UserError(str(e)) from None
   # With --json, stdout must hold the JSON document alone, but native
-  # libraries (gloo's connection messages) print to it: send their output to
-  # stderr until the report is ready.
-  saved = None
-  if args.json:
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-  try:
+  # libraries (gloo's connection messages) print to it.
+  with _stdout_to_stderr(args.json):
     flags.join_job()
-    report = diagnose.run_diagnostics(
-        checks, min_fraction=args.min_fraction, memory_fraction=args.memory_fraction,
-        cpu_memory_bytes=args.cpu_memory_mib * diagnose.MIB,
-        collective_bytes=args.collective_mib * diagnose.MIB if args.collective_mib else None)
-  except UserError:
-    raise
-  except ValueError as e:   # an unknown check name
-    raise UserError(str(e)) from None
-  finally:
-    if saved is not None:
-      sys.stdout.flush()
-      os.dup2(saved, 1)
-      os.close(saved)
+    try:
+      report = diagnose.run_diagnostics(
+          checks, min_fraction=args.min_fraction, memory_fraction=args.memory_fraction,
+          cpu_memory_bytes=args.cpu_memory_mib * diagnose.MIB,
+          collective_bytes=args.collective_mib * diagnose.MIB if args.collective_mib else None)
+    except ValueError as e:   # an unknown check name
+      raise UserError(str(e)) from None
   if args.json:
     print(json.dumps(report.to_json(), indent=2))
   else:
     print(f'{prog}: ' + diagnose.format_report(report))
   sys.exit(0 if report.passed else 1)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool):
+  """File descriptor 1 points at stderr inside the block (native code included)."""
+  if not enabled:
+    yield
+    return
+  sys.stdout.flush()
+  saved = os.dup(1)
+  os.dup2(2, 1)
+  try:
+    yield
+  finally:
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
 
 
 @entry_point('mjax-launch')
