@@ -63,8 +63,15 @@ from mjax.errors import UserError
 
 log = logging.getLogger('mjax.checkpoint')
 
-# Key in a checkpoint's meta item: per-array checksums of the state (see `fingerprints`).
+# Keys in a checkpoint's meta item: per-array checksums of the state (see
+# `fingerprints`), and the sha256 of the data iterator's state, whose one
+# changed digit would silently replay or skip batches.
 FINGERPRINTS = 'fingerprints'
+DATA_SHA256 = 'data_sha256'
+
+
+def data_digest(data: Optional[dict]) -> str:
+  return hashlib.sha256(json.dumps(data or {}, sort_keys=True).encode()).hexdigest()
 
 
 class CheckpointNotFound(UserError):
@@ -266,7 +273,12 @@ def verify_step(path: str) -> tuple[str, str]:
   """
   try:
     with open(os.path.join(path, 'meta', 'metadata')) as fh:
-      saved = json.load(fh).get(FINGERPRINTS)
+      meta = json.load(fh)
+    saved = meta.get(FINGERPRINTS)
+    data = None
+    if os.path.exists(os.path.join(path, 'data', 'metadata')):
+      with open(os.path.join(path, 'data', 'metadata')) as fh:
+        data = json.load(fh)
     # Host arrays, whatever devices and mesh saved them: this runs on a login
     # node as well as next to a job that holds the GPUs.
     reader = ocp.PyTreeCheckpointer()
@@ -295,7 +307,9 @@ def verify_step(path: str) -> tuple[str, str]:
       bad.append(key)
   if bad or len(got) != len(saved):
     return 'damaged', (', '.join(bad) or f'{len(saved)} arrays saved, {len(got)} read')
-  return 'ok', f'{len(got)} arrays match their checksums'
+  if DATA_SHA256 in meta and meta[DATA_SHA256] != data_digest(data or None):
+    return 'damaged', 'the data position (data/metadata) does not match its checksum'
+  return 'ok', f'{len(got)} arrays match their checksums, and the data position too'
 
 
 # ModelConfig fields that set the shapes (or the tree) of the saved state;
@@ -386,8 +400,8 @@ class Checkpointer:
         prints = fingerprints(state)
       args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                 data=ocp.args.JsonSave(data or {}),
-                                meta=ocp.args.JsonSave({**meta, 'step': int(step),
-                                                        FINGERPRINTS: prints}))
+                                meta=ocp.args.JsonSave({**meta, 'step': int(step), FINGERPRINTS: prints,
+                                                        DATA_SHA256: data_digest(data)}))
       tier.manager.save(step, args=args, force=True)
       saved.append(tier.name)
     return saved
@@ -418,6 +432,8 @@ class Checkpointer:
         bad = _mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
         if bad is not None:
           damaged, error = True, f'array {bad} does not match the checksum saved with it'
+        elif restored.meta.get(DATA_SHA256, data_digest(restored.data)) != data_digest(restored.data):
+          damaged, error = True, 'the data position does not match the checksum saved with it'
       except Exception as e:  # any unreadable checkpoint: report, fall back
         restored, error = None, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
       # One process failing to read its shards sends every process back.

@@ -51,7 +51,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   try:
     cfg = flags.setup(flags.gin_files(args), bindings)
-    trainer.run(cfg, workdir)
+    summary = trainer.run(cfg, workdir)
   except UserError as e:
     if protocol.under_driver():   # the driver reports the message when it gives up
       from mjax.distributed import PROCESS_ID
@@ -69,6 +69,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     print(f'{prog}: interrupted; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(protocol.EXIT_INTERRUPTED)
+  if summary.driver_lost:
+    print(f'{prog}: stopped after step {summary.final_step}: the fault-tolerance driver is gone '
+          f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',
+          file=sys.stderr)
+    sys.exit(protocol.EXIT_DRIVER_LOST)
 
 
 @entry_point('mjax-flops')

@@ -30,6 +30,8 @@ EXIT_OK = 0            # finished, or stopped cleanly on request (pre-emption)
 EXIT_FAILED = 1        # a crash (the driver restarts it); the driver's own: it gave up
 EXIT_USER_ERROR = 2    # bad input (mjax.errors.UserError): retrying cannot help, never restarted
 EXIT_NONFINITE = 3     # the loss became NaN/Inf: the driver rolls back and skips the data
+EXIT_DRIVER_LOST = 4   # no word from the driver for heartbeat_timeout_s: saved and stopped; a
+                       # driver that is in fact alive (a network cut) restarts it from that save
 EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell convention 128 + SIGINT)
 
 # --- environment the driver sets for each training process ----------------------

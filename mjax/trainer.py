@@ -70,6 +70,7 @@ class Summary:
   final_step: int
   already_finished: bool = False   # nothing to do: the state was already at TrainConfig.steps
   preempted: bool = False          # stopped early by SIGTERM / SIGINT, checkpoint saved
+  driver_lost: bool = False        # stopped early: the fault-tolerance driver went silent
   final_loss: float = math.nan
   eval_loss: float = math.nan
   step_time: float = math.nan
@@ -181,7 +182,7 @@ class Trainer:
     reporter = StepReporter(self, heartbeat, injector)
     meta = {'config': config_lib.to_dict(cfg)}
     step = start
-    with StopAgreement() as stop:
+    with StopAgreement(heartbeat) as stop:
       for step in range(start + 1, cfg.train.steps + 1):
         if injector is not None:
           injector.before_step(step)
@@ -216,8 +217,9 @@ class Trainer:
 
     if stop.stopped:
       reporter.close()
-      self.say(f'mjax: received {stop.name} after step {step}: checkpoint saved, exiting cleanly')
-      return self._summary(reporter, final_step=step, preempted=True)
+      why = f'received {stop.name}' if stop.signal is not None else f'stopping: {stop.name}'
+      self.say(f'mjax: {why} after step {step}: checkpoint saved, exiting cleanly')
+      return self._summary(reporter, final_step=step, preempted=True, driver_lost=stop.driver_lost)
     eval_loss = evaluate(program, self.state.params, self.eval_batches)
     reporter.eval_loss(cfg.train.steps, eval_loss, show=False)
     reporter.close()
@@ -399,7 +401,10 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
 
 class StopAgreement:
   """SIGTERM / SIGINT (pre-emption, Ctrl-C) ask the loop to finish the step,
-  save and exit 0. A second signal gets the default behaviour (kill now)."""
+  save and exit 0. A second signal gets the default behaviour (kill now).
+  So does the loss of the fault-tolerance driver (no acknowledgement of the
+  heartbeats for heartbeat_timeout_s): a job nobody supervises stops cleanly
+  instead of training on, and a restarted driver resumes it from that save."""
 
   # A few steps ahead of the step the first signalled process has reached:
   # each step's collectives keep the processes within a step or two of each
@@ -407,15 +412,26 @@ class StopAgreement:
   MARGIN = 2
   KEY = 'mjax/stop/after_step'
 
-  def __init__(self):
+  def __init__(self, heartbeat: Optional[HeartbeatClient] = None):
     self.signal = None
+    self.driver_lost = False
+    self._heartbeat = heartbeat
     self._old = {}
     self._stop_after: Optional[int] = None
     self.stopped = False     # the loop was left early, in every process alike
 
   @property
   def name(self) -> str:
-    return signal.Signals(self.signal).name if self.signal is not None else 'a stop request'
+    if self.signal is not None:
+      return signal.Signals(self.signal).name
+    if self.driver_lost:
+      return f'no word from the driver for {self._heartbeat.driver_timeout_s:g}s (heartbeat_timeout_s)'
+    return 'a stop request'
+
+  def _requested(self) -> bool:
+    if self.signal is None and not self.driver_lost and self._heartbeat is not None:
+      self.driver_lost = self._heartbeat.driver_lost()
+    return self.signal is not None or self.driver_lost
 
   def agreed(self, step: int) -> bool:
     """Whether to stop after `step`. One process: once signalled. Several:
@@ -428,10 +444,10 @@ class StopAgreement:
 
   def _agreed(self, step: int) -> bool:
     if jax.process_count() == 1:
-      return self.signal is not None
+      return self._requested()
     client = distributed.coordination_client()
     if self._stop_after is None:
-      if self.signal is not None:
+      if self._requested():
         try:
           client.key_value_set(self.KEY, str(step + self.MARGIN))
         except jax.errors.JaxRuntimeError as e:

@@ -12,10 +12,13 @@ import collections
 import json
 import os
 import random
+import re
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -115,6 +118,40 @@ def test_client_reports_step_phase_loss_and_warnings(monkeypatch):
     if p['final']:
       break
   sock.close()
+
+
+def test_client_knows_when_the_driver_is_gone():
+  """Authentic acknowledgements keep the client's driver alive; forged ones,
+  the client's own heartbeats reflected back and silence do not."""
+  server = hb.HeartbeatServer('127.0.0.1:0', SECRET, window_s=30)
+  client = hb.HeartbeatClient(server.address, SECRET, _Timer(), interval_s=0.05, process_index=0,
+                              driver_timeout_s=0.6)
+  try:
+    deadline = time.time() + 2
+    while time.time() < deadline:
+      server.receive(0.05)
+    assert client.acks > 0 and not client.driver_lost()
+    # A silent driver: the heartbeats arrive, nothing answers. Meanwhile an
+    # attacker sends forged acknowledgements and reflects the heartbeats.
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    victim = client._sock.getsockname()
+    forged = {'kind': 'ack', 'process': 0, 'pid': os.getpid(), 'ts': time.time()}
+    t0 = time.time()
+    while time.time() - t0 < 1.2:
+      if select.select([server.sock], [], [], 0.05)[0]:
+        attacker.sendto(server.sock.recv(hb.MAX_DATAGRAM), victim)   # its own heartbeat, reflected
+      attacker.sendto(hb.sign({**forged, 'nonce': os.urandom(8).hex()}, 'cd' * 32), victim)  # wrong key
+    attacker.close()
+    acks = client.acks
+    assert client.driver_lost() and client.seconds_since_ack() > 0.6
+    # The driver is back: one authentic acknowledgement is enough.
+    deadline = time.time() + 2
+    while client.acks == acks and time.time() < deadline:
+      server.receive(0.05)
+    assert not client.driver_lost()
+  finally:
+    client.close()
+    server.close()
 
 
 def test_no_driver_no_client(monkeypatch):
@@ -512,6 +549,52 @@ def test_kill_9_of_a_random_process_resumes_bitwise(reference, tmp_path, repo_ro
   assert_bitwise(final_state(tmp_path), final_state(reference))
 
 
+def alive(pid):
+  """Whether `pid` runs (a zombie nobody reaps yet counts as gone)."""
+  try:
+    with open(f'/proc/{pid}/stat') as fh:
+      return fh.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except (OSError, IndexError):
+    return False
+
+
+def newest_step(workdir):
+  d = os.path.join(workdir, 'checkpoints')
+  return max((int(n) for n in os.listdir(d) if n.isdigit()), default=0) if os.path.isdir(d) else 0
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_driver_stops_its_trainers_and_a_new_driver_resumes_bitwise(reference, tmp_path,
+                                                                                   repo_root):
+  """Nothing trains unsupervised: with the driver killed, the trainers hear
+  no acknowledgement for heartbeat_timeout_s (3 s), save, and exit; a new
+  driver resumes the job from that save."""
+  env = child_env(MJAX_FAULT='delay:seconds=1.0')   # steps slow enough to stop before the end
+  proc = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pids = wait_event(tmp_path, 'launch', proc)[0]['pids']
+  while newest_step(tmp_path) < 3:
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    time.sleep(0.05)
+  proc.kill()
+  proc.communicate()
+  t0 = time.time()
+  while any(alive(p) for p in pids):
+    assert time.time() - t0 < 90, 'trainers still running 90 s after their driver died'
+    time.sleep(0.1)
+  stopped = newest_step(tmp_path)
+  assert 3 <= stopped < N, stopped
+  log = open(os.path.join(tmp_path, 'logs', 'process-0.log')).read()
+  assert 'the fault-tolerance driver is gone' in log and f'stopped after step {stopped}' in log, log[-2000:]
+  # A new driver on the same workdir: resumes from the save, finishes bitwise.
+  again = subprocess.run(launch_cmd(tmp_path, 2), cwd=repo_root, env=child_env(), capture_output=True,
+                         text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert events(tmp_path, 'finish') and not events(tmp_path, 'fault')
+  assert losses(tmp_path) == losses(reference)
+  assert_bitwise(final_state(tmp_path), final_state(reference))
+
+
 @pytest.mark.slow
 def test_hang_names_silent_process_then_failing_host_is_blocked(tmp_path, repo_root):
   """Process 1 hangs at step 7; its host then fails a diagnostic, so the job
@@ -636,3 +719,131 @@ def test_heartbeat_server_turns_every_datagram_into_a_verdict():
   finally:
     sock.close()
     server.close()
+
+
+class Flood:
+  """Hostile datagrams at the current driver's heartbeat port, from a thread,
+  paced so that the real heartbeats still get through."""
+
+  def __init__(self, workdir, rng: random.Random, total: int, driver_alive):
+    self.workdir, self.rng, self.total, self.driver_alive = workdir, rng, total, driver_alive
+    self.sent = 0
+    self.stop = False
+    self.thread = threading.Thread(target=self._run, daemon=True)
+    self.thread.start()
+
+  def _run(self):
+    datagrams = [d for d in _hostile_datagrams(self.rng, self.total) if len(d) <= 60000]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      while self.sent < len(datagrams) and not self.stop:
+        starts = events(self.workdir, 'start')
+        if not starts or not self.driver_alive():
+          time.sleep(0.05)
+          continue
+        addr = hb.parse_address(starts[-1]['heartbeat_address'])
+        for d in datagrams[self.sent:self.sent + 200]:
+          try:
+            s.sendto(d, addr)
+          except OSError:
+            pass
+        self.sent = min(len(datagrams), self.sent + 200)
+        time.sleep(0.02)
+
+
+def flip_a_bit(path_dir, rng):
+  """One random bit of the largest file below `path_dir` (an array chunk)."""
+  files = [os.path.join(d, f) for d, _, fs in os.walk(path_dir) for f in fs]
+  target = max(files, key=os.path.getsize)
+  with open(target, 'r+b') as fh:
+    data = bytearray(fh.read())
+    i = rng.randrange(len(data))
+    data[i] ^= 1 << rng.randrange(8)
+    fh.seek(0)
+    fh.write(data)
+  return target
+
+
+@pytest.mark.slow
+def test_chaos_kills_a_dead_driver_a_flipped_bit_and_a_datagram_flood_end_bitwise(reference, tmp_path,
+                                                                                 repo_root):
+  """One run through everything, at random moments: a trainer killed
+  mid-step; the driver killed (its trainers stop by themselves); a bit
+  flipped in the newest checkpoint; a new driver, whose trainer is killed
+  mid-save; 100,000 hostile datagrams at the drivers meanwhile. Each kill is
+  exactly one fault (no false hang after a restart) and the final state is
+  bitwise the uninterrupted run's. Replay a failure with
+  MJAX_CHAOS_SEED=<the printed seed>."""
+  seed = int(os.environ.get('MJAX_CHAOS_SEED') or random.randrange(2**31))
+  print(f'chaos seed {seed} (replay with MJAX_CHAOS_SEED={seed})')
+  rng = random.Random(seed)
+  # Steps slow enough to act between them; slower still in the attempt whose
+  # driver is killed, so that its trainers notice (3 s) well before the end.
+  env = child_env(MJAX_FAULT='delay:seconds=0.8:attempt=-1;delay:seconds=2:attempt=1')
+  ckdir = os.path.join(tmp_path, 'checkpoints')
+  driver = {}
+
+  def start_driver():
+    driver['proc'] = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver['launches'] = len(events(tmp_path, 'launch'))
+
+  def until(cond, what, timeout=300):
+    t0 = time.time()
+    while not cond():
+      p = driver['proc']
+      assert p.poll() is None, (seed, what, p.communicate()[0][-3000:])
+      assert time.time() - t0 < timeout, (seed, f'{what}: not after {timeout}s')
+      time.sleep(0.005)
+
+  def attempt_running(k):
+    """pids of this driver's k-th launch, once every one of its processes heartbeats."""
+    until(lambda: len(events(tmp_path, 'launch')) >= driver['launches'] + k, f'launch {k}')
+    until(lambda: len(events(tmp_path, 'running')) >= driver['launches'] + k, f'running {k}')
+    return events(tmp_path, 'launch')[driver['launches'] + k - 1]['pids']
+
+  start_driver()
+  flood = Flood(tmp_path, random.Random(seed + 1), 100_000, lambda: driver['proc'].poll() is None)
+  # 1. A trainer killed mid-step, once a checkpoint exists.
+  pids = attempt_running(1)
+  until(lambda: newest_step(tmp_path) >= 3, 'first checkpoint')
+  time.sleep(rng.uniform(0.0, 0.8))
+  os.kill(pids[rng.randrange(2)], signal.SIGKILL)
+  # 2. The driver killed while the restarted job runs: its trainers stop by
+  # themselves, after a save.
+  pids = attempt_running(2)
+  time.sleep(rng.uniform(0.0, 1.0))
+  driver['proc'].kill()
+  driver['proc'].communicate()
+  t0 = time.time()
+  while any(alive(p) for p in pids):
+    assert time.time() - t0 < 90, (seed, 'trainers outlived their driver by 90 s')
+    time.sleep(0.1)
+  stopped = newest_step(tmp_path)
+  assert stopped < N and 'the fault-tolerance driver is gone' in open(
+      os.path.join(tmp_path, 'logs', 'process-0.log')).read(), (seed, stopped)
+  # 3. One bit flipped in the arrays of the newest checkpoint (the one the
+  # trainers saved on their way out).
+  flip_a_bit(os.path.join(ckdir, str(stopped), 'state'), rng)
+  # 4. A new driver; one of its trainers killed while a save is being
+  # written (Orbax's temporary directory is there), else mid-step.
+  start_driver()
+  pids = attempt_running(1)
+  saving = lambda: any('tmp' in n for n in os.listdir(ckdir))
+  t0 = time.time()
+  while time.time() - t0 < 10 and not saving():
+    assert driver['proc'].poll() is None, seed
+    time.sleep(0.002)
+  print(f'chaos: kill {"mid-save" if saving() else "mid-step"}; driver killed at step {stopped}')
+  os.kill(pids[rng.randrange(2)], signal.SIGKILL)
+  out, _ = driver['proc'].communicate(timeout=600)
+  flood.stop = True
+  assert driver['proc'].returncode == 0, (seed, out[-3000:])
+  faults = events(tmp_path, 'fault')
+  assert [f['kind'] for f in faults] == ['exit', 'exit'], (seed, faults)     # one per kill, nothing else
+  logs = ''.join(open(os.path.join(tmp_path, 'logs', f)).read() for f in os.listdir(os.path.join(tmp_path, 'logs')))
+  assert re.search(rf'\(step {stopped}\) is (damaged|unreadable)', logs), (seed, os.listdir(ckdir))
+  assert flood.sent >= 100_000 - 100, (seed, flood.sent)
+  rejected = events(tmp_path, 'heartbeat_rejected')
+  assert sum(1 + e['suppressed_before'] for e in rejected) > 1000, (seed, len(rejected))
+  assert losses(tmp_path) == losses(reference), seed
+  assert_bitwise(final_state(tmp_path), final_state(reference))

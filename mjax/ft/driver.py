@@ -430,6 +430,9 @@ class Driver:
       procs = sorted(i for i, c in failed.items() if c == protocol.EXIT_NONFINITE)
       return detect.Fault('nonfinite_loss', procs, 'exit status 3 (non-finite loss)',
                           step=self._nan_step(att, procs), extra={'exit': codes})
+    if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable for a while
+      return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
+                          'heartbeat_timeout_s', extra={'exit': codes})
     return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
 
   def _facts(self, att: Attempt, process: int) -> dict:

@@ -31,6 +31,13 @@ already seen inside that window (a replay). UDP because a lost heartbeat is
 harmless (the timeout is several intervals) and a sender must never block
 on a slow or dead driver. The driver's end is `HeartbeatServer`.
 
+The driver acknowledges every authentic heartbeat with a signed datagram of
+its own (`{"ack": seq, "process", "pid", "ts", "nonce"}`, same envelope) sent
+back to the sender. A trainer that hears no acknowledgement for
+heartbeat_timeout_s knows its driver is gone (killed, its machine lost) and
+stops cleanly: it saves and exits, rather than train on unsupervised
+(`HeartbeatClient.driver_lost`, read by the trainer's StopAgreement).
+
 On a hang the driver sends SIGUSR1: `from_env` registers faulthandler for
 it, so the process writes the Python stack of every thread to stderr (the
 driver's per-process log) without the main thread's cooperation.
@@ -190,7 +197,8 @@ class HeartbeatClient:
   """Sends heartbeats from a daemon thread; see the module docstring."""
 
   def __init__(self, address: str, secret_hex: str, timer: Any, interval_s: float,
-               process_index: int, host: Optional[str] = None, attempt: int = 0):
+               process_index: int, host: Optional[str] = None, attempt: int = 0,
+               driver_timeout_s: Optional[float] = None):
     """Args:
       address: the driver, host:port.
       secret_hex: the job secret.
@@ -199,9 +207,12 @@ class HeartbeatClient:
       process_index: this process in the job.
       host: the name reported (default: MJAX_HOST, else the host name).
       attempt: the driver's restart count.
+      driver_timeout_s: no acknowledgement for this long: the driver is
+        gone (None: never concluded).
     """
     self._dest = socket.getaddrinfo(*parse_address(address), type=socket.SOCK_DGRAM)[0]
     self._sock = socket.socket(self._dest[0], socket.SOCK_DGRAM)
+    self._sock.setblocking(False)
     self._secret = secret_hex
     self._timer = timer
     self.interval_s = interval_s
@@ -216,6 +227,12 @@ class HeartbeatClient:
     self._seq = 0
     self._logs = _RecentLogs()
     logging.getLogger().addHandler(self._logs)
+    self.driver_timeout_s = driver_timeout_s
+    # Acknowledgements are checked like heartbeats (MAC, freshness, replay);
+    # the window covers clock skew between the two hosts.
+    self._acks = Verifier(secret_hex, window_s=max(60.0, 2 * (driver_timeout_s or 0.0)))
+    self._last_ack = time.monotonic()   # the driver gets a full timeout from the start
+    self.acks = 0
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name='mjax-heartbeat', daemon=True)
     self._thread.start()
@@ -245,7 +262,7 @@ class HeartbeatClient:
                        f'are authenticated with the per-job secret the driver generates, so a '
                        f'process started by mjax-launch always has both.') from None
     return cls(address, secret, timer, fault_cfg.heartbeat_interval_s, process_index,
-               attempt=protocol.attempt())
+               attempt=protocol.attempt(), driver_timeout_s=fault_cfg.heartbeat_timeout_s)
 
   def report_step(self, step: int, loss: float, step_time: float) -> None:
     """Called by the loop once a step's metrics are known."""
@@ -274,8 +291,43 @@ class HeartbeatClient:
 
   def _run(self) -> None:
     self._send()
-    while not self._stop.wait(self.interval_s):
-      self._send()
+    next_send = time.monotonic() + self.interval_s
+    while not self._stop.is_set():
+      # Wait for acknowledgements until the next heartbeat is due; wake at
+      # least every 0.2 s to notice close().
+      wait = min(0.2, max(0.0, next_send - time.monotonic()))
+      try:
+        ready, _, _ = select.select([self._sock], [], [], wait)
+      except (OSError, ValueError):   # closed under us
+        return
+      if ready:
+        self._read_acks()
+      if time.monotonic() >= next_send and not self._stop.is_set():
+        self._send()
+        next_send = time.monotonic() + self.interval_s
+
+  def _read_acks(self) -> None:
+    while True:
+      try:
+        data, _ = self._sock.recvfrom(MAX_DATAGRAM + 1)
+      except (BlockingIOError, InterruptedError):
+        return
+      except OSError:
+        return
+      try:
+        ack = self._acks.verify(data)
+      except Exception:  # noqa: BLE001 -- anything not an authentic ack is ignored
+        continue
+      if ack.get('kind') == 'ack' and ack.get('pid') == self._static['pid']:
+        self._last_ack = time.monotonic()
+        self.acks += 1
+
+  def driver_lost(self) -> bool:
+    """No acknowledgement from the driver for driver_timeout_s."""
+    return self.driver_timeout_s is not None and time.monotonic() - self._last_ack > self.driver_timeout_s
+
+  def seconds_since_ack(self) -> float:
+    return time.monotonic() - self._last_ack
 
   def close(self) -> None:
     """Stops the thread and tells the driver this process is wrapping up."""
@@ -300,6 +352,7 @@ class HeartbeatServer:
     shown = socket.gethostname() if bound_host in ('0.0.0.0', '::') else bound_host
     self.address = f'{shown}:{bound_port}'
     self.verifier = Verifier(secret, window_s)
+    self._secret = secret
 
   def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
     """[(payload, None, sender) or (None, reason, sender)], waiting at most `timeout`."""
@@ -313,12 +366,24 @@ class HeartbeatServer:
       except OSError:
         continue  # e.g. an ICMP error reported on a UDP socket: not a datagram
       try:
-        out.append((self.verifier.verify(data), None, sender))
+        payload = self.verifier.verify(data)
+        out.append((payload, None, sender))
+        self._ack(payload, sender)
       except Rejected as e:
         out.append((None, e.reason, sender))
       except Exception as e:  # noqa: BLE001 -- no datagram may stop the driver's loop
         out.append((None, f'malformed: verifier raised {type(e).__name__}', sender))
     return out
+
+  def _ack(self, payload: dict, sender: tuple) -> None:
+    """Tells an authentic sender the driver is alive (only authentic ones:
+    the port must not answer, or amplify, anyone else)."""
+    ack = {'kind': 'ack', 'ack': payload.get('seq'), 'process': payload['process'], 'pid': payload.get('pid'),
+           'ts': time.time(), 'nonce': secrets.token_hex(12)}
+    try:
+      self.sock.sendto(sign(ack, self._secret), sender)
+    except OSError:
+      pass   # the sender is gone: nothing to tell
 
   def close(self) -> None:
     self.sock.close()

@@ -3,13 +3,14 @@
     MJAX_FAULT="kill:step=12:process=1"     SIGKILL itself before step 12
     MJAX_FAULT="hang:step=12:process=0"     stop making progress at step 12
     MJAX_FAULT="slow:factor=1.3:process=2"  every step takes 1.3x as long
+    MJAX_FAULT="delay:seconds=0.5"          every step takes 0.5 s longer (time to act in)
     MJAX_FAULT="nan:step=8"                 report a NaN loss at step 8
     MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
 
 Several faults are separated by ';'. `process` defaults to every process.
 A fault fires in the first attempt only, unless `attempt=N` names another
 (the driver exports MJAX_ATTEMPT, counting restarts from 0), so a restarted
-run goes past the step that failed. Nothing here is reachable unless
+run goes past the step that failed; `attempt=-1` fires in every attempt. Nothing here is reachable unless
 MJAX_FAULT is set: production runs never pay for it.
 """
 
@@ -23,7 +24,7 @@ from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'nan', 'exit')
+KINDS = ('kill', 'hang', 'slow', 'delay', 'nan', 'exit')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class InjectedFault:
   step: int = 0
   process: Optional[int] = None
   factor: float = 1.0
+  seconds: float = 0.0
   code: int = 1
   attempt: int = 0
 
@@ -46,9 +48,9 @@ def parse(spec: str) -> list[InjectedFault]:
     kw = {}
     for f in fields:
       key, _, value = f.partition('=')
-      if key not in ('step', 'process', 'factor', 'code', 'attempt'):
+      if key not in ('step', 'process', 'factor', 'seconds', 'code', 'attempt'):
         raise ValueError(f'{protocol.INJECT_ENV}: unknown field {key!r} in {part!r}')
-      kw[key] = float(value) if key == 'factor' else int(value)
+      kw[key] = float(value) if key in ('factor', 'seconds') else int(value)
     faults.append(InjectedFault(kind, **kw))
   return faults
 
@@ -58,7 +60,7 @@ class Injector:
 
   def __init__(self, faults: list[InjectedFault], process_index: int, attempt: int):
     self.faults = [f for f in faults
-                   if (f.process is None or f.process == process_index) and f.attempt == attempt]
+                   if (f.process is None or f.process == process_index) and f.attempt in (attempt, -1)]
     self._t = None
 
   @classmethod
@@ -84,6 +86,8 @@ class Injector:
     for f in self.faults:
       if f.kind == 'slow' and self._t is not None:
         time.sleep((f.factor - 1.0) * (time.perf_counter() - self._t))
+      if f.kind == 'delay':
+        time.sleep(f.seconds)
       if f.kind == 'nan' and step == f.step:
         return float('nan')
     return loss
