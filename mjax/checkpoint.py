@@ -162,17 +162,15 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError, in every process alike, unless every process can
   write each tier directory: a read-only or full filesystem is found before
   anything compiles, not at the first save."""
-  mine = {name: write_problem(d) for name, d in dirs.items()}
-  if jax.process_count() == 1:
-    verdicts = [mine]
-  else:
-    verdicts = [json.loads(v) for v in distributed.all_gather_str('ckpt/probe/writable', json.dumps(mine),
-                                                                 timeout_s)]
+  mine = {name: problem for name, d in dirs.items() if (problem := write_problem(d))}
+  reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
+      'ckpt/probe/writable', json.dumps(mine) if mine else None, timeout_s).items()}
   for name, directory in dirs.items():
-    bad = {i: v[name] for i, v in enumerate(verdicts) if v[name]}
+    bad = {i: v[name] for i, v in sorted(reports.items()) if name in v}
     if bad:
       key = _tier_key(name)
-      who = '' if len(verdicts) == 1 else f' in process(es) {sorted(bad)} of {len(verdicts)}'
+      n = jax.process_count()
+      who = '' if n == 1 else f' in process(es) {sorted(bad)} of {n}'
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) cannot be written{who}: '
           f'{next(iter(bad.values()))}. Checkpoints need a writable filesystem with room for '
@@ -190,25 +188,26 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """
   if jax.process_count() == 1:
     return
-  token = distributed.all_gather_str('ckpt/probe/token', secrets.token_hex(8), timeout_s)[0]
+  token = distributed.broadcast_str('ckpt/probe/token', secrets.token_hex(8), timeout_s)
   probes = {name: epath.Path(d) / f'.mjax-probe-{token}' for name, d in dirs.items()}
   if jax.process_index() == 0:
     for probe in probes.values():
       probe.parent.mkdir(parents=True, exist_ok=True)
       probe.write_text(token)
   distributed.barrier('ckpt/probe/written', timeout_s)
-  seen = {name: probe.exists() and probe.read_text() == token for name, probe in probes.items()}
-  verdicts = [json.loads(v) for v in distributed.all_gather_str('ckpt/probe/seen', json.dumps(seen), timeout_s)]
+  unseen = [name for name, probe in probes.items() if not (probe.exists() and probe.read_text() == token)]
+  reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
+      'ckpt/probe/seen', json.dumps(unseen) if unseen else None, timeout_s).items()}
   if jax.process_index() == 0:
     for probe in probes.values():
       probe.unlink(missing_ok=True)
   for name, directory in dirs.items():
-    blind = [i for i, v in enumerate(verdicts) if not v[name]]
+    blind = sorted(i for i, v in reports.items() if name in v)
     if blind:
       key = _tier_key(name)
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) is not shared by every process: '
-          f'process(es) {blind} of {len(verdicts)} do not see the file process 0 wrote there, so '
+          f'process(es) {blind} of {jax.process_count()} do not see the file process 0 wrote there, so '
           f'their checkpoint shards would never be committed. A multi-host job needs each tier '
           f'on a filesystem all hosts mount at the same path'
           + ('; set CheckpointConfig.fast_directory to such a path, or fast_every = 0 to turn the '
@@ -437,9 +436,9 @@ class Checkpointer:
       except Exception as e:  # any unreadable checkpoint: report, fall back
         restored, error = None, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
       # One process failing to read its shards sends every process back.
-      verdicts = distributed.all_gather_str(f'ckpt/restore/{i}',
-                                            '1' if error is None else ('D' if damaged else '0'))
-      failed = [p for p, v in enumerate(verdicts) if v != '1']
+      verdicts = distributed.report_exceptions(f'ckpt/restore/{i}',
+                                               None if error is None else ('D' if damaged else '0'))
+      failed = sorted(verdicts)
       if not failed:
         return restored
       restored = None  # freed before the next candidate is read
@@ -447,7 +446,7 @@ class Checkpointer:
                   'damaged' if damaged else 'unreadable', f' ({error})' if error else f' in process(es) {failed}')
       # Saved afresh when training passes this step again (see `save`).
       self._unusable.add((name, step))
-      if all(v == 'D' for v in verdicts):
+      if len(verdicts) == jax.process_count() and all(v == 'D' for v in verdicts.values()):
         # Bits that changed since the save: never usable again. (An unreadable
         # step may be a passing I/O fault: it stays where it is.)
         self._move_aside(tier, step, path)
@@ -473,13 +472,15 @@ class Checkpointer:
     mine = self.steps()
     if jax.process_count() == 1:
       return mine
-    seen = [set(map(tuple, json.loads(v)))
-            for v in distributed.all_gather_str('ckpt/steps', json.dumps(mine))]
-    common = set.intersection(*seen)
-    hidden = [c for c in mine if c not in common]
-    if hidden:
-      log.warning('checkpoints %s are not seen by every process; skipped', hidden)
-    return [c for c in mine if c in common]
+    # Process 0's list, less what some process cannot see.
+    first = [tuple(c) for c in json.loads(distributed.broadcast_str('ckpt/steps', json.dumps(mine)))]
+    missing = [c for c in first if c not in set(mine)]
+    hidden = {tuple(c) for v in distributed.report_exceptions(
+        'ckpt/steps/missing', json.dumps(missing) if missing else None).values() for c in json.loads(v)}
+    if hidden or len(first) != len(mine):
+      log.warning('checkpoints %s are not seen by every process; skipped',
+                  sorted(hidden | (set(mine) - set(first))))
+    return [c for c in first if c not in hidden]
 
   @staticmethod
   def _restore(manager, step, abstract_state, path) -> Restored:

@@ -348,25 +348,42 @@ def coordination_client():
   return global_state.client
 
 
-def all_gather_str(key: str, value: str, timeout_s: float = 300.0) -> list[str]:
-  """Every process's `value` for `key`, in process order (one process: [value]).
+# Agreement between the processes of a job costs O(1) coordination-service
+# calls per process, whatever the job's size (MegaScale: start-up in seconds
+# at thousands of GPUs): process 0 decides and the others read one key, or
+# only the processes with something to report write, and everyone reads the
+# (usually empty) list once after a barrier. Keys must be new to the job:
+# each call site adds what makes them unique.
 
-  `key` must be new to this job: each call site adds what makes it unique.
-  """
+def broadcast_str(key: str, value: str, timeout_s: float = 300.0) -> str:
+  """Process 0's `value`, in every process (one call per process)."""
   import jax
-  n, me = jax.process_count(), jax.process_index()
-  if n == 1:
-    return [value]
+  if jax.process_count() == 1:
+    return value
   client = coordination_client()
-  client.key_value_set(f'mjax/{key}/{me}', value)
-  out = []
-  for i in range(n):
-    try:
-      out.append(client.blocking_key_value_get(f'mjax/{key}/{i}', int(timeout_s * 1000)))
-    except Exception as e:
-      raise RuntimeError(f'process {i} did not report {key!r} within {timeout_s:.0f}s '
-                         f'(it may have died or be stuck): {e}') from e
-  return out
+  if jax.process_index() == 0:
+    client.key_value_set(f'mjax/{key}', value)
+    return value
+  try:
+    return client.blocking_key_value_get(f'mjax/{key}', int(timeout_s * 1000))
+  except Exception as e:
+    raise RuntimeError(f'process 0 did not publish {key!r} within {timeout_s:.0f}s '
+                       f'(it may have died or be stuck): {e}') from e
+
+
+def report_exceptions(key: str, mine: Optional[str], timeout_s: float = 300.0) -> dict[int, str]:
+  """{process: what it reported} over the processes that report something
+  (`mine` not None), the same dict in every process. Three calls per process:
+  a write by the reporting ones only, a barrier, one directory read."""
+  import jax
+  me = jax.process_index()
+  if jax.process_count() == 1:
+    return {} if mine is None else {me: mine}
+  client = coordination_client()
+  if mine is not None:
+    client.key_value_set(f'mjax/{key}/{me}', mine)
+  barrier(f'{key}/reported', timeout_s)
+  return {int(k.rsplit('/', 1)[1]): v for k, v in client.key_value_dir_get(f'mjax/{key}/')}
 
 
 def barrier(name: str, timeout_s: float = 300.0) -> None:

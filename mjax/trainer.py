@@ -393,8 +393,7 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
       checkpoint_lib.check_same_model(cfg, workdir)
     except ConfigError as e:
       verdict = str(e)
-  if jax.process_count() > 1:
-    verdict = distributed.all_gather_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)[0]
+  verdict = distributed.broadcast_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)
   if verdict:
     raise ConfigError(verdict)
 
@@ -406,11 +405,15 @@ class StopAgreement:
   heartbeats for heartbeat_timeout_s): a job nobody supervises stops cleanly
   instead of training on, and a restarted driver resumes it from that save."""
 
-  # A few steps ahead of the step the first signalled process has reached:
-  # each step's collectives keep the processes within a step or two of each
-  # other, so none can have passed it yet.
-  MARGIN = 2
+  # Steps between the one the first process to stop has reached and the one
+  # every process stops after: each step's collectives keep the processes
+  # within a step or two of each other, and the others learn the agreed step
+  # within a coordination-service round trip (milliseconds), so none can have
+  # passed it yet.
+  MARGIN = 3
   KEY = 'mjax/stop/after_step'
+  DONE = 'done'            # written on the way out: wakes every watcher, stops nobody
+  POLL_MS = 10_000
 
   def __init__(self, heartbeat: Optional[HeartbeatClient] = None):
     self.signal = None
@@ -418,6 +421,9 @@ class StopAgreement:
     self._heartbeat = heartbeat
     self._old = {}
     self._stop_after: Optional[int] = None
+    self._proposed = False
+    self._watcher: Optional[threading.Thread] = None
+    self._closing = threading.Event()
     self.stopped = False     # the loop was left early, in every process alike
 
   @property
@@ -426,7 +432,7 @@ class StopAgreement:
       return signal.Signals(self.signal).name
     if self.driver_lost:
       return f'no word from the driver for {self._heartbeat.driver_timeout_s:g}s (heartbeat_timeout_s)'
-    return 'a stop request'
+    return 'another process of the job was asked to stop'
 
   def _requested(self) -> bool:
     if self.signal is None and not self.driver_lost and self._heartbeat is not None:
@@ -434,30 +440,43 @@ class StopAgreement:
     return self.signal is not None or self.driver_lost
 
   def agreed(self, step: int) -> bool:
-    """Whether to stop after `step`. One process: once signalled. Several:
-    after the same step in every process, since a signal reaches them between
+    """Whether to stop after `step`. One process: once asked. Several: after
+    the same step in every process, since a signal reaches them between
     different steps, and a process that stops alone leaves the others waiting
-    in the next step's collectives forever. The first process signalled
-    proposes a step through the coordination service; all read it."""
+    in the next step's collectives forever. The first process asked proposes
+    a step through the coordination service; a watcher thread in every
+    process waits for that key (one pending call, not one call per step)."""
     self.stopped = self._agreed(step)
     return self.stopped
 
   def _agreed(self, step: int) -> bool:
     if jax.process_count() == 1:
       return self._requested()
-    client = distributed.coordination_client()
-    if self._stop_after is None:
-      if self._requested():
-        try:
-          client.key_value_set(self.KEY, str(step + self.MARGIN))
-        except jax.errors.JaxRuntimeError as e:
-          if 'ALREADY_EXISTS' not in str(e):
-            raise
-          # another process proposed first: theirs stands
-      found = dict(client.key_value_dir_get(self.KEY.rsplit('/', 1)[0]))
-      if found:
-        self._stop_after = int(next(iter(found.values())))
+    if self._stop_after is None and not self._proposed and self._requested():
+      self._proposed = True
+      client = distributed.coordination_client()
+      try:
+        client.key_value_set(self.KEY, str(step + self.MARGIN))
+      except jax.errors.JaxRuntimeError as e:
+        if 'ALREADY_EXISTS' not in str(e):
+          raise
+        # another process proposed first: theirs stands
+      self._stop_after = self._parse(client.blocking_key_value_get(self.KEY, self.POLL_MS))
     return self._stop_after is not None and step >= self._stop_after
+
+  def _parse(self, value: str) -> Optional[int]:
+    return None if value == self.DONE else int(value)
+
+  def _watch(self) -> None:
+    client = distributed.coordination_client()
+    while not self._closing.is_set():
+      try:
+        value = client.blocking_key_value_get(self.KEY, self.POLL_MS)
+      except jax.errors.JaxRuntimeError:
+        continue   # nothing yet (the wait timed out): wait again
+      if self._stop_after is None:
+        self._stop_after = self._parse(value)
+      return
 
   def _handle(self, signum, frame):
     if self.signal is not None:
@@ -469,9 +488,22 @@ class StopAgreement:
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._old[sig] = signal.signal(sig, self._handle)
+    if jax.process_count() > 1:
+      self._watcher = threading.Thread(target=self._watch, name='mjax-stop-watch', daemon=True)
+      self._watcher.start()
     return self
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+    if self._watcher is not None:
+      # A thread still waiting in the coordination service when jax shuts it
+      # down at exit aborts the process: wake it (every process leaves the
+      # loop after the same step, so the key stops nobody) and let it end.
+      self._closing.set()
+      try:
+        distributed.coordination_client().key_value_set(self.KEY, self.DONE)
+      except Exception:  # noqa: BLE001 -- already set, or the service is gone: nothing to wake
+        pass
+      self._watcher.join(timeout=self.POLL_MS / 1000 + 1)
     return False

@@ -320,3 +320,34 @@ def test_a_warm_compilation_cache_in_one_process_only(tmp_path, repo_root):
   startup = json.loads(next(l for l in run.stdout.splitlines() if 'mjax: startup' in l).split('startup ', 1)[1])
   # Process 0 loaded its step from the cache and then waited for process 1's compile.
   assert startup['compile_wait_s'] > startup['compile_s'] * 0.5, startup
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path, repo_root):
+  """A signal reaches one process of two: both stop after the same step (the
+  agreement goes through the coordination service, with no call per step),
+  save it, and exit 0."""
+  import signal
+  import time
+  workdir = str(tmp_path / 'run')
+  env = _clean_env(MJAX_FAULT='delay:seconds=0.3')   # room to act before the end
+  procs = launch.spawn_local(2, 4, [os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', workdir,
+                                    '--gin.TrainConfig.steps=40'], workdir=workdir, env=env)
+  try:
+    metrics = os.path.join(workdir, 'metrics.jsonl')
+    deadline = time.time() + 240
+    while not (os.path.exists(metrics) and len(read_metrics(workdir)) >= 3):
+      assert time.time() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    assert launch.wait_all(procs, timeout=120) == [0, 0]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  logs = [open(os.path.join(workdir, 'logs', f'process-{i}.log')).read() for i in range(2)]
+  assert 'another process of the job was asked to stop' in logs[0], logs[0][-2000:]   # process 1 was
+  saved = [int(n) for n in os.listdir(os.path.join(workdir, 'checkpoints')) if n.isdigit()]
+  stop = max(saved)
+  assert 3 <= stop < 40 and f'after step {stop}: checkpoint saved' in logs[0], (saved, logs[0][-2000:])
+  assert max(r['step'] for r in read_metrics(workdir)) == stop
