@@ -316,21 +316,46 @@ def test_failing_diagnostic_blocks_its_host_only(tmp_path, monkeypatch):
 
 
 def test_straggler_flagged_then_evicted(tmp_path, monkeypatch):
+  """The analysis runs in its own thread on what the timing files gain
+  during the attempt (an earlier attempt's rows are not judged), read
+  incrementally, a row split across two reads included."""
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   os.makedirs(tmp_path / 'timings')
-  for p, slow in ((0, 1.0), (1, 1.0), (2, 1.5)):
-    with open(tmp_path / 'timings' / f'process-{p:05d}.jsonl', 'w') as fh:
-      for step in range(1, 31):
-        fh.write(json.dumps({'step': step, 'process': p, 'host': 'h', 'time': 1000.0 + step * 1.5,
-                             'phases': {'data': 0.01, 'compute': 1.0 * slow}}) + '\n')
+  path = lambda p: tmp_path / 'timings' / f'process-{p:05d}.jsonl'
+
+  def rows(steps, slow_process):
+    return {p: ''.join(json.dumps({'step': s, 'process': p, 'host': 'h', 'time': 1000.0 + s * 1.5,
+                                   'phases': {'data': 0.01, 'compute': 1.5 if p == slow_process else 1.0}})
+                       + '\n' for s in steps) for p in range(3)}
+
+  for p, text in rows(range(1, 31), 0).items():   # an earlier attempt, where process 0 was slow
+    path(p).write_text(text)
   d = make_driver(tmp_path, '--processes', '3')
   att = fake_attempt(d, ['slot0', 'slot1', 'slot2'])
-  assert d._stragglers(att, set()) is None                       # flagged only
+  watch = driver._StragglerWatch(str(tmp_path), {0, 1, 2}, d.fault_cfg, every_s=0.05)
+  found = []
+  try:
+    new = rows(range(31, 61), 2)
+    for p, text in new.items():
+      with open(path(p), 'a') as fh:
+        fh.write(text[:len(text) // 2 + 7])        # cut inside a row
+    time.sleep(0.2)
+    for p, text in new.items():
+      with open(path(p), 'a') as fh:
+        fh.write(text[len(text) // 2 + 7:])
+    deadline = time.time() + 10
+    while not found and time.time() < deadline:
+      found += watch.take()
+      time.sleep(0.05)
+  finally:
+    watch.close()
+  assert [s.process for s in found][:1] == [2] and all(s.process == 2 for s in found)
+  assert d._stragglers(att, set(), found) is None                # flagged only
   (ev,) = events(tmp_path, 'straggler')
   assert ev['process'] == 2 and ev['host'] == 'slot2' and not ev['evict']
   d.server.close()
   d = make_driver(tmp_path, '--processes', '3', train=['--gin.FaultConfig.evict_stragglers=True'])
-  fault = d._stragglers(att, set())
+  fault = d._stragglers(att, set(), found)
   assert fault.kind == 'straggler' and fault.processes == [2]
   d._diagnose(att, fault)
   assert hosts_lib.BlockList(str(tmp_path)).hosts() == ['slot2']
@@ -696,6 +721,22 @@ def test_verifier_survives_100k_hostile_datagrams_and_accepts_the_next_real_one(
   assert v.verify(real)['process'] == 1
   with pytest.raises(hb.Rejected, match='replay'):
     v.verify(real)
+
+
+def test_nonce_cache_forgets_as_the_window_moves():
+  """Replays are refused inside the window; nonces leave the cache as the
+  window passes them, a few per datagram (no pause to rebuild it)."""
+  v = hb.Verifier(SECRET, window_s=10)
+  t0 = time.time()
+  for i in range(1000):
+    v.verify(hb.sign({'ts': t0, 'nonce': f'n{i}', 'process': 0}, SECRET), now=t0)
+  with pytest.raises(hb.Rejected, match='replay'):
+    v.verify(hb.sign({'ts': t0, 'nonce': 'n5', 'process': 0}, SECRET), now=t0 + 5)
+  assert len(v._seen) == 1000
+  v.verify(hb.sign({'ts': t0 + 11, 'nonce': 'late', 'process': 0}, SECRET), now=t0 + 11)
+  assert v._seen == {'late'}
+  with pytest.raises(hb.Rejected, match='stale'):   # the forgotten nonce cannot come back
+    v.verify(hb.sign({'ts': t0, 'nonce': 'n5', 'process': 0}, SECRET), now=t0 + 11)
 
 
 def test_heartbeat_server_turns_every_datagram_into_a_verdict():

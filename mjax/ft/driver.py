@@ -71,10 +71,12 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -85,7 +87,6 @@ from mjax.ft.executor import LocalExecutor
 # The driver's own exit statuses.
 EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, protocol.EXIT_USER_ERROR
 MAX_BACKOFF_S = 60.0
-TIMING_TAIL_BYTES = 1 << 16   # of each process's timing file: ~400 steps, more than any straggler window
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
 
 
@@ -383,10 +384,16 @@ class Driver:
   def _supervise(self, att: Attempt):
     """Returns 'finished', 'preempted' or the first Fault."""
     f = self.fault_cfg
-    tick = min(0.1, f.heartbeat_interval_s / 4)
-    straggler_every = max(5.0, 5 * f.heartbeat_interval_s)
-    next_straggler_check = time.monotonic() + straggler_every
+    watch = _StragglerWatch(self.workdir, set(att.handles), f, every_s=max(5.0, 5 * f.heartbeat_interval_s))
+    try:
+      return self._watch(att, watch)
+    finally:
+      watch.close()
+
+  def _watch(self, att: Attempt, watch: '_StragglerWatch'):
+    tick = min(0.1, self.fault_cfg.heartbeat_interval_s / 4)
     flagged: set[int] = set()
+    next_scan = 0.0
     while True:
       if self._signal is not None:
         return 'preempted'
@@ -398,7 +405,12 @@ class Driver:
         fault = att.monitor.beat(payload, now)
         if fault is not None:
           return fault
+      # The scans below are O(processes): once per tick, not after every
+      # batch of datagrams (thousands of senders keep the socket busy).
       now = time.monotonic()
+      if now < next_scan:
+        continue
+      next_scan = now + tick
       self._progress_events(att)
       codes = {i: h.poll() for i, h in att.handles.items()}
       for i, c in codes.items():
@@ -412,11 +424,9 @@ class Driver:
       fault = att.monitor.check(now)
       if fault is not None:
         return fault
-      if now >= next_straggler_check:
-        next_straggler_check = now + straggler_every
-        fault = self._stragglers(att, flagged)
-        if fault is not None:
-          return fault
+      fault = self._stragglers(att, flagged, watch.take())
+      if fault is not None:
+        return fault
 
   def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
     codes = {i: self._describe_status(c) for i, c in failed.items()}
@@ -487,16 +497,10 @@ class Driver:
         self.pre_fault = None
         att.recovered = True
 
-  def _stragglers(self, att: Attempt, flagged: set) -> Optional[detect.Fault]:
-    from mjax.ft import stragglers
-    try:
-      rows = stragglers.load_rows(self.workdir, tail_bytes=TIMING_TAIL_BYTES)
-    except FileNotFoundError:
-      return None
+  def _stragglers(self, att: Attempt, flagged: set, found: list) -> Optional[detect.Fault]:
+    """Events for newly found stragglers; a fault with evict_stragglers."""
     f = self.fault_cfg
-    # Only this attempt's processes: an earlier attempt may have had others.
-    rows = [r for r in rows if int(r['process']) in att.handles]
-    for s in stragglers.find_stragglers(rows, f.straggler_margin, f.straggler_window):
+    for s in found:
       if s.process in flagged:
         continue
       flagged.add(s.process)
@@ -669,3 +673,42 @@ class Driver:
     self._terminate(att, self.fault_cfg.collective_timeout_s, patient=lambda: self._signals < 2)
     self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att))
     return EXIT_OK if all(h.returncode == 0 for h in att.handles.values()) else EXIT_GAVE_UP
+
+
+class _StragglerWatch:
+  """The straggler analysis, off the heartbeat path: a thread reads what the
+  timing files gained (stragglers.TimingTail) and runs find_stragglers, then
+  waits `every_s` from the end of that run, so that a slow analysis neither
+  runs back to back nor delays a heartbeat. `take()` hands the driver's loop
+  what it found."""
+
+  def __init__(self, workdir: str, processes: set, fault_cfg, every_s: float, from_end: bool = True):
+    from mjax.ft import stragglers
+    self._stragglers = stragglers
+    self._processes = processes
+    self._margin, self._window = fault_cfg.straggler_margin, fault_cfg.straggler_window
+    self._tail = stragglers.TimingTail(workdir, keep=2 * fault_cfg.straggler_window + 8, from_end=from_end)
+    self._every_s = every_s
+    self._found: queue.SimpleQueue = queue.SimpleQueue()
+    self._stop = threading.Event()
+    self.last_seconds = 0.0      # how long the latest analysis took
+    self._thread = threading.Thread(target=self._run, name='mjax-stragglers', daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while not self._stop.wait(self._every_s):
+      t0 = time.monotonic()
+      rows = [r for r in self._tail.update() if int(r['process']) in self._processes]
+      for s in self._stragglers.find_stragglers(rows, self._margin, self._window):
+        self._found.put(s)
+      self.last_seconds = time.monotonic() - t0
+
+  def take(self) -> list:
+    out = []
+    while not self._found.empty():
+      out.append(self._found.get())
+    return out
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=5.0)

@@ -69,6 +69,7 @@ MAX_DATAGRAM = 16384      # bytes; a heartbeat is ~1 KB, this leaves room for lo
 LOG_LINES = 5             # warning/error records carried by each heartbeat
 LOG_CHARS = 400           # each one cut to this length
 MAX_LOSSES = 256          # [step, loss] pairs per heartbeat (the newest kept)
+RECEIVE_BUFFER = 32 << 20  # bytes asked for the driver's socket
 
 
 _HEX_MAC = re.compile(r'[0-9a-f]{64}')
@@ -114,8 +115,11 @@ class Verifier:
     """
     self._key = bytes.fromhex(secret_hex)
     self.window_s = window_s
-    self._seen: dict[str, float] = {}
-    self._last_prune = 0.0
+    # Nonces seen, and the same in arrival order with their timestamps: the
+    # oldest are dropped as they leave the window, a few per datagram, so
+    # the cache never pauses the driver to rebuild itself.
+    self._seen: set[str] = set()
+    self._order: collections.deque[tuple[float, str]] = collections.deque()
 
   def verify(self, data: bytes, now: Optional[float] = None) -> dict:
     """Returns the payload of an authentic, fresh datagram; raises Rejected.
@@ -155,14 +159,16 @@ class Verifier:
     self._prune(now)
     if nonce in self._seen:
       raise Rejected('replay: nonce already seen')
-    self._seen[nonce] = ts
+    self._seen.add(nonce)
+    self._order.append((ts, nonce))
     return payload
 
   def _prune(self, now: float) -> None:
-    if now - self._last_prune < self.window_s / 4:
-      return
-    self._last_prune = now
-    self._seen = {n: t for n, t in self._seen.items() if abs(now - t) <= self.window_s}
+    # A nonce may go once no datagram carrying it can pass the freshness
+    # check any more. Timestamps arrive nearly in order; one out of order
+    # only stays a little longer than needed.
+    while self._order and self._order[0][0] < now - self.window_s:
+      self._seen.discard(self._order.popleft()[1])
 
 
 class _RecentLogs(logging.Handler):
@@ -338,6 +344,22 @@ class HeartbeatClient:
     self._sock.close()
 
 
+def _grow_receive_buffer(sock: socket.socket, nbytes: int) -> int:
+  """Asks for a receive buffer of `nbytes` (the default, ~208 KiB, holds a
+  few hundred datagrams: thousands of senders overflow it between two reads).
+  SO_RCVBUFFORCE passes net.core.rmem_max where the process may; otherwise
+  the kernel caps the request there. Returns what the kernel granted."""
+  for opt in (getattr(socket, 'SO_RCVBUFFORCE', None), socket.SO_RCVBUF):
+    if opt is None:
+      continue
+    try:
+      sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
+      break
+    except OSError:
+      continue
+  return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
 class HeartbeatServer:
   """UDP socket + Verifier; `receive` returns what arrived within a tick."""
 
@@ -345,6 +367,7 @@ class HeartbeatServer:
     host, port = parse_address(bind)
     info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
+    self.receive_buffer = _grow_receive_buffer(self.sock, RECEIVE_BUFFER)
     self.sock.bind(info[4])
     self.sock.setblocking(False)
     bound_host, bound_port = self.sock.getsockname()[:2]

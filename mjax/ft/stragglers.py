@@ -51,6 +51,7 @@ throughput checks (`mjax.ft.diagnose`) find those.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import json
@@ -154,6 +155,58 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
         if row is not None:
           rows.append(row)
   return dedupe_rows(rows)
+
+
+class TimingTail:
+  """Incremental reader of a run's timing files, for a poller (the driver).
+
+  Each `update` reads only what the files gained since the previous one and
+  keeps the last `keep` rows of every process, so a check costs what the
+  processes wrote in between, not the run's length (at 1,536 processes,
+  re-reading whole files took 17 s a check). Started `from_end`, it sees
+  only rows written from now on: one attempt's, not an earlier one's.
+  """
+
+  def __init__(self, workdir: str, keep: int, from_end: bool = True):
+    self.directory = timings_dir(workdir)
+    self.keep = keep
+    self._offsets: dict[str, int] = {}
+    self._partial: dict[str, bytes] = {}
+    self._rows: dict[str, collections.deque] = {}
+    if from_end:
+      for path in self._paths():
+        self._offsets[path] = _size(path)
+
+  def _paths(self) -> list[str]:
+    return glob.glob(os.path.join(self.directory, 'process-*.jsonl'))
+
+  def update(self) -> list[dict]:
+    """The kept rows of every process, after reading what was appended."""
+    for path in self._paths():
+      offset, size = self._offsets.get(path, 0), _size(path)
+      if size < offset:            # replaced or truncated: start it again
+        offset, self._partial[path] = 0, b''
+      if size == offset:
+        continue
+      with open(path, 'rb') as fh:
+        fh.seek(offset)
+        data = fh.read(size - offset)
+      self._offsets[path] = offset + len(data)
+      lines = (self._partial.pop(path, b'') + data).split(b'\n')
+      self._partial[path] = lines.pop()   # a row still being written
+      kept = self._rows.setdefault(path, collections.deque(maxlen=self.keep))
+      for line in lines:
+        row = _parse_row(line.decode('utf-8', errors='replace'))
+        if row is not None:
+          kept.append(row)
+    return [r for kept in self._rows.values() for r in kept]
+
+
+def _size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
 
 
 def _parse_row(line: str) -> Optional[dict]:
