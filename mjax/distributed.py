@@ -360,8 +360,23 @@ def broadcast_str(key: str, value: str, timeout_s: float = 300.0) -> str:
   import jax
   if jax.process_count() == 1:
     return value
-  client = coordination_client()
-  if jax.process_index() == 0:
+  return broadcast_with(coordination_client(), jax.process_index(), key, value, timeout_s)
+
+
+def report_exceptions(key: str, mine: Optional[str], timeout_s: float = 300.0) -> dict[int, str]:
+  """{process: what it reported} over the processes that report something
+  (`mine` not None), the same dict in every process. Three calls per process:
+  a write by the reporting ones only, a barrier, one directory read."""
+  import jax
+  if jax.process_count() == 1:
+    return {} if mine is None else {0: mine}
+  return report_with(coordination_client(), jax.process_index(), key, mine, timeout_s)
+
+
+def broadcast_with(client, me: int, key: str, value: str, timeout_s: float) -> str:
+  """`broadcast_str` through a given client as process `me` (bench/scale_sim.py
+  runs thousands of clients in one process)."""
+  if me == 0:
     client.key_value_set(f'mjax/{key}', value)
     return value
   try:
@@ -371,18 +386,11 @@ def broadcast_str(key: str, value: str, timeout_s: float = 300.0) -> str:
                        f'(it may have died or be stuck): {e}') from e
 
 
-def report_exceptions(key: str, mine: Optional[str], timeout_s: float = 300.0) -> dict[int, str]:
-  """{process: what it reported} over the processes that report something
-  (`mine` not None), the same dict in every process. Three calls per process:
-  a write by the reporting ones only, a barrier, one directory read."""
-  import jax
-  me = jax.process_index()
-  if jax.process_count() == 1:
-    return {} if mine is None else {me: mine}
-  client = coordination_client()
+def report_with(client, me: int, key: str, mine: Optional[str], timeout_s: float) -> dict[int, str]:
+  """`report_exceptions` through a given client as process `me`."""
   if mine is not None:
     client.key_value_set(f'mjax/{key}/{me}', mine)
-  barrier(f'{key}/reported', timeout_s)
+  client.wait_at_barrier(f'mjax/{key}/reported', int(timeout_s * 1000))
   return {int(k.rsplit('/', 1)[1]): v for k, v in client.key_value_dir_get(f'mjax/{key}/')}
 
 

@@ -282,6 +282,10 @@ class FakeExecutor(executor.LocalExecutor):
 
   def run(self, argv, env, timeout):
     bad = self.failing.get(self.host)
+    if bad == 'slow_under_load':   # passes, with a check only load excuses
+      checks = [{'name': 'matmul_float32', 'passed': False, 'suspect': True}]
+      return 0, json.dumps({'host': self.host, 'passed': True, 'checks': checks,
+                            'suspect': ['matmul_float32']}), ''
     checks = [{'name': 'memory', 'passed': bad != 'memory'}, {'name': 'allreduce', 'passed': True}]
     report = {'host': self.host, 'process': 0, 'passed': not bad, 'checks': checks}
     return (1 if bad else 0), json.dumps(report, indent=2), ''
@@ -312,6 +316,23 @@ def test_failing_diagnostic_blocks_its_host_only(tmp_path, monkeypatch):
   d._diagnose(fake_attempt(d, ['a', 'b']), detect.Fault('exit', [1]))
   assert hosts_lib.BlockList(str(tmp_path)).hosts() == ['slot1']
   assert events(tmp_path, 'diagnosis_suspect')
+  d.server.close()
+
+
+def test_slow_under_load_twice_in_a_row_blocks_the_host(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {'slot1': 'slow_under_load'})
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  d._diagnose(att, detect.Fault('exit', [1]))
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == []          # load may explain it once
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  d._diagnose(att, detect.Fault('exit', [1]))                      # a clean pass resets the count
+  monkeypatch.setattr(FakeExecutor, 'failing', {'slot1': 'slow_under_load'})
+  d._diagnose(att, detect.Fault('exit', [1]))
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == []
+  d._diagnose(att, detect.Fault('exit', [1]))                      # twice in a row: it does not
+  blocked = hosts_lib.BlockList(str(tmp_path))
+  assert blocked.hosts() == ['slot1'] and 'slow under load' in blocked.entries[0]['reason']
   d.server.close()
 
 

@@ -26,26 +26,68 @@ the job another restart:
               when this process is part of a jax.distributed job. Every
               process of the job must run the diagnostics, with the same
               options; a process that cannot join them leaves the others
-              waiting in the collective, so run it under a timeout.
+              waiting in the collective until its check times out.
 
 Each check gives a value, the expected value and pass/fail; a device
 passes when all of its own checks pass, the host when every check does.
 
-Test-only fault injection: MJAX_DIAGNOSE_FAIL=matmul (or memory,
-allreduce, allgather, allreduce_global, ...; several separated by commas)
-runs the check as usual and then reports it failed, so that the driver's
-"a failing diagnostic blocks the host" path can be exercised on healthy
-machines. Production never sets it.
+A blocked host stays blocked, so a healthy host must not fail because other
+work slowed it down for a moment:
+
+  baseline    the timed checks (matmul, the collectives) remember the best
+              value they ever measured while passing, per host, device
+              kind, check, size and JAX version, in
+              <cache_dir>/diagnose_baseline.json. Where one exists, the
+              expected figure is `min_fraction` of it instead of the data
+              sheet's (or the CPU's cached peak): the host's own best is a
+              truer figure than a catalogue's, and gives one to devices the
+              catalogue lacks. Never written by a run with test-only
+              injection, nor from a failed or suspect check.
+  repeats     a local timed check that is only too slow (its result is
+              right) is measured again, up to `repeats` times; the best try
+              counts. The collectives across processes run once: every
+              process must issue the same ones.
+  suspect     a check still too slow after its repeats on a host whose
+              1-minute load average, less this process's own share, is above
+              LOADED_SHARE of its CPUs is marked suspect, not failed: the
+              load explains it. The host's verdict ignores suspect checks;
+              the JSON report lists them under "suspect". Contract with the
+              driver (mjax/ft/driver.py): a host that comes back suspect
+              twice in a row is blocked like a failing one, so a host that
+              is slow under every load cannot hide behind it. A wrong
+              result, an exception, running out of memory or a memory
+              pattern error is never suspect.
+  deadline    each check runs under `check_timeout_s`. One that overruns
+              fails ("timed out after Ns"), the checks after it are not run
+              (a wedged device or collective would hang them too; the report
+              lists them as skipped) and the report says timed_out. The
+              stuck thread may keep the interpreter from exiting:
+              mjax-diagnose leaves with os._exit then.
+
+Test-only fault injection, MJAX_DIAGNOSE_FAIL, comma-separated names (a
+name also covers the checks it prefixes: 'allreduce' is allreduce_local and
+allreduce_global):
+  NAME        (matmul, memory, allreduce, allgather_global, ...) runs the
+              check as usual and then reports it failed, so that the
+              driver's "a failing diagnostic blocks the host" path can be
+              exercised on healthy machines;
+  hang:NAME   the check blocks forever instead of running (the deadline);
+  slow:NAME   the check's first measurement is divided by 10 (the repeats).
+MJAX_DIAGNOSE_LOADAVG=X (test-only) stands in for os.getloadavg()[0], so
+that a loaded or idle host can be tested on any machine. Production sets
+neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -57,6 +99,10 @@ from mjax.protocol import DIAGNOSE_FAIL_ENV
 CHECKS = ('matmul', 'memory', 'allreduce', 'allgather')
 MIB = 1 << 20
 GIB = 1 << 30
+BASELINE_FILE = 'diagnose_baseline.json'
+LOADED_SHARE = 0.75                        # load per CPU above which a slow check is suspect
+LOADAVG_ENV = 'MJAX_DIAGNOSE_LOADAVG'      # test-only stand-in for os.getloadavg()[0]
+INJECTION_KINDS = ('hang', 'slow')         # MJAX_DIAGNOSE_FAIL prefixes; a plain name forces a failure
 
 
 @dataclasses.dataclass
@@ -74,6 +120,8 @@ class Check:
     passed: whether the device(s) are fit for training on this count.
     note: where the expected figure comes from, or what went wrong.
     seconds: how long the check took, compilation included.
+    suspect: too slow (and not passed), but on a host loaded by other
+      work: the host's verdict does not count it.
   """
   name: str
   devices: list[int]
@@ -83,6 +131,7 @@ class Check:
   passed: bool
   note: str = ''
   seconds: float = 0.0
+  suspect: bool = False
 
 
 @dataclasses.dataclass
@@ -97,6 +146,8 @@ class Report:
     device_kind: e.g. 'NVIDIA H100 80GB HBM3'.
     devices: {device id: verdict of the checks that measured it alone}.
     checks: every check, in the order run.
+    timed_out: a check overran its deadline; the ones after it did not run.
+    skipped: names of the checks not run after a timeout.
   """
   host: str
   process: int
@@ -105,20 +156,28 @@ class Report:
   device_kind: str
   devices: dict[int, bool]
   checks: list[Check]
+  timed_out: bool = False
+  skipped: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def passed(self) -> bool:
-    """The host's verdict: every check passed."""
-    return all(c.passed for c in self.checks)
+    """The host's verdict: no timeout, and every check passed or is suspect."""
+    return not self.timed_out and not self.failed
 
   @property
   def failed(self) -> list[Check]:
-    return [c for c in self.checks if not c.passed]
+    return [c for c in self.checks if not c.passed and not c.suspect]
+
+  @property
+  def suspect(self) -> list[str]:
+    """Names of the suspect checks, each once."""
+    return list(dict.fromkeys(c.name for c in self.checks if c.suspect))
 
   def to_json(self) -> dict:
-    """{"host", "process", "passed", "checks": [...], ...}, JSON-ready."""
+    """{"host", "process", "passed", "suspect", "timed_out", "checks": [...], ...}, JSON-ready."""
     return {'host': self.host, 'process': self.process, 'process_count': self.process_count,
-            'passed': self.passed, 'platform': self.platform, 'device_kind': self.device_kind,
+            'passed': self.passed, 'suspect': self.suspect, 'timed_out': self.timed_out,
+            'skipped': list(self.skipped), 'platform': self.platform, 'device_kind': self.device_kind,
             'devices': [{'id': d, 'passed': ok} for d, ok in sorted(self.devices.items())],
             'checks': [dataclasses.asdict(c) for c in self.checks]}
 
@@ -127,34 +186,189 @@ class Report:
 # Test-only failure injection
 # ----------------------------------------------------------------------------
 
+def _known_checks() -> set[str]:
+  return set(CHECKS) | {'matmul_bfloat16', 'matmul_float32'} | {
+      f'{c}_{scope}' for c in ('allreduce', 'allgather') for scope in ('local', 'global')}
+
+
+def injections(environ=None) -> dict[str, set[str]]:
+  """{'fail': names, 'hang': names, 'slow': names} from MJAX_DIAGNOSE_FAIL
+  (plain names, 'hang:NAME', 'slow:NAME'). Test-only.
+
+  Raises:
+    ValueError: for a name that matches no check, or an unknown prefix, so
+      a typo in a test does not quietly test nothing.
+  """
+  spec = (os.environ if environ is None else environ).get(DIAGNOSE_FAIL_ENV, '')
+  found: dict[str, set[str]] = {'fail': set(), **{k: set() for k in INJECTION_KINDS}}
+  known, bad = _known_checks(), []
+  for item in (n.strip() for n in spec.split(',')):
+    if not item:
+      continue
+    prefix, _, name = item.rpartition(':')
+    kind = prefix.strip() if prefix else 'fail'
+    if name.strip() in known and (kind in INJECTION_KINDS or not prefix):
+      found[kind].add(name.strip())
+    else:
+      bad.append(item)
+  if bad:
+    raise ValueError(f'{DIAGNOSE_FAIL_ENV}={spec!r}: unknown check(s) {", ".join(sorted(bad))}; '
+                     f'known: {", ".join(sorted(known))}, each alone (a forced failure) or after '
+                     f'{" or ".join(k + ":" for k in INJECTION_KINDS)} (comma-separated).')
+  return found
+
+
 def injected_failures(environ=None) -> set[str]:
   """Check names (or prefixes such as 'allreduce') that MJAX_DIAGNOSE_FAIL
   forces to fail. Test-only.
 
   Raises:
-    ValueError: for a name that matches no check, so a typo in a test does
-      not quietly test nothing.
+    ValueError: as `injections`.
   """
-  spec = (os.environ if environ is None else environ).get(DIAGNOSE_FAIL_ENV, '')
-  names = {n.strip() for n in spec.split(',') if n.strip()}
-  known = set(CHECKS) | {'matmul_bfloat16', 'matmul_float32'} | {
-      f'{c}_{scope}' for c in ('allreduce', 'allgather') for scope in ('local', 'global')}
-  bad = sorted(names - known)
-  if bad:
-    raise ValueError(f'{DIAGNOSE_FAIL_ENV}={spec!r}: unknown check(s) {", ".join(bad)}; '
-                     f'known: {", ".join(sorted(known))} (comma-separated).')
-  return names
+  return injections(environ)['fail']
+
+
+def _matches(name: str, names: set[str]) -> bool:
+  return any(name == f or name.startswith(f + '_') for f in names)
 
 
 def _apply_injection(check: Check, forced: set[str]) -> Check:
-  if any(check.name == f or check.name.startswith(f + '_') for f in forced):
-    check.passed = False
+  if _matches(check.name, forced):
+    check.passed, check.suspect = False, False
     check.note = (check.note + '; ' if check.note else '') + f'failure injected by {DIAGNOSE_FAIL_ENV} (test only)'
   return check
 
 
 # ----------------------------------------------------------------------------
-# Timing helper
+# Own baseline
+# ----------------------------------------------------------------------------
+
+class Baseline:
+  """The best value each timed check of this host measured while passing,
+  kept in `<cache_dir>/diagnose_baseline.json` as
+  {key: {"value", "unit", "measured"}}.
+
+  Checks read it when they start and `record` what they passed with; `save`
+  merges those into the file as it is then, so that diagnostics running at
+  the same time (one per process) lose nothing but a race between two
+  improvements of the same key.
+  """
+
+  def __init__(self, cache_dir: str = '~/.cache/mjax'):
+    self.path = os.path.join(os.path.expanduser(cache_dir), BASELINE_FILE)
+    self.entries = self._read()
+    self.recorded: dict[str, dict] = {}
+
+  def _read(self) -> dict:
+    try:
+      with open(self.path) as fh:
+        data = json.load(fh)
+    except (OSError, ValueError):   # none yet, or damaged: start afresh
+      return {}
+    if not isinstance(data, dict):
+      return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get('value'), (int, float))}
+
+  @staticmethod
+  def key(check: str, device_kind: str, size: str) -> str:
+    """Host, device kind, check, what sets its size, JAX version: a figure
+    is only comparable with one measured the same way."""
+    import jax
+    return f'{socket.gethostname()}|{device_kind}|{check}|{size}|jax {jax.__version__}'
+
+  def get(self, key: str) -> Optional[dict]:
+    return self.entries.get(key)
+
+  def record(self, key: str, value: float, unit: str) -> None:
+    """A passing check's value; kept where it beats the best so far."""
+    best = self.recorded.get(key) or self.entries.get(key)
+    if best is None or value > best['value']:
+      self.recorded[key] = {'value': float(value), 'unit': unit,
+                            'measured': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+
+  def save(self) -> None:
+    """Merges the recorded values into the file (written atomically)."""
+    if not self.recorded:
+      return
+    merged = self._read()   # again: another process may have written since
+    for key, entry in self.recorded.items():
+      if key not in merged or entry['value'] > merged[key]['value']:
+        merged[key] = entry
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    tmp = f'{self.path}.{os.getpid()}.{threading.get_ident()}.tmp'
+    with open(tmp, 'w') as fh:
+      json.dump(merged, fh, indent=1, sort_keys=True)
+    os.replace(tmp, self.path)  # atomic: a concurrent reader never sees half a file
+    self.entries, self.recorded = merged, {}
+
+
+def _expected(baseline: Optional[Baseline], key: Optional[str], min_fraction: float,
+              expected: Optional[float], note: str, unit: str) -> tuple[Optional[float], str]:
+  """The baseline's figure where there is one, else the one given."""
+  own = baseline.get(key) if baseline is not None and key else None
+  if own is None:
+    return expected, note
+  return own['value'] * min_fraction, (f'>= {min_fraction:.0%} of own baseline {_fmt(own["value"], unit)} '
+                                       f'measured {str(own.get("measured", "?"))[:10]}')
+
+
+# ----------------------------------------------------------------------------
+# Load of the host by other work
+# ----------------------------------------------------------------------------
+
+# (monotonic seconds, this process's CPU seconds), sampled as checks run:
+# the CPU time between two samples is this process's share of the load then.
+_CPU_SAMPLES: list[tuple[float, float]] = [(time.monotonic(), time.process_time())]
+
+
+def _sample_cpu() -> None:
+  _CPU_SAMPLES.append((time.monotonic(), time.process_time()))
+  while len(_CPU_SAMPLES) > 2 and _CPU_SAMPLES[1][0] < _CPU_SAMPLES[-1][0] - 600:
+    del _CPU_SAMPLES[0]   # ten minutes on, a sample's weight is e**-10
+
+
+def own_load() -> float:
+  """This process's share of the 1-minute load average, in CPUs.
+
+  The kernel's average decays with e**(-t / 60 s); the CPU time this
+  process used between each two samples, weighted the same way, is what it
+  added. Its threads that wait for a CPU add to the load but not to its CPU
+  time: on a host busy with other work this comes out low, which errs
+  towards calling that work's load what it is.
+  """
+  _sample_cpu()
+  now, total = _CPU_SAMPLES[-1][0], 0.0
+  for (t0, c0), (t1, c1) in zip(_CPU_SAMPLES, _CPU_SAMPLES[1:]):
+    if t1 > t0:
+      total += (c1 - c0) / (t1 - t0) * (math.exp(-(now - t1) / 60) - math.exp(-(now - t0) / 60))
+  return total
+
+
+def host_load(environ=None) -> Optional[tuple[float, int]]:
+  """(1-minute load average less this process's share, CPU count), or None
+  where the system does not tell."""
+  env = os.environ if environ is None else environ
+  try:
+    load = float(env[LOADAVG_ENV]) if env.get(LOADAVG_ENV) else os.getloadavg()[0]
+  except (OSError, ValueError, AttributeError):
+    return None
+  return max(0.0, load - own_load()), os.cpu_count() or 1
+
+
+def _loaded() -> Optional[str]:
+  """A note naming the load when it is above LOADED_SHARE, else None."""
+  got = host_load()
+  if got is None:
+    return None
+  load, cpus = got
+  if load <= LOADED_SHARE * cpus:
+    return None
+  return (f'SUSPECT: host loaded by other work (1-minute load {load:.1f} on {cpus} CPUs, '
+          f'above {LOADED_SHARE:.0%}): the load explains the shortfall')
+
+
+# ----------------------------------------------------------------------------
+# Timing helpers
 # ----------------------------------------------------------------------------
 
 def _time_per_call(fn, *args, seconds: float = 0.3, max_calls: int = 64,
@@ -193,6 +407,50 @@ def _time_per_call(fn, *args, seconds: float = 0.3, max_calls: int = 64,
       return best
 
 
+def _timed(name: str, devices: list[int], expected: Optional[float], unit: str, note: str,
+           measure: Callable[[], tuple[float, bool, str]], repeats: int,
+           baseline: Optional[Baseline] = None, key: Optional[str] = None) -> Check:
+  """One timed check: `measure()` -> (value, result right, detail for the
+  note), tried again while only its speed falls short, `repeats` times at
+  most; the best try counts.
+
+  A shortfall that outlasts the repeats on a loaded host is suspect; a
+  passing value goes into `baseline` (not saved here).
+  """
+  t0 = time.perf_counter()
+  slow = _matches(name, injections()['slow'])
+  best, best_detail, tries = None, '', 0
+  while True:
+    tries += 1
+    _sample_cpu()
+    try:
+      value, right, detail = measure()
+    except Exception as e:  # a broken device or link raises here; that is the finding
+      return Check(name, devices, None, expected, unit, False, f'{type(e).__name__}: {e}'.strip()[:500],
+                   time.perf_counter() - t0)
+    if slow and tries == 1:
+      value /= 10
+    if best is None or value > best:
+      best, best_detail = value, detail
+    if not right:   # wrong data is a fault whatever the speed: no second try, never suspect
+      return Check(name, devices, value, expected, unit, False, f'{note}{detail}; WRONG RESULT',
+                   time.perf_counter() - t0)
+    if expected is None or best >= expected or tries > repeats:
+      break
+  passed = expected is None or best >= expected
+  note += best_detail
+  if tries > 1:
+    note += f'; best of {tries} tries'
+  if slow:
+    note += f'; first try slowed 10x by {DIAGNOSE_FAIL_ENV} (test only)'
+  suspect = None if passed else _loaded()
+  if suspect:
+    note += '; ' + suspect
+  if passed and baseline is not None and key:
+    baseline.record(key, best, unit)
+  return Check(name, devices, best, expected, unit, passed, note, time.perf_counter() - t0, suspect=bool(suspect))
+
+
 # ----------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------
@@ -211,7 +469,7 @@ def _cpu_peak(dtype: str, cache_dir: str) -> tuple[Optional[float], str]:
 
 
 def check_matmul(devices: Sequence, dtype: str, min_fraction: float = 0.5, cache_dir: str = '~/.cache/mjax',
-                 seconds: float = 0.3) -> list[Check]:
+                 seconds: float = 0.3, repeats: int = 2, baseline: Optional[Baseline] = None) -> list[Check]:
   """Matrix-product throughput of each device in one dtype.
 
   Args:
@@ -220,7 +478,10 @@ def check_matmul(devices: Sequence, dtype: str, min_fraction: float = 0.5, cache
       NVIDIA GPUs, as training runs it).
     min_fraction: least acceptable share of the expected peak.
     cache_dir: where mjax-train caches a CPU's measured peak.
-    seconds: timing budget per device.
+    seconds: timing budget per device and try.
+    repeats: further tries of a device that is only too slow.
+    baseline: the host's own best figures, used before any other and
+      updated (in memory) with passing values.
 
   Returns:
     One Check per device, named 'matmul_<dtype>'. On CPU one measurement
@@ -239,11 +500,15 @@ def check_matmul(devices: Sequence, dtype: str, min_fraction: float = 0.5, cache
     source = (f'data sheet {peak / 1e12:.1f} TFLOP/s ({devices[0].device_kind})' if peak else
               f'no data-sheet figure for {devices[0].device_kind!r}: nothing to compare with')
   expected = peak * min_fraction / 1e12 if peak else None
+  note = f'>= {min_fraction:.0%} of {source}' if expected is not None else source
+  key = Baseline.key(name, devices[0].device_kind, f'n={n}')
+  expected, note = _expected(baseline, key, min_fraction, expected, note, 'TFLOP/s')
+  if platform == 'cpu':
+    note += f'; CPU devices share the host\'s cores: one measurement for all {len(devices)}'
   f = jax.jit(lambda a, b: a @ b)
   checks = []
   for d in measured_on:
-    t0 = time.perf_counter()
-    try:
+    def measure(d=d):
       # Operands made on the device itself: a broken device 0 must not fail
       # every other device's check. Random values, as training's draw more
       # power than constant ones.
@@ -251,20 +516,10 @@ def check_matmul(devices: Sequence, dtype: str, min_fraction: float = 0.5, cache
         ka, kb = jax.random.split(jax.random.key(0))
         a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
         b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
-      tflops = 2 * n ** 3 / _time_per_call(f, a, b, seconds=seconds) / 1e12
-      del a, b
-    except Exception as e:  # a broken device raises here; that is the finding
-      checks.append(Check(name, [d.id], None, expected, 'TFLOP/s', False,
-                          f'{type(e).__name__}: {e}'.strip()[:500], time.perf_counter() - t0))
-      continue
-    passed = expected is None or tflops >= expected
-    note = f'>= {min_fraction:.0%} of {source}' if expected is not None else source
-    if platform == 'cpu':
-      note += f'; CPU devices share the host\'s cores: one measurement for all {len(devices)}'
-    checks.append(Check(name, [d.id] if platform != 'cpu' else [x.id for x in devices], tflops, expected,
-                        'TFLOP/s', passed, note, time.perf_counter() - t0))
+      return 2 * n ** 3 / _time_per_call(f, a, b, seconds=seconds) / 1e12, True, ''
+    ids = [d.id] if platform != 'cpu' else [x.id for x in devices]
+    checks.append(_timed(name, ids, expected, 'TFLOP/s', note, measure, repeats, baseline, key))
   return checks
-
 
 def check_memory(devices: Sequence, fraction: float = 0.5, cpu_bytes: int = 128 * MIB) -> list[Check]:
   """Allocate, fill, verify and free a large buffer on each device.
@@ -342,7 +597,8 @@ def _fill_and_verify(devices: Sequence, rows: int) -> list[int]:
 
 
 def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'local',
-                     min_fraction: float = 0.5, seconds: float = 0.3) -> Check:
+                     min_fraction: float = 0.5, seconds: float = 0.3, repeats: int = 2,
+                     baseline: Optional[Baseline] = None) -> Check:
   """Bus bandwidth of an all-reduce or all-gather over `devices`.
 
   Args:
@@ -354,7 +610,11 @@ def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'lo
     scope: 'local' or 'global', part of the check's name.
     min_fraction: least acceptable share of the NVLink bandwidth, where
       the device kind has one and the collective stays within one host.
-    seconds: timing budget.
+    seconds: timing budget of a try.
+    repeats: further tries when only the speed falls short (scope 'local'
+      only).
+    baseline: the host's own best figures, used before any other and
+      updated (in memory) with a passing value.
 
   Returns:
     A Check named '<kind>_<scope>' with the bus bandwidth in GB/s.
@@ -365,7 +625,6 @@ def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'lo
   name = f'{kind}_{scope}'
   ids = [d.id for d in devices]
   n = len(devices)
-  t0 = time.perf_counter()
   if n < 2:
     return Check(name, ids, None, None, 'GB/s', True, 'one device: nothing to exchange', 0.0)
   mesh = Mesh(np.array(devices), ('d',))
@@ -391,7 +650,14 @@ def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'lo
   make = jax.jit(block, out_shardings=NamedSharding(mesh, P('d')))
   link = link_bandwidth(devices[0].device_kind) if scope == 'local' else None
   expected = link * min_fraction if link else None
-  try:
+  if expected is not None:
+    note = f'>= {min_fraction:.0%} of NVLink {link:.0f} GB/s per direction (data sheet)'
+  else:
+    note = f'no expected figure for {devices[0].device_kind!r} {"across hosts" if scope == "global" else ""}'.rstrip()
+  key = Baseline.key(name, devices[0].device_kind, f'{size} bytes x {n} devices')
+  expected, note = _expected(baseline, key, min_fraction, expected, note, 'GB/s')
+
+  def measure():
     x = make()
     # Across processes every process must issue the same collectives, so the
     # number of calls is fixed there instead of following this host's clock.
@@ -411,25 +677,44 @@ def check_collective(kind: str, devices: Sequence, nbytes: int, scope: str = 'lo
         want = (n if kind == 'allreduce' else 1) * (np.arange(got.size) % 251)
         ok &= bool(np.array_equal(got, want.astype(np.float32)))
     del x, out
-  except Exception as e:  # a wedged or broken link raises (or times out) here
-    return Check(name, ids, None, expected, 'GB/s', False, f'{type(e).__name__}: {e}'.strip()[:500],
-                 time.perf_counter() - t0)
-  busbw = size * factor / t / 1e9
-  if expected is not None:
-    note = f'>= {min_fraction:.0%} of NVLink {link:.0f} GB/s per direction (data sheet)'
-  else:
-    note = f'no expected figure for {devices[0].device_kind!r} {"across hosts" if scope == "global" else ""}'.rstrip()
-  note += f'; {n} devices, {size / MIB:.0f} MiB, {t * 1e3:.3g} ms'
-  if not ok:
-    note += '; WRONG RESULT'
-  return Check(name, ids, busbw, expected, 'GB/s', ok and (expected is None or busbw >= expected), note,
-               time.perf_counter() - t0)
+    return size * factor / t / 1e9, ok, f'; {n} devices, {size / MIB:.0f} MiB, {t * 1e3:.3g} ms'
+
+  # Across processes, one try: a process that measured again on its own
+  # would issue collectives the others never join, and every one would wait
+  # in them until its deadline.
+  return _timed(name, ids, expected, 'GB/s', note, measure, repeats if scope == 'local' else 0, baseline, key)
+
+
+def _with_deadline(run: Callable[[], list[Check]], timeout_s: Optional[float],
+                   hang: bool = False) -> Optional[list[Check]]:
+  """`run()` in a daemon thread, waited for `timeout_s` seconds (None: no
+  limit); None when it overran. A thread stuck in a device call cannot be
+  stopped, only left behind, as a daemon so that it holds no exit up."""
+  box: dict = {}
+
+  def target():
+    try:
+      if hang:
+        threading.Event().wait()   # test only: a wedged device or collective
+      box['checks'] = run()
+    except BaseException as e:  # noqa: BLE001 -- raised again in the caller's thread
+      box['error'] = e
+
+  thread = threading.Thread(target=target, name='mjax-diagnose-check', daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    return None
+  if 'error' in box:
+    raise box['error']
+  return box['checks']
 
 
 def run_diagnostics(checks: Sequence[str] = CHECKS, min_fraction: float = 0.5, memory_fraction: float = 0.5,
                     cpu_memory_bytes: int = 128 * MIB, collective_bytes: Optional[int] = None,
                     dtypes: Optional[Sequence[str]] = None, cache_dir: str = '~/.cache/mjax',
-                    seconds: float = 0.3) -> Report:
+                    seconds: float = 0.3, baseline: bool = True, repeats: int = 2,
+                    check_timeout_s: Optional[float] = 120.0) -> Report:
   """Runs the health checks of this process's devices.
 
   Args:
@@ -442,8 +727,12 @@ def run_diagnostics(checks: Sequence[str] = CHECKS, min_fraction: float = 0.5, m
       accelerators, 8 MiB on CPU).
     dtypes: matmul dtypes (default bfloat16 and float32 on accelerators,
       float32 on CPU, the dtype CPU training uses).
-    cache_dir: where mjax-train caches a CPU's measured peak.
+    cache_dir: where mjax-train caches a CPU's measured peak, and where the
+      host's own baseline is kept.
     seconds: timing budget of each measurement.
+    baseline: compare with (and keep) the host's own best figures.
+    repeats: further tries of a local timed check that is only too slow.
+    check_timeout_s: deadline of each check (None: none).
 
   Returns:
     The Report; MJAX_DIAGNOSE_FAIL (test only) has been applied to it.
@@ -455,19 +744,24 @@ def run_diagnostics(checks: Sequence[str] = CHECKS, min_fraction: float = 0.5, m
   unknown = sorted(set(checks) - set(CHECKS))
   if unknown:
     raise ValueError(f'unknown check(s) {", ".join(unknown)}; known: {", ".join(CHECKS)}.')
-  forced = injected_failures()
+  injected = injections()
   local = jax.local_devices()
+  ids = [d.id for d in local]
   platform = local[0].platform
   if dtypes is None:
     dtypes = ('bfloat16', 'float32')
   if collective_bytes is None:
     collective_bytes = 8 * MIB if platform == 'cpu' else 256 * MIB
-  results: list[Check] = []
+  own = Baseline(cache_dir) if baseline else None
+  # What to run, in order: (name, devices, unit, run), each run under its
+  # own deadline.
+  plan: list[tuple[str, list[int], str, Callable[[], list[Check]]]] = []
   if 'matmul' in checks:
     for dt in dtypes:
-      results += check_matmul(local, dt, min_fraction, cache_dir, seconds)
+      plan.append((f'matmul_{dt}', ids, 'TFLOP/s',
+                   lambda dt=dt: check_matmul(local, dt, min_fraction, cache_dir, seconds, repeats, own)))
   if 'memory' in checks:
-    results += check_memory(local, memory_fraction, cpu_memory_bytes)
+    plan.append(('memory', ids, 'GiB', lambda: check_memory(local, memory_fraction, cpu_memory_bytes)))
   # A multi-process CPU job (tests, CI) runs even the local devices'
   # collectives through gloo, and two processes doing so at once can wait on
   # each other forever; on CPU there is no link between local devices to
@@ -475,25 +769,55 @@ def run_diagnostics(checks: Sequence[str] = CHECKS, min_fraction: float = 0.5, m
   skip_local = platform == 'cpu' and jax.process_count() > 1
   for kind in ('allreduce', 'allgather'):
     if kind in checks and skip_local:
-      results.append(Check(f'{kind}_local', [d.id for d in local], None, None, 'GB/s', True,
-                           'skipped: CPU devices in a multi-process job (measured across processes below)'))
+      skipped = Check(f'{kind}_local', ids, None, None, 'GB/s', True,
+                      'skipped: CPU devices in a multi-process job (measured across processes below)')
+      plan.append((skipped.name, ids, 'GB/s', lambda c=skipped: [c]))
     elif kind in checks:
-      results.append(check_collective(kind, local, collective_bytes, 'local', min_fraction, seconds))
+      plan.append((f'{kind}_local', ids, 'GB/s', lambda kind=kind: [
+          check_collective(kind, local, collective_bytes, 'local', min_fraction, seconds, repeats, own)]))
   # Across processes last, after every process has finished its local checks:
   # these are collectives of the whole job.
   if jax.process_count() > 1:
+    everyone = jax.devices()
     for kind in ('allreduce', 'allgather'):
       if kind in checks:
-        results.append(check_collective(kind, jax.devices(), collective_bytes, 'global', min_fraction, seconds))
-  results = [_apply_injection(c, forced) for c in results]
+        plan.append((f'{kind}_global', [d.id for d in everyone], 'GB/s', lambda kind=kind: [
+            check_collective(kind, everyone, collective_bytes, 'global', min_fraction, seconds, 0, own)]))
+  results: list[Check] = []
+  not_run: list[str] = []
+  timed_out = False
+  for name, devices, unit, run in plan:
+    if timed_out:
+      # A wedged device or collective would hang these too: not run.
+      not_run.append(name)
+      continue
+    t0 = time.perf_counter()
+    got = _with_deadline(run, check_timeout_s, hang=_matches(name, injected['hang']))
+    if got is None:
+      timed_out = True
+      results.append(Check(name, devices, None, None, unit, False,
+                           f'timed out after {check_timeout_s:g}s; the checks after it were not run',
+                           time.perf_counter() - t0))
+    else:
+      results += got
+  results = [_apply_injection(c, injected['fail']) for c in results]
+  # A timed-out run leaves a thread that may still record; a run with
+  # injected faults measured nothing trustworthy.
+  if own is not None and not timed_out and not any(injected.values()):
+    try:
+      own.save()
+    except OSError as e:   # an unwritable cache costs the baseline, not the verdict
+      import sys
+      print(f'mjax-diagnose: baseline not saved: {e}', file=sys.stderr, flush=True)
   per_device = {d.id: True for d in local}
   for c in results:
     if c.name.startswith(('matmul', 'memory')):  # collectives are the host's, not one device's
       for d in c.devices:
         if d in per_device:
-          per_device[d] &= c.passed
+          per_device[d] &= c.passed or c.suspect
   return Report(host=socket.gethostname(), process=jax.process_index(), process_count=jax.process_count(),
-                platform=platform, device_kind=local[0].device_kind, devices=per_device, checks=results)
+                platform=platform, device_kind=local[0].device_kind, devices=per_device, checks=results,
+                timed_out=timed_out, skipped=not_run)
 
 
 def _fmt(value: Optional[float], unit: str) -> str:
@@ -515,7 +839,9 @@ def format_report(report: Report) -> str:
   head = ['check', 'devices', 'measured', 'expected', 'result', 'seconds', 'note']
   lines = [[c.name, _ids(c.devices), _fmt(c.value, c.unit),
             ('>= ' + _fmt(c.expected, c.unit)) if c.expected is not None else '-',
-            'pass' if c.passed else 'FAIL', f'{c.seconds:.2f}', c.note] for c in report.checks]
+            'pass' if c.passed else 'suspect' if c.suspect else 'FAIL', f'{c.seconds:.2f}', c.note]
+           for c in report.checks]
+  lines += [[name, '', '-', '-', 'not run', '', 'after the timeout'] for name in report.skipped]
   widths = [max([len(h)] + [len(l[k]) for l in lines]) for k, h in enumerate(head)]
 
   def fmt(cells):
@@ -526,6 +852,8 @@ def format_report(report: Report) -> str:
   title = (f'host {report.host}, process {report.process} of {report.process_count}: '
            f'{len(report.devices)} x {report.device_kind} ({report.platform})')
   verdict = ('PASS' if report.passed else 'FAIL: ' + ', '.join(c.name for c in report.failed)) + \
+            (' (timed out)' if report.timed_out else '') + \
+            (f'; suspect under load: {", ".join(report.suspect)}' if report.suspect else '') + \
             (f'; failing devices: {_ids(bad)}' if bad else '')
   return '\n'.join([title, fmt(head), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines] +
                    [f'verdict: {verdict}'])

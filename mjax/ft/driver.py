@@ -38,7 +38,8 @@ Recovery, without a human:
   1. stop every process: SIGTERM, SIGKILL after --grace_s;
   2. run `mjax-diagnose --json` on every host of the job (in parallel);
      a host that fails is added to <workdir>/blocked_hosts.json and never
-     used again by this workdir; an evicted straggler too. When every host
+     used again by this workdir; an evicted straggler too, and a host whose
+     checks were slow while it was loaded (suspect) twice in a row. When every host
      of a multi-host job fails, none is blocked (a shared cause is likelier);
   3. wait restart_backoff_s (doubled after each restart in a row, at most
      60 s);
@@ -71,12 +72,10 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import shlex
 import shutil
 import signal
 import sys
-import threading
 import time
 from typing import Optional, Sequence
 
@@ -87,6 +86,7 @@ from mjax.ft.executor import LocalExecutor
 # The driver's own exit statuses.
 EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, protocol.EXIT_USER_ERROR
 MAX_BACKOFF_S = 60.0
+SUSPECT_LIMIT = 2             # diagnoses in a row a host may pass only because it was loaded
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
 
 
@@ -258,6 +258,7 @@ class Driver:
     self._signal: Optional[int] = None
     self._signals = 0
     self._rejected: dict[str, list] = {}
+    self._suspect: dict[str, int] = {}   # host -> diagnoses in a row slow under load
 
   # --- main loop ----------------------------------------------------------------
 
@@ -612,6 +613,13 @@ class Driver:
       return
     for host, detail in failing:
       self._block(host, f'diagnostic failed: {detail}')
+    # Slow only while the host was loaded (mjax-diagnose's "suspect"): load
+    # may explain it once; the same twice in a row, it does not.
+    for host, (passed, report, _) in zip(att.hosts, results):
+      suspect = (report or {}).get('suspect') or []
+      self._suspect[host] = self._suspect.get(host, 0) + 1 if passed and suspect else 0
+      if self._suspect[host] >= SUSPECT_LIMIT:
+        self._block(host, f'slow under load in {SUSPECT_LIMIT} diagnoses in a row: {", ".join(suspect)}')
 
   def _diagnose_host(self, host: str) -> tuple[bool, Optional[dict], str]:
     from mjax import distributed
@@ -676,39 +684,60 @@ class Driver:
 
 
 class _StragglerWatch:
-  """The straggler analysis, off the heartbeat path: a thread reads what the
-  timing files gained (stragglers.TimingTail) and runs find_stragglers, then
-  waits `every_s` from the end of that run, so that a slow analysis neither
-  runs back to back nor delays a heartbeat. `take()` hands the driver's loop
-  what it found."""
+  """The straggler analysis, off the heartbeat path: a child process reads
+  what the timing files gained (stragglers.TimingTail) and runs
+  find_stragglers, then waits `every_s` from the end of that run. In a
+  process of its own it takes no time from the loop that receives
+  heartbeats (at 12,288 processes one analysis is seconds of Python); a slow
+  analysis only comes later. `take()` hands the driver's loop what it found."""
 
   def __init__(self, workdir: str, processes: set, fault_cfg, every_s: float, from_end: bool = True):
+    import multiprocessing as mp
     from mjax.ft import stragglers
-    self._stragglers = stragglers
-    self._processes = processes
-    self._margin, self._window = fault_cfg.straggler_margin, fault_cfg.straggler_window
-    self._tail = stragglers.TimingTail(workdir, keep=2 * fault_cfg.straggler_window + 8, from_end=from_end)
-    self._every_s = every_s
-    self._found: queue.SimpleQueue = queue.SimpleQueue()
-    self._stop = threading.Event()
+    # The attempt starts now: the tail starts at the files' current ends here,
+    # not whenever the child is up.
+    tail = stragglers.TimingTail(workdir, keep=2 * fault_cfg.straggler_window + 8, from_end=from_end)
+    ctx = mp.get_context('spawn')   # a fresh interpreter: nothing of the driver's threads or sockets
+    self._conn, child_conn = ctx.Pipe(duplex=False)
+    self._stop = ctx.Event()
     self.last_seconds = 0.0      # how long the latest analysis took
-    self._thread = threading.Thread(target=self._run, name='mjax-stragglers', daemon=True)
-    self._thread.start()
-
-  def _run(self) -> None:
-    while not self._stop.wait(self._every_s):
-      t0 = time.monotonic()
-      rows = [r for r in self._tail.update() if int(r['process']) in self._processes]
-      for s in self._stragglers.find_stragglers(rows, self._margin, self._window):
-        self._found.put(s)
-      self.last_seconds = time.monotonic() - t0
+    self._proc = ctx.Process(target=_straggler_loop, name='mjax-stragglers', daemon=True,
+                             args=(tail, sorted(processes), fault_cfg.straggler_margin,
+                                   fault_cfg.straggler_window, every_s, self._stop, child_conn))
+    self._proc.start()
+    child_conn.close()
 
   def take(self) -> list:
+    from mjax.ft.stragglers import Straggler
     out = []
-    while not self._found.empty():
-      out.append(self._found.get())
+    try:
+      while self._conn.poll():
+        seconds, found = self._conn.recv()
+        self.last_seconds = seconds
+        out += [Straggler(**s) for s in found]
+    except (EOFError, OSError):
+      pass   # the analysis ended (or died): no verdicts, training goes on
     return out
 
   def close(self) -> None:
     self._stop.set()
-    self._thread.join(timeout=5.0)
+    self._proc.join(timeout=5.0)
+    if self._proc.is_alive():
+      self._proc.kill()
+      self._proc.join(timeout=5.0)
+    self.take()
+    self._conn.close()
+
+
+def _straggler_loop(tail, processes: list, margin: float, window: int, every_s: float, stop, conn) -> None:
+  """The child process of _StragglerWatch."""
+  from mjax.ft import stragglers
+  keep = set(processes)
+  while not stop.wait(every_s):
+    t0 = time.monotonic()
+    rows = [r for r in tail.update() if int(r['process']) in keep]
+    found = stragglers.find_stragglers(rows, margin, window)
+    try:
+      conn.send((time.monotonic() - t0, [s.to_json() for s in found]))
+    except (BrokenPipeError, OSError):
+      return
