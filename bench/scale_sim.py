@@ -114,7 +114,8 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
   start = time.monotonic()
   for p in range(n):
     monitor.add(p, f'h{p}', PID0 + p, start)
-  att = driver_lib.Attempt(0, [f'h{p}' for p in range(n)], handles, [None] * n, {}, monitor, [], start)
+  logs = {p: (os.devnull, 0) for p in range(n)}
+  att = driver_lib.Attempt(0, [f'h{p}' for p in range(n)], handles, [None] * n, logs, monitor, [], start)
 
   received = {'ok': 0, 'rejected': 0}
   receive = d.server.receive
@@ -138,13 +139,13 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
     pr.start()
   cpu0, faults, detected = time.process_time(), [], None
   watch_seconds = []
-  real_watch = driver_lib._StragglerWatch
-
-  class TimedWatch(real_watch):
-    def close(self):
-      watch_seconds.append(self.last_seconds)
-      super().close()
-  driver_lib._StragglerWatch = TimedWatch
+  real_watch = getattr(driver_lib, '_StragglerWatch', None)   # None: a driver from before it existed
+  if real_watch is not None:
+    class TimedWatch(real_watch):
+      def close(self):
+        watch_seconds.append(self.last_seconds)
+        super().close()
+    driver_lib._StragglerWatch = TimedWatch
   try:
     while time.time() < t0 + seconds:
       d._signal = None
@@ -161,17 +162,21 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
           faults.append((fault.kind, p))
         monitor.add(p, f'h{p}', PID0 + p, time.monotonic())
   finally:
-    driver_lib._StragglerWatch = real_watch
+    if real_watch is not None:
+      driver_lib._StragglerWatch = real_watch
   cpu = time.process_time() - cpu0
   for pr in procs:
     pr.join()
   sent = sum(queue.get() for _ in procs)
   time.sleep(0.5)
+  rcvbuf = getattr(d.server, 'receive_buffer', None) or d.server.sock.getsockopt(socket.SOL_SOCKET,
+                                                                                 socket.SO_RCVBUF)
   d.server.close()
   d.events.close()
   return {'processes': n, 'sent': sent, 'received': received['ok'], 'dropped': sent - received['ok'],
           'false_faults': faults, 'detected_s': detected, 'cpu_us_per_msg': 1e6 * cpu / max(1, received['ok']),
-          'straggler_s': max(watch_seconds) if watch_seconds else None, 'rcvbuf': d.server.receive_buffer}
+          'straggler_s': max(watch_seconds) if watch_seconds else None,
+          'rcvbuf': rcvbuf}
 
 
 def _supervise_until(d, att, deadline: float):
@@ -297,7 +302,7 @@ def main(argv=None):
     strag = f'{r["straggler_s"]:.2f} s' if r['straggler_s'] is not None else '-'
     print(f'| {n:,} | {r["sent"]:,} | {r["dropped"]:,} ({r["dropped"] / max(1, r["sent"]):.2%}) | '
           f'{len(r["false_faults"])} | {det} (timeout {args.timeout:g} s) | {r["cpu_us_per_msg"]:.0f} µs | '
-          f'{strag} | {r["rcvbuf"] / 2**20:.0f} MiB |', flush=True)
+          f'{strag} | {r["rcvbuf"] / 2**10:,.0f} KiB |', flush=True)
     if r['false_faults']:
       print(f'  false faults at {n}: {r["false_faults"][:10]}', flush=True)
   if not args.agreement:
