@@ -114,6 +114,20 @@ def comm(prog: str, argv: list[str]) -> int:
   return 0
 
 
+@command('config', 'prints the fully resolved, validated config (every field, defaults included) as gin, '
+         'or as JSON: what mjax-train would run, without starting it.',
+         synopsis='--gin_file F [--gin.X=Y ...] [--json]')
+def config(prog: str, argv: list[str]) -> int:
+  p = flags.parser(prog, 'Print the resolved config of gin files and overrides (nothing runs).')
+  p.add_argument('--json', action='store_true', help='JSON instead of gin')
+  args, bindings = flags.parse(p, argv)
+  # The same loading and checks as mjax-train, short of the device count.
+  cfg = flags.load(flags.gin_files(args), bindings, num_devices=None)
+  from mjax import config as config_lib
+  print(json.dumps(config_lib.to_dict(cfg), indent=2) if args.json else config_lib.to_gin(cfg), end='\n')
+  return 0
+
+
 @command('memory', 'prints a per-device memory estimate for a hypothetical mesh (no devices).',
          synopsis='--gin_file F --mesh data=16,tensor=8,pipeline=8 [--micro_batch N]')
 def memory(prog: str, argv: list[str]) -> int:

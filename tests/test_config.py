@@ -91,3 +91,14 @@ def test_cli_error_exits_2_without_traceback(repo_root, tmp_path):
   assert 'Traceback' not in proc.stderr
   assert 'mjax-train: error: ModelConfig.n_heads = 6' in proc.stderr
   assert not (tmp_path / 'w').exists()  # nothing started, nothing written
+
+
+def test_report_config_prints_the_resolved_config_that_reloads_the_same(tmp_path, capsys):
+  from mjax import report
+  assert report.main(['config', '--gin_file', 'tiny.gin', '--gin.TrainConfig.steps=7']) == 0
+  text = capsys.readouterr().out
+  assert 'TrainConfig.steps = 7' in text and 'ModelConfig.d_model = 256' in text
+  (tmp_path / 'resolved.gin').write_text(text)
+  assert C.load_config([str(tmp_path / 'resolved.gin')], []) == load('TrainConfig.steps = 7', num_devices=None)
+  assert report.main(['config', '--gin.TrainConfig.stepz=7']) == 2
+  assert 'Did you mean TrainConfig.steps?' in capsys.readouterr().err
