@@ -316,9 +316,7 @@ class HeartbeatClient:
     while True:
       try:
         data, _ = self._sock.recvfrom(MAX_DATAGRAM + 1)
-      except (BlockingIOError, InterruptedError):
-        return
-      except OSError:
+      except OSError:   # nothing more waiting (BlockingIOError), or the socket closed
         return
       try:
         ack = self._acks.verify(data)
