@@ -17,7 +17,7 @@ workdir. The split comes from the `mjax: startup {json}` line of process 0:
               it from the persistent cache
   wait        the barrier after compiling: process 0 waiting for the
               slowest process's compile (compile_wait_s)
-  rest        the rest of train.run: mesh, program, state, data, the step
+  rest        the rest of the Trainer: mesh, program, state, data, the step
 
 On CPU only process 0 can hit the persistent cache (mjax/distributed.py
 explains why): in a warm job of more than one process, process 0 loads its
