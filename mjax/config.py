@@ -259,7 +259,8 @@ class FaultConfig:
   the healthy ones times out by itself.
   """
   heartbeat_interval_s: float = 2.0
-  heartbeat_timeout_s: float = 20.0     # no heartbeat for this long: process lost
+  heartbeat_timeout_s: float = 20.0     # no heartbeat for this long: process lost (and, the
+                                        # other way, no acknowledgement: the driver is gone)
   progress_timeout_s: float = 120.0     # heartbeats but no new step: hang
   collective_timeout_s: float = 600.0   # what the job tolerates by itself (jax's peer heartbeat)
   timing_every: int = 10                # steps between per-process timing flushes
