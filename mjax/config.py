@@ -247,6 +247,11 @@ class TrainConfig:
   # fault-tolerance driver sets it after a NaN / loss-spike rollback, so that
   # the restart does not replay the batches that led to the fault.
   skip_batches: int = 0
+  # jax.profiler trace of `profile_steps` steps starting at `profile_from_step`
+  # (0: the first step after compilation, whose caches are warm) into
+  # <workdir>/profile: TensorBoard's profile plugin or ui.perfetto.dev read it.
+  profile_steps: int = 0
+  profile_from_step: int = 0
 
 
 @gin.configurable
@@ -549,7 +554,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
-  _positive(t, 'eval_every', 'skip_batches', allow_zero=True)
+  _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
   _positive(ck, 'keep', 'fast_keep')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.restore_from is not None and not os.path.isdir(os.path.expanduser(ck.restore_from)):

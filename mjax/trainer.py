@@ -180,12 +180,14 @@ class Trainer:
     injector = Injector.from_env(pid)                          # test-only; None in production
     heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
+    profiler = StepProfiler(cfg, self.workdir, start)
     meta = {'config': config_lib.to_dict(cfg)}
     step = start
-    with StopAgreement(heartbeat) as stop:
+    with StopAgreement(heartbeat) as stop, profiler:
       for step in range(start + 1, cfg.train.steps + 1):
         if injector is not None:
           injector.before_step(step)
+        profiler.before(step)
         with timer.phase('data'):
           batch = program.to_global(next(self.train_iter))
         with timer.phase('compute'):
@@ -200,6 +202,7 @@ class Trainer:
           with timer.phase('checkpoint'):
             self._save(step, meta)
         timer.end_step(step)
+        profiler.after(step, self.state)
         if stop.agreed(step):
           break
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
@@ -376,6 +379,44 @@ class StepReporter:
 
   def close(self) -> None:
     self.writer.close()
+
+
+class StepProfiler:
+  """A jax.profiler trace of TrainConfig.profile_steps steps from
+  TrainConfig.profile_from_step (0: the second step of this run, past the
+  first one's warm-up) into <workdir>/profile, with a Perfetto trace."""
+
+  def __init__(self, cfg: Config, workdir: str, start_step: int):
+    self.steps = cfg.train.profile_steps
+    self.first = cfg.train.profile_from_step or start_step + 2
+    self.last = self.first + self.steps - 1
+    self.directory = os.path.join(workdir, 'profile')
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.steps and step == self.first:
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self.active = True
+
+  def after(self, step: int, state: Any) -> None:
+    if self.active and step >= self.last:
+      jax.block_until_ready(state)   # the traced steps' device work inside the trace
+      self._stop()
+
+  def _stop(self) -> None:
+    jax.profiler.stop_trace()
+    self.active = False
+    if jax.process_index() == 0:
+      print(f'mjax: profiled steps {self.first}-{self.last} into {self.directory} (TensorBoard\'s profile '
+            f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if self.active:   # the run stopped inside the traced steps
+      self._stop()
+    return False
 
 
 def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:

@@ -116,3 +116,13 @@ def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_
   fresh.close()
   assert (tmp_path / 'metrics.jsonl').read_text().startswith(after)
   assert [(r['step'], r['loss']) for r in read(str(tmp_path))] == [(1, 7.0)]
+
+
+def test_profile_steps_write_a_trace(tmp_path, capsys):
+  cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 1',
+               'CheckpointConfig.enabled = False')
+  fit(cfg, tmp_path)
+  traces = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'profile') for f in fs]
+  assert any(f.endswith('perfetto_trace.json.gz') for f in traces), traces
+  assert any(f.endswith('.xplane.pb') for f in traces), traces
+  assert 'profiled steps 2-2' in capsys.readouterr().out
