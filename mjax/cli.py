@@ -280,5 +280,27 @@ def launch_main(argv: Optional[Sequence[str]] = None) -> None:
   sys.exit(driver.Driver(driver.parse_args(sys.argv[1:] if argv is None else argv)).run())
 
 
+@entry_point('mjax-eval')
+def eval_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-eval: loss, perplexity and bits per byte of a checkpoint, as JSON.
+
+    mjax-eval --workdir RUN [--step N] [--checkpoint PATH] [--split heldout|train] [--batches N]
+              [--gin_file F ...] [--gin.KEY=VALUE ...]
+
+  The config is the run's config.gin, then the command line's gin files and
+  overrides (another data source, another mesh); see mjax/evaluate.py.
+  Exit status 0 with one JSON document on stdout (process 0 only), 2 for
+  bad input: a config, a data source, a step that is missing or unreadable.
+  """
+  from mjax import evaluate
+  args, bindings = evaluate.parse_args(sys.argv[1:] if argv is None else argv)
+  # stdout must hold the JSON document alone, but native libraries (gloo's
+  # connection messages) print to it.
+  with _stdout_to_stderr(True):
+    report = evaluate.main(args, bindings)
+  if report is not None:
+    print(json.dumps(report, indent=2), flush=True)
+
+
 if __name__ == '__main__':
   train_main()

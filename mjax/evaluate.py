@@ -1,0 +1,428 @@
+"""mjax-eval: the loss of a saved checkpoint on any data, on any mesh.
+
+  mjax-eval --workdir runs/tiny                          # newest readable step, held-out split
+  mjax-eval --workdir runs/tiny --step 200 --batches 64 --split train
+  mjax-eval --workdir runs/tiny --gin.DataConfig.source=/data/other --gin.MeshConfig.tensor=2
+  mjax-eval --checkpoint /ckpt/run7/checkpoints/1200    # config saved with the checkpoint
+
+The config is the run's own (`<workdir>/config.gin`, every resolved value),
+then the command line's gin files and overrides: another data source or
+another mesh is one override away, since checkpoints hold the layout every
+mesh shares and restoring reshards. Without --workdir the config comes from
+--gin_file, or else from the one saved in the checkpoint.
+
+Only the parameters are read (a partial restore: no optimizer moments, a
+third of the train state) and checked against the checksums saved with
+them. Nothing in the run's directories is written, moved or cleaned up, so
+a run may be evaluated while it trains.
+
+The loss is the exact token-weighted mean over every counted token of the
+batches. The result is one JSON document (`make_report`), printed by process 0;
+progress lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mjax import config as config_lib
+from mjax import data as data_lib
+from mjax import distributed, flags
+from mjax.checkpoint import FINGERPRINTS, fingerprints, saved_steps, tier_directories
+from mjax.config import Config
+from mjax.data.tokenizer import BYTES
+from mjax.errors import UserError
+from mjax.parallel import make_mesh, pipeline
+from mjax.train import Program, TrainState, make_program, setup_compilation_cache
+
+PROG = 'mjax-eval'
+SPLITS = ('heldout', 'train')
+BYTES_NOTE = ('bits_per_byte = bits_per_token: the byte tokenizer makes one token of each UTF-8 '
+              'byte, and the EOS token that ends each document counts as one byte too.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A saved step that may be evaluated."""
+  step: int
+  path: str
+  tier: Optional[str]   # 'persistent' or 'fast' in a run's workdir; None: an explicit --checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The steps to try, newest first, and what to say when none of them can be read."""
+  candidates: list[Candidate]
+  explicit: bool        # --step or a step directory: no falling back to an older step
+  where: str            # the run or directory, for messages
+  available: str        # every saved step, for messages
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog=PROG,
+      description='Loss, perplexity and bits per token (per byte with the byte tokenizer) of a saved '
+                  'checkpoint, as one JSON document on stdout; progress on stderr.',
+      epilog='Overrides: --gin.DataConfig.source=/other/data, --gin.MeshConfig.tensor=2, '
+             '--gin_param="TrainConfig.global_batch_size = 64" (repeatable, applied after the '
+             'config, last one wins).')
+  p.add_argument('--workdir', help="an mjax-train run: its config.gin is the config and its "
+                 "checkpoints (both tiers) the ones to choose from")
+  p.add_argument('--step', type=int, help='the saved step to evaluate (default: the newest readable one)')
+  p.add_argument('--checkpoint', help='a step directory (.../checkpoints/120) or a directory of steps '
+                 '(its newest readable one), instead of a run\'s own checkpoints')
+  p.add_argument('--gin_file', action='append', default=[],
+                 help='gin file applied after the run\'s config.gin, repeatable; without --workdir it '
+                      'is the config (default there: the config saved with the checkpoint)')
+  p.add_argument('--gin_param', action='append', default=[],
+                 help="gin binding, e.g. 'DataConfig.seq_len = 512'")
+  p.add_argument('--split', choices=SPLITS, default='heldout',
+                 help='held-out batches in order (default), or the train stream from its start')
+  p.add_argument('--batches', type=int, default=None,
+                 help='global batches to evaluate (default: TrainConfig.eval_batches)')
+  return p
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  p = parser()
+  args, bindings = flags.parse(p, argv)
+  if not args.workdir and not args.checkpoint:
+    p.error('needs --workdir RUN or --checkpoint PATH')
+  if args.batches is not None and args.batches < 1:
+    p.error(f'--batches {args.batches}: must be at least 1')
+  return args, bindings
+
+
+def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
+  """Evaluates what `args` name; the report in process 0, None in the others.
+
+  Raises:
+    UserError: a bad config, data source or checkpoint (exit status 2).
+  """
+  t0 = time.perf_counter()
+  files, saved = config_sources(args)
+  cfg = flags.setup(files, [*saved, *bindings])
+  setup_compilation_cache(cfg.train.compilation_cache_dir)
+  choice = choose(args, cfg)
+  mesh = make_mesh(cfg.mesh)
+  program = make_program(cfg, mesh)
+  n = args.batches or cfg.train.eval_batches
+  batches = make_batches(cfg, args.split, n)   # data errors before the checkpoint is read
+  picked, params, verified, skipped = restore(program, choice)
+  say(f'{PROG}: step {picked.step} from {picked.path} '
+      f'({"checksums verified" if verified else "saved without checksums"}); '
+      f'{n} {args.split} batches of {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens '
+      f'on mesh {dict(mesh.shape)}')
+  loss, tokens = token_mean_loss(program, params, batches)
+  report = make_report(cfg, program, picked, verified, skipped, args.split, n, loss, tokens,
+                       time.perf_counter() - t0)
+  say(f'{PROG}: loss {loss:.4f} over {tokens:,} tokens, {report["seconds"]:.1f}s')
+  return report if jax.process_index() == 0 else None
+
+
+def say(msg: str) -> None:
+  if jax.process_index() == 0:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- config ---------------------------------------------------------------------
+
+def config_sources(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+  """(gin files, bindings before the command line's) of the config to evaluate with."""
+  if args.workdir:
+    run_gin = os.path.join(args.workdir, 'config.gin')
+    if not os.path.isfile(run_gin):
+      raise UserError(f'--workdir {args.workdir!r} has no config.gin: give the workdir of an mjax-train '
+                      f'run, or --checkpoint PATH with --gin_file.')
+    return [run_gin, *args.gin_file], []
+  if args.gin_file:
+    return list(args.gin_file), []
+  return [], saved_bindings(_meta_path(args))
+
+
+def _meta_path(args: argparse.Namespace) -> str:
+  """The step directory whose saved config stands for --checkpoint's."""
+  path = _checked_dir(args.checkpoint)
+  if _is_step_dir(path):
+    return path
+  steps = _steps_in(path)
+  step = args.step if args.step is not None else (steps[0] if steps else None)
+  if step is None or step not in steps:
+    raise UserError(_missing(f'--checkpoint {path!r}', args.step, _list_steps(steps)))
+  return os.path.join(path, str(step))
+
+
+def saved_bindings(step_dir: str) -> list[str]:
+  """The config a checkpoint was saved with, as gin bindings."""
+  try:
+    saved = json.loads((epath.Path(step_dir) / 'meta' / 'metadata').read_text())['config']
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f'checkpoint {step_dir!r} holds no readable config ({type(e).__name__}): give the '
+                    f'config with --gin_file (or the run with --workdir).') from None
+  return [f'{cls.__name__}.{key} = {value!r}'
+          for name, cls in config_lib.SECTIONS.items() for key, value in saved.get(name, {}).items()]
+
+
+# --- which checkpoint -------------------------------------------------------------
+
+def choose(args: argparse.Namespace, cfg: Config) -> Choice:
+  """The steps `args` allow, newest first.
+
+  Raises:
+    UserError: the step or directory asked for does not exist; the message lists what does.
+  """
+  explicit = args.step is not None
+  if not args.checkpoint:
+    found = [Candidate(step, path, tier) for step, tier, path in saved_steps(cfg.checkpoint, args.workdir)]
+    available = _list_tiers(cfg, args.workdir, found)
+    where = f'--workdir {args.workdir!r}'
+  else:
+    path = _checked_dir(args.checkpoint)
+    if _is_step_dir(path):
+      step = int(os.path.basename(path.rstrip('/')))
+      if args.step is not None and args.step != step:
+        raise UserError(f'--checkpoint {path!r} is step {step} but --step is {args.step}: give one of them, '
+                        f'or --checkpoint the directory that holds the steps.')
+      return Choice([Candidate(step, path, None)], True, f'--checkpoint {path!r}', str(step))
+    found = [Candidate(s, os.path.join(path, str(s)), None) for s in _steps_in(path)]
+    available = _list_steps([c.step for c in found])
+    where = f'--checkpoint {path!r}'
+  if explicit:
+    found = [c for c in found if c.step == args.step]
+  if not found:
+    raise UserError(_missing(where, args.step, available))
+  # Every process must try the same steps in the same order.
+  mine = json.dumps([dataclasses.astuple(c) for c in found])
+  agreed = json.loads(distributed.broadcast_str('eval/candidates', mine))
+  return Choice([Candidate(*c) for c in agreed], explicit, where, available)
+
+
+def _checked_dir(path: str) -> str:
+  path = os.path.abspath(os.path.expanduser(path))
+  if not os.path.isdir(path):
+    raise UserError(f'--checkpoint {path!r}: no such directory; give a run\'s checkpoints/ directory '
+                    f'or one of its step folders.')
+  return path
+
+
+def _is_step_dir(path: str) -> bool:
+  return os.path.basename(path.rstrip('/')).isdigit() and os.path.isdir(os.path.join(path, 'state'))
+
+
+def _steps_in(directory: str) -> list[int]:
+  """Complete steps in `directory`, newest first (Orbax renames a step into place when complete)."""
+  return sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
+
+
+def _list_steps(steps: Sequence[int]) -> str:
+  return ', '.join(map(str, steps)) if steps else 'none'
+
+
+def _list_tiers(cfg: Config, workdir: str, found: Sequence[Candidate]) -> str:
+  """Saved steps per tier, e.g. 'persistent tier (/run/checkpoints): 8, 4; fast tier (/dev/shm/..): none'."""
+  return '; '.join(f'{tier} tier ({d}): {_list_steps([c.step for c in found if c.tier == tier])}'
+                   for tier, d in tier_directories(cfg.checkpoint, workdir).items())
+
+
+def _missing(where: str, step: Optional[int], available: str) -> str:
+  if step is None:
+    return f'{where} holds no saved checkpoint (saved steps: {available}).'
+  return f'{where} has no checkpoint of --step {step}; saved steps: {available}.'
+
+
+# --- restoring ------------------------------------------------------------------
+
+class Damaged(Exception):
+  """A restored array whose bits differ from those saved."""
+
+
+class OtherModel(Exception):
+  """The checkpoint holds params of other names or shapes than the config makes."""
+
+
+# Marks an OtherModel verdict among the processes' reports: no older step of
+# the same run can help, so it ends the search at once.
+_OTHER_MODEL = 'other model: '
+
+
+def restore(program: Program, choice: Choice) -> tuple[Candidate, Any, bool, list[dict]]:
+  """The params of the newest candidate every process reads intact.
+
+  Returns:
+    (the step used, its params in the program's layout, whether checksums
+    were checked, [{step, path, error}] of the newer steps skipped).
+  Raises:
+    UserError: no candidate can be read, or the config describes another model.
+  """
+  skipped: list[dict] = []
+  for i, cand in enumerate(choice.candidates):
+    params, verified, error = None, False, None
+    try:
+      params, verified = read_params(program, cand.path)
+    except OtherModel as e:
+      error = _OTHER_MODEL + str(e)
+    except Exception as e:  # any reason a step cannot be used: report it, try the next
+      error = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
+    # A step one process cannot read is skipped by all: they must evaluate the same one.
+    verdicts = distributed.report_exceptions(f'eval/restore/{i}', error)
+    if not verdicts:
+      return cand, params, verified, skipped
+    params = None
+    other = next((v for v in verdicts.values() if v.startswith(_OTHER_MODEL)), None)
+    if other is not None:
+      raise UserError(
+          f'{choice.where}: step {cand.step} ({cand.path}) was saved from another model than the config '
+          f'describes: {other[len(_OTHER_MODEL):]}. Evaluate with the config it was trained with: the '
+          f'run\'s config.gin (--workdir) or, with --checkpoint and no --gin_file, the config saved in '
+          f'the checkpoint; overrides may change the data and the mesh, not ModelConfig shapes.')
+    skipped.append({'step': cand.step, 'path': cand.path,
+                    'error': error or f'unreadable in process(es) {sorted(verdicts)}'})
+    say(f'{PROG}: step {cand.step} ({cand.path}) cannot be used: {skipped[-1]["error"]}')
+  errors = '; '.join(f'step {s["step"]} at {s["path"]}: {s["error"]}' for s in skipped)
+  what = 'that checkpoint cannot be read' if choice.explicit else 'no saved checkpoint can be read'
+  raise UserError(f'{choice.where}: {what} ({errors}). Saved steps: {choice.available}.')
+
+
+def read_params(program: Program, step_dir: str) -> tuple[Any, bool]:
+  """The params of a step directory on the program's mesh, and whether they
+  were checked against the checksums saved with them.
+
+  Raises:
+    OtherModel: the saved params have other names or shapes than the config's.
+    Damaged: an array's bits changed since the save.
+    Exception: whatever Orbax raises for a step it cannot read.
+  """
+  canonical = program.abstract_state(canonical=True)
+  item = {'step': canonical.step, 'params': canonical.params}
+  state_dir = os.path.join(step_dir, 'state')
+  # Checked first: Orbax fails on a wrong shape only after it has started
+  # reading, and leaves its pending reads to complain at exit.
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    saved_params = handler.metadata(epath.Path(state_dir)).tree['params']
+  finally:
+    handler.close()
+  problem = _shape_problem(saved_params, canonical.params)
+  if problem:
+    raise OtherModel(problem)
+  reader = ocp.PyTreeCheckpointer()
+  try:
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
+    # Partial: the optimizer moments (two thirds of the state) stay on disk.
+    tree = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+  finally:
+    reader.close()
+  meta = json.loads((epath.Path(step_dir) / 'meta' / 'metadata').read_text())
+  prints = meta.get(FINGERPRINTS)
+  if prints:
+    # Keys as the trainer saved them (paths in the TrainState); the moments are not read.
+    got = fingerprints(TrainState(step=tree['step'], params=tree['params'], opt_state=None))
+    bad = next((k for k, v in got.items() if prints.get(k) != v), None)
+    if bad is not None:
+      raise Damaged(f'array {bad} does not match the checksum saved with it')
+  return to_mesh_layout(program, tree['params']), bool(prints)
+
+
+def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
+  """How the saved params' names and shapes differ from the wanted ones, or None."""
+  have = {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+  want = {jax.tree_util.keystr(p): tuple(s.shape) for p, s in jax.tree_util.tree_leaves_with_path(wanted)}
+  for key, shape in want.items():
+    if key not in have:
+      return f'the config makes params{key} {shape}, the checkpoint has no such array'
+    if have[key] != shape:
+      return f'params{key} is {have[key]} in the checkpoint, {shape} with the config'
+  extra = sorted(set(have) - set(want))
+  return f'the checkpoint holds params{extra[0]}, which the config does not make' if extra else None
+
+
+def to_mesh_layout(program: Program, params: Any) -> Any:
+  """Canonical params -> the program's layout (pipeline stages split out, as in
+  mjax.train's init; the identity without a pipeline)."""
+  mesh = program.cfg.mesh
+  if not mesh.pipelined:
+    return params
+  stages, repeats = mesh.pipeline * mesh.dcn_pipeline, mesh.virtual_stages
+  split = lambda p: {**p, 'layers': pipeline.to_pipeline_layout(p['layers'], stages, repeats)}
+  with program.context():
+    return jax.jit(split, out_shardings=program.state_shardings.params)(params)
+
+
+# --- batches and the loss ---------------------------------------------------------
+
+def make_batches(cfg: Config, split: str, n: int) -> Iterable[dict[str, np.ndarray]]:
+  """This process's rows of the first `n` global batches of `split`: held-out
+  batches in order (what the trainer evaluates), or the train stream from its start."""
+  gbs, pid, nproc = cfg.train.global_batch_size, jax.process_index(), jax.process_count()
+  if split == 'heldout':
+    return data_lib.make_eval_batches(cfg.data, gbs, n, process_index=pid, process_count=nproc)
+  it = data_lib.make_train_iterator(cfg.data, gbs, process_index=pid, process_count=nproc)
+  return itertools.islice(it, n)
+
+
+def token_mean_loss(program: Program, params: Any,
+                    batches: Iterable[dict[str, np.ndarray]]) -> tuple[float, int]:
+  """(mean loss over every counted token of the batches, number of those tokens).
+
+  `eval_step` gives each batch's mean over its counted tokens; weighting it
+  by that count makes the mean exact when batches count different numbers.
+  """
+  replicated = NamedSharding(program.mesh, P())
+  count = jax.jit(lambda mask: jnp.sum(mask, dtype=jnp.float32), out_shardings=replicated)
+  means, counts = [], []
+  with program.context():
+    for local in batches:
+      batch = program.to_global(local)
+      means.append(program.eval_step(params, batch))
+      counts.append(count(batch['loss_mask']))
+  means = np.asarray(jax.device_get(means), np.float64)
+  counts = np.asarray(jax.device_get(counts), np.float64)
+  tokens = float(counts.sum())
+  return float((means * counts).sum() / max(tokens, 1.0)), int(round(tokens))
+
+
+# --- the report -----------------------------------------------------------------
+
+def make_report(cfg: Config, program: Program, picked: Candidate, verified: bool, skipped: list[dict],
+                split: str, n: int, loss: float, tokens: int, seconds: float) -> dict:
+  """The JSON document mjax-eval prints."""
+  tokenizer = data_lib.load_sources(cfg.data)[0][0].tokenizer
+  bits = loss / math.log(2)
+  report = {
+      'checkpoint': picked.path, 'step': picked.step, 'tier': picked.tier,
+      'checksums_verified': verified, 'skipped': skipped,
+      'split': split, 'batches': n, 'global_batch_size': cfg.train.global_batch_size,
+      'seq_len': cfg.data.seq_len, 'tokens': tokens,
+      'loss': _finite(loss), 'perplexity': _finite(math.exp(loss)) if loss < 700 else None,
+      'bits_per_token': _finite(bits),
+  }
+  if tokenizer.name == BYTES:
+    report.update(bits_per_byte=_finite(bits), note=BYTES_NOTE)
+  devices = list(program.mesh.devices.flat)
+  report.update(
+      tokenizer=tokenizer.path or tokenizer.name, data=data_lib.describe(cfg.data),
+      mesh=dict(program.mesh.shape), devices=len(devices), platform=devices[0].platform,
+      processes=jax.process_count(), seconds=round(seconds, 3))
+  return report
+
+
+def _finite(x: float) -> Optional[float]:
+  """JSON has no NaN or Infinity: a non-finite value is null."""
+  return x if math.isfinite(x) else None

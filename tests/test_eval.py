@@ -1,0 +1,132 @@
+"""mjax-eval: the loss of a saved checkpoint, on any step, mesh and split."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mjax import config as C
+from mjax import evaluate, trainer
+from mjax.errors import UserError
+from mjax.metrics import read_metrics
+
+N = 6
+EVAL_BATCHES = 2
+# fp32 compute, so that another mesh's reduction order moves the loss by
+# float32 rounding only (bf16 would move it by ~1e-3).
+SMALL = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d_ff = 256',
+         'ModelConfig.sliding_window = 16', 'ModelConfig.full_attention_every = 0',
+         'ModelConfig.dtype = "float32"', 'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16',
+         f'TrainConfig.steps = {N}', 'OptimConfig.warmup_steps = 2', 'TrainConfig.eval_every = 0',
+         f'TrainConfig.eval_batches = {EVAL_BATCHES}', 'TrainConfig.progress = False',
+         'CheckpointConfig.save_every = 3', 'MeshConfig.data = 1', 'MeshConfig.fsdp = 8']
+TOKENS_PER_BATCH = 16 * 64
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory) -> str:
+  """A finished run with checkpoints of steps 3 and 6, trained on FSDP x 8."""
+  workdir = str(tmp_path_factory.mktemp('run'))
+  trainer.run(C.load_config(['tiny.gin'], SMALL, num_devices=8), workdir)
+  return workdir
+
+
+def mjax_eval(*argv: str) -> dict:
+  """mjax-eval in this process: the report."""
+  args, bindings = evaluate.parse_args(list(argv))
+  return evaluate.main(args, bindings)
+
+
+def final_eval_loss(workdir: str) -> float:
+  return [r['eval_loss'] for r in read_metrics(workdir) if r.get('step') == N and 'eval_loss' in r][-1]
+
+
+def test_final_step_matches_the_trainers_eval_loss(run):
+  out = mjax_eval('--workdir', run)
+  assert out['step'] == N and out['checkpoint'] == os.path.join(run, 'checkpoints', str(N))
+  assert out['split'] == 'heldout' and out['batches'] == EVAL_BATCHES   # TrainConfig.eval_batches
+  assert out['tokens'] == EVAL_BATCHES * TOKENS_PER_BATCH
+  assert out['checksums_verified'] and out['skipped'] == []
+  assert out['loss'] == pytest.approx(final_eval_loss(run), rel=1e-6)
+  assert out['perplexity'] == pytest.approx(math.exp(out['loss']), rel=1e-12)
+  assert out['bits_per_token'] == pytest.approx(out['loss'] / math.log(2), rel=1e-12)
+  assert out['tokenizer'] == 'bytes' and out['bits_per_byte'] == out['bits_per_token']
+  assert 'EOS' in out['note']
+  assert out['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'pipeline': 1}
+  assert out['data']['heldout_files'] > 0
+
+
+def test_older_step_has_a_higher_loss(run):
+  final = mjax_eval('--workdir', run)
+  older = mjax_eval('--workdir', run, '--step', '3')
+  assert older['step'] == 3 and older['checkpoint'].endswith(os.path.join('checkpoints', '3'))
+  assert older['loss'] > final['loss']
+  # The same step named by its directory, with the config saved inside the checkpoint.
+  direct = mjax_eval('--checkpoint', older['checkpoint'])
+  assert direct['step'] == 3 and direct['tier'] is None
+  assert direct['loss'] == older['loss']
+
+
+@pytest.mark.parametrize('mesh', [['data=2', 'tensor=4'], ['data=2', 'tensor=2', 'pipeline=2']],
+                         ids=['data2_tensor4', 'data2_tensor2_pipeline2'])
+def test_another_mesh_gives_the_same_loss(run, mesh):
+  final = mjax_eval('--workdir', run)
+  other = mjax_eval('--workdir', run, '--gin.MeshConfig.fsdp=1', *[f'--gin.MeshConfig.{m}' for m in mesh])
+  assert other['mesh'] == {'data': 1, 'fsdp': 1, 'tensor': 1, 'pipeline': 1,
+                           **{k: int(v) for k, v in (m.split('=') for m in mesh)}}
+  assert other['loss'] == pytest.approx(final['loss'], rel=1e-5)
+
+
+def test_train_split_and_batch_count(run):
+  out = mjax_eval('--workdir', run, '--split', 'train', '--batches', '3')
+  assert out['split'] == 'train' and out['batches'] == 3 and out['tokens'] == 3 * TOKENS_PER_BATCH
+  assert math.isfinite(out['loss']) and out['loss'] != mjax_eval('--workdir', run)['loss']
+
+
+def test_damaged_newest_step_falls_back_and_named_step_is_refused(run, tmp_path):
+  copy = str(tmp_path / 'run')
+  shutil.copytree(run, copy)
+  # A checksum that no longer matches: what a changed bit in the array looks like.
+  meta_path = os.path.join(copy, 'checkpoints', str(N), 'meta', 'metadata')
+  with open(meta_path) as fh:
+    meta = json.load(fh)
+  meta['fingerprints'][".params['embedding']"][0] += 1
+  with open(meta_path, 'w') as fh:
+    json.dump(meta, fh)
+  out = mjax_eval('--workdir', copy)
+  assert out['step'] == 3
+  assert out['skipped'][0]['step'] == N and 'checksum' in out['skipped'][0]['error']
+  with pytest.raises(UserError, match=r"step 6 at .*checksum.*Saved steps: .*: 6, 3"):
+    mjax_eval('--workdir', copy, '--step', str(N))
+  assert os.path.isdir(os.path.join(copy, 'checkpoints', str(N)))   # evaluation moves nothing
+
+
+def test_config_of_another_model_is_refused(run):
+  with pytest.raises(UserError, match=r"another model.*params\['embedding'\] is \(384, 128\)"):
+    mjax_eval('--workdir', run, '--gin.ModelConfig.d_model=256')
+
+
+def cli(repo_root: str, *argv: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, '-c', 'from mjax.cli import eval_main; eval_main()', *argv],
+                        capture_output=True, text=True, cwd=repo_root, timeout=300)
+
+
+def test_cli_prints_one_json_document(run, repo_root):
+  proc = cli(repo_root, '--workdir', run, '--batches', '1')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout)   # the whole of stdout: one document, nothing else
+  assert out['step'] == N and out['batches'] == 1 and out['tokens'] == TOKENS_PER_BATCH
+  assert 'mjax-eval: loss' in proc.stderr
+
+
+def test_cli_missing_step_exits_2_naming_the_saved_steps(run, repo_root):
+  proc = cli(repo_root, '--workdir', run, '--step', '999')
+  assert proc.returncode == 2
+  assert proc.stdout == '' and 'Traceback' not in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('mjax-eval: error:')]
+  assert len(errors) == 1, proc.stderr
+  assert '--step 999' in errors[0] and 'saved steps' in errors[0] and ': 6, 3' in errors[0]
