@@ -39,13 +39,14 @@ above does not.
 On CPU, cross-process collectives go through gloo (set explicitly, as the
 default has changed between jax versions); on GPU NCCL is used.
 
-The persistent compilation cache is written by process 0 only (jax's rule).
-On GPU jax keys an entry the same way in every process, so a restart hits
-it everywhere; on CPU the key includes the process's own device assignment
-and topology, so only process 0 hits and the others compile in full. The
-trainer waits at a barrier after compiling (`barrier`, train.py), so a
-process that hit the cache does not sit in the first collective until gloo
-gives up on the ones still compiling.
+The persistent compilation cache: jax writes entries from process 0 only.
+On GPU it keys an entry the same way in every process, so a restart hits it
+everywhere; on CPU the key includes the process's own device assignment and
+topology, so the trainer lets every CPU process write its own entry
+(`_cache_entries_from_every_process`, trainer.py) and each hits it on the
+next start. The trainer waits at a barrier after compiling (`barrier`), so a
+process that loaded its step quickly does not sit in the first collective
+until gloo gives up on one still compiling.
 """
 
 from __future__ import annotations

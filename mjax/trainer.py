@@ -26,6 +26,7 @@ The loop itself is short because each concern owns its cadence:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -138,7 +139,7 @@ class Trainer:
     self._mark('data')
 
     t0 = time.perf_counter()
-    with self.program.context():
+    with self.program.context(), _cache_entries_from_every_process():
       self.step_fn = self.program.step.lower(self.program.abstract_state(),
                                              self.program.abstract_batch()).compile()
     self.compile_s = time.perf_counter() - t0
@@ -379,6 +380,33 @@ class StepReporter:
 
   def close(self) -> None:
     self.writer.close()
+
+
+@contextlib.contextmanager
+def _cache_entries_from_every_process():
+  """Lets every process write the compiled step to the persistent cache.
+
+  jax writes cache entries from process 0 only. On GPU that is enough: it
+  keys an entry without the device assignment, so every process finds
+  process 0's. On CPU the key holds each process's own devices, so every
+  other process missed and compiled in full on each restart (6.3 s of a 21 s
+  recovery, bench/RESULTS.md). Each CPU process writing its own entry (a key
+  of its own, so no contention) lets it hit next time. jax decides who
+  writes by `distributed.global_state.process_id`, read when the entry is
+  written; binary sharing between hosts, which reads it too, is a GPU
+  option left off here.
+  """
+  from jax._src import distributed as jax_distributed
+  state = jax_distributed.global_state
+  if (jax.process_count() == 1 or jax.devices()[0].platform != 'cpu' or not hasattr(state, 'process_id')
+      or jax.config.jax_share_binary_between_hosts):
+    yield
+    return
+  saved, state.process_id = state.process_id, 0
+  try:
+    yield
+  finally:
+    state.process_id = saved
 
 
 class StepProfiler:
