@@ -236,11 +236,11 @@ def _losses(workdir):
   return [r['loss'] for r in rows if 'loss' in r]
 
 
-def _final_state(workdir):
+def _final_state(workdir, directory=None):
   """The last checkpoint's train state on one local device: a checkpoint
   written by 2 processes names devices this process does not have, so the
   target layout is given instead of taken from the file."""
-  path = os.path.join(workdir, 'checkpoints', str(STEPS), 'state')
+  path = os.path.join(directory or os.path.join(workdir, 'checkpoints'), str(STEPS), 'state')
   ck = ocp.StandardCheckpointer()
   meta = ck.metadata(path)
   meta = getattr(meta, 'item_metadata', meta)
@@ -281,6 +281,9 @@ def test_two_processes_match_one(tmp_path, repo_root):
   for tier in (os.path.join(multi, 'checkpoints'), str(tmp_path / 'fast')):
     assert {'2', '4'} <= set(os.listdir(tier)), (tier, os.listdir(tier))
   got, want = _final_state(multi), _final_state(single)
+  # Both tiers saved the same final step, bit for bit.
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(_final_state(multi, str(tmp_path / 'fast')))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert int(got['step']) == int(want['step']) == STEPS
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     x, y = np.asarray(x), np.asarray(y)
