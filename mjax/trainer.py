@@ -482,6 +482,7 @@ class StopAgreement:
   MARGIN = 3
   KEY = 'mjax/stop/after_step'
   DONE = 'done'            # written on the way out: wakes every watcher, stops nobody
+  DRIVER_LOST = 'driver_lost'
   POLL_MS = 10_000
 
   def __init__(self, heartbeat: Optional[HeartbeatClient] = None):
@@ -490,6 +491,7 @@ class StopAgreement:
     self._heartbeat = heartbeat
     self._old = {}
     self._stop_after: Optional[int] = None
+    self._why_elsewhere: Optional[str] = None   # why the process that proposed the stop stopped
     self._proposed = False
     self._watcher: Optional[threading.Thread] = None
     self._closing = threading.Event()
@@ -500,8 +502,8 @@ class StopAgreement:
     if self.signal is not None:
       return signal.Signals(self.signal).name
     if self.driver_lost:
-      return f'no word from the driver for {self._heartbeat.driver_timeout_s:g}s (heartbeat_timeout_s)'
-    return 'another process of the job was asked to stop'
+      return 'no word from the fault-tolerance driver for heartbeat_timeout_s'
+    return f'another process of the job was asked to stop ({self._why_elsewhere or "a signal"})'
 
   def _requested(self) -> bool:
     if self.signal is None and not self.driver_lost and self._heartbeat is not None:
@@ -524,8 +526,11 @@ class StopAgreement:
     if self._stop_after is None and not self._proposed and self._requested():
       self._proposed = True
       client = distributed.coordination_client()
+      # The reason travels with the step: every process stops for the same
+      # one (a lost driver means exit status 4 everywhere, not only here).
+      why = self.DRIVER_LOST if self.driver_lost else signal.Signals(self.signal).name
       try:
-        client.key_value_set(self.KEY, str(step + self.MARGIN))
+        client.key_value_set(self.KEY, f'{step + self.MARGIN} {why}')
       except jax.errors.JaxRuntimeError as e:
         if 'ALREADY_EXISTS' not in str(e):
           raise
@@ -534,7 +539,13 @@ class StopAgreement:
     return self._stop_after is not None and step >= self._stop_after
 
   def _parse(self, value: str) -> Optional[int]:
-    return None if value == self.DONE else int(value)
+    if value == self.DONE:
+      return None
+    step, _, why = value.partition(' ')
+    self._why_elsewhere = why or None
+    if why == self.DRIVER_LOST:
+      self.driver_lost = True
+    return int(step)
 
   def _watch(self) -> None:
     client = distributed.coordination_client()

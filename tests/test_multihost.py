@@ -359,3 +359,14 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path, repo_ro
   stop = max(saved)
   assert 3 <= stop < 40 and f'after step {stop}: checkpoint saved' in logs[0], (saved, logs[0][-2000:])
   assert max(r['step'] for r in read_metrics(workdir)) == stop
+
+
+def test_the_stop_reason_travels_with_the_agreed_step():
+  """Whichever process proposes the stop, all stop for its reason: a lost
+  driver makes every process exit with status 4, not only the first to notice."""
+  from mjax.trainer import StopAgreement
+  s = StopAgreement()
+  assert s._parse('12 driver_lost') == 12 and s.driver_lost and 'fault-tolerance driver' in s.name
+  s = StopAgreement()
+  assert s._parse('7 SIGTERM') == 7 and not s.driver_lost and s.name.endswith('(SIGTERM)')
+  assert StopAgreement()._parse('done') is None
