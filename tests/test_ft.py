@@ -615,7 +615,9 @@ def test_kill_9_of_the_driver_stops_its_trainers_and_a_new_driver_resumes_bitwis
   """Nothing trains unsupervised: with the driver killed, the trainers hear
   no acknowledgement for heartbeat_timeout_s (3 s), save, and exit; a new
   driver resumes the job from that save."""
-  env = child_env(MJAX_FAULT='delay:seconds=1.0')   # steps slow enough to stop before the end
+  # Steps slow enough that noticing (3 s) and the agreed margin (3 steps)
+  # end well before step N.
+  env = child_env(MJAX_FAULT='delay:seconds=1.5')
   proc = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   pids = wait_event(tmp_path, 'launch', proc)[0]['pids']
