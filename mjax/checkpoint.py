@@ -113,12 +113,20 @@ def saved_steps(cfg: CheckpointConfig, workdir: str) -> list[tuple[int, str, str
   """(step, tier, path) of every complete checkpoint, newest first (the
   persistent tier first at equal steps). Orbax writes a step under a
   temporary name and renames it when complete, so the names say it all."""
-  found = []
-  for tier, directory in tier_directories(cfg, workdir).items():
-    d = epath.Path(directory)
-    names = [p.name for p in d.iterdir()] if d.is_dir() else []
-    found += [(int(n), tier, os.path.join(directory, n)) for n in names if n.isdigit()]
+  found = [(step, tier, os.path.join(directory, str(step)))
+           for tier, directory in tier_directories(cfg, workdir).items() for step in steps_in(directory)]
   return sorted(found, key=lambda x: (x[0], x[1] == 'persistent'), reverse=True)
+
+
+def steps_in(directory: str) -> list[int]:
+  """The complete steps saved in one checkpoint directory, newest first."""
+  d = epath.Path(directory)
+  return sorted((int(p.name) for p in d.iterdir() if p.name.isdigit()), reverse=True) if d.is_dir() else []
+
+
+def is_step_dir(path: str) -> bool:
+  """Whether `path` is one saved step (`.../checkpoints/120`), not a directory of steps."""
+  return os.path.basename(path.rstrip('/')).isdigit() and os.path.isdir(os.path.join(path, 'state'))
 
 
 def _expand(path: str) -> str:
@@ -254,11 +262,12 @@ def fingerprints(state: Any) -> dict[str, list[int]]:
   return {jax.tree_util.keystr(p): [int(a), int(b)] for p, (a, b) in zip(paths, values)}
 
 
-def _mismatch(expected: dict, state: Any) -> Optional[str]:
-  """The first array of `state` whose fingerprint differs from `expected`."""
+def first_mismatch(expected: dict, state: Any, partial: bool = False) -> Optional[str]:
+  """The first array of `state` whose fingerprint differs from `expected`.
+  `partial`: `state` holds only some of the saved arrays; check those."""
   got = fingerprints(state)
   for key, want in expected.items():
-    if got.get(key) != want:
+    if (key in got or not partial) and got.get(key) != want:
       return key
   return None
 
@@ -428,7 +437,7 @@ class Checkpointer:
       damaged = False
       try:
         restored, error = self._restore(tier.manager, step, abstract_state, path), None
-        bad = _mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
+        bad = first_mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
         if bad is not None:
           damaged, error = True, f'array {bad} does not match the checksum saved with it'
         elif restored.meta.get(DATA_SHA256, data_digest(restored.data)) != data_digest(restored.data):
@@ -528,7 +537,7 @@ def restore_from_path(path: str, abstract_state: Any) -> Restored:
     raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no such directory; give a '
                              f'run\'s checkpoints/ directory or one of its step folders.')
   base, leaf = os.path.split(path.rstrip('/'))
-  if leaf.isdigit() and os.path.isdir(os.path.join(path, 'state')):
+  if is_step_dir(path):
     directory, step = base, int(leaf)
   else:
     directory, step = path, None

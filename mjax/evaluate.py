@@ -43,11 +43,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, flags
-from mjax.checkpoint import FINGERPRINTS, fingerprints, saved_steps, tier_directories
+from mjax.checkpoint import (FINGERPRINTS, first_mismatch, is_step_dir, saved_steps, steps_in,
+                             tier_directories)
 from mjax.config import Config
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
-from mjax.parallel import make_mesh, pipeline
+from mjax.parallel import make_mesh
 from mjax.train import Program, TrainState, make_program, setup_compilation_cache
 
 PROG = 'mjax-eval'
@@ -158,9 +159,9 @@ def config_sources(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def _meta_path(args: argparse.Namespace) -> str:
   """The step directory whose saved config stands for --checkpoint's."""
   path = _checked_dir(args.checkpoint)
-  if _is_step_dir(path):
+  if is_step_dir(path):
     return path
-  steps = _steps_in(path)
+  steps = steps_in(path)
   step = args.step if args.step is not None else (steps[0] if steps else None)
   if step is None or step not in steps:
     raise UserError(_missing(f'--checkpoint {path!r}', args.step, _list_steps(steps)))
@@ -193,13 +194,13 @@ def choose(args: argparse.Namespace, cfg: Config) -> Choice:
     where = f'--workdir {args.workdir!r}'
   else:
     path = _checked_dir(args.checkpoint)
-    if _is_step_dir(path):
+    if is_step_dir(path):
       step = int(os.path.basename(path.rstrip('/')))
       if args.step is not None and args.step != step:
         raise UserError(f'--checkpoint {path!r} is step {step} but --step is {args.step}: give one of them, '
                         f'or --checkpoint the directory that holds the steps.')
       return Choice([Candidate(step, path, None)], True, f'--checkpoint {path!r}', str(step))
-    found = [Candidate(s, os.path.join(path, str(s)), None) for s in _steps_in(path)]
+    found = [Candidate(s, os.path.join(path, str(s)), None) for s in steps_in(path)]
     available = _list_steps([c.step for c in found])
     where = f'--checkpoint {path!r}'
   if explicit:
@@ -218,15 +219,6 @@ def _checked_dir(path: str) -> str:
     raise UserError(f'--checkpoint {path!r}: no such directory; give a run\'s checkpoints/ directory '
                     f'or one of its step folders.')
   return path
-
-
-def _is_step_dir(path: str) -> bool:
-  return os.path.basename(path.rstrip('/')).isdigit() and os.path.isdir(os.path.join(path, 'state'))
-
-
-def _steps_in(directory: str) -> list[int]:
-  """Complete steps in `directory`, newest first (Orbax renames a step into place when complete)."""
-  return sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
 
 
 def _list_steps(steps: Sequence[int]) -> str:
@@ -333,11 +325,11 @@ def read_params(program: Program, step_dir: str) -> tuple[Any, bool]:
   prints = meta.get(FINGERPRINTS)
   if prints:
     # Keys as the trainer saved them (paths in the TrainState); the moments are not read.
-    got = fingerprints(TrainState(step=tree['step'], params=tree['params'], opt_state=None))
-    bad = next((k for k, v in got.items() if prints.get(k) != v), None)
+    bad = first_mismatch(prints, TrainState(step=tree['step'], params=tree['params'], opt_state=None),
+                         partial=True)
     if bad is not None:
       raise Damaged(f'array {bad} does not match the checksum saved with it')
-  return to_mesh_layout(program, tree['params']), bool(prints)
+  return program.params_from_canonical(tree['params']), bool(prints)
 
 
 def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
@@ -351,18 +343,6 @@ def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
       return f'params{key} is {have[key]} in the checkpoint, {shape} with the config'
   extra = sorted(set(have) - set(want))
   return f'the checkpoint holds params{extra[0]}, which the config does not make' if extra else None
-
-
-def to_mesh_layout(program: Program, params: Any) -> Any:
-  """Canonical params -> the program's layout (pipeline stages split out, as in
-  mjax.train's init; the identity without a pipeline)."""
-  mesh = program.cfg.mesh
-  if not mesh.pipelined:
-    return params
-  stages, repeats = mesh.pipeline * mesh.dcn_pipeline, mesh.virtual_stages
-  split = lambda p: {**p, 'layers': pipeline.to_pipeline_layout(p['layers'], stages, repeats)}
-  with program.context():
-    return jax.jit(split, out_shardings=program.state_shardings.params)(params)
 
 
 # --- batches and the loss ---------------------------------------------------------

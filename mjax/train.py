@@ -89,6 +89,13 @@ class Program:
       return params
     return {**params, 'layers': pipeline.from_pipeline_layout(params['layers'])}
 
+  def params_from_canonical(self, params):
+    """The inverse of `canonical_params`, onto the params' shardings."""
+    if not self.cfg.mesh.pipelined:
+      return params
+    with self.context():
+      return jax.jit(lambda p: _split_stages(p, self.cfg), out_shardings=self.state_shardings.params)(params)
+
   def to_global(self, local: dict[str, np.ndarray]) -> Batch:
     """This host's rows -> one global array per key (MegaScale's one loader
     per machine: each host reads only its own share of the batch)."""
@@ -189,13 +196,10 @@ class _Layouts:
 def _layouts(cfg: Config, mesh: Mesh, model: Transformer, rules) -> _Layouts:
   dummy = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
   pipe = cfg.mesh.pipelined
-  stages, repeats = cfg.mesh.pipeline * cfg.mesh.dcn_pipeline, cfg.mesh.virtual_stages
 
   def init_params(rng: jax.Array):
     params = nn.meta.unbox(model.init(rng, dummy)['params'])
-    if pipe:  # each pipeline stage holds its own chunks of layers
-      params = {**params, 'layers': pipeline.to_pipeline_layout(params['layers'], stages, repeats)}
-    return params
+    return _split_stages(params, cfg) if pipe else params
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
@@ -206,6 +210,12 @@ def _layouts(cfg: Config, mesh: Mesh, model: Transformer, rules) -> _Layouts:
     names = {**names, 'layers': jax.tree.map(pipeline.pipeline_names, names['layers'], is_leaf=_is_names)}
   layer_axes = jax.tree.map(lambda n: n.index('layers') + 1 if 'layers' in n else 0, names, is_leaf=_is_names)
   return _Layouts(init_params, abstract_params, nn.meta.unbox(boxed), names, canonical_names, layer_axes)
+
+
+def _split_stages(params, cfg: Config):
+  """Canonical params -> each pipeline stage holding its own chunks of layers."""
+  stages, repeats = cfg.mesh.pipeline * cfg.mesh.dcn_pipeline, cfg.mesh.virtual_stages
+  return {**params, 'layers': pipeline.to_pipeline_layout(params['layers'], stages, repeats)}
 
 
 def _loss_fn(cfg: Config, model: Transformer):

@@ -175,7 +175,7 @@ class TimingTail:
     self._rows: dict[str, collections.deque] = {}
     if from_end:
       for path in self._paths():
-        self._offsets[path] = _size(path)
+        self._offsets[path] = os.path.getsize(path)
 
   def _paths(self) -> list[str]:
     return glob.glob(os.path.join(self.directory, 'process-*.jsonl'))
@@ -183,7 +183,11 @@ class TimingTail:
   def update(self) -> list[dict]:
     """The kept rows of every process, after reading what was appended."""
     for path in self._paths():
-      offset, size = self._offsets.get(path, 0), _size(path)
+      offset = self._offsets.get(path, 0)
+      try:
+        size = os.path.getsize(path)
+      except OSError:    # gone since the listing
+        continue
       if size < offset:            # replaced or truncated: start it again
         offset, self._partial[path] = 0, b''
       if size == offset:
@@ -200,13 +204,6 @@ class TimingTail:
         if row is not None:
           kept.append(row)
     return [r for kept in self._rows.values() for r in kept]
-
-
-def _size(path: str) -> int:
-  try:
-    return os.path.getsize(path)
-  except OSError:
-    return 0
 
 
 def _parse_row(line: str) -> Optional[dict]:
