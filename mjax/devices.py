@@ -18,6 +18,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence, TypeVar
 
+from mjax import jsonfile
+
 if TYPE_CHECKING:
   import jax
 
@@ -174,11 +176,7 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tup
     pass
   if key not in cache:
     cache[key] = measure_matmul_flops(dtype)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = f'{path}.{os.getpid()}.tmp'
-    with open(tmp, 'w') as fh:
-      json.dump(cache, fh, indent=1)
-    os.replace(tmp, path)  # atomic: concurrent runs never see half a file
+    jsonfile.write_atomic(path, cache, indent=1)   # concurrent runs never see half a file
     source = 'measured'
   else:
     source = 'measured, cached'

@@ -93,6 +93,7 @@ import numpy as np
 
 # Device facts only from mjax.devices, which imports no JAX at load time:
 # importing more inside a check once left the next all-reduce check stuck.
+from mjax import jsonfile
 from mjax.devices import link_bandwidth, lookup_peak, memory_stats, peak_cache_key
 from mjax.protocol import DIAGNOSE_FAIL_ENV
 
@@ -294,11 +295,7 @@ class Baseline:
     for key, entry in self.recorded.items():
       if key not in merged or entry['value'] > merged[key]['value']:
         merged[key] = entry
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    tmp = f'{self.path}.{os.getpid()}.{threading.get_ident()}.tmp'
-    with open(tmp, 'w') as fh:
-      json.dump(merged, fh, indent=1, sort_keys=True)
-    os.replace(tmp, self.path)  # atomic: a concurrent reader never sees half a file
+    jsonfile.write_atomic(self.path, merged, indent=1, sort_keys=True)
     self.entries, self.recorded = merged, {}
 
 

@@ -20,6 +20,8 @@ import os
 import time
 from typing import Optional, Sequence
 
+from mjax import jsonfile
+
 BLOCKED_FILE = 'blocked_hosts.json'
 
 
@@ -47,10 +49,7 @@ class BlockList:
     entry = {'host': host, 'reason': reason, 'time': round(time.time(), 3)}
     if host not in self:
       self.entries.append(entry)
-      tmp = self.path + '.tmp'
-      with open(tmp, 'w') as fh:
-        json.dump(self.entries, fh, indent=1)
-      os.replace(tmp, self.path)   # never a half-written list
+      jsonfile.write_atomic(self.path, self.entries, indent=1)   # never a half-written list
     return entry
 
 

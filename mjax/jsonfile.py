@@ -1,0 +1,25 @@
+"""Small JSON files that no reader ever sees half of.
+
+Caches and records shared between processes (the measured peak, the
+diagnostics' baselines, the blocked hosts) are rewritten whole: written to
+a temporary name, then renamed over the old file, which is atomic on POSIX,
+so a concurrent reader or a crash mid-write finds the old file or the new
+one. (mjax/protocol.py keeps its own few lines of the same: it imports
+nothing from mjax.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+
+def write_atomic(path: str, obj: Any, **dump_kw) -> None:
+  """`obj` as JSON at `path` (its directory created), replacing the file whole."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f'{path}.{os.getpid()}.{threading.get_ident()}.tmp'
+  with open(tmp, 'w') as fh:
+    json.dump(obj, fh, **dump_kw)
+  os.replace(tmp, path)
