@@ -44,8 +44,13 @@ MFU_ROWS = [
     ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch']),
     ('125m remat=none unrolled', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False']),
     ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots']),
-    ('1p3b remat=dots unrolled', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=False'],
-     'profile'),
+    # The parallel block's projections joined into two matrix products (the
+    # CPU default; 'auto' keeps them apart on GPU): the ablation row.
+    ('1p3b remat=dots projections joined', '1p3b.gin',
+     ['ModelConfig.remat_policy=dots', 'ModelConfig.fuse_projections=all']),
+    ('1p3b remat=dots_attention', '1p3b.gin', ['ModelConfig.remat_policy=dots_attention']),
+    ('1p3b remat=dots_attention unrolled', '1p3b.gin',
+     ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False'], 'profile'),
     ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
 ]
 SMOKE_MFU_ROWS = [
@@ -337,6 +342,10 @@ def check_variants(suite: Suite):
       ('unrolled layers', [f"ModelConfig.attention_impl = '{fast}'", 'ModelConfig.scan_layers = False']),
       ('remat full', [f"ModelConfig.attention_impl = '{fast}'", "ModelConfig.remat_policy = 'full'"]),
       ('remat none', [f"ModelConfig.attention_impl = '{fast}'", "ModelConfig.remat_policy = 'none'"]),
+      ('remat dots_attention', [f"ModelConfig.attention_impl = '{fast}'",
+                                "ModelConfig.remat_policy = 'dots_attention'"]),
+      ('projections joined', [f"ModelConfig.attention_impl = '{fast}'", "ModelConfig.fuse_projections = 'all'"]),
+      ('projections apart', [f"ModelConfig.attention_impl = '{fast}'", "ModelConfig.fuse_projections = 'none'"]),
       ('grad accumulation 2', [f"ModelConfig.attention_impl = '{fast}'", 'TrainConfig.grad_accum_steps = 2']),
       ('XLA attention', ["ModelConfig.attention_impl = 'xla'"]),
   ]

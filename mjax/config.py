@@ -58,9 +58,20 @@ class ModelConfig:
   dtype: Literal['bfloat16', 'float32', 'float16'] = 'bfloat16'      # compute
   param_dtype: Literal['float32', 'bfloat16'] = 'float32'            # master weights
   # What the backward pass may keep instead of recomputing: 'none' keeps all
-  # activations, 'full' recomputes each layer group, 'dots' keeps matmul outputs.
-  remat_policy: Literal['none', 'full', 'dots', 'dots_no_batch'] = 'none'
+  # activations, 'full' recomputes each layer group, 'dots' keeps matmul
+  # outputs, 'dots_attention' also the flash attention kernel's outputs (the
+  # backward then skips re-running the attention forward; GPU).
+  remat_policy: Literal['none', 'full', 'dots', 'dots_attention', 'dots_no_batch'] = 'none'
   scan_layers: bool = True
+  # The parallel block's projections that read the same tensor, run as one
+  # matrix product (PaLM): 'inputs' joins q, k, v and the MLP input; 'all'
+  # also joins the two output projections; 'none' runs each on its own.
+  # Parameters and checkpoints are the same whichever is chosen. 'auto':
+  # 'none' on GPU, where joining measured 3-5% slower on 1p3b (XLA copies the
+  # joined activations and gradients; cuBLAS runs the separate products at
+  # the same speed), 'inputs' elsewhere (5-10% faster on CPU). See
+  # bench/RESULTS.md.
+  fuse_projections: Literal['auto', 'none', 'inputs', 'all'] = 'auto'
   init_std: float = 0.02
 
   @property

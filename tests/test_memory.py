@@ -59,10 +59,17 @@ def test_remat_policies_keep_less():
   # dots_no_batch: layer input + q, k, v + MLP input projection + 2 output projections.
   dnb, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots_no_batch', flash=True)
   assert dnb == e * sb * (h + 3 * h + 256 + 2 * h)
+  # Joined into one product, the two output projections are one partial sum.
+  joined, _ = activation_bytes_per_layer(small('ModelConfig.fuse_projections = "all"'), 4, 1,
+                                         policy='dots_no_batch', flash=True)
+  assert joined == dnb - e * sb * h
   # dots also keeps the attention matmuls: fp32 scores and probs x V.
   dots, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots', flash=False)
   assert dots == dnb + 4 * 4 * 64 * 64 * 4 + e * sb * h
-  assert full < dnb < none
+  # dots_attention keeps flash attention's output and fp32 softmax statistics.
+  da, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots_attention', flash=True)
+  assert da == dnb + e * sb * h + 4 * 4 * sb
+  assert full < dnb < da < none
 
 
 def test_korthikanti_formula_without_dropout():

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from mjax.config import ModelConfig
-from mjax.model.layers import Linear, constrain, dtype_of, rotary
+from mjax.model.layers import Weights, apply_weights, constrain, rotary, weights
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
@@ -111,23 +111,41 @@ def attend(q, k, v, window: Optional[int], impl: str, segment_ids=None) -> jax.A
 
 
 class Attention(nn.Module):
-  """Projections + rotary + (windowed) causal attention + output projection."""
+  """Projections + rotary + (windowed) causal attention + output projection.
+
+  `inputs()` / `attend()` / `output()` are the pieces the fused parallel
+  block joins with the MLP's; `__call__` is attention on its own.
+  """
   cfg: ModelConfig
   window: Optional[int]
   out_std: float
 
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array,
-               segment_ids: Optional[jax.Array] = None) -> jax.Array:  # x: (batch, seq, embed)
+  def setup(self):
     c = self.cfg
-    kw = dict(dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype), use_bias=c.use_bias)
-    hd = c.dim_per_head
-    q = Linear((c.n_heads, hd), ('embed', 'heads', 'kv'), std=c.init_std, name='query', **kw)(x)
-    k = Linear((c.kv_heads, hd), ('embed', 'kv_heads', 'kv'), std=c.init_std, name='key', **kw)(x)
-    v = Linear((c.kv_heads, hd), ('embed', 'kv_heads', 'kv'), std=c.init_std, name='value', **kw)(x)
+    hd, e = c.dim_per_head, (c.d_model,)
+    self.query = weights(c, e, (c.n_heads, hd), ('embed', 'heads', 'kv'), c.init_std, 'query')
+    self.key = weights(c, e, (c.kv_heads, hd), ('embed', 'kv_heads', 'kv'), c.init_std, 'key')
+    self.value = weights(c, e, (c.kv_heads, hd), ('embed', 'kv_heads', 'kv'), c.init_std, 'value')
+    self.out = weights(c, (c.n_heads, hd), e, ('heads', 'kv', 'embed'), self.out_std, 'out')
+
+  def inputs(self) -> list[Weights]:
+    """The q, k, v projections, in the order `attend` takes their outputs."""
+    return [self.query, self.key, self.value]
+
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+             segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """(batch, seq, heads | kv_heads, head_dim) projections -> (batch, seq, heads, head_dim)."""
+    c = self.cfg
     q = constrain(rotary(q, positions, c.rope_theta), ('batch', 'seq', 'heads', 'kv'))
     k = constrain(rotary(k, positions, c.rope_theta), ('batch', 'seq', 'kv_heads', 'kv'))
     v = constrain(v, ('batch', 'seq', 'kv_heads', 'kv'))
-    out = attend(q, k, v, self.window, c.attention_impl, segment_ids)  # (batch, seq, heads, head_dim)
-    out = constrain(out, ('batch', 'seq', 'heads', 'kv'))
-    return Linear((c.d_model,), ('heads', 'kv', 'embed'), n_in=2, std=self.out_std, name='out', **kw)(out)
+    out = attend(q, k, v, self.window, c.attention_impl, segment_ids)
+    return constrain(out, ('batch', 'seq', 'heads', 'kv'))
+
+  def output(self) -> Weights:
+    return self.out
+
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: Optional[jax.Array] = None) -> jax.Array:  # x: (batch, seq, embed)
+    q, k, v = (apply_weights(x, *w(), 1) for w in self.inputs())
+    return apply_weights(self.attend(q, k, v, positions, segment_ids), *self.out(), 2)

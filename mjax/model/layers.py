@@ -6,6 +6,8 @@ for how they map onto a mesh); nothing here knows about devices.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -24,41 +26,46 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   return nn.with_logical_constraint(x, axes)
 
 
-class Linear(nn.Module):
-  """y = einsum(x, W) over the trailing `len(in_axes)` dims of x.
+class Weights(nn.Module):
+  """A projection's parameters, cast for use: `(kernel, bias or None)`.
 
-  Attributes:
-    features: output feature shape, e.g. (heads, head_dim).
-    axes: logical names of the kernel, input dims first then output dims.
-    n_in: how many trailing dims of x are contracted.
+  The kernel has shape `(*in_shape, *features)` and logical names `axes`.
+  Kept apart from the matrix product so that the parallel block can join
+  several projections' kernels into one product (`fused_dot`) while each
+  keeps its own parameter (and LAMB trust ratio, and checkpoint entry).
   """
+  in_shape: tuple[int, ...]
   features: tuple[int, ...]
   axes: tuple[str, ...]
-  n_in: int = 1
   std: float = 0.02
   use_bias: bool = False
   dtype: Dtype = jnp.bfloat16
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    in_shape = x.shape[-self.n_in:]
+  def __call__(self) -> tuple[jax.Array, Optional[jax.Array]]:
     init = nn.initializers.normal(self.std)
     kernel = self.param('kernel', nn.with_logical_partitioning(init, self.axes),
-                        (*in_shape, *self.features), self.param_dtype)
+                        (*self.in_shape, *self.features), self.param_dtype)
     # Master weights stay fp32; the matrix product runs in the compute dtype.
     # The cast is pinned to the kernel's own (FSDP-sharded) layout, so each
     # device casts its shard and the all-gather moves bf16, half the bytes of
     # gathering fp32 and casting afterwards.
-    x = x.astype(self.dtype)
     kernel = constrain(kernel.astype(self.dtype), self.axes)
-    y = jax.lax.dot_general(
-        x, kernel, (((tuple(range(x.ndim - self.n_in, x.ndim))), tuple(range(self.n_in))), ((), ())))
+    bias = None
     if self.use_bias:
-      bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.axes[self.n_in:]),
-                        self.features, self.param_dtype)
-      y = y + bias.astype(self.dtype)
-    return y
+      bias = self.param('bias', nn.with_logical_partitioning(
+          nn.initializers.zeros, self.axes[len(self.in_shape):]), self.features, self.param_dtype)
+      bias = bias.astype(self.dtype)
+    return kernel, bias
+
+
+def apply_weights(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], n_in: int) -> jax.Array:
+  """einsum of x's trailing `n_in` dims with the kernel's leading ones (+ bias)."""
+  x = x.astype(kernel.dtype)
+  y = jax.lax.dot_general(
+      x, kernel, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+  return y if bias is None else y + bias
 
 
 class Norm(nn.Module):
@@ -92,23 +99,42 @@ def make_norm(cfg: ModelConfig, name: str) -> Norm:
               dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype), name=name)
 
 
+def weights(cfg: ModelConfig, in_shape: tuple[int, ...], features: tuple[int, ...],
+            axes: tuple[str, ...], std: float, name: str) -> Weights:
+  return Weights(in_shape, features, axes, std, cfg.use_bias, dtype_of(cfg.dtype),
+                 dtype_of(cfg.param_dtype), name=name)
+
+
 class Mlp(nn.Module):
-  """GeLU MLP (MegaScale, GPT-3) or SwiGLU (LLaMA)."""
+  """GeLU MLP (MegaScale, GPT-3) or SwiGLU (LLaMA).
+
+  `inputs()` / `activate()` / `output()` are the pieces the fused parallel
+  block joins with attention's; `__call__` is the MLP on its own.
+  """
   cfg: ModelConfig
   out_std: float
 
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:  # (batch, seq, embed)
+  def setup(self):
     c = self.cfg
-    kw = dict(dtype=dtype_of(c.dtype), param_dtype=dtype_of(c.param_dtype), use_bias=c.use_bias)
-    up = Linear((c.d_ff,), ('embed', 'mlp'), std=c.init_std, name='wi', **kw)(x)
+    self.wi = weights(c, (c.d_model,), (c.d_ff,), ('embed', 'mlp'), c.init_std, 'wi')
     if c.mlp == 'swiglu':
-      gate = Linear((c.d_ff,), ('embed', 'mlp'), std=c.init_std, name='wi_gate', **kw)(x)
-      h = nn.silu(gate) * up
-    else:
-      h = nn.gelu(up, approximate=True)
-    h = constrain(h, ('batch', 'seq', 'mlp'))  # (batch, seq, mlp)
-    return Linear((c.d_model,), ('mlp', 'embed'), std=self.out_std, name='wo', **kw)(h)
+      self.wi_gate = weights(c, (c.d_model,), (c.d_ff,), ('embed', 'mlp'), c.init_std, 'wi_gate')
+    self.wo = weights(c, (c.d_ff,), (c.d_model,), ('mlp', 'embed'), self.out_std, 'wo')
+
+  def inputs(self) -> list[Weights]:
+    """The input projections, in the order `activate` takes their outputs."""
+    return [self.wi, self.wi_gate] if self.cfg.mlp == 'swiglu' else [self.wi]
+
+  def activate(self, up: jax.Array, gate: Optional[jax.Array] = None) -> jax.Array:
+    h = nn.silu(gate) * up if self.cfg.mlp == 'swiglu' else nn.gelu(up, approximate=True)
+    return constrain(h, ('batch', 'seq', 'mlp'))  # (batch, seq, mlp)
+
+  def output(self) -> Weights:
+    return self.wo
+
+  def __call__(self, x: jax.Array) -> jax.Array:  # (batch, seq, embed)
+    h = self.activate(*(apply_weights(x, *w(), 1) for w in self.inputs()))
+    return apply_weights(h, *self.wo(), 1)
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -161,3 +187,102 @@ def out_proj_std(cfg: ModelConfig) -> float:
   variance flat at init however many layers there are."""
   branches = 2 * cfg.n_layers
   return cfg.init_std / (branches ** 0.5)
+
+
+def logical_shards(name: str) -> int:
+  """How many shards the current mesh and logical rules cut dimension `name` into.
+
+  1 outside a mesh. Read from the context (jax.set_mesh + flax's logical
+  rules), so model code still never holds a mesh.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  spec = nn.logical_to_mesh_axes((name,))
+  axes = spec[0] if spec else None
+  if axes is None:
+    return 1
+  n = 1
+  for a in (axes,) if isinstance(axes, str) else axes:
+    n *= mesh.shape[a]
+  return n
+
+
+def _shard_groups(names: list[str], sizes: list[int]) -> Optional[int]:
+  """The common shard count of the fused pieces' split dimensions, or None when
+  they differ or one does not divide (then the pieces stay separate)."""
+  counts = {logical_shards(n) for n in names}
+  if len(counts) != 1:
+    return None
+  t = counts.pop()
+  return t if all(s % t == 0 for s in sizes) else None
+
+
+def fused_inputs(x: jax.Array, projections: list[Weights]) -> Optional[list[jax.Array]]:
+  """Several projections of the same input as one matrix product.
+
+  PaLM / MegaScale: q, k, v and the MLP's input projection read the same norm
+  output, so one product with their kernels side by side does the work of
+  four, with one weight all-gather under FSDP and one larger GEMM instead of
+  several small ones. The parameters stay separate; only the compute-dtype
+  copies are joined, per step.
+
+  Under tensor parallelism each kernel's output dim is split over `t` shards;
+  the kernels are joined shard by shard, as (embed, t, joined / t), so that
+  every device joins only what it holds and no data moves.
+
+  Args:
+    x: (batch, seq, embed).
+    projections: Weights with in_shape (embed,), kernels (embed, n_i, ...).
+  Returns:
+    Each projection's output, (batch, seq, *features_i), or None when the
+    layout cannot join them (the caller then applies them one by one).
+  """
+  built = [w() for w in projections]
+  kernels = [k for k, _ in built]
+  t = _shard_groups([w.axes[1] for w in projections], [w.features[0] for w in projections])
+  if t is None:
+    return None
+  e = x.shape[-1]
+  joined = jnp.concatenate([k.reshape(e, t, -1) for k in kernels], axis=-1)
+  joined = constrain(joined, ('embed', projections[0].axes[1], None))
+  y = jnp.einsum('bse,etn->bstn', x.astype(joined.dtype), joined)
+  y = constrain(y, ('batch', 'seq', projections[0].axes[1], None))
+  outs, at = [], 0
+  for w, (k, bias) in zip(projections, built):
+    n = k[0].size // t
+    out = y[..., at:at + n].reshape(*x.shape[:-1], *w.features)
+    outs.append(out if bias is None else out + bias)
+    at += n
+  return outs
+
+
+def fused_outputs(parts: list[tuple[jax.Array, Weights]]) -> Optional[jax.Array]:
+  """The sum of several output projections as one matrix product.
+
+  The parallel block adds attention's and the MLP's output projections; with
+  their inputs side by side along the contracted dim the sum is one product
+  (and one reduce-scatter under tensor parallelism, not two).
+
+  Args:
+    parts: (activation (batch, seq, *in_shape_i), Weights with kernel
+      (*in_shape_i, embed)).
+  Returns:
+    (batch, seq, embed), or None when the layout cannot join them.
+  """
+  built = [w() for _, w in parts]
+  t = _shard_groups([w.axes[0] for _, w in parts], [w.in_shape[0] for _, w in parts])
+  if t is None:
+    return None
+  e = parts[0][1].features[-1]
+  lead = parts[0][0].shape[:2]
+  acts = jnp.concatenate([a.reshape(*lead, t, -1).astype(k.dtype) for (a, _), (k, _) in zip(parts, built)],
+                         axis=-1)
+  kernels = jnp.concatenate([k.reshape(t, -1, e) for k, _ in built], axis=1)
+  name = parts[0][1].axes[0]
+  acts = constrain(acts, ('batch', 'seq', name, None))
+  y = jnp.einsum('bstn,tne->bse', acts, constrain(kernels, (name, None, 'embed')))
+  for _, bias in built:
+    if bias is not None:
+      y = y + bias
+  return y

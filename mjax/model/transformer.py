@@ -23,16 +23,39 @@ from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
-from mjax.model.layers import Mlp, constrain, dtype_of, embed_lookup, make_norm, out_proj_std
+from mjax.model.layers import (Mlp, apply_weights, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs,
+                               make_norm, out_proj_std)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
 ACT = ('batch', 'residual_seq', 'embed')
 
+
+
+def _dots_and_flash_attention(prim, *args, **params) -> bool:
+  """checkpoint_dots, and also the fused (cuDNN) attention forward's outputs.
+
+  The flash kernel's output and softmax statistics are what its backward
+  reads; keeping them (a (batch, seq, heads, head_dim) tensor and a small
+  fp32 one per layer) saves running the attention forward a second time in
+  the backward pass. Elsewhere (XLA attention) this is 'dots'.
+  """
+  return (prim.name.startswith('dot_product_attention_fwd')
+          or jax.checkpoint_policies.checkpoint_dots(prim, *args, **params))
+
+
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.checkpoint_dots,
+    'dots_attention': _dots_and_flash_attention,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def fusion(cfg: ModelConfig) -> str:
+  """ModelConfig.fuse_projections with 'auto' resolved for the running backend."""
+  if cfg.fuse_projections != 'auto':
+    return cfg.fuse_projections
+  return 'none' if jax.default_backend() == 'gpu' else 'inputs'
 
 
 class Block(nn.Module):
@@ -46,13 +69,32 @@ class Block(nn.Module):
     std = out_proj_std(c)
     attn = Attention(c, self.window, std, name='attn')
     mlp = Mlp(c, std, name='mlp')
-    if c.block == 'parallel':
+    fuse = fusion(c)
+    if c.block == 'parallel' and fuse != 'none':
+      x = x + self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse)
+    elif c.block == 'parallel':
       h = make_norm(c, 'norm')(x)
       x = x + attn(h, positions, segment_ids) + mlp(h)
     else:
       x = x + attn(make_norm(c, 'norm_attn')(x), positions, segment_ids)
       x = x + mlp(make_norm(c, 'norm_mlp')(x))
     return constrain(x, ACT)
+
+  def _fused_parallel(self, attn: Attention, mlp: Mlp, h: jax.Array, positions: jax.Array,
+                      segment_ids: Optional[jax.Array], fuse: str) -> jax.Array:
+    """Attn(h) + MLP(h) with q, k, v and the MLP input as one matrix product
+    and, with fuse_projections='all', both output projections as one."""
+    ins = attn.inputs() + mlp.inputs()
+    ys = fused_inputs(h, ins)
+    if ys is None:  # a layout the kernels cannot be joined in
+      ys = [apply_weights(h, *w(), 1) for w in ins]
+    a = attn.attend(*ys[:3], positions, segment_ids)
+    m = mlp.activate(*ys[3:])
+    if fuse == 'all':
+      y = fused_outputs([(a, attn.output()), (m, mlp.output())])
+      if y is not None:
+        return y
+    return apply_weights(a, *attn.output()(), 2) + apply_weights(m, *mlp.output()(), 1)
 
 
 def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -37,8 +37,12 @@ With remat:
                    every tensor rank), and with materialized attention the fp32
                    scores (4 a s^2 b) and the probabilities x V output; plus one
                    layer being recomputed;
-  'dots_no_batch'  the same without the attention matmuls (they have batch
-                   dimensions).
+  'dots_attention' as 'dots', and flash attention's output and softmax
+                   statistics (its backward then skips the forward);
+  'dots_no_batch'  the same as 'dots' without the attention matmuls (they
+                   have batch dimensions).
+The parallel block with fuse_projections='all' has one output projection
+(attention's and the MLP's joined), so one partial sum, not two.
 
 Sharding of activations: the batch is split over data x fsdp (each replica
 holds global_batch / (data x fsdp) sequences, processed in micro-batches of
@@ -121,13 +125,19 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
   layer_input = e * sb * h / rt
   if policy == 'full':
     return layer_input, none
-  # Matmul outputs: Q, K, V, MLP input projection(s) (split over t); the two
-  # output projections (whole on each tensor rank: partial sums).
+  # Matmul outputs: Q, K, V, MLP input projection(s) (split over t); the
+  # output projections (whole on each tensor rank: partial sums): two, or one
+  # where the parallel block joins them into one product.
+  outs = 1 if m.block == 'parallel' and m.fuse_projections == 'all' else 2  # 'auto' never joins them
   dots = (layer_input + (e * sb * (q + 2 * k) + (mlp - 1) * e * sb * F) / t
-          + 2 * e * sb * h / rt)
+          + outs * e * sb * h / rt)
   if policy == 'dots' and not flash:
     dots += (4 * a * s * s * b + e * sb * q) / t   # fp32 scores, probs x V
-  if policy in ('dots', 'dots_no_batch'):
+  if policy == 'dots_attention':
+    # Flash attention's output and fp32 softmax statistics; with
+    # materialized attention the same as 'dots'.
+    dots += (e * sb * q + 4 * a * sb) / t if flash else (4 * a * s * s * b + e * sb * q) / t
+  if policy in ('dots', 'dots_attention', 'dots_no_batch'):
     return dots, none
   raise ValueError(f'unknown remat policy {policy!r}')
 
