@@ -302,5 +302,22 @@ def eval_main(argv: Optional[Sequence[str]] = None) -> None:
     print(json.dumps(report, indent=2), flush=True)
 
 
+
+@entry_point('mjax-generate')
+def generate_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-generate: sample text from a checkpoint, streamed to stdout.
+
+    mjax-generate --workdir RUN --prompt TEXT [--prompt TEXT ...] [--prompt_file F]
+                  [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]
+                  [--format text|jsonl] [--step N] [--checkpoint PATH] [--gin.KEY=VALUE ...]
+
+  KV cache with ring buffers for sliding-window layers; see mjax/generate.py.
+  Exit status 0, or 2 for bad input (settings, prompts, config, checkpoint).
+  """
+  from mjax import generate
+  args, bindings = generate.parse_args(sys.argv[1:] if argv is None else argv)
+  generate.main(args, bindings)
+
+
 if __name__ == '__main__':
   train_main()

@@ -69,8 +69,12 @@ def _parts(cfg, window):
 
 
 @pytest.mark.parametrize('window', [4, None], ids=['w4', 'full'])
-def test_parallel_block_is_x_plus_attn_ln_plus_mlp_ln(window):
-  cfg = dataclasses.replace(SMALL, block='parallel')
+@pytest.mark.parametrize('fuse,mlp', [('none', 'gelu'), ('inputs', 'gelu'), ('all', 'gelu'), ('all', 'swiglu')])
+def test_parallel_block_is_x_plus_attn_ln_plus_mlp_ln(window, fuse, mlp):
+  """Whichever projections are joined into one matrix product (GQA, biases,
+  SwiGLU's two input projections), the block is the same function of the
+  same parameters."""
+  cfg = dataclasses.replace(SMALL, block='parallel', fuse_projections=fuse, mlp=mlp)
   x, pos = _x_pos(cfg)
   block = Block(cfg, window)
   params = _random_params(block.init, x, pos)
@@ -414,3 +418,21 @@ def test_tied_table_gradients_of_lookup_and_head_meet_in_fp32():
   a, b = _gathered_twice(table, jnp.bfloat16)
   assert a.dtype == b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(a), np.asarray(table.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize('fuse,dots', [('none', 6), ('inputs', 3), ('all', 2)])
+def test_joined_projections_are_one_product_under_tensor_parallelism(fuse, dots):
+  """The joins happen on a tensor-parallel mesh too (kernels joined shard by
+  shard), not only on one device: count the projections' matrix products."""
+  from mjax.config import MeshConfig
+  from mjax.parallel import make_mesh
+  from mjax.parallel.rules import logical_rules
+  cfg = dataclasses.replace(SMALL, fuse_projections=fuse)
+  mesh_cfg = MeshConfig(data=2, tensor=2, sequence_parallel=True)
+  x, pos = _x_pos(cfg)
+  block = Block(cfg, 4)
+  params = _random_params(block.init, x, pos)
+  with jax.set_mesh(make_mesh(mesh_cfg, devices=jax.devices()[:4])), nn.logical_axis_rules(logical_rules(mesh_cfg)):
+    jaxpr = jax.make_jaxpr(lambda p: block.apply({'params': p}, x, pos))(params)
+  n = sum(e.primitive.name == 'dot_general' for e in jaxpr.jaxpr.eqns)
+  assert n == dots + 2  # + the reference attention's two einsums

@@ -81,6 +81,12 @@ LAYOUTS = {
     'fsdp2_pipeline2_tensor2_sp': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.pipeline = 2',
                                    'MeshConfig.tensor = 2', 'MeshConfig.sequence_parallel = True'],
     'data8_grad_accum2': ['MeshConfig.data = 4', 'MeshConfig.fsdp = 2', 'TrainConfig.grad_accum_steps = 2'],
+    # The parallel block's projections joined (inputs and outputs) and kept
+    # apart, under tensor + sequence parallelism: kernels joined shard by shard.
+    'fsdp4_tensor2_sp_joined': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 4', 'MeshConfig.tensor = 2',
+                                'MeshConfig.sequence_parallel = True', 'ModelConfig.fuse_projections = "all"'],
+    'data2_pipeline2_tensor2_apart': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
+                                      'MeshConfig.microbatches = 4', 'ModelConfig.fuse_projections = "none"'],
 }
 
 

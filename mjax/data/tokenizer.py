@@ -112,6 +112,14 @@ class ByteTokenizer:
     raw = np.frombuffer(b''.join(docs), dtype=np.uint8).astype(np.uint16)
     return np.insert(raw, np.cumsum([len(d) for d in docs]), EOS_ID)
 
+  def encode(self, text: str) -> np.ndarray:
+    """One text's ids, no EOS."""
+    return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of the byte ids (EOS and PAD dropped; a broken UTF-8 sequence is U+FFFD)."""
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode('utf-8', errors='replace')
+
 
 def _configured_eos(path: str) -> Optional[str]:
   """The eos_token of a tokenizer_config.json beside `path`, if any."""
@@ -190,6 +198,10 @@ class HFTokenizer:
     flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings),
                        self._dtype, count=sum(lengths))
     return np.insert(flat, np.cumsum(lengths, dtype=np.int64), self.info.eos_id)
+
+  def encode(self, text: str) -> np.ndarray:
+    """One text's ids, no EOS."""
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)

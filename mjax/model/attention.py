@@ -110,6 +110,63 @@ def attend(q, k, v, window: Optional[int], impl: str, segment_ids=None) -> jax.A
                         segment_ids=segment_ids)
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                     cache: dict, window: Optional[int]) -> tuple[jax.Array, dict]:
+  """Attention of new tokens over a KV cache and themselves; the updated cache.
+
+  The cache of a layer holds `L` slots: k, v (batch, L, kv_heads, head_dim)
+  and `pos` (batch, L), the position of the token in each slot (-1: empty).
+  A token at position p goes to slot p mod L, so a sliding-window layer with
+  L = window is a ring buffer: its memory stays w tokens however long the
+  text grows, and the oldest key is overwritten exactly when it leaves the
+  window. Which keys a query sees is decided by the stored positions alone
+  (causal, within the window, not empty), so the same code serves prefill
+  (many tokens) and decoding (one).
+
+  Args:
+    q: (batch, t, heads, head_dim), rotated.
+    k, v: (batch, t, kv_heads, head_dim), k rotated.
+    positions: (batch, t) positions of the new tokens; negative marks left
+      padding (attends to nothing, is never attended to).
+    cache: {'k', 'v', 'pos'} as above.
+    window: the layer's sliding window, None for full causal attention.
+  Returns:
+    ((batch, t, heads, head_dim) in q's dtype, the cache with the newest
+    min(t, L) tokens written).
+  """
+  b, t, h, d = q.shape
+  kvh, slots = k.shape[2], cache['pos'].shape[1]
+  new_pos = jnp.where(positions >= 0, positions, -1).astype(jnp.int32)
+  keys = jnp.concatenate([cache['k'], k.astype(cache['k'].dtype)], axis=1)     # (batch, L + t, kv, d)
+  vals = jnp.concatenate([cache['v'], v.astype(cache['v'].dtype)], axis=1)
+  kpos = jnp.concatenate([cache['pos'], new_pos], axis=1)[:, None, :]            # (batch, 1, L + t)
+  qpos = positions[:, :, None]                                                   # (batch, t, 1)
+  allowed = (kpos >= 0) & (kpos <= qpos)
+  if window is not None:
+    allowed &= kpos > qpos - window
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum('bqhgd,bkhd->bhgqk', qg, keys, preferred_element_type=jnp.float32)
+  scores = jnp.where(allowed[:, None, None], scores / jnp.sqrt(jnp.float32(d)), _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(vals.dtype)
+  out = jnp.einsum('bhgqk,bkhd->bqhgd', probs, vals).reshape(b, t, h, d).astype(q.dtype)
+  # Only the newest L tokens can be seen again; their slots are distinct
+  # (consecutive positions mod L), so no write lands on another.
+  n = min(t, slots)
+  slot = jnp.mod(positions[:, t - n:], slots)                                    # (batch, n)
+  rows = jnp.arange(b)[:, None]
+  new_cache = {
+      'k': cache['k'].at[rows, slot].set(k[:, t - n:].astype(cache['k'].dtype)),
+      'v': cache['v'].at[rows, slot].set(v[:, t - n:].astype(cache['v'].dtype)),
+      'pos': cache['pos'].at[rows, slot].set(new_pos[:, t - n:]),
+  }
+  return out, new_cache
+
+
+def cache_slots(window: Optional[int], max_len: int) -> int:
+  """KV-cache length of a layer: its window (a ring buffer) or the whole text."""
+  return max_len if window is None else min(window, max_len)
+
+
 class Attention(nn.Module):
   """Projections + rotary + (windowed) causal attention + output projection.
 
@@ -133,19 +190,29 @@ class Attention(nn.Module):
     return [self.query, self.key, self.value]
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-             segment_ids: Optional[jax.Array] = None) -> jax.Array:
-    """(batch, seq, heads | kv_heads, head_dim) projections -> (batch, seq, heads, head_dim)."""
+             segment_ids: Optional[jax.Array] = None, cache: Optional[dict] = None):
+    """(batch, seq, heads | kv_heads, head_dim) projections -> (batch, seq, heads, head_dim).
+
+    With a KV cache (generation): attention over the cache and the new
+    tokens, returned with the updated cache (see `cached_attention`).
+    """
     c = self.cfg
     q = constrain(rotary(q, positions, c.rope_theta), ('batch', 'seq', 'heads', 'kv'))
     k = constrain(rotary(k, positions, c.rope_theta), ('batch', 'seq', 'kv_heads', 'kv'))
     v = constrain(v, ('batch', 'seq', 'kv_heads', 'kv'))
+    if cache is not None:
+      out, cache = cached_attention(q, k, v, positions, cache, self.window)
+      return constrain(out, ('batch', 'seq', 'heads', 'kv')), cache
     out = attend(q, k, v, self.window, c.attention_impl, segment_ids)
     return constrain(out, ('batch', 'seq', 'heads', 'kv'))
 
   def output(self) -> Weights:
     return self.out
 
-  def __call__(self, x: jax.Array, positions: jax.Array,
-               segment_ids: Optional[jax.Array] = None) -> jax.Array:  # x: (batch, seq, embed)
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
+               cache: Optional[dict] = None):  # x: (batch, seq, embed)
     q, k, v = (apply_weights(x, *w(), 1) for w in self.inputs())
+    if cache is not None:
+      out, cache = self.attend(q, k, v, positions, cache=cache)
+      return apply_weights(out, *self.out(), 2), cache
     return apply_weights(self.attend(q, k, v, positions, segment_ids), *self.out(), 2)

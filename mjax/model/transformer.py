@@ -63,38 +63,49 @@ class Block(nn.Module):
   window: Optional[int]
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array,
-               segment_ids: Optional[jax.Array] = None) -> jax.Array:  # (batch, seq, embed)
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
+               cache: Optional[dict] = None):  # (batch, seq, embed)
+    """x after the block; with a KV cache (generation), (x, the updated cache)."""
     c = self.cfg
     std = out_proj_std(c)
     attn = Attention(c, self.window, std, name='attn')
     mlp = Mlp(c, std, name='mlp')
     fuse = fusion(c)
     if c.block == 'parallel' and fuse != 'none':
-      x = x + self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse)
+      y, cache = self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse,
+                                      cache)
+      x = x + y
     elif c.block == 'parallel':
       h = make_norm(c, 'norm')(x)
-      x = x + attn(h, positions, segment_ids) + mlp(h)
+      a, cache = _split(attn(h, positions, segment_ids, cache), cache)
+      x = x + a + mlp(h)
     else:
-      x = x + attn(make_norm(c, 'norm_attn')(x), positions, segment_ids)
+      a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)
+      x = x + a
       x = x + mlp(make_norm(c, 'norm_mlp')(x))
-    return constrain(x, ACT)
+    x = constrain(x, ACT)
+    return x if cache is None else (x, cache)
 
   def _fused_parallel(self, attn: Attention, mlp: Mlp, h: jax.Array, positions: jax.Array,
-                      segment_ids: Optional[jax.Array], fuse: str) -> jax.Array:
-    """Attn(h) + MLP(h) with q, k, v and the MLP input as one matrix product
-    and, with fuse_projections='all', both output projections as one."""
+                      segment_ids: Optional[jax.Array], fuse: str, cache: Optional[dict]):
+    """(Attn(h) + MLP(h), cache) with q, k, v and the MLP input as one matrix
+    product and, with fuse_projections='all', both output projections as one."""
     ins = attn.inputs() + mlp.inputs()
     ys = fused_inputs(h, ins)
     if ys is None:  # a layout the kernels cannot be joined in
       ys = [apply_weights(h, *w(), 1) for w in ins]
-    a = attn.attend(*ys[:3], positions, segment_ids)
+    a, cache = _split(attn.attend(*ys[:3], positions, segment_ids, cache), cache)
     m = mlp.activate(*ys[3:])
     if fuse == 'all':
       y = fused_outputs([(a, attn.output()), (m, mlp.output())])
       if y is not None:
-        return y
-    return apply_weights(a, *attn.output()(), 2) + apply_weights(m, *mlp.output()(), 1)
+        return y, cache
+    return apply_weights(a, *attn.output()(), 2) + apply_weights(m, *mlp.output()(), 1), cache
+
+
+def _split(result, cache: Optional[dict]):
+  """(value, cache) of a call that returns a pair only when given a cache."""
+  return result if cache is not None else (result, None)
 
 
 def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -136,10 +147,18 @@ class LayerGroup(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
+               cache: Optional[dict] = None):
+    """(x, None), or with a KV cache {'block_i': ...} (x, the updated cache):
+    (carry, per-step output) as nn.scan expects."""
+    new = {}
     for i in range(self.cfg.layer_period):
-      x = Block(self.cfg, self.cfg.layer_window(i), name=f'block_{i}')(x, positions, segment_ids)
-    return x, None  # (carry, per-step output) as nn.scan expects
+      block = Block(self.cfg, self.cfg.layer_window(i), name=f'block_{i}')
+      if cache is None:
+        x = block(x, positions, segment_ids)
+      else:
+        x, new[f'block_{i}'] = block(x, positions, segment_ids, cache[f'block_{i}'])
+    return x, (new if cache is not None else None)
 
 
 class Transformer(nn.Module):
@@ -149,7 +168,7 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                segment_ids: Optional[jax.Array] = None,
-               layers_fn: Optional[Callable] = None) -> jax.Array:
+               layers_fn: Optional[Callable] = None, cache: Optional[dict] = None):
     """Args:
       tokens: (batch, seq) int token ids.
       positions: (batch, seq) positions for rotary embeddings; default 0..seq-1.
@@ -158,6 +177,10 @@ class Transformer(nn.Module):
       layers_fn: `(x, positions, segment_ids) -> x` that runs the layer stack in place of
         the built-in scan (the pipeline schedule passes one); the `layers`
         parameters are then its business and need not be in the variables.
+      cache: a KV cache (`mjax.generate.init_cache`): every layer group's
+        caches stacked along a leading axis. The call then returns
+        (logits, updated cache); positions must be given (see
+        `cached_attention` for left padding).
     """
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
@@ -175,6 +198,11 @@ class Transformer(nn.Module):
     x = constrain(embed_lookup(lookup, tokens), ACT)  # (batch, seq, embed)
 
     group = LayerGroup
+    if cache is not None:
+      # Generation: no backward pass, so no remat; the caches ride along the
+      # layer scan as per-group inputs and outputs.
+      x, cache = self._cached_layers(x, positions, cache)
+      return self._head(x, head_table), cache
     if c.remat_policy != 'none':
       # prevent_cse is only needed outside scan (scan already blocks CSE).
       group = nn.remat(group, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers)
@@ -190,6 +218,25 @@ class Transformer(nn.Module):
       for g in range(n_groups):
         x, _ = group(c, name=f'layers_{g}')(x, positions, segment_ids)
 
+    return self._head(x, head_table)
+
+  def _cached_layers(self, x: jax.Array, positions: jax.Array, cache: dict):
+    c = self.cfg
+    n_groups = c.n_layers // c.layer_period
+    if c.scan_layers:
+      stack = nn.scan(LayerGroup, variable_axes={'params': 0}, split_rngs={'params': True},
+                      in_axes=(nn.broadcast, nn.broadcast, 0), length=n_groups,
+                      metadata_params={nn.PARTITION_NAME: 'layers'})
+      return stack(c, name='layers')(x, positions, None, cache)
+    outs = []
+    for g in range(n_groups):
+      x, new = LayerGroup(c, name=f'layers_{g}')(x, positions, None, jax.tree.map(lambda a: a[g], cache))
+      outs.append(new)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+  def _head(self, x: jax.Array, head_table: jax.Array) -> jax.Array:
+    c = self.cfg
+    dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
     x = make_norm(c, 'final_norm')(x)
     if c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one

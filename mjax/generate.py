@@ -1,0 +1,390 @@
+"""mjax-generate: sample text from a saved checkpoint, with a KV cache.
+
+  mjax-generate --workdir runs/tiny --prompt 'def main(' --max_new_tokens 200
+  mjax-generate --workdir runs/tiny --prompt_file prompts.txt --temperature 0.7 --top_p 0.9 --seed 3
+  mjax-generate --checkpoint /ckpt/run7/checkpoints/1200 --prompt 'import' --temperature 0
+  mjax-generate --workdir runs/1p3b --prompt 'x' --gin.MeshConfig.data=2 --gin.MeshConfig.tensor=4
+
+The config and checkpoint are chosen as mjax-eval chooses them (the run's
+config.gin, then gin files and overrides; the newest readable step, or
+--step / --checkpoint), and only the parameters are read.
+
+Decoding: the prompts are left-padded to one length and run through the
+model in one call (prefill), which fills each layer's KV cache; then one
+jit-compiled step per new token reads and extends the caches. A
+sliding-window layer's cache holds only its last `w` keys (a ring buffer),
+so its memory does not grow with the text; full-attention layers hold the
+whole text. Every prompt starts with EOS, as every training document
+follows one.
+
+Sampling: greedy (--temperature 0), or temperature with top-k and top-p
+(nucleus) filtering, from --seed: the same seed and prompts give the same
+text on any mesh. Ids the tokenizer cannot produce (the padding of the
+vocabulary) are never sampled.
+
+Output: with one prompt and --format text, the prompt and then the new text
+as it is sampled, on stdout. With several prompts, each prompt and its
+completion once all are done, in order. --format jsonl prints one JSON
+object per prompt. Timings go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mjax import data as data_lib
+from mjax import evaluate, flags
+from mjax.config import Config, ModelConfig
+from mjax.errors import UserError
+from mjax.model import Transformer
+from mjax.model.attention import cache_slots
+from mjax.model.layers import dtype_of
+from mjax.parallel import logical_rules, make_mesh
+from mjax.train import make_program, setup_compilation_cache
+
+PROG = 'mjax-generate'
+FORMATS = ('text', 'jsonl')
+# Logical names of the cache arrays: (layer groups, batch, slots, ...).
+CACHE_AXES = {'k': ('layers', 'batch', None, 'kv_heads', 'kv'),
+              'v': ('layers', 'batch', None, 'kv_heads', 'kv'),
+              'pos': ('layers', 'batch', None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How the next token is drawn from the logits."""
+  temperature: float = 0.8   # 0: greedy (argmax)
+  top_k: int = 0             # keep the k most likely tokens; 0: all
+  top_p: float = 1.0         # keep the smallest set whose probability reaches p; 1: all
+  seed: int = 0
+
+  def check(self) -> None:
+    """Raises UserError naming a value out of range."""
+    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+      raise UserError(f'--temperature {self.temperature}: must be a finite number >= 0 (0 is greedy).')
+    if self.top_k < 0:
+      raise UserError(f'--top_k {self.top_k}: must be >= 0 (0 keeps every token).')
+    if not 0 < self.top_p <= 1:
+      raise UserError(f'--top_p {self.top_p}: must be in (0, 1] (1 keeps every token).')
+
+
+def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int) -> jax.Array:
+  """Next token ids (batch,) int32 from (batch, model_vocab) logits.
+
+  Args:
+    logits: fp32 logits; ids >= `vocab` (the tokenizer's size) are masked.
+    key: PRNG key (unused when greedy).
+    s: the sampling settings.
+    vocab: how many ids the tokenizer has.
+  """
+  ids = jnp.arange(logits.shape[-1])
+  logits = jnp.where(ids < vocab, logits.astype(jnp.float32), -jnp.inf)
+  if s.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / s.temperature
+  if s.top_k:
+    kth = jax.lax.top_k(logits, min(s.top_k, vocab))[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if s.top_p < 1:
+    desc = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    # Keep a token while the probability before it is below p: the most
+    # likely token always stays, and the set stops at the first to reach p.
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+  """Empty KV caches for `batch` rows of up to `max_len` tokens (numpy).
+
+  {'block_i': {'k', 'v': (groups, batch, slots_i, kv_heads, head_dim) in the
+  compute dtype, 'pos': (groups, batch, slots_i) int32, -1 = empty}}, where
+  slots_i is the window of block i of each layer group, or max_len.
+  """
+  groups = cfg.n_layers // cfg.layer_period
+  dtype = dtype_of(cfg.dtype)
+  cache = {}
+  for i in range(cfg.layer_period):
+    n = cache_slots(cfg.layer_window(i), max_len)
+    kv = (groups, batch, n, cfg.kv_heads, cfg.dim_per_head)
+    cache[f'block_{i}'] = {'k': np.zeros(kv, dtype), 'v': np.zeros(kv, dtype),
+                           'pos': np.full((groups, batch, n), -1, np.int32)}
+  return cache
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
+  return sum(a.nbytes for a in jax.tree.leaves(init_cache(cfg, 1, max_len))) * batch
+
+
+def left_pad(prompts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens, positions), each (batch, longest): prompts aligned on their
+  last token; padding has position < 0 (see `cached_attention`)."""
+  width = max(len(p) for p in prompts)
+  tokens = np.zeros((len(prompts), width), np.int32)
+  positions = np.zeros((len(prompts), width), np.int32)
+  for r, p in enumerate(prompts):
+    tokens[r, width - len(p):] = p
+    positions[r] = np.arange(width) - (width - len(p))
+  return tokens, positions
+
+
+class Generator:
+  """The jitted prefill / decode steps of one model on one mesh."""
+
+  def __init__(self, cfg: Config, mesh: Mesh, vocab: int, sampling: Sampling):
+    self.cfg, self.mesh, self.sampling = cfg, mesh, sampling
+    self.rules = logical_rules(cfg.mesh)
+    model = Transformer(cfg.model)
+    sharding = lambda names: nn.logical_to_mesh_sharding(P(*names), mesh, self.rules)
+    self.rows = sharding(('batch', None))
+    self.cache_shardings = {f'block_{i}': {k: sharding(v) for k, v in CACHE_AXES.items()}
+                            for i in range(cfg.model.layer_period)}
+    first = sharding(('batch',))
+
+    def advance(params, tokens, positions, cache, key):
+      """Runs the new tokens; samples the next one from the last position."""
+      logits, cache = model.apply({'params': params}, tokens, positions, cache=cache)
+      last = logits[:, -1]
+      return sample(last, key, sampling, vocab), last, cache
+
+    # The cache is donated: each step updates it in place.
+    self._advance = jax.jit(advance, donate_argnums=(3,),
+                            out_shardings=(first, sharding(('batch', 'vocab')), self.cache_shardings))
+
+  def put(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from the same numpy array on every process."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
+
+  def run(self, params: Any, prompts: Sequence[np.ndarray], max_new: int, eos: Optional[int],
+          on_tokens: Optional[Callable[[np.ndarray], None]] = None) -> tuple[np.ndarray, dict]:
+    """Generates up to `max_new` tokens after each prompt.
+
+    Args:
+      params: the model's params on the mesh.
+      prompts: token ids per row (the batch must divide over data x fsdp).
+      max_new: tokens to generate per row.
+      eos: stop a row after it samples this id (None: never stop early).
+      on_tokens: called with each step's (batch,) new ids, as they come.
+    Returns:
+      ((batch, steps) new ids, timings {'prefill_s', 'decode_s', 'steps'}).
+    """
+    tokens, positions = left_pad(prompts)
+    b, width = tokens.shape
+    cache = jax.tree.map(self.put, init_cache(self.cfg.model, b, width + max_new), self.cache_shardings)
+    key = jax.random.key(self.sampling.seed)
+    out, done = [], np.zeros(b, bool)
+    next_pos = positions[:, -1:] + 1
+    times = {'prefill_s': 0.0, 'decode_s': 0.0, 'steps': 0}
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      t0 = time.perf_counter()
+      new, _, cache = self._advance(params, self.put(tokens, self.rows), self.put(positions, self.rows),
+                                    cache, jax.random.fold_in(key, 0))
+      for step in range(max_new):
+        ids = np.asarray(jax.device_get(new))
+        if step == 0:
+          times['prefill_s'] = time.perf_counter() - t0
+          t0 = time.perf_counter()
+        ids = np.where(done, -1, ids)   # -1: the row had already finished
+        out.append(ids)
+        if on_tokens is not None:
+          on_tokens(ids)
+        if eos is not None:
+          done |= ids == eos
+        if done.all() or step == max_new - 1:
+          break
+        pos = next_pos + step
+        new, _, cache = self._advance(params, self.put(np.where(ids < 0, 0, ids)[:, None].astype(np.int32), self.rows),
+                                      self.put(pos.astype(np.int32), self.rows), cache,
+                                      jax.random.fold_in(key, step + 1))
+      times['decode_s'] = time.perf_counter() - t0
+      times['steps'] = len(out)
+    return np.stack(out, axis=1), times
+
+
+# --- the command ---------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog=PROG, description='Sample text from a saved checkpoint (KV cache, sliding-window ring buffers).',
+      epilog='Overrides: --gin.MeshConfig.tensor=2, --gin_param="MeshConfig.data = 2" (repeatable).')
+  p.add_argument('--workdir', help='an mjax-train run: its config.gin and its newest readable checkpoint')
+  p.add_argument('--checkpoint', help='a step directory or a directory of steps, instead of a run\'s own')
+  p.add_argument('--step', type=int, help='the saved step to use (default: the newest readable one)')
+  p.add_argument('--gin_file', action='append', default=[], help='gin file applied after the run\'s config')
+  p.add_argument('--gin_param', action='append', default=[], help="gin binding, e.g. 'MeshConfig.tensor = 2'")
+  p.add_argument('--prompt', action='append', default=[], help='a prompt; repeat for a batch')
+  p.add_argument('--prompt_file', help='prompts, one per line (a .jsonl file: one JSON string or '
+                 '{"prompt": ...} per line, for prompts with line breaks)')
+  p.add_argument('--max_new_tokens', type=int, default=128)
+  p.add_argument('--temperature', type=float, default=Sampling.temperature, help='0: greedy')
+  p.add_argument('--top_k', type=int, default=0, help='sample among the k most likely tokens; 0: all')
+  p.add_argument('--top_p', type=float, default=1.0, help='nucleus sampling threshold; 1: off')
+  p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--stop_at_eos', action=argparse.BooleanOptionalAction, default=True,
+                 help='end a prompt\'s text at EOS (the end of a document)')
+  p.add_argument('--format', choices=FORMATS, default='text')
+  return p
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  p = parser()
+  args, bindings = flags.parse(p, argv)
+  if not args.workdir and not args.checkpoint:
+    p.error('needs --workdir RUN or --checkpoint PATH')
+  if not args.prompt and not args.prompt_file:
+    p.error('needs --prompt TEXT (repeatable) or --prompt_file FILE')
+  if args.max_new_tokens < 1:
+    p.error(f'--max_new_tokens {args.max_new_tokens}: must be at least 1')
+  return args, bindings
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+  """--prompt values, then --prompt_file's."""
+  prompts = list(args.prompt)
+  if args.prompt_file:
+    path = args.prompt_file
+    try:
+      with open(path, encoding='utf-8') as fh:
+        lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+      raise UserError(f'--prompt_file {path!r} cannot be read ({type(e).__name__}: {e}); give a UTF-8 '
+                      f'text file with one prompt per line.') from None
+    for n, line in enumerate(lines, 1):
+      if not line.strip():
+        continue
+      if path.endswith('.jsonl'):
+        try:
+          item = json.loads(line)
+          item = item['prompt'] if isinstance(item, dict) else item
+          if not isinstance(item, str):
+            raise TypeError(type(item).__name__)
+        except (ValueError, KeyError, TypeError) as e:
+          raise UserError(f'--prompt_file {path!r} line {n}: {line[:80]!r} is not a JSON string or '
+                          f'{{"prompt": "..."}} ({type(e).__name__}: {e}).') from None
+        prompts.append(item)
+      else:
+        prompts.append(line)
+  if not prompts:
+    raise UserError(f'--prompt_file {args.prompt_file!r} holds no prompt (every line is empty).')
+  return prompts
+
+
+class Printer:
+  """Writes the prompts' texts as --format asks, streaming one prompt's text."""
+
+  def __init__(self, tokenizer, prompts: list[str], fmt: str, out=None):
+    self.tok, self.prompts, self.fmt = tokenizer, prompts, fmt
+    self.out = out or sys.stdout
+    self.stream = fmt == 'text' and len(prompts) == 1 and jax.process_index() == 0
+    self.ids: list[list[int]] = [[] for _ in prompts]
+    self.shown = 0
+    if self.stream:
+      self.out.write(prompts[0])
+      self.out.flush()
+
+  def add(self, ids: np.ndarray) -> None:
+    for r in range(len(self.prompts)):
+      if ids[r] >= 0:
+        self.ids[r].append(int(ids[r]))
+    if self.stream:
+      # Decode the whole text each time and print what is new, holding back
+      # an incomplete character (a byte token or a BPE piece may end mid-way).
+      text = self.text(0)
+      end = len(text.rstrip('\ufffd'))
+      if end > self.shown:
+        self.out.write(text[self.shown:end])
+        self.out.flush()
+        self.shown = end
+
+  def text(self, r: int, eos: Optional[int] = None) -> str:
+    ids = self.ids[r]
+    if eos is not None and ids and ids[-1] == eos:
+      ids = ids[:-1]
+    return self.tok.decode(ids)
+
+  def finish(self, eos: Optional[int]) -> list[dict]:
+    rows = []
+    for r, prompt in enumerate(self.prompts):
+      ended = eos is not None and bool(self.ids[r]) and self.ids[r][-1] == eos
+      rows.append({'prompt': prompt, 'completion': self.text(r, eos if ended else None),
+                   'tokens': len(self.ids[r]), 'finish_reason': 'eos' if ended else 'length'})
+    if jax.process_index() != 0:
+      return rows
+    if self.stream:
+      self.out.write(rows[0]['completion'][self.shown:] + '\n')
+    elif self.fmt == 'text':
+      for r, row in enumerate(rows):
+        self.out.write(f'{"" if r == 0 else chr(10)}--- sample {r + 1} of {len(rows)} ---\n'
+                       f'{row["prompt"]}{row["completion"]}\n')
+    else:
+      for row in rows:
+        self.out.write(json.dumps(row, ensure_ascii=False) + '\n')
+    self.out.flush()
+    return rows
+
+
+def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
+  """Generates for the prompts `args` give; one dict per prompt.
+
+  Raises:
+    UserError: bad settings, prompts, config or checkpoint (exit status 2).
+  """
+  sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+  sampling.check()
+  prompts = read_prompts(args)
+  files, saved = evaluate.config_sources(args)
+  cfg = flags.setup(files, [*saved, *bindings])
+  if cfg.mesh.pipelined:
+    raise UserError(f'{PROG} runs on data / fsdp / tensor meshes; this config has MeshConfig.pipeline = '
+                    f'{cfg.mesh.pipeline} (virtual_stages {cfg.mesh.virtual_stages}). Add '
+                    f'--gin.MeshConfig.pipeline=1 --gin.MeshConfig.virtual_stages=1 (checkpoints load on '
+                    f'any layout).')
+  setup_compilation_cache(cfg.train.compilation_cache_dir)
+  tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+  info = tokenizer.info
+  encoded = [np.concatenate([[info.eos_id], tokenizer.encode(p)]).astype(np.int32) for p in prompts]
+  mesh = make_mesh(cfg.mesh)
+  program = make_program(cfg, mesh)
+  choice = evaluate.choose(args, cfg)
+  picked, params, verified, _ = evaluate.restore(program, choice)
+  rows = _padded_batch(encoded, mesh)
+  longest = max(len(e) for e in encoded) + args.max_new_tokens
+  evaluate.say(f'{PROG}: step {picked.step} from {picked.path} '
+               f'({"checksums verified" if verified else "saved without checksums"}); {len(prompts)} '
+               f'prompt(s), up to {args.max_new_tokens} new tokens, mesh {dict(mesh.shape)}, KV cache '
+               f'{cache_bytes(cfg.model, len(rows), longest) / 2**20:.1f} MiB')
+  if longest > cfg.data.seq_len:
+    evaluate.say(f'{PROG}: note: texts reach {longest} tokens, longer than the {cfg.data.seq_len} the model '
+                 f'was trained on; positions past that are extrapolated.')
+  gen = Generator(cfg, mesh, info.vocab_size, sampling)
+  printer = Printer(tokenizer, prompts, args.format)
+  eos = info.eos_id if args.stop_at_eos else None
+  _, times = gen.run(params, rows, args.max_new_tokens, eos,
+                     on_tokens=lambda ids: printer.add(ids[:len(prompts)]))
+  result = printer.finish(eos)
+  n = sum(r['tokens'] for r in result)
+  evaluate.say(f'{PROG}: prefill {times["prefill_s"] * 1e3:.0f} ms (compile included), then '
+               f'{times["steps"] - 1} decode steps in {times["decode_s"]:.2f} s; {n} tokens')
+  return result
+
+
+def _padded_batch(encoded: list[np.ndarray], mesh: Mesh) -> list[np.ndarray]:
+  """The prompts, plus copies of the last one until the batch divides over
+  the batch-sharded mesh axes (their output is dropped)."""
+  shards = mesh.shape.get('data', 1) * mesh.shape.get('fsdp', 1)
+  extra = (-len(encoded)) % shards
+  return encoded + [encoded[-1]] * extra

@@ -1,0 +1,185 @@
+"""mjax-generate: cached decoding against the full forward pass, sampling,
+and the command on a trained checkpoint."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from mjax import config as C
+from mjax import generate, trainer
+from mjax.config import ModelConfig
+from mjax.errors import UserError
+from mjax.generate import Sampling, init_cache, left_pad, sample
+from mjax.model import Transformer
+
+# fp32, GQA 4:2, a window of 5 (the ring buffer wraps several times over 19
+# tokens) in every other layer and full attention in the rest.
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, dtype='float32',
+                    sliding_window=5, full_attention_every=2, attention_impl='xla')
+T = 19
+
+
+def _setup(cfg, batch=2, seed=0):
+  model = Transformer(cfg)
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, T)), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(seed), tokens)['params'])
+  return model, params, tokens
+
+
+def _decode(model, params, tokens, positions, prefill, max_len):
+  """Logits of every position: `prefill` tokens at once, then one at a time."""
+  cache = jax.tree.map(jnp.asarray, init_cache(model.cfg, tokens.shape[0], max_len))
+  step = jax.jit(lambda p, t, pos, c: model.apply({'params': p}, t, pos, cache=c))
+  logits, cache = step(params, tokens[:, :prefill], positions[:, :prefill], cache)
+  out = [logits]
+  for t in range(prefill, tokens.shape[1]):
+    logits, cache = step(params, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+    out.append(logits)
+  return jnp.concatenate(out, axis=1), cache
+
+
+@pytest.mark.parametrize('variant', [
+    dict(),
+    dict(scan_layers=False),
+    dict(fuse_projections='none', block='sequential', mlp='swiglu', norm='rmsnorm', n_kv_heads=1),
+    dict(sliding_window=None, full_attention_every=0, use_bias=True),
+], ids=['scan_window_and_full_gqa', 'unrolled', 'sequential_swiglu_mqa', 'full_only_bias'])
+@pytest.mark.parametrize('prefill', [1, 8])
+def test_cached_decoding_gives_the_full_forward_logits(variant, prefill):
+  cfg = dataclasses.replace(MODEL, **variant)
+  model, params, tokens = _setup(cfg)
+  full = model.apply({'params': params}, tokens)
+  positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
+  got, cache = _decode(model, params, tokens, positions, prefill, T)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=2e-5, atol=2e-5)
+  # The windowed layers keep `window` slots however long the text is.
+  if cfg.sliding_window:
+    assert cache['block_0']['k'].shape[2] == cfg.sliding_window == 5
+    assert cache['block_1']['k'].shape[2] == T
+    # A ring buffer: after 19 tokens it holds positions 14..18.
+    assert sorted(np.asarray(cache['block_0']['pos'][0, 0]).tolist()) == [14, 15, 16, 17, 18]
+
+
+def test_left_padded_prompts_decode_as_if_alone():
+  """A batch of prompts of different lengths, aligned on their last token:
+  each row's logits are those of its prompt run on its own."""
+  model, params, tokens = _setup(MODEL, batch=3, seed=1)
+  lengths = [T, 11, 4]
+  rows = [np.asarray(tokens[r, :n]) for r, n in enumerate(lengths)]
+  padded, positions = left_pad(rows)
+  assert padded.shape == (3, T) and positions[2, T - 4] == 0 and positions[2, 0] < 0
+  got, _ = _decode(model, params, jnp.asarray(padded), jnp.asarray(positions), 12, T)
+  for r, n in enumerate(lengths):
+    alone = model.apply({'params': params}, jnp.asarray(rows[r])[None])
+    np.testing.assert_allclose(np.asarray(got[r, T - n:]), np.asarray(alone[0]), rtol=2e-5, atol=2e-5)
+
+
+# --- sampling ----------------------------------------------------------------------
+
+def _draws(logits, s, n=2000, vocab=None):
+  logits = jnp.asarray(np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits))))
+  return np.asarray(sample(logits, jax.random.key(s.seed), s, vocab or logits.shape[-1]))
+
+
+def test_greedy_and_filters():
+  logits = np.log([0.05, 0.5, 0.3, 0.15])
+  assert set(_draws(logits, Sampling(temperature=0))) == {1}
+  assert set(_draws(logits, Sampling(temperature=5.0, top_k=1))) == {1}
+  assert set(_draws(logits, Sampling(temperature=1.0, top_k=2))) == {1, 2}
+  # Nucleus: 0.5 < 0.7 <= 0.5 + 0.3, so the two most likely tokens.
+  assert set(_draws(logits, Sampling(temperature=1.0, top_p=0.7))) == {1, 2}
+  assert set(_draws(logits, Sampling(temperature=1.0, top_p=0.4))) == {1}
+  # Unfiltered: every token, at about its probability.
+  counts = np.bincount(_draws(logits, Sampling(temperature=1.0), n=20000), minlength=4) / 20000
+  np.testing.assert_allclose(counts, [0.05, 0.5, 0.3, 0.15], atol=0.02)
+  # Ids past the tokenizer's vocabulary (padding of the embedding) never come out.
+  assert set(_draws([0.0, 0.0, 10.0, 10.0], Sampling(temperature=1.0), vocab=2)) <= {0, 1}
+  # Seeded: the same seed draws the same tokens.
+  s = Sampling(temperature=1.0, seed=7)
+  assert (_draws(logits, s) == _draws(logits, s)).all()
+  assert (_draws(logits, s) != _draws(logits, Sampling(temperature=1.0, seed=8))).any()
+
+
+@pytest.mark.parametrize('bad,needle', [(dict(temperature=-1), '--temperature -1'),
+                                        (dict(top_p=0.0), '--top_p 0.0'), (dict(top_k=-2), '--top_k -2')])
+def test_bad_sampling_settings_are_named(bad, needle):
+  with pytest.raises(UserError, match=needle):
+    Sampling(**bad).check()
+
+
+# --- the command -------------------------------------------------------------------
+
+SMALL = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 4', 'ModelConfig.d_ff = 256',
+         'ModelConfig.sliding_window = 16', 'ModelConfig.full_attention_every = 2',
+         'ModelConfig.dtype = "float32"', 'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16',
+         'TrainConfig.steps = 4', 'OptimConfig.warmup_steps = 2', 'TrainConfig.eval_every = 0',
+         'TrainConfig.progress = False', 'CheckpointConfig.save_every = 4', 'MeshConfig.data = 8']
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory) -> str:
+  workdir = str(tmp_path_factory.mktemp('run'))
+  trainer.run(C.load_config(['tiny.gin'], SMALL, num_devices=8), workdir)
+  return workdir
+
+
+def mjax_generate(*argv):
+  args, bindings = generate.parse_args(list(argv))
+  return generate.main(args, bindings)
+
+
+def test_greedy_text_is_the_same_on_another_mesh(run, capsys):
+  prompts = ['def main(', 'import os\n', 'x']
+  argv = ['--workdir', run, '--temperature', '0', '--max_new_tokens', '40', '--no-stop_at_eos',
+          '--format', 'jsonl'] + [a for p in prompts for a in ('--prompt', p)]
+  one = mjax_generate(*argv)
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r['prompt'] for r in lines] == prompts and lines == one
+  assert all(r['tokens'] == 40 and r['finish_reason'] == 'length' for r in one)
+  # 40 new tokens per prompt, the ring buffers of the 16-token windows wrapped:
+  # the same greedy text on data x tensor, and the batch padded to the mesh.
+  other = mjax_generate(*argv, '--gin.MeshConfig.data=2', '--gin.MeshConfig.tensor=4')
+  assert [r['completion'] for r in other] == [r['completion'] for r in one]
+  # A prompt alone generates what it generated in the batch.
+  alone = mjax_generate('--workdir', run, '--temperature', '0', '--max_new_tokens', '40', '--no-stop_at_eos',
+                        '--prompt', prompts[1], '--format', 'jsonl')
+  assert alone[0]['completion'] == one[1]['completion']
+
+
+def test_seeded_sampling_repeats_and_streams(run, capsys):
+  argv = ['--workdir', run, '--prompt', 'class ', '--max_new_tokens', '24', '--temperature', '1.0',
+          '--top_k', '20', '--top_p', '0.9']
+  a = mjax_generate(*argv, '--seed', '1')
+  streamed = capsys.readouterr().out
+  assert streamed == 'class ' + a[0]['completion'] + '\n'
+  assert mjax_generate(*argv, '--seed', '1') == a
+  capsys.readouterr()
+  # Another seed draws other tokens (24 tokens from a near-uniform model).
+  assert mjax_generate(*argv, '--seed', '2')[0]['completion'] != a[0]['completion']
+
+
+def test_prompt_file_and_bad_input(run, tmp_path, repo_root):
+  f = tmp_path / 'p.jsonl'
+  f.write_text(json.dumps('line one\nline two') + '\n\n' + json.dumps({'prompt': 'b'}) + '\n')
+  got = mjax_generate('--workdir', run, '--prompt_file', str(f), '--max_new_tokens', '3', '--temperature', '0',
+                      '--format', 'jsonl')
+  assert [r['prompt'] for r in got] == ['line one\nline two', 'b']
+  bad = tmp_path / 'bad.jsonl'
+  bad.write_text('{"text": 1}\n')
+  with pytest.raises(UserError, match='line 1'):
+    mjax_generate('--workdir', run, '--prompt_file', str(bad))
+  with pytest.raises(UserError, match='MeshConfig.pipeline'):
+    mjax_generate('--workdir', run, '--prompt', 'x', '--gin.MeshConfig.data=4', '--gin.MeshConfig.pipeline=2')
+  # The installed command: a missing step exits 2 naming the saved ones.
+  r = subprocess.run([sys.executable, '-c', 'from mjax.cli import generate_main; generate_main()',
+                      '--workdir', run, '--prompt', 'x', '--step', '3'],
+                     capture_output=True, text=True, cwd=repo_root, timeout=300)
+  assert r.returncode == 2, r.stderr
+  assert 'no checkpoint of --step 3' in r.stderr and 'persistent tier' in r.stderr
