@@ -183,3 +183,23 @@ def test_prompt_file_and_bad_input(run, tmp_path, repo_root):
                      capture_output=True, text=True, cwd=repo_root, timeout=300)
   assert r.returncode == 2, r.stderr
   assert 'no checkpoint of --step 3' in r.stderr and 'persistent tier' in r.stderr
+
+
+def test_matrices_cast_once_give_the_same_tokens():
+  """bf16 compute: casting the weight matrices once before decoding (norm
+  scales, stacked per layer, stay fp32) gives the tokens of casting them at
+  every step, and the prompt's cached logits match the full forward pass."""
+  from mjax.generate import Generator
+  from mjax.parallel import make_mesh
+  cfg = C.load_config(['tiny.gin'], ['MeshConfig.data = 1', 'ModelConfig.dtype = "bfloat16"'], num_devices=1)
+  mesh = make_mesh(cfg.mesh, devices=jax.devices()[:1])
+  model = Transformer(cfg.model)
+  params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  gen = Generator(cfg, mesh, 256, Sampling(temperature=0))
+  cast = gen.compute_params(params)
+  assert cast['embedding'].dtype == jnp.bfloat16
+  assert cast['layers']['block_0']['norm']['scale'].dtype == jnp.float32
+  prompts = [np.arange(5, 30, dtype=np.int32), np.arange(40, 52, dtype=np.int32)]
+  a, _ = gen.run(params, prompts, 12, None)
+  b, _ = gen.run(cast, prompts, 12, None)
+  assert (a == b).all() and a.shape == (2, 12)
