@@ -319,5 +319,22 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> None:
   generate.main(args, bindings)
 
 
+
+@entry_point('mjax-export')
+def export_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-export: a checkpoint as a Hugging Face transformers model directory.
+
+    mjax-export OUT --workdir RUN [--format hf] [--step N] [--checkpoint PATH] [--drop_sliding_window]
+
+  GPT-NeoX (parallel block) or Llama / Mistral / Ministral (sequential
+  block); see mjax/export.py. Exit status 0, or 2 for bad input: a model no
+  native architecture represents (the option is named), an OUT that holds
+  files, a missing or unreadable checkpoint.
+  """
+  from mjax import export
+  args, bindings = export.parse_args(sys.argv[1:] if argv is None else argv)
+  export.main(args, bindings)
+
+
 if __name__ == '__main__':
   train_main()

@@ -1,0 +1,153 @@
+"""mjax-export: Hugging Face transformers loads the exported model and its
+fp32 logits are mjax's."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mjax import config as C
+from mjax import export, trainer
+from mjax.errors import UserError
+from mjax.model import Transformer
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+SEQUENTIAL = ['ModelConfig.block = "sequential"', 'ModelConfig.mlp = "swiglu"', 'ModelConfig.norm = "rmsnorm"',
+              'ModelConfig.n_kv_heads = 2']
+FULL = ['ModelConfig.sliding_window = None', 'ModelConfig.full_attention_every = 0']
+SEQ = 24   # longer than the windows of 8 below: the window shapes the logits
+
+
+def _cfg(*over):
+  return C.load_config(['tiny.gin'], ['ModelConfig.dtype = "float32"', 'MeshConfig.data = 1', *over],
+                       num_devices=1)
+
+
+def _random_params(model, tokens, seed=0):
+  """Init's tree with every array random (norm scales near 1, biases and
+  kernels away from their 1 / 0 init), so a misplaced weight shows."""
+  from flax import linen as nn
+  params = nn.meta.unbox(model.init(jax.random.key(seed), tokens)['params'])
+  rng = np.random.default_rng(seed)
+
+  def fill(path, a):
+    z = rng.standard_normal(a.shape).astype(np.float32)
+    name = path[-1].key
+    return jnp.asarray(1 + 0.2 * z if name == 'scale' else 0.2 * z if name == 'bias' else 0.05 * z)
+
+  return jax.tree_util.tree_map_with_path(fill, params)
+
+
+def _hf_logits(out, tokens):
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens, np.int64))).logits.numpy()
+
+
+def _relative(a, b):
+  return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize('over,arch', [
+    (FULL, 'GPTNeoXForCausalLM'),
+    (FULL + ['ModelConfig.use_bias = True', 'ModelConfig.tie_embeddings = False'], 'GPTNeoXForCausalLM'),
+    (SEQUENTIAL + FULL + ['ModelConfig.use_bias = True'], 'LlamaForCausalLM'),
+    (SEQUENTIAL + ['ModelConfig.sliding_window = 8', 'ModelConfig.full_attention_every = 0'], 'MistralForCausalLM'),
+    (SEQUENTIAL + ['ModelConfig.sliding_window = 8', 'ModelConfig.full_attention_every = 2',
+                   'ModelConfig.scan_layers = False'], 'MinistralForCausalLM'),
+], ids=['parallel_gpt_neox', 'parallel_bias_untied', 'llama_gqa_bias', 'mistral_window', 'ministral_mixed'])
+def test_transformers_computes_the_same_logits(over, arch, tmp_path):
+  cfg = _cfg(*over)
+  model = Transformer(cfg.model)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 258, (2, SEQ)), jnp.int32)
+  params = _random_params(model, tokens)
+  ours = np.asarray(model.apply({'params': params}, tokens))
+  conf = export.export_hf(jax.device_get(params), cfg, str(tmp_path / 'hf'))
+  assert conf['architectures'] == [arch]
+  assert sorted(os.listdir(tmp_path)) == ['hf']   # no temporary directory left behind
+  assert _relative(_hf_logits(str(tmp_path / 'hf'), tokens), ours) < 1e-4
+
+
+def test_parallel_windows_are_refused_or_dropped(tmp_path):
+  cfg = _cfg('ModelConfig.sliding_window = 8', 'ModelConfig.full_attention_every = 2')
+  with pytest.raises(UserError, match='ModelConfig.sliding_window = 8.*--drop_sliding_window'):
+    export.export_hf({}, cfg, str(tmp_path / 'a'))
+  assert not os.path.exists(tmp_path / 'a')
+  # Dropped: full attention, the same logits for texts up to the window.
+  model = Transformer(cfg.model)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 258, (2, 8)), jnp.int32)
+  params = _random_params(model, tokens)
+  export.export_hf(jax.device_get(params), cfg, str(tmp_path / 'b'), drop_window=True)
+  ours = np.asarray(model.apply({'params': params}, tokens))
+  assert _relative(_hf_logits(str(tmp_path / 'b'), tokens), ours) < 1e-4
+
+
+@pytest.mark.parametrize('over,needle', [
+    (FULL + ['ModelConfig.norm = "rmsnorm"'], "ModelConfig.norm = 'rmsnorm'"),
+    (FULL + ['ModelConfig.mlp = "swiglu"'], "ModelConfig.mlp = 'swiglu'"),
+    (FULL + ['ModelConfig.n_kv_heads = 2'], 'ModelConfig.n_kv_heads = 2'),
+    (FULL + ['ModelConfig.block = "sequential"'], "ModelConfig.norm = 'layernorm'"),
+    (SEQUENTIAL + ['ModelConfig.use_bias = True'], 'ModelConfig.use_bias = True'),
+])
+def test_what_no_architecture_represents_is_refused_by_name(over, needle):
+  with pytest.raises(UserError, match=needle.replace('(', r'\(')):
+    export.architecture(_cfg(*over).model)
+
+
+def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
+  cfg = _cfg(*FULL)
+  model = Transformer(cfg.model)
+  params = jax.device_get(_random_params(model, jnp.zeros((1, 4), jnp.int32)))
+
+  def fail(*_, **__):
+    raise OSError('disk full')
+
+  monkeypatch.setattr(export, 'write_tokenizer', fail)
+  with pytest.raises(OSError, match='disk full'):
+    export.export_hf(params, cfg, str(tmp_path / 'out'))
+  assert os.listdir(tmp_path) == []
+  monkeypatch.undo()
+  (tmp_path / 'busy').mkdir()
+  (tmp_path / 'busy' / 'keep.txt').write_text('mine')
+  with pytest.raises(UserError, match='not an empty directory'):
+    export.export_hf(params, cfg, str(tmp_path / 'busy'))
+  assert (tmp_path / 'busy' / 'keep.txt').read_text() == 'mine'
+
+
+def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
+  """A run trained through the trainer (tiny: parallel block, windows), exported
+  through the command; the tokenizer maps text to the same byte ids."""
+  workdir = str(tmp_path / 'run')
+  small = ['ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d_ff = 256',
+           'ModelConfig.dtype = "float32"', 'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 8',
+           'TrainConfig.steps = 2', 'OptimConfig.warmup_steps = 1', 'TrainConfig.eval_every = 0',
+           'TrainConfig.progress = False', 'CheckpointConfig.save_every = 2', 'MeshConfig.data = 8']
+  cfg = C.load_config(['tiny.gin'], small, num_devices=8)
+  trainer.run(cfg, workdir)
+  out = str(tmp_path / 'hf')
+  args, bindings = export.parse_args([out, '--workdir', workdir])
+  with pytest.raises(UserError, match='--drop_sliding_window'):
+    export.main(args, bindings)
+  args, bindings = export.parse_args([out, '--workdir', workdir, '--drop_sliding_window'])
+  result = export.main(args, bindings)
+  assert result['architecture'] == 'GPTNeoXForCausalLM' and result['step'] == 2
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  text = 'def héllo():'
+  assert tok(text)['input_ids'] == list(text.encode('utf-8'))
+  assert tok.eos_token_id == 256 and tok.decode(list(text.encode('utf-8'))) == text
+  with open(os.path.join(out, 'config.json')) as fh:
+    assert json.load(fh)['eos_token_id'] == 256
+  # The trained weights: mjax's logits from the checkpoint, on a text within the window.
+  from mjax import evaluate
+  from mjax.parallel import make_mesh
+  from mjax.train import make_program
+  program = make_program(cfg, make_mesh(cfg.mesh))
+  _, params, _, _ = evaluate.restore(program, evaluate.choose(evaluate.parse_args(['--workdir', workdir])[0], cfg))
+  ids = jnp.asarray([[256] + list(text.encode('utf-8'))], jnp.int32)
+  ours = np.asarray(Transformer(cfg.model).apply({'params': jax.device_get(params)}, ids))
+  assert _relative(_hf_logits(out, ids), ours) < 1e-4
