@@ -46,7 +46,14 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   p = flags.parser(prog, 'Train a language model.')
   p.add_argument('--workdir', default=None,
                  help='run directory: config, metrics.jsonl, TensorBoard events (default: runs/<config>)')
+  p.add_argument('--print_config', action='store_true',
+                 help='resolve and validate the config, print it with the parameter count, FLOPs per token '
+                      'and the per-device memory estimate on this machine\'s devices, and exit (nothing '
+                      'is compiled or written)')
   args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
+  if args.print_config:
+    print(_resolved_config(args, bindings), flush=True)
+    return
   workdir = args.workdir or os.path.join('runs', flags.run_name(args))
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   try:
@@ -74,6 +81,30 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
           f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',
           file=sys.stderr)
     sys.exit(protocol.EXIT_DRIVER_LOST)
+
+
+def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:
+  """mjax-train --print_config: the config as gin, then what it amounts to."""
+  import jax   # the device count (starts the backend; compiles nothing)
+  from mjax import config as config_lib
+  from mjax.model.flops import report
+  from mjax.parallel.memory import estimate_memory, format_estimate
+  n = jax.device_count()
+  cfg = flags.load(flags.gin_files(args), bindings, num_devices=n)
+  mesh = dict(zip(cfg.mesh.AXES, (i * j for i, j in zip(config_lib.resolve_mesh_shape(cfg.mesh, n),
+                                                          cfg.mesh.dcn_shape()))))
+  replica = cfg.train.global_batch_size // (mesh['data'] * mesh['fsdp'])
+  est = estimate_memory(cfg, mesh, replica // cfg.train.grad_accum_steps,
+                        sequence_parallel=cfg.mesh.sequence_parallel)
+  f = report(cfg.model, cfg.data.seq_len)
+  tokens = cfg.train.global_batch_size * cfg.data.seq_len
+  return '\n'.join([
+      config_lib.to_gin(cfg).rstrip(), '',
+      f'# {f["params"] / 1e6:,.2f}M parameters ({f["matmul_params"] / 1e6:,.2f}M in matrix products); '
+      f'{f["flops_per_token"] / 1e9:,.3f} GFLOP per token (training, attention mask-aware); '
+      f'{tokens:,} tokens per step; {f["flops_per_token"] * tokens / 1e12:,.2f} TFLOP per step',
+      f'# on {n} {jax.devices()[0].platform} device(s), mesh {mesh}:',
+      *('# ' + line for line in format_estimate(est).splitlines())])
 
 
 @entry_point('mjax-flops')

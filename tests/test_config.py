@@ -102,3 +102,19 @@ def test_report_config_prints_the_resolved_config_that_reloads_the_same(tmp_path
   assert C.load_config([str(tmp_path / 'resolved.gin')], []) == load('TrainConfig.steps = 7', num_devices=None)
   assert report.main(['config', '--gin.TrainConfig.stepz=7']) == 2
   assert 'Did you mean TrainConfig.steps?' in capsys.readouterr().err
+
+
+def test_train_print_config_validates_and_starts_nothing(repo_root, tmp_path, capsys):
+  from mjax import cli
+  cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', '--workdir', str(tmp_path / 'run'),
+                  '--gin.MeshConfig.data=2', '--gin.MeshConfig.fsdp=4', '--gin.ModelConfig.d_model=192'])
+  out = capsys.readouterr().out
+  cfg = C.load_config([], [line for line in out.splitlines() if line and not line.startswith('#')])
+  assert cfg.model.d_model == 192 and cfg.mesh.fsdp == 4
+  assert 'M parameters' in out and 'GFLOP per token' in out
+  assert "mesh {'data': 2, 'fsdp': 4, 'tensor': 1, 'pipeline': 1}" in out and 'LAMB moments' in out
+  assert not (tmp_path / 'run').exists()   # nothing written
+  # A mesh that does not fit the devices is refused like a real start would be.
+  with pytest.raises(SystemExit) as e:
+    cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', '--gin.MeshConfig.data=3'])
+  assert e.value.code == 2 and 'MeshConfig' in capsys.readouterr().err
