@@ -358,13 +358,29 @@ def export_main(argv: Optional[Sequence[str]] = None) -> None:
     mjax-export OUT --workdir RUN [--format hf] [--step N] [--checkpoint PATH] [--drop_sliding_window]
 
   GPT-NeoX (parallel block) or Llama / Mistral / Ministral (sequential
-  block); see mjax/export.py. Exit status 0, or 2 for bad input: a model no
+  block); see mjax/hf.py. Exit status 0, or 2 for bad input: a model no
   native architecture represents (the option is named), an OUT that holds
   files, a missing or unreadable checkpoint.
   """
-  from mjax import export
-  args, bindings = export.parse_args(sys.argv[1:] if argv is None else argv)
-  export.main(args, bindings)
+  from mjax import hf
+  args, bindings = hf.parse_export_args(sys.argv[1:] if argv is None else argv)
+  hf.export_main(args, bindings)
+
+
+
+@entry_point('mjax-import')
+def import_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-import: the gin config that trains from a Hugging Face model directory.
+
+    mjax-import MODEL_DIR OUT.gin
+    mjax-train --gin_file OUT.gin --workdir runs/finetune
+
+  GPT-NeoX (parallel residual or not), Llama, Mistral, Ministral; see
+  mjax/hf.py. Exit status 0, or 2 for a directory it cannot read or a model
+  mjax cannot represent (the option is named).
+  """
+  from mjax import hf
+  hf.import_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == '__main__':

@@ -50,6 +50,15 @@ class ModelConfig:
   # the others the sliding window; 0: every layer uses the same attention.
   full_attention_every: int = 0
   rope_theta: float = 10000.0
+  # Share of each head's dims that rotary embeddings rotate (the first ones;
+  # GPT-NeoX's rotary_pct, 0.25 in its released models); the rest carry no
+  # position.
+  rotary_fraction: float = 1.0
+  # GeLU by its tanh approximation (GPT-2/3, MegaScale) or exactly (erf).
+  gelu_approximate: bool = True
+  # The parallel block's norm: one for both branches ('shared', PaLM,
+  # MegaScale) or one per branch ('separate', GPT-NeoX / Pythia).
+  parallel_norms: Literal['shared', 'separate'] = 'shared'
   tie_embeddings: bool = True
   # 'xla': plain einsum + mask, the numerical reference. 'dot_product':
   # jax.nn.dot_product_attention, which picks cuDNN flash attention on GPU
@@ -228,6 +237,10 @@ class CheckpointConfig:
   async_save: bool = True           # write in the background while training goes on
   restore_from: Optional[str] = None  # explicit checkpoint when the workdir has none
   restore_data: bool = True         # with restore_from: also resume the data position
+  # A Hugging Face model directory (GPT-NeoX, Llama, Mistral, Ministral) whose
+  # weights a fresh run starts from, with a fresh optimizer; `mjax-import`
+  # writes the matching ModelConfig. A run that has checkpoints resumes them.
+  init_from_hf: Optional[str] = None
 
 
 @gin.configurable
@@ -529,6 +542,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
           f'must divide ModelConfig.n_heads = {m.n_heads} (divisors: {_divisors(m.n_heads)})')
   if m.dim_per_head % 2:
     _fail('ModelConfig.head_dim', m.dim_per_head, 'rotary embeddings need an even head dimension')
+  if not 0 < m.rotary_fraction <= 1 or int(m.dim_per_head * m.rotary_fraction) % 2:
+    _fail('ModelConfig.rotary_fraction', m.rotary_fraction,
+          f'must be in (0, 1] and rotate an even number of the {m.dim_per_head} head dims '
+          f'(int(head_dim x fraction) = {int(m.dim_per_head * m.rotary_fraction)})')
   if m.sliding_window is not None:
     if m.sliding_window < 1:
       _fail('ModelConfig.sliding_window', m.sliding_window, 'must be None or a positive int')
@@ -568,6 +585,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
   _positive(ck, 'keep', 'fast_keep')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
+  if ck.init_from_hf is not None and not os.path.isfile(os.path.join(os.path.expanduser(ck.init_from_hf),
+                                                                      'config.json')):
+    _fail('CheckpointConfig.init_from_hf', ck.init_from_hf,
+          'must be a Hugging Face model directory (with config.json and model.safetensors)')
   if ck.restore_from is not None and not os.path.isdir(os.path.expanduser(ck.restore_from)):
     _fail('CheckpointConfig.restore_from', ck.restore_from,
           'must be an existing checkpoint directory (a run\'s checkpoints/ or one of its step folders)')

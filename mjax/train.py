@@ -24,6 +24,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mjax.config import Config
+from mjax.errors import UserError
 from mjax.model import Transformer
 from mjax.model.transformer import LayerGroup, remat
 from mjax.optim import make_optimizer
@@ -95,6 +96,27 @@ class Program:
       return params
     with self.context():
       return jax.jit(lambda p: _split_stages(p, self.cfg), out_shardings=self.state_shardings.params)(params)
+
+  def with_params(self, state: TrainState, params: Any) -> TrainState:
+    """`state` with the given params (numpy, canonical layout: the same on
+    every process) and a fresh optimizer state for them.
+
+    Raises:
+      UserError: the params' names or shapes are not the config's.
+    """
+    want = self.abstract_state(canonical=True).params
+    have = {jax.tree_util.keystr(p): np.shape(a) for p, a in jax.tree_util.tree_leaves_with_path(params)}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(want):
+      key = jax.tree_util.keystr(path)
+      if have.get(key) != tuple(leaf.shape):
+        raise UserError(f'the weights have params{key} {have.get(key)}, the config makes {tuple(leaf.shape)}.')
+    placed = jax.tree.map(
+        lambda a, s: jax.make_array_from_callback(s.shape, s.sharding, lambda idx: np.asarray(a, s.dtype)[idx]),
+        params, want)
+    with self.context():
+      placed = self.params_from_canonical(placed)
+      opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(placed)
+    return TrainState(step=state.step, params=placed, opt_state=opt_state)
 
   def to_global(self, local: dict[str, np.ndarray]) -> Batch:
     """This host's rows -> one global array per key (MegaScale's one loader

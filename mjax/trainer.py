@@ -124,6 +124,11 @@ class Trainer:
         self.say(f'mjax: resumed from {restored.path} (step {restored.step})')
       else:
         self.state = self.program.init(jax.random.key(cfg.train.seed))
+        if cfg.checkpoint.init_from_hf:
+          from mjax import hf   # transformers-free: config.json + safetensors
+          self.state = self.program.with_params(self.state,
+                                                hf.import_params(cfg.checkpoint.init_from_hf, cfg.model))
+          self.say(f'mjax: weights from the Hugging Face model {cfg.checkpoint.init_from_hf}')
     self.start_step = int(self.state.step)
     self.restored_explicitly = restored is not None and restored.explicit
     if self.finished:

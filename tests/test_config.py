@@ -66,6 +66,9 @@ def test_resolved_config_round_trips(tmp_path):
     ('ModelConfig.vocab_size = 200', ['vocab_size = 200', '258']),
     ('DataConfig.source = "/no/such/dir"', ['/no/such/dir', 'existing file or directory']),
     ('OptimConfig.b2 = 1.5', ['OptimConfig.b2 = 1.5', '[0, 1)']),
+    ('ModelConfig.rotary_fraction = 0.3', ['rotary_fraction = 0.3', 'even number', 'int(head_dim x fraction) = 19']),
+    ('ModelConfig.parallel_norms = "two"', ['ModelConfig.parallel_norms', "'shared', 'separate'"]),
+    ('CheckpointConfig.init_from_hf = "/no/model"', ['init_from_hf', '/no/model', 'config.json']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:

@@ -197,8 +197,8 @@ class Attention(nn.Module):
     tokens, returned with the updated cache (see `cached_attention`).
     """
     c = self.cfg
-    q = constrain(rotary(q, positions, c.rope_theta), ('batch', 'seq', 'heads', 'kv'))
-    k = constrain(rotary(k, positions, c.rope_theta), ('batch', 'seq', 'kv_heads', 'kv'))
+    q = constrain(rotary(q, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'heads', 'kv'))
+    k = constrain(rotary(k, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'kv_heads', 'kv'))
     v = constrain(v, ('batch', 'seq', 'kv_heads', 'kv'))
     if cache is not None:
       out, cache = cached_attention(q, k, v, positions, cache, self.window)

@@ -126,7 +126,8 @@ class Mlp(nn.Module):
     return [self.wi, self.wi_gate] if self.cfg.mlp == 'swiglu' else [self.wi]
 
   def activate(self, up: jax.Array, gate: Optional[jax.Array] = None) -> jax.Array:
-    h = nn.silu(gate) * up if self.cfg.mlp == 'swiglu' else nn.gelu(up, approximate=True)
+    c = self.cfg
+    h = nn.silu(gate) * up if c.mlp == 'swiglu' else nn.gelu(up, approximate=c.gelu_approximate)
     return constrain(h, ('batch', 'seq', 'mlp'))  # (batch, seq, mlp)
 
   def output(self) -> Weights:
@@ -163,16 +164,21 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   return lookup(table, tokens)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rotary(x: jax.Array, positions: jax.Array, theta: float, fraction: float = 1.0) -> jax.Array:
   """Rotary position embedding (RoFormer), rotate-half form.
 
   Args:
     x: (batch, seq, heads, head_dim).
     positions: (batch, seq) int positions.
     theta: base wavelength.
+    fraction: share of the head dims rotated, the first ones (GPT-NeoX's
+      rotary_pct); the others pass through.
   Returns:
     x rotated, same shape and dtype.
   """
+  r = int(x.shape[-1] * fraction)
+  if r < x.shape[-1]:
+    return jnp.concatenate([rotary(x[..., :r], positions, theta), x[..., r:]], axis=-1)
   d = x.shape[-1]
   freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)      # (head_dim/2,)
   angle = positions[..., None].astype(jnp.float32) * freq                    # (batch, seq, head_dim/2)

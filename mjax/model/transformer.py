@@ -71,7 +71,11 @@ class Block(nn.Module):
     attn = Attention(c, self.window, std, name='attn')
     mlp = Mlp(c, std, name='mlp')
     fuse = fusion(c)
-    if c.block == 'parallel' and fuse != 'none':
+    if c.block == 'parallel' and c.parallel_norms == 'separate':
+      # GPT-NeoX: each branch its own norm (so no shared input to join on).
+      a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)
+      x = x + a + mlp(make_norm(c, 'norm_mlp')(x))
+    elif c.block == 'parallel' and fuse != 'none':
       y, cache = self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse,
                                       cache)
       x = x + y

@@ -113,7 +113,7 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
   q, k = m.n_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
   t = tensor
   rt = t if sequence_parallel else 1            # divisor of the "replicated" terms
-  norms = 1 if m.block == 'parallel' else 2
+  norms = 1 if m.block == 'parallel' and m.parallel_norms == 'shared' else 2
   mlp = 3 if m.mlp == 'swiglu' else 2
   sb = s * b
 

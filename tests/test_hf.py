@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mjax import config as C
-from mjax import export, trainer
+from mjax import hf as export, trainer
 from mjax.errors import UserError
 from mjax.model import Transformer
 
@@ -91,7 +91,8 @@ def test_parallel_windows_are_refused_or_dropped(tmp_path):
     (FULL + ['ModelConfig.norm = "rmsnorm"'], "ModelConfig.norm = 'rmsnorm'"),
     (FULL + ['ModelConfig.mlp = "swiglu"'], "ModelConfig.mlp = 'swiglu'"),
     (FULL + ['ModelConfig.n_kv_heads = 2'], 'ModelConfig.n_kv_heads = 2'),
-    (FULL + ['ModelConfig.block = "sequential"'], "ModelConfig.norm = 'layernorm'"),
+    (SEQUENTIAL + FULL + ['ModelConfig.mlp = "gelu"'], "ModelConfig.mlp = 'gelu'"),
+    (SEQUENTIAL + FULL + ['ModelConfig.rotary_fraction = 0.5'], 'ModelConfig.rotary_fraction = 0.5'),
     (SEQUENTIAL + ['ModelConfig.use_bias = True'], 'ModelConfig.use_bias = True'),
 ])
 def test_what_no_architecture_represents_is_refused_by_name(over, needle):
@@ -130,11 +131,11 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   cfg = C.load_config(['tiny.gin'], small, num_devices=8)
   trainer.run(cfg, workdir)
   out = str(tmp_path / 'hf')
-  args, bindings = export.parse_args([out, '--workdir', workdir])
+  args, bindings = export.parse_export_args([out, '--workdir', workdir])
   with pytest.raises(UserError, match='--drop_sliding_window'):
-    export.main(args, bindings)
-  args, bindings = export.parse_args([out, '--workdir', workdir, '--drop_sliding_window'])
-  result = export.main(args, bindings)
+    export.export_main(args, bindings)
+  args, bindings = export.parse_export_args([out, '--workdir', workdir, '--drop_sliding_window'])
+  result = export.export_main(args, bindings)
   assert result['architecture'] == 'GPTNeoXForCausalLM' and result['step'] == 2
   tok = transformers.AutoTokenizer.from_pretrained(out)
   text = 'def héllo():'
@@ -151,3 +152,90 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   ids = jnp.asarray([[256] + list(text.encode('utf-8'))], jnp.int32)
   ours = np.asarray(Transformer(cfg.model).apply({'params': jax.device_get(params)}, ids))
   assert _relative(_hf_logits(out, ids), ours) < 1e-4
+
+
+# --- import ---------------------------------------------------------------------------
+
+def _hf_model(kind, tmp_path, **extra):
+  """A small random Hugging Face model saved to a directory (nothing downloaded)."""
+  torch.manual_seed(0)
+  base = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+              max_position_embeddings=64)
+  if kind == 'gpt_neox':
+    conf = transformers.GPTNeoXConfig(**base, **{'rotary_pct': 0.25, 'hidden_act': 'gelu', **extra})
+    model = transformers.GPTNeoXForCausalLM(conf)
+  elif kind == 'llama':
+    conf = transformers.LlamaConfig(**base, num_key_value_heads=2, **extra)
+    model = transformers.LlamaForCausalLM(conf)
+  elif kind == 'mistral':
+    conf = transformers.MistralConfig(**base, num_key_value_heads=2, sliding_window=8, **extra)
+    model = transformers.MistralForCausalLM(conf)
+  else:
+    conf = transformers.MinistralConfig(**base, num_key_value_heads=2, sliding_window=8, head_dim=16,
+                                        layer_types=['sliding_attention', 'full_attention'] * 2, **extra)
+    model = transformers.MinistralForCausalLM(conf)
+  with torch.no_grad():   # every weight random, biases and norms included, so a misplaced one shows
+    for name, p in model.named_parameters():
+      p.copy_(1 + 0.2 * torch.randn_like(p) if 'norm' in name and name.endswith('weight')
+              else 0.1 * torch.randn_like(p))
+  out = str(tmp_path / kind)
+  model.save_pretrained(out, safe_serialization=True)
+  return out, model
+
+
+@pytest.mark.parametrize('kind,extra', [
+    ('gpt_neox', {}),                                       # Pythia-style: parallel, rotary 1/4, two norms, erf GeLU
+    ('gpt_neox', {'use_parallel_residual': False, 'hidden_act': 'gelu_new', 'rotary_pct': 1.0}),
+    ('llama', {}),
+    ('llama', {'attention_bias': True, 'tie_word_embeddings': True}),
+    ('mistral', {}),
+    ('ministral', {}),
+], ids=['gpt_neox_pythia', 'gpt_neox_sequential', 'llama_gqa', 'llama_bias_tied', 'mistral', 'ministral'])
+def test_import_gives_the_models_logits_and_exports_back(kind, extra, tmp_path):
+  path, model = _hf_model(kind, tmp_path, **extra)
+  bindings = export.gin_bindings(path)
+  cfg = C.load_config(['tiny.gin'], ['ModelConfig.dtype = "float32"', 'MeshConfig.data = 1', *bindings],
+                      num_devices=1)
+  params = export.import_params(path, cfg.model)
+  tokens = np.random.default_rng(3).integers(0, 300, (2, SEQ))
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens)).logits.numpy()
+  ours = np.asarray(Transformer(cfg.model).apply({'params': params}, jnp.asarray(tokens, jnp.int32)))
+  assert _relative(ours, theirs) < 1e-4
+  # Back out again: the same logits from the exported directory.
+  export.export_hf(params, cfg, str(tmp_path / 'again'))
+  assert _relative(_hf_logits(str(tmp_path / 'again'), tokens), theirs) < 1e-4
+
+
+def test_import_journey_through_the_trainer(tmp_path, capsys):
+  """mjax-import writes the gin; a fresh run starts from the weights (fresh
+  optimizer) and the run's config is refused when it describes another model."""
+  from mjax import cli
+  path, model = _hf_model('gpt_neox', tmp_path)
+  gin = str(tmp_path / 'ft.gin')
+  cli.import_main([path, gin])
+  with pytest.raises(SystemExit) as e:
+    cli.import_main([path, gin])    # never overwritten
+  assert e.value.code == 2 and 'exists' in capsys.readouterr().err
+  extra = ['ModelConfig.dtype = "float32"', 'MeshConfig.data = 8', 'DataConfig.seq_len = 32',
+           'TrainConfig.global_batch_size = 8', 'TrainConfig.progress = False', 'ModelConfig.vocab_size = 300']
+  cfg = C.load_config([gin], extra, num_devices=8)
+  assert cfg.checkpoint.init_from_hf == path and cfg.model.parallel_norms == 'separate'
+  state = trainer.Trainer(cfg, str(tmp_path / 'run')).state
+  want = export.import_params(path, cfg.model)
+  got = jax.device_get(state.params)
+  for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(p))
+  assert int(state.step) == 0
+  # A config of another shape is refused by name.
+  bad = C.load_config([gin], extra + ['ModelConfig.d_ff = 256'], num_devices=8)
+  with pytest.raises(UserError, match='ModelConfig.d_ff = 128'):
+    trainer.Trainer(bad, str(tmp_path / 'run2'))
+
+
+def test_import_refuses_what_mjax_cannot_compute(tmp_path):
+  path, _ = _hf_model('llama', tmp_path, rope_scaling={'rope_type': 'linear', 'factor': 2.0})
+  with pytest.raises(UserError, match="rope_type 'linear'"):
+    export.gin_bindings(path)
+  with pytest.raises(UserError, match='not a Hugging Face model directory'):
+    export.gin_bindings(str(tmp_path))

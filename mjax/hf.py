@@ -1,0 +1,581 @@
+"""Hugging Face interchange: mjax-export writes a `transformers` model
+directory from a checkpoint; mjax-import and CheckpointConfig.init_from_hf
+start training from one.
+
+  mjax-export exported/tiny --workdir runs/tiny --drop_sliding_window
+  mjax-import /models/pythia-160m pythia.gin && mjax-train --gin_file pythia.gin --workdir runs/ft
+
+Export: OUT gets config.json, model.safetensors (fp32, the master weights),
+the tokenizer files and generation_config.json; `AutoModelForCausalLM
+.from_pretrained(OUT)` loads it with no custom code. The architecture is the
+native one that computes exactly mjax's function:
+
+  LayerNorm + GeLU (parallel or sequential block)  ->  GPT-NeoX, with
+      use_parallel_residual for the parallel block (a shared norm goes to
+      both of its norms), rotary_pct = ModelConfig.rotary_fraction
+      (rotate-half, as mjax), 'gelu_new' (tanh) or 'gelu' (erf), the biases
+      zero where mjax has none;
+  sequential block, RMSNorm, SwiGLU ->  Llama (full attention), Mistral (one
+      sliding window in every layer) or Ministral (window and full layers
+      alternating, `full_attention_every`).
+
+Window convention: mjax's window w lets a token see itself and the w - 1
+before it; Hugging Face's `sliding_window` is the same number. What no
+native architecture represents is refused with the option named; GPT-NeoX
+has no sliding window, so --drop_sliding_window exports such a model with
+full attention (the same logits for texts up to the window).
+
+Import is the inverse mapping, from config.json and safetensors alone (no
+torch or transformers needed): GPT-NeoX (Pythia: partial rotary, two norms
+per block, exact GeLU, biases), Llama, Mistral, Ministral. Rope scaling and
+other activations are refused by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+
+from mjax.config import Config, ModelConfig
+from mjax.errors import UserError
+
+PROG = 'mjax-export'
+FORMATS = ('hf',)
+
+
+def architecture(m: ModelConfig, drop_window: bool = False) -> str:
+  """The Hugging Face architecture that represents `m`.
+
+  Raises:
+    UserError: no native architecture computes this model's function.
+  """
+  windows = {m.layer_window(i) for i in range(m.layer_period)}
+  if m.norm == 'layernorm' and m.mlp == 'gelu':
+    # GPT-NeoX: parallel residual or not, LayerNorm, GeLU (tanh or erf), partial rotary.
+    block = 'parallel' if m.block == 'parallel' else 'sequential'
+    refuse = [(m.kv_heads != m.n_heads, f'ModelConfig.n_kv_heads = {m.n_kv_heads}',
+               f'None (= n_heads {m.n_heads}: GPT-NeoX has no grouped-query attention)'),
+              (m.dim_per_head * m.n_heads != m.d_model, f'ModelConfig.head_dim = {m.head_dim}',
+               'None (= d_model / n_heads: GPT-NeoX derives it)'),
+              (windows != {None} and not drop_window, f'ModelConfig.sliding_window = {m.sliding_window}',
+               'None (GPT-NeoX has no sliding window); or pass --drop_sliding_window to export with '
+               'full attention, which gives the same logits for texts up to the window')]
+    for bad, what, allowed in refuse:
+      if bad:
+        raise UserError(f'{what} cannot be exported to Hugging Face: a {block} block with LayerNorm and '
+                        f'GeLU maps to GPT-NeoX, which needs {allowed}.')
+    return 'GPTNeoXForCausalLM'
+  if m.block == 'parallel':
+    raise UserError(f"ModelConfig.norm = {m.norm!r} with ModelConfig.mlp = {m.mlp!r} cannot be exported to "
+                    f"Hugging Face: the parallel block maps to GPT-NeoX, which needs norm 'layernorm' and "
+                    f"mlp 'gelu'.")
+  for bad, what, allowed in [(m.norm != 'rmsnorm', f"ModelConfig.norm = {m.norm!r}", "'rmsnorm'"),
+                             (m.mlp != 'swiglu', f"ModelConfig.mlp = {m.mlp!r}", "'swiglu'"),
+                             (m.rotary_fraction != 1, f'ModelConfig.rotary_fraction = {m.rotary_fraction}',
+                              '1.0 (rotary over the whole head)')]:
+    if bad:
+      raise UserError(f'{what} cannot be exported to Hugging Face: the sequential block with RMSNorm maps '
+                      f'to Llama / Mistral, which need {allowed}.')
+  if windows == {None} or drop_window:
+    return 'LlamaForCausalLM'
+  if m.use_bias:
+    raise UserError('ModelConfig.use_bias = True with a sliding window cannot be exported to Hugging Face: '
+                    'Mistral has no biases. Use --drop_sliding_window (Llama, with biases, full attention).')
+  return 'MistralForCausalLM' if None not in windows else 'MinistralForCausalLM'
+
+
+def layers(params: dict, m: ModelConfig) -> list[dict]:
+  """Each layer's parameter dict (numpy), in order, from canonical params."""
+  period, groups = m.layer_period, m.n_layers // m.layer_period
+  out = []
+  for g in range(groups):
+    for i in range(period):
+      if 'layers' in params:
+        out.append(jax.tree.map(lambda a: np.asarray(a[g]), params['layers'][f'block_{i}']))
+      else:
+        out.append(params[f'layers_{g}'][f'block_{i}'])
+  return out
+
+
+def _t(kernel: np.ndarray, n_in: int = 1) -> np.ndarray:
+  """mjax kernel (*in, *out) -> torch Linear weight (out, in), 2-D."""
+  rows = int(np.prod(kernel.shape[:n_in]))
+  return np.ascontiguousarray(kernel.reshape(rows, -1).T.astype(np.float32))
+
+
+def _bias(p: dict, name: str, size: int) -> np.ndarray:
+  b = p[name].get('bias') if name in p else None
+  return np.zeros(size, np.float32) if b is None else np.asarray(b, np.float32).reshape(-1)
+
+
+def hf_tensors(params: dict, m: ModelConfig, arch: str) -> dict[str, np.ndarray]:
+  """Hugging Face state-dict names -> fp32 arrays."""
+  emb = np.asarray(params['embedding'], np.float32)
+  head = emb if m.tie_embeddings else np.asarray(params['lm_head'], np.float32).T
+  t: dict[str, np.ndarray] = {}
+  d = m.d_model
+  if arch == 'GPTNeoXForCausalLM':
+    t['gpt_neox.embed_in.weight'] = emb
+    for n, p in enumerate(layers(params, m)):
+      pre = f'gpt_neox.layers.{n}.'
+      a, mlp = p['attn'], p['mlp']
+      # A shared norm (the parallel block's one) goes to both of GPT-NeoX's.
+      norms = (p['norm'], p['norm']) if 'norm' in p else (p['norm_attn'], p['norm_mlp'])
+      for ln, norm in zip(('input_layernorm', 'post_attention_layernorm'), norms):
+        t[pre + ln + '.weight'] = np.asarray(norm['scale'], np.float32)
+        t[pre + ln + '.bias'] = np.asarray(norm.get('bias', np.zeros(d)), np.float32)
+      # query_key_value rows are ordered head by head, [q | k | v] within a head.
+      qkv = np.stack([np.asarray(a[k]['kernel']) for k in ('query', 'key', 'value')], axis=2)  # (E, H, 3, D)
+      t[pre + 'attention.query_key_value.weight'] = _t(qkv)
+      qkv_b = np.stack([_bias(a, k, m.n_heads * m.dim_per_head).reshape(m.n_heads, m.dim_per_head)
+                        for k in ('query', 'key', 'value')], axis=1)                          # (H, 3, D)
+      t[pre + 'attention.query_key_value.bias'] = qkv_b.reshape(-1)
+      t[pre + 'attention.dense.weight'] = _t(np.asarray(a['out']['kernel']), 2)
+      t[pre + 'attention.dense.bias'] = _bias(a, 'out', d)
+      t[pre + 'mlp.dense_h_to_4h.weight'] = _t(np.asarray(mlp['wi']['kernel']))
+      t[pre + 'mlp.dense_h_to_4h.bias'] = _bias(mlp, 'wi', m.d_ff)
+      t[pre + 'mlp.dense_4h_to_h.weight'] = _t(np.asarray(mlp['wo']['kernel']))
+      t[pre + 'mlp.dense_4h_to_h.bias'] = _bias(mlp, 'wo', d)
+    t['gpt_neox.final_layer_norm.weight'] = np.asarray(params['final_norm']['scale'], np.float32)
+    t['gpt_neox.final_layer_norm.bias'] = np.asarray(params['final_norm'].get('bias', np.zeros(d)), np.float32)
+    t['embed_out.weight'] = np.ascontiguousarray(head)
+    return t
+  t['model.embed_tokens.weight'] = emb
+  for n, p in enumerate(layers(params, m)):
+    pre = f'model.layers.{n}.'
+    a, mlp = p['attn'], p['mlp']
+    t[pre + 'input_layernorm.weight'] = np.asarray(p['norm_attn']['scale'], np.float32)
+    t[pre + 'post_attention_layernorm.weight'] = np.asarray(p['norm_mlp']['scale'], np.float32)
+    for ours, theirs in (('query', 'q_proj'), ('key', 'k_proj'), ('value', 'v_proj')):
+      t[pre + f'self_attn.{theirs}.weight'] = _t(np.asarray(a[ours]['kernel']))
+      if m.use_bias:
+        t[pre + f'self_attn.{theirs}.bias'] = _bias(a, ours, a[ours]['kernel'][0].size)
+    t[pre + 'self_attn.o_proj.weight'] = _t(np.asarray(a['out']['kernel']), 2)
+    for ours, theirs in (('wi_gate', 'gate_proj'), ('wi', 'up_proj'), ('wo', 'down_proj')):
+      t[pre + f'mlp.{theirs}.weight'] = _t(np.asarray(mlp[ours]['kernel']))
+    if m.use_bias:
+      t[pre + 'self_attn.o_proj.bias'] = _bias(a, 'out', d)
+      for ours, theirs, n_out in (('wi_gate', 'gate_proj', m.d_ff), ('wi', 'up_proj', m.d_ff),
+                                  ('wo', 'down_proj', d)):
+        t[pre + f'mlp.{theirs}.bias'] = _bias(mlp, ours, n_out)
+  t['model.norm.weight'] = np.asarray(params['final_norm']['scale'], np.float32)
+  t['lm_head.weight'] = np.ascontiguousarray(head)
+  return t
+
+
+def hf_config(m: ModelConfig, arch: str, max_positions: int, eos_id: int, drop_window: bool) -> dict:
+  """config.json for `arch` (keys understood by transformers 4.46 and 5.x)."""
+  common = dict(architectures=[arch], vocab_size=m.vocab_size, hidden_size=m.d_model,
+                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, intermediate_size=m.d_ff,
+                max_position_embeddings=max_positions, tie_word_embeddings=m.tie_embeddings,
+                bos_token_id=eos_id, eos_token_id=eos_id, torch_dtype='float32', initializer_range=m.init_std)
+  if arch == 'GPTNeoXForCausalLM':
+    return dict(common, model_type='gpt_neox', hidden_act='gelu_new' if m.gelu_approximate else 'gelu',
+                use_parallel_residual=m.block == 'parallel', rotary_pct=m.rotary_fraction,
+                rotary_emb_base=m.rope_theta, layer_norm_eps=m.norm_eps,
+                attention_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
+                rope_parameters={'rope_type': 'default', 'rope_theta': m.rope_theta,
+                                 'partial_rotary_factor': m.rotary_fraction})
+  cfg = dict(common, hidden_act='silu', num_key_value_heads=m.kv_heads, head_dim=m.dim_per_head,
+             rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, attention_dropout=0.0,
+             rope_parameters={'rope_type': 'default', 'rope_theta': m.rope_theta})
+  if arch == 'LlamaForCausalLM':
+    return dict(cfg, model_type='llama', attention_bias=m.use_bias, mlp_bias=m.use_bias)
+  cfg.update(sliding_window=m.sliding_window)
+  if arch == 'MistralForCausalLM':
+    return dict(cfg, model_type='mistral')
+  return dict(cfg, model_type='ministral', layer_types=[
+      'full_attention' if m.layer_window(n % m.layer_period) is None else 'sliding_attention'
+      for n in range(m.n_layers)])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character table (what ByteLevel pre-tokenizers use)."""
+  bs = list(range(ord('!'), ord('~') + 1)) + list(range(ord('¡'), ord('¬') + 1)) + list(range(ord('®'), ord('ÿ') + 1))
+  cs, n = bs[:], 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+def write_tokenizer(out: str, spec: str, eos_id: int) -> None:
+  """tokenizer.json + tokenizer_config.json for mjax's tokenizer.
+
+  'bytes' becomes a byte-level BPE with no merges, so every UTF-8 byte is
+  its own id (0..255) as in mjax, with EOS 256 and PAD 257 as special
+  tokens; a tokenizer.json made by mjax-tokenizer is copied as it is.
+  """
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+  from mjax.data.tokenizer import BYTES, EOS_ID, PAD_ID  # noqa: PLC0415
+  if spec == BYTES:
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken  # noqa: PLC0415
+    tok.add_special_tokens([AddedToken('<|endoftext|>', special=True), AddedToken('<|pad|>', special=True)])
+    assert tok.token_to_id('<|endoftext|>') == EOS_ID and tok.token_to_id('<|pad|>') == PAD_ID
+    tok.save(os.path.join(out, 'tokenizer.json'))
+    eos, pad = '<|endoftext|>', '<|pad|>'
+  else:
+    shutil.copyfile(os.path.expanduser(spec), os.path.join(out, 'tokenizer.json'))
+    eos = Tokenizer.from_file(os.path.join(out, 'tokenizer.json')).id_to_token(eos_id)
+    pad = None
+  conf = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': eos, 'bos_token': eos,
+          'model_max_length': 1_000_000, 'clean_up_tokenization_spaces': False}
+  if pad:
+    conf['pad_token'] = pad
+  with open(os.path.join(out, 'tokenizer_config.json'), 'w') as fh:
+    json.dump(conf, fh, indent=2)
+  with open(os.path.join(out, 'special_tokens_map.json'), 'w') as fh:
+    json.dump({k: v for k, v in (('eos_token', eos), ('bos_token', eos), ('pad_token', pad)) if v}, fh, indent=2)
+
+
+def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) -> dict:
+  """Writes the Hugging Face directory `out` (created; must not hold files).
+
+  The files are written into a temporary directory beside `out` and moved
+  into place at the end, so an interrupted export leaves no half model.
+  Returns the config.json written.
+  """
+  from safetensors.numpy import save_file  # noqa: PLC0415
+  from mjax.data import load_tokenizer  # noqa: PLC0415
+  m = cfg.model
+  arch = architecture(m, drop_window)
+  out = os.path.abspath(os.path.expanduser(out))
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise UserError(f'{PROG}: {out!r} exists and is not an empty directory; give a new path (nothing is '
+                    f'overwritten).')
+  info = load_tokenizer(cfg.data.tokenizer).info
+  if info.vocab_size > m.vocab_size:
+    raise UserError(f'the tokenizer has {info.vocab_size} ids but ModelConfig.vocab_size is {m.vocab_size}.')
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix='.mjax-export-', dir=parent)
+  try:
+    conf = hf_config(m, arch, cfg.data.seq_len, info.eos_id, drop_window)
+    with open(os.path.join(tmp, 'config.json'), 'w') as fh:
+      json.dump(conf, fh, indent=2)
+    with open(os.path.join(tmp, 'generation_config.json'), 'w') as fh:
+      json.dump({'bos_token_id': info.eos_id, 'eos_token_id': info.eos_id}, fh, indent=2)
+    save_file(hf_tensors(params, m, arch), os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
+    write_tokenizer(tmp, cfg.data.tokenizer, info.eos_id)
+    if os.path.isdir(out):
+      os.rmdir(out)
+    os.rename(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return conf
+
+
+# --- the command -------------------------------------------------------------------
+
+def export_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog=PROG, description='A checkpoint as a Hugging Face transformers model directory.')
+  p.add_argument('out', help='the directory to create (must not exist, or be empty)')
+  p.add_argument('--format', choices=FORMATS, default='hf')
+  p.add_argument('--workdir', help='an mjax-train run: its config.gin and newest readable checkpoint')
+  p.add_argument('--checkpoint', help='a step directory or a directory of steps, instead of a run\'s own')
+  p.add_argument('--step', type=int, help='the saved step to export (default: the newest readable one)')
+  p.add_argument('--gin_file', action='append', default=[])
+  p.add_argument('--gin_param', action='append', default=[])
+  p.add_argument('--drop_sliding_window', action='store_true',
+                 help='export a windowed model with full attention (the same logits for texts up to the window)')
+  return p
+
+
+def parse_export_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  from mjax import flags  # noqa: PLC0415
+  p = export_parser()
+  args, bindings = flags.parse(p, argv)
+  if not args.workdir and not args.checkpoint:
+    p.error('needs --workdir RUN or --checkpoint PATH')
+  return args, bindings
+
+
+def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:
+  """Exports what `args` name; returns {'out', 'architecture', 'step', 'checkpoint'}."""
+  from mjax import evaluate, flags  # noqa: PLC0415
+  from mjax.parallel import make_mesh  # noqa: PLC0415
+  from mjax.train import make_program  # noqa: PLC0415
+  files, saved = evaluate.config_sources(args)
+  # One device is enough to hold the params; the saved layout reshards onto it.
+  cfg = flags.setup(files, [*saved, *bindings])
+  architecture(cfg.model, args.drop_sliding_window)     # refuse before reading anything
+  program = make_program(cfg, make_mesh(cfg.mesh))
+  picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg))
+  canonical = jax.device_get(program.canonical_params(params))
+  conf = {}
+  if jax.process_index() == 0:
+    conf = export_hf(canonical, cfg, args.out, args.drop_sliding_window)
+    evaluate.say(f'{PROG}: step {picked.step} ({picked.path}, '
+                 f'{"checksums verified" if verified else "saved without checksums"}) -> {args.out} '
+                 f'as {conf["architectures"][0]}')
+  return {'out': os.path.abspath(args.out), 'architecture': conf.get('architectures', [None])[0],
+          'step': picked.step, 'checkpoint': picked.path}
+
+
+# --- import --------------------------------------------------------------------------
+
+IMPORTABLE = ('gpt_neox', 'llama', 'mistral', 'ministral')
+
+
+def read_config(path: str) -> dict:
+  """A Hugging Face model directory's config.json."""
+  file = os.path.join(os.path.abspath(os.path.expanduser(path)), 'config.json')
+  try:
+    with open(file) as fh:
+      conf = json.load(fh)
+  except (OSError, ValueError) as e:
+    raise UserError(f'{path!r} is not a Hugging Face model directory: {file} cannot be read '
+                    f'({type(e).__name__}: {e}).') from None
+  if conf.get('model_type') not in IMPORTABLE:
+    raise UserError(f'{path!r}: model_type {conf.get("model_type")!r} cannot be imported; mjax imports '
+                    f'{", ".join(IMPORTABLE)}.')
+  return conf
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of model.safetensors (or of its shards, model.safetensors.index.json), as numpy."""
+  from safetensors.numpy import load_file  # noqa: PLC0415
+  path = os.path.abspath(os.path.expanduser(path))
+  index = os.path.join(path, 'model.safetensors.index.json')
+  if os.path.isfile(index):
+    with open(index) as fh:
+      files = sorted(set(json.load(fh)['weight_map'].values()))
+  elif os.path.isfile(os.path.join(path, 'model.safetensors')):
+    files = ['model.safetensors']
+  else:
+    raise UserError(f'{path!r} holds no model.safetensors (nor an index of shards); mjax reads safetensors '
+                    f'only: save the model with save_pretrained(..., safe_serialization=True).')
+  tensors = {}
+  for f in files:
+    try:
+      loaded = load_file(os.path.join(path, f))
+    except Exception as e:  # safetensors raises its own error types
+      raise UserError(f'{os.path.join(path, f)} cannot be read ({type(e).__name__}: {e}).') from None
+    tensors.update({k: np.asarray(v, np.float32) for k, v in loaded.items()})
+  return tensors
+
+
+def _rope(conf: dict) -> tuple[float, float]:
+  """(theta, rotary fraction) from a config of transformers 4.x or 5.x."""
+  rope = conf.get('rope_parameters') or conf.get('rope_scaling') or {}
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  if kind != 'default':
+    raise UserError(f'rope_type {kind!r} (rope scaling) cannot be imported: mjax computes plain rotary '
+                    f'embeddings.')
+  theta = rope.get('rope_theta', conf.get('rope_theta', conf.get('rotary_emb_base', 10000.0)))
+  fraction = rope.get('partial_rotary_factor', conf.get('rotary_pct', 1.0))
+  return float(theta), float(fraction)
+
+
+def _layer_windows(conf: dict, n_layers: int) -> tuple[Optional[int], int]:
+  """(ModelConfig.sliding_window, full_attention_every) of a Llama-family config."""
+  window = conf.get('sliding_window') if conf['model_type'] in ('mistral', 'ministral') else None
+  if window is None:
+    return None, 0
+  types = conf.get('layer_types') or ['sliding_attention'] * n_layers
+  full = [t == 'full_attention' for t in types]
+  if not any(full):
+    return int(window), 0
+  if all(full):
+    return None, 0
+  k = full.index(True) + 1     # every k-th layer full, the others windowed
+  if n_layers % k or full != [(i % k) == k - 1 for i in range(n_layers)]:
+    raise UserError(f'layer_types {types} cannot be imported: mjax makes every k-th layer full '
+                    f'(ModelConfig.full_attention_every) and the others windowed.')
+  return int(window), k
+
+
+def model_overrides(conf: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """The ModelConfig fields that describe the Hugging Face model."""
+  kind = conf['model_type']
+  theta, fraction = _rope(conf)
+  n, d = conf['num_hidden_layers'], conf['hidden_size']
+  common = dict(vocab_size=conf['vocab_size'], d_model=d, n_layers=n, n_heads=conf['num_attention_heads'],
+                d_ff=conf['intermediate_size'], rope_theta=theta, rotary_fraction=fraction,
+                tie_embeddings=bool(conf.get('tie_word_embeddings', False)))
+  biases = [v for k, v in tensors.items() if k.endswith('.bias') and 'layernorm' not in k and 'layer_norm' not in k]
+  if kind == 'gpt_neox':
+    act = conf.get('hidden_act', 'gelu')
+    if act not in ('gelu', 'gelu_new', 'gelu_pytorch_tanh', 'gelu_fast'):
+      raise UserError(f'hidden_act {act!r} cannot be imported: mjax has GeLU (exact or tanh).')
+    parallel = bool(conf.get('use_parallel_residual', True))
+    shared = parallel and all(
+        np.array_equal(tensors[f'gpt_neox.layers.{i}.input_layernorm.{w}'],
+                       tensors[f'gpt_neox.layers.{i}.post_attention_layernorm.{w}'])
+        for i in range(n) for w in ('weight', 'bias'))
+    return dict(common, block='parallel' if parallel else 'sequential', mlp='gelu', norm='layernorm',
+                norm_eps=conf.get('layer_norm_eps', 1e-5), gelu_approximate=act != 'gelu',
+                parallel_norms='shared' if shared else 'separate', n_kv_heads=None, head_dim=None,
+                use_bias=any(np.any(b) for b in biases), sliding_window=None, full_attention_every=0)
+  if conf.get('hidden_act', 'silu') != 'silu':
+    raise UserError(f'hidden_act {conf["hidden_act"]!r} cannot be imported: mjax\'s SwiGLU uses silu.')
+  window, every = _layer_windows(conf, n)
+  return dict(common, block='sequential', mlp='swiglu', norm='rmsnorm', norm_eps=conf.get('rms_norm_eps', 1e-6),
+              n_kv_heads=conf.get('num_key_value_heads') or conf['num_attention_heads'],
+              head_dim=conf.get('head_dim') or d // conf['num_attention_heads'],
+              use_bias=any(np.any(b) for b in biases), sliding_window=window, full_attention_every=every)
+
+
+def _linear_in(w: np.ndarray, *out_shape: int) -> np.ndarray:
+  """torch Linear weight (out, in) -> mjax kernel (in, *out_shape); (in, out) by default."""
+  return np.ascontiguousarray(w.T.reshape(w.shape[1], *(out_shape or (w.shape[0],))))
+
+
+def mjax_params(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict:
+  """Hugging Face tensors -> mjax's canonical params (numpy, fp32), the inverse of `hf_tensors`."""
+  hd, h, kv = m.dim_per_head, m.n_heads, m.kv_heads
+  neox = any(k.startswith('gpt_neox.') for k in tensors)
+
+  def get(name):
+    if name not in tensors:
+      raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
+    return tensors[name]
+
+  def bias(name, shape):
+    # A model with some biases (Llama's attention_bias without mlp_bias) loads
+    # into mjax's all-or-none biases with zeros where it has none.
+    b = tensors.get(name + '.bias')
+    return np.zeros(shape, np.float32) if b is None else b.reshape(shape)
+
+  def kernel(name, *out):
+    return {'kernel': _linear_in(get(name + '.weight'), *out), **({'bias': bias(name, out)} if m.use_bias else {})}
+
+  def norm(name):
+    out = {'scale': get(name + '.weight')}
+    if m.norm == 'layernorm':
+      out['bias'] = get(name + '.bias')
+    return out
+
+  blocks = []
+  for i in range(m.n_layers):
+    if neox:
+      pre = f'gpt_neox.layers.{i}.'
+      w = get(pre + 'attention.query_key_value.weight').reshape(h, 3, hd, m.d_model)   # (H, [q k v], D, E)
+      attn = {name: {'kernel': np.ascontiguousarray(w[:, j].transpose(2, 0, 1))}
+              for j, name in enumerate(('query', 'key', 'value'))}
+      attn['out'] = {'kernel': _linear_in(get(pre + 'attention.dense.weight')).reshape(h, hd, m.d_model)}
+      mlp = {'wi': {'kernel': _linear_in(get(pre + 'mlp.dense_h_to_4h.weight'))},
+             'wo': {'kernel': _linear_in(get(pre + 'mlp.dense_4h_to_h.weight'))}}
+      if m.use_bias:
+        b = bias(pre + 'attention.query_key_value', (h, 3, hd))
+        for j, name in enumerate(('query', 'key', 'value')):
+          attn[name]['bias'] = np.ascontiguousarray(b[:, j])
+        attn['out']['bias'] = bias(pre + 'attention.dense', (m.d_model,))
+        mlp['wi']['bias'] = bias(pre + 'mlp.dense_h_to_4h', (m.d_ff,))
+        mlp['wo']['bias'] = bias(pre + 'mlp.dense_4h_to_h', (m.d_model,))
+      block = {'attn': attn, 'mlp': mlp}
+      if m.block == 'parallel' and m.parallel_norms == 'shared':
+        block['norm'] = norm(pre + 'input_layernorm')
+      else:
+        block['norm_attn'], block['norm_mlp'] = norm(pre + 'input_layernorm'), norm(pre + 'post_attention_layernorm')
+    else:
+      pre = f'model.layers.{i}.'
+      attn = {'query': kernel(pre + 'self_attn.q_proj', h, hd), 'key': kernel(pre + 'self_attn.k_proj', kv, hd),
+              'value': kernel(pre + 'self_attn.v_proj', kv, hd)}
+      attn['out'] = {'kernel': _linear_in(get(pre + 'self_attn.o_proj.weight')).reshape(h, hd, m.d_model),
+                     **({'bias': bias(pre + 'self_attn.o_proj', (m.d_model,))} if m.use_bias else {})}
+      mlp = {'wi_gate': kernel(pre + 'mlp.gate_proj', m.d_ff), 'wi': kernel(pre + 'mlp.up_proj', m.d_ff),
+             'wo': kernel(pre + 'mlp.down_proj', m.d_model)}
+      block = {'attn': attn, 'mlp': mlp, 'norm_attn': norm(pre + 'input_layernorm'),
+               'norm_mlp': norm(pre + 'post_attention_layernorm')}
+    blocks.append(block)
+  if neox:
+    params = {'embedding': get('gpt_neox.embed_in.weight'), 'final_norm': norm('gpt_neox.final_layer_norm')}
+    head = tensors.get('embed_out.weight', tensors.get('lm_head.weight'))
+  else:
+    params = {'embedding': get('model.embed_tokens.weight'), 'final_norm': norm('model.norm')}
+    head = tensors.get('lm_head.weight')
+  if not m.tie_embeddings:
+    if head is None:
+      raise UserError('the Hugging Face model has no output embedding (lm_head) and does not tie it to the '
+                      'input embedding.')
+    params['lm_head'] = np.ascontiguousarray(head.T)
+  period = m.layer_period
+  groups = [{f'block_{i}': blocks[g * period + i] for i in range(period)} for g in range(m.n_layers // period)]
+  if m.scan_layers:
+    params['layers'] = jax.tree.map(lambda *a: np.stack(a), *groups)
+  else:
+    params.update({f'layers_{g}': group for g, group in enumerate(groups)})
+  return params
+
+
+def import_params(path: str, m: ModelConfig) -> dict:
+  """The params of the Hugging Face model at `path` for ModelConfig `m`.
+
+  Raises:
+    UserError: the directory cannot be read, or `m` describes another model
+      (the field that differs is named).
+  """
+  conf = read_config(path)
+  tensors = read_tensors(path)
+  want = model_overrides(conf, tensors)
+  for key, value in want.items():
+    have = getattr(m, key)
+    if key in ('use_bias', 'parallel_norms') and have != value:
+      continue   # zero biases, or two equal norms, can be loaded either way
+    if key == 'n_kv_heads':
+      have, value = m.kv_heads, value or m.n_heads
+    if key == 'head_dim':
+      have, value = m.dim_per_head, value or m.d_model // m.n_heads
+    if have != value and not (isinstance(value, float) and np.isclose(have, value)):
+      raise UserError(f'CheckpointConfig.init_from_hf = {path!r}: the model has ModelConfig.{key} = {value!r}, '
+                      f'the config says {have!r}. `mjax-import {path} OUT.gin` writes the config that matches.')
+  return mjax_params(tensors, m)
+
+
+def gin_bindings(path: str) -> list[str]:
+  """The gin bindings that train from the Hugging Face model at `path`."""
+  path = os.path.abspath(os.path.expanduser(path))
+  conf = read_config(path)
+  model = model_overrides(conf, read_tensors(path))
+  lines = [f'ModelConfig.{k} = {v!r}' for k, v in model.items()]
+  seq = min(int(conf.get('max_position_embeddings', 2048)), 2048)
+  if model.get('sliding_window'):
+    seq = max(seq, model['sliding_window'])
+  lines.append(f'DataConfig.seq_len = {seq}')
+  tok = os.path.join(path, 'tokenizer.json')
+  if os.path.isfile(tok):
+    lines.append(f'DataConfig.tokenizer = {tok!r}')
+  lines.append(f'CheckpointConfig.init_from_hf = {path!r}')
+  return lines
+
+
+def import_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog='mjax-import', description='Write the gin config that trains (fine-tunes) from a Hugging Face '
+                                      'GPT-NeoX, Llama, Mistral or Ministral model directory.')
+  p.add_argument('model', help='a Hugging Face model directory (config.json + model.safetensors)')
+  p.add_argument('out', help='the gin file to write (must not exist)')
+  return p
+
+
+def import_main(argv: Sequence[str]) -> str:
+  """mjax-import MODEL OUT.gin; returns the path written."""
+  args = import_parser().parse_args(list(argv))
+  out = os.path.abspath(os.path.expanduser(args.out))
+  if os.path.exists(out):
+    raise UserError(f'mjax-import: {out!r} exists; give a new path (nothing is overwritten).')
+  lines = gin_bindings(args.model)
+  text = ('# Written by mjax-import from ' + os.path.abspath(args.model) + '\n'
+          f"# mjax-train --gin_file {args.out} --workdir runs/finetune\n"
+          "include 'base.gin'\n" + '\n'.join(lines) + '\n')
+  with open(out + '.tmp', 'w') as fh:
+    fh.write(text)
+  os.replace(out + '.tmp', out)
+  print(f'mjax-import: {out}: {len(lines)} bindings; the weights load at the start of a fresh run', file=sys.stderr)
+  return out
