@@ -276,6 +276,10 @@ class TrainConfig:
   # <workdir>/profile: TensorBoard's profile plugin or ui.perfetto.dev read it.
   profile_steps: int = 0
   profile_from_step: int = 0
+  # Also log the metrics to Weights & Biases under this project (needs
+  # `pip install 'mjax[wandb]'`; WANDB_MODE=offline keeps the run local). The
+  # run id is derived from the workdir, so a restarted run continues it.
+  wandb_project: Optional[str] = None
 
 
 @gin.configurable
@@ -585,6 +589,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
   _positive(ck, 'keep', 'fast_keep')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
+  if t.wandb_project is not None:
+    import importlib.util
+    if importlib.util.find_spec('wandb') is None:
+      _fail('TrainConfig.wandb_project', t.wandb_project,
+            "needs the wandb package: pip install 'mjax[wandb]' (or set it to None)")
   if ck.init_from_hf is not None and not os.path.isfile(os.path.join(os.path.expanduser(ck.init_from_hf),
                                                                       'config.json')):
     _fail('CheckpointConfig.init_from_hf', ck.init_from_hf,

@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+from typing import Optional
+
 import numpy as np
 
 # Key of the marker row a resumed (or restarted) run appends: rows written
@@ -41,10 +43,12 @@ class MetricsWriter:
   """Appends one JSON line per record to metrics.jsonl and mirrors the
   scalars to TensorBoard event files. Only process 0 writes."""
 
-  def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0,
+               wandb_project: Optional[str] = None, config: Optional[dict] = None):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
+    self._wandb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
@@ -63,20 +67,42 @@ class MetricsWriter:
                                     'time': time.time()}) + '\n')
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    if wandb_project:
+      self._wandb = _wandb_run(workdir, wandb_project, config)
 
   def write(self, step: int, scalars: dict, prefix: str = '') -> None:
     if not self.enabled:
       return
     record = {'step': int(step), **{prefix + k: _py(v) for k, v in scalars.items()}}
     self._jsonl.write(json.dumps(record) + '\n')
-    for k, v in scalars.items():
-      if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool):
-        self._tb.add_scalar(prefix + k, float(v), int(step))
+    numbers = {prefix + k: float(v) for k, v in scalars.items()
+               if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)}
+    for k, v in numbers.items():
+      self._tb.add_scalar(k, v, int(step))
+    if self._wandb is not None and numbers:
+      # `step` is a metric, not W&B's own step counter: a run resumed from an
+      # earlier checkpoint logs steps again, which W&B's counter would drop.
+      self._wandb.log({'step': int(step), **numbers})
 
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+      if self._wandb is not None:
+        self._wandb.finish()
+
+
+def _wandb_run(workdir: str, project: str, config: Optional[dict]):
+  """A W&B run for this workdir: the same id on every restart (resumed)."""
+  import hashlib
+  import wandb
+  path = os.path.abspath(workdir)
+  run = wandb.init(project=project, dir=path, name=os.path.basename(path.rstrip('/')),
+                   id='mjax-' + hashlib.sha256(path.encode()).hexdigest()[:16], resume='allow',
+                   config=config or {})
+  run.define_metric('step')
+  run.define_metric('*', step_metric='step')
+  return run
 
 
 def _py(v):

@@ -320,7 +320,9 @@ class StepReporter:
     cfg = trainer.cfg
     self.trainer, self.heartbeat, self.injector = trainer, heartbeat, injector
     self.log_every, self.last_step = cfg.train.log_every, cfg.train.steps
-    self.writer = MetricsWriter(trainer.workdir, enabled=trainer.is_main, resume_step=trainer.start_step)
+    self.writer = MetricsWriter(trainer.workdir, enabled=trainer.is_main, resume_step=trainer.start_step,
+                                wandb_project=cfg.train.wandb_project,
+                                config=config_lib.to_dict(cfg) if cfg.train.wandb_project else None)
     self.bar = tqdm(total=cfg.train.steps, initial=trainer.start_step, unit='step', dynamic_ncols=True,
                     smoothing=0.1, mininterval=0.5, disable=not (cfg.train.progress and trainer.is_main))
     # Facts for the fault-tolerance driver (mjax/protocol.py), when there is one.

@@ -126,3 +126,36 @@ def test_profile_steps_write_a_trace(tmp_path, capsys):
   assert any(f.endswith('perfetto_trace.json.gz') for f in traces), traces
   assert any(f.endswith('.xplane.pb') for f in traces), traces
   assert 'profiled steps 2-2' in capsys.readouterr().out
+
+
+def test_weights_and_biases_offline_run_gets_the_metrics_and_config(tmp_path, monkeypatch):
+  pytest.importorskip('wandb')
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'CheckpointConfig.enabled = False',
+               'TrainConfig.wandb_project = "mjax-test"')
+  summary, _ = fit(cfg, tmp_path)
+  runs = [d for d in os.listdir(tmp_path / 'wandb') if d.startswith('offline-run-')]
+  assert len(runs) == 1, os.listdir(tmp_path / 'wandb')
+  # The run id comes from the workdir: a restart continues the same run.
+  assert runs[0].endswith(_wandb_id(tmp_path))
+  # The offline log (protobuf records) holds every logged value as JSON text.
+  record = (tmp_path / 'wandb' / runs[0] / f'run-{_wandb_id(tmp_path)}.wandb').read_bytes()
+  losses, _ = read_metrics(str(tmp_path))
+  assert [r['step'] for r in losses] == [1, 2, 3]
+  for row in losses:
+    assert json.dumps(row['loss']).encode() in record, row
+  assert b'd_model' in record and b'sliding_window' in record   # the resolved config travels with the run
+
+
+def _wandb_id(workdir):
+  import hashlib
+  return 'mjax-' + hashlib.sha256(os.path.abspath(str(workdir)).encode()).hexdigest()[:16]
+
+
+def test_wandb_project_without_wandb_is_refused_by_name(monkeypatch):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'wandb' else real(name, *a))
+  with pytest.raises(C.ConfigError, match=r"TrainConfig.wandb_project = 'p'.*mjax\[wandb\]"):
+    _small('TrainConfig.wandb_project = "p"')
