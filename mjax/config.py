@@ -111,7 +111,9 @@ class DataConfig:
   # file or a directory of text files (read recursively); or a directory of
   # pre-tokenized shards made by mjax-prepare (it holds a manifest.json).
   source: str = 'stdlib'
-  file_pattern: str = '*.py'        # which files of a directory source to read
+  # Which files of a directory source to read. A .jsonl file (a text or
+  # directory source) holds one document per line: {"text": ...} or a string.
+  file_pattern: str = '*.py'
   # 'bytes' (UTF-8 bytes + EOS + PAD, 258 ids) or the path of a Hugging Face
   # tokenizer.json (mjax-tokenizer trains one). Applies to text sources; a
   # shard directory was tokenized by mjax-prepare and must agree with it.

@@ -248,3 +248,43 @@ def test_files_that_are_not_text_are_left_out_by_name_and_a_binary_source_is_ref
   assert 'tool.txt (NUL bytes)' in caplog.text and 'latin1.txt (20% of it not UTF-8)' in caplog.text
   with pytest.raises(DataError, match=r'no text to train on: tool.txt \(NUL bytes\) is not text'):
     corpus_lib.load_text(str(src / 'tool.txt'), '*', 'bytes', 0.0)
+
+
+def test_json_lines_documents_are_split_and_tokenized_one_by_one(tmp_path):
+  docs = [f'document {i}: ' + 'x' * (i % 7) for i in range(60)]
+  lines = [json.dumps({'text': d, 'meta': i}) if i % 2 else json.dumps(d) for i, d in enumerate(docs)]
+  (tmp_path / 'a.jsonl').write_text('\n'.join(lines[:30]) + '\n\n')     # an empty line is no document
+  (tmp_path / 'b.jsonl').write_text('\n'.join(lines[30:]))
+  (tmp_path / 'note.txt').write_text('plain text file')
+  cfg = DataConfig(source=str(tmp_path), file_pattern='*', seq_len=16, heldout_fraction=0.2)
+  c = corpus_lib.load_corpus(cfg)
+  names = c.train_files + c.heldout_files
+  assert len(names) == 61 and 'a.jsonl:1' in names and 'b.jsonl:30' in names and 'note.txt' in names
+  # Each document by itself, followed by EOS; the split follows the names' hashes.
+  texts = {f'a.jsonl:{i + 1}': d for i, d in enumerate(docs[:30])}
+  texts.update({f'b.jsonl:{i + 1}': d for i, d in enumerate(docs[30:])}, **{'note.txt': 'plain text file'})
+  for split, files in (('train', c.train_files), ('heldout', c.heldout_files)):
+    want = b''.join(texts[f].encode() + b'\x00' for f in files)
+    got = getattr(c, f'{split}_tokens')
+    assert len(got) == len(want)
+    assert bytes(np.where(got == corpus_lib.EOS_ID, 0, got).astype(np.uint8)) == want
+    assert all(corpus_lib.is_heldout(f, 0.2) == (split == 'heldout') for f in files)
+  assert c.heldout_files and c.train_files
+
+
+def test_bad_json_line_is_named(tmp_path):
+  (tmp_path / 'd.jsonl').write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+  with pytest.raises(data.DataError, match=r"d.jsonl line 2: '\{\"body\".*a string 'text' field"):
+    corpus_lib.load_corpus(DataConfig(source=str(tmp_path / 'd.jsonl'), seq_len=16))
+
+
+def test_prepare_reads_json_lines(tmp_path):
+  from mjax.data import shards
+  (tmp_path / 'in').mkdir()
+  (tmp_path / 'in' / 'x.jsonl').write_text('\n'.join(json.dumps({'text': f'doc {i} ' * 5}) for i in range(50)))
+  shards.prepare_shards(str(tmp_path / 'in'), str(tmp_path / 'out'), 'bytes', file_pattern='*.jsonl',
+                 heldout_fraction=0.1)
+  manifest = json.loads((tmp_path / 'out' / 'manifest.json').read_text())
+  assert manifest['split'] == 'file'
+  total = sum(s['tokens'] for s in manifest['shards'])
+  assert total == sum(len(f'doc {i} ' * 5) + 1 for i in range(50))

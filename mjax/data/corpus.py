@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import json
 import logging
 import os
 import sysconfig
@@ -125,18 +126,85 @@ def split_flags(files: list[str], heldout_fraction: float) -> Optional[list[bool
   return None if all(held) or not any(held) else held
 
 
+# JSON Lines files (the export format of Hugging Face datasets and most
+# crawls) hold one document per line: {"text": "..."} or a JSON string.
+JSONL_SUFFIX = '.jsonl'
+JSONL_FIELD = 'text'
+
+
+def _jsonl_name(rel: str, line: int) -> str:
+  """The name of a JSONL file's document: 'path/file.jsonl:LINE' (1-based)."""
+  return f'{rel}:{line}'
+
+
+def _split_jsonl_name(name: str) -> Optional[tuple[str, int]]:
+  head, sep, tail = name.rpartition(':')
+  if sep and head.endswith(JSONL_SUFFIX) and tail.isdigit():
+    return head, int(tail)
+  return None
+
+
+def document_file(name: str) -> str:
+  """The file a document name lives in (itself, except for JSONL lines)."""
+  parts = _split_jsonl_name(name)
+  return name if parts is None else parts[0]
+
+
+def _jsonl_lines(path: str) -> list[bytes]:
+  with open(path, 'rb') as fh:
+    return fh.read().split(b'\n')
+
+
+def expand_jsonl(root: str, rel_paths: list[str]) -> list[str]:
+  """`rel_paths` with every .jsonl file replaced by its documents' names,
+  one per non-empty line, so that they are split, shuffled and held out
+  one by one like files."""
+  base = os.path.dirname(root) if os.path.isfile(root) else root
+  out = []
+  for rel in rel_paths:
+    if not rel.endswith(JSONL_SUFFIX):
+      out.append(rel)
+      continue
+    lines = _jsonl_lines(os.path.join(base, rel))
+    out.extend(_jsonl_name(rel, n) for n, line in enumerate(lines, 1) if line.strip())
+  return out
+
+
+def _jsonl_text(path: str, n: int, line: bytes) -> bytes:
+  try:
+    item = json.loads(line)
+    text = item[JSONL_FIELD] if isinstance(item, dict) else item
+    if not isinstance(text, str):
+      raise TypeError(f'{JSONL_FIELD!r} is a {type(text).__name__}, not a string')
+  except (ValueError, KeyError, TypeError) as e:
+    raise DataError(f'data source {path} line {n}: {line[:80].decode("utf-8", "replace")!r} is not a JSON '
+                    f'string or an object with a '
+                    f'string {JSONL_FIELD!r} field ({type(e).__name__}: {e}).') from None
+  return text.encode('utf-8')
+
+
 def read_documents(root: str, rel_paths: list[str]) -> list[bytes]:
-  """The raw contents of files under `root`.
+  """The raw contents of files under `root` (of documents, for JSONL lines).
 
   Args:
     root: a directory, or a single file (then `rel_paths` is its name).
-    rel_paths: '/'-separated paths relative to the root (see `list_files`).
+    rel_paths: '/'-separated paths relative to the root (see `list_files`),
+      or 'file.jsonl:LINE' names (see `expand_jsonl`).
   Returns:
-    One bytes object per path, in order.
+    One bytes object per path, in order: a JSONL line's text in UTF-8.
+  Raises:
+    DataError: a JSONL line that is not a JSON string or {"text": string}.
   """
   base = os.path.dirname(root) if os.path.isfile(root) else root
-  docs = []
+  docs, jsonl = [], {}
   for rel in rel_paths:
+    parts = _split_jsonl_name(rel)
+    if parts is not None:
+      path = os.path.join(base, parts[0])
+      if path not in jsonl:   # each file read once per call
+        jsonl = {path: _jsonl_lines(path)}
+      docs.append(_jsonl_text(path, parts[1], jsonl[path][parts[1] - 1]))
+      continue
     with open(os.path.join(base, rel), 'rb') as fh:
       docs.append(fh.read())
   return docs
@@ -169,6 +237,9 @@ def find_source_files(source: str, file_pattern: str) -> tuple[str, list[str]]:
   files = list_files(root, pattern, skip_packages=source == 'stdlib')
   if not files:
     raise DataError(f'data source {root}: no files match DataConfig.file_pattern = {pattern!r}.')
+  files = expand_jsonl(root, files)
+  if not files:
+    raise DataError(f'data source {root}: its JSON Lines files hold no document (every line is empty).')
   return root, files
 
 

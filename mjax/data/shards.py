@@ -153,10 +153,14 @@ class _ShardWriter:
 def _batches(root: str, files: list[str]) -> Iterator[list[str]]:
   """Groups files into batches of about `_READ_BATCH_BYTES` for tokenizing."""
   base = os.path.dirname(root) if os.path.isfile(root) else root
-  batch, size = [], 0
+  batch, size, seen = [], 0, set()
   for f in files:
     batch.append(f)
-    size += os.path.getsize(os.path.join(base, f))
+    # A JSON Lines document counts its whole file once (the file is read whole).
+    path = corpus_lib.document_file(f)
+    if path not in seen:
+      seen = {path}
+      size += os.path.getsize(os.path.join(base, path))
     if size >= _READ_BATCH_BYTES:
       yield batch
       batch, size = [], 0
