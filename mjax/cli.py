@@ -189,14 +189,16 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
                  help=f'which files of a directory to read (default {DataConfig().file_pattern!r})')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   from mjax.data import train_bpe
-  from mjax.data.corpus import find_source_files, read_documents
+  import itertools
+  from mjax.data.corpus import document_file, find_source_files, read_documents
   root, files = find_source_files(args.input, args.file_pattern)
 
   def texts():
-    # One file at a time: the trainer counts words as it goes, so the
-    # corpus never has to fit in memory.
-    for f in files:
-      yield read_documents(root, [f])[0].decode('utf-8', errors='replace')
+    # One file at a time (all the documents of a JSON Lines file together):
+    # the trainer counts words as it goes, so the corpus never has to fit in memory.
+    for _, names in itertools.groupby(files, key=document_file):
+      for doc in read_documents(root, list(names)):
+        yield doc.decode('utf-8', errors='replace')
 
   info = train_bpe(texts(), args.vocab_size, args.output)
   print(json.dumps({'files': len(files), **info.to_json()}, indent=2))

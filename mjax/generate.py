@@ -153,7 +153,9 @@ class Generator:
     self.rows = sharding(('batch', None))
     self.cache_shardings = {f'block_{i}': {k: sharding(v) for k, v in CACHE_AXES.items()}
                             for i in range(cfg.model.layer_period)}
-    first = sharding(('batch',))
+    # The sampled ids are replicated: every process reads them (a batch
+    # sharded over processes would not be addressable from one).
+    first = NamedSharding(mesh, P())
 
     def advance(params, tokens, positions, cache, key):
       """Runs the new tokens ((batch, t), or (batch,): the last step's
@@ -161,7 +163,7 @@ class Generator:
       one from the last position."""
       if tokens.ndim == 1:
         tokens = tokens[:, None]
-      logits, cache = model.apply({'params': params}, tokens, positions, cache=cache)
+      logits, cache = model.apply({'params': params}, tokens, positions, cache=cache, last_only=True)
       last = logits[:, -1]
       return sample(last, key, sampling, vocab), last, cache
 
@@ -189,7 +191,8 @@ class Generator:
     return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
 
   def run(self, params: Any, prompts: Sequence[np.ndarray], max_new: int, eos: Optional[int],
-          on_tokens: Optional[Callable[[np.ndarray], None]] = None) -> tuple[np.ndarray, dict]:
+          on_tokens: Optional[Callable[[np.ndarray], None]] = None, live: Optional[int] = None,
+          prefill_chunk: int = 512) -> tuple[np.ndarray, dict]:
     """Generates up to `max_new` tokens after each prompt.
 
     Args:
@@ -198,20 +201,34 @@ class Generator:
       max_new: tokens to generate per row.
       eos: stop a row after it samples this id (None: never stop early).
       on_tokens: called with each step's (batch,) new ids, as they come.
+      live: rows past the first `live` only fill the batch; they never keep
+        the loop going (default: every row counts).
+      prefill_chunk: prompts longer than this run through the model in
+        chunks of this many tokens (one compiled shape; attention scores
+        chunk x (cache + chunk) instead of prompt x prompt).
     Returns:
       ((batch, steps) new ids, timings {'prefill_s', 'decode_s', 'steps'}).
     """
     tokens, positions = left_pad(prompts)
     b, width = tokens.shape
+    if width > prefill_chunk:
+      # More left padding, to whole chunks: every chunk has the same shape.
+      extra = -width % prefill_chunk
+      tokens = np.pad(tokens, ((0, 0), (extra, 0)))
+      positions = np.concatenate([positions[:, :1] - np.arange(extra, 0, -1), positions], axis=1)
+      width += extra
+    chunk = min(width, prefill_chunk)
     cache = jax.tree.map(self.put, init_cache(self.cfg.model, b, width + max_new), self.cache_shardings)
     key = jax.random.key(self.sampling.seed)
-    out, done = [], np.zeros(b, bool)
+    out, done = [], np.arange(b) >= (b if live is None else live)
     next_pos = (positions[:, -1:] + 1).astype(np.int32)
     times = {'prefill_s': 0.0, 'decode_s': 0.0, 'steps': 0}
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       t0 = time.perf_counter()
-      new, _, cache = self._advance(params, self.put(tokens, self.rows), self.put(positions, self.rows),
-                                    cache, jax.random.fold_in(key, 0))
+      for at in range(0, width, chunk):
+        new, _, cache = self._advance(params, self.put(tokens[:, at:at + chunk], self.rows),
+                                      self.put(positions[:, at:at + chunk].astype(np.int32), self.rows),
+                                      cache, jax.random.fold_in(key, 0))
       for step in range(max_new):
         # The next step is queued before this one's tokens are read: the
         # device never waits for the host (printing, the EOS check).
@@ -280,7 +297,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     path = args.prompt_file
     try:
       with open(path, encoding='utf-8') as fh:
-        lines = fh.read().splitlines()
+        # '\n' only: JSON strings may hold U+2028 and the like, which splitlines() splits on.
+        lines = [line.rstrip('\r') for line in fh.read().split('\n')]
     except (OSError, UnicodeDecodeError) as e:
       raise UserError(f'--prompt_file {path!r} cannot be read ({type(e).__name__}: {e}); give a UTF-8 '
                       f'text file with one prompt per line.') from None
@@ -307,8 +325,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 class Printer:
   """Writes the prompts' texts as --format asks, streaming one prompt's text."""
 
-  def __init__(self, tokenizer, prompts: list[str], fmt: str, out=None):
-    self.tok, self.prompts, self.fmt = tokenizer, prompts, fmt
+  def __init__(self, tokenizer, prompts: list[str], fmt: str, eos: Optional[int] = None, out=None):
+    self.tok, self.prompts, self.fmt, self.eos = tokenizer, prompts, fmt, eos
     self.out = out or sys.stdout
     self.stream = fmt == 'text' and len(prompts) == 1 and jax.process_index() == 0
     self.ids: list[list[int]] = [[] for _ in prompts]
@@ -324,7 +342,7 @@ class Printer:
     if self.stream:
       # Decode the whole text each time and print what is new, holding back
       # an incomplete character (a byte token or a BPE piece may end mid-way).
-      text = self.text(0)
+      text = self.text(0, self.eos)
       end = len(text.rstrip('\ufffd'))
       if end > self.shown:
         self.out.write(text[self.shown:end])
@@ -392,10 +410,10 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
     evaluate.say(f'{PROG}: note: texts reach {longest} tokens, longer than the {cfg.data.seq_len} the model '
                  f'was trained on; positions past that are extrapolated.')
   gen = Generator(cfg, mesh, info.vocab_size, sampling)
-  printer = Printer(tokenizer, prompts, args.format)
   eos = info.eos_id if args.stop_at_eos else None
+  printer = Printer(tokenizer, prompts, args.format, eos)
   _, times = gen.run(gen.compute_params(params), rows, args.max_new_tokens, eos,
-                     on_tokens=lambda ids: printer.add(ids[:len(prompts)]))
+                     on_tokens=lambda ids: printer.add(ids[:len(prompts)]), live=len(prompts))
   result = printer.finish(eos)
   n = sum(r['tokens'] for r in result)
   evaluate.say(f'{PROG}: prefill {times["prefill_s"] * 1e3:.0f} ms (compile included), then '

@@ -263,6 +263,9 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix='.mjax-export-', dir=parent)
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(tmp, 0o777 & ~umask)   # mkdtemp makes it private; the model is for others to read too
   try:
     conf = hf_config(m, arch, cfg.data.seq_len, info.eos_id, drop_window)
     with open(os.path.join(tmp, 'config.json'), 'w') as fh:
@@ -349,7 +352,8 @@ def read_config(path: str) -> dict:
 
 def read_tensors(path: str) -> dict[str, np.ndarray]:
   """Every tensor of model.safetensors (or of its shards, model.safetensors.index.json), as numpy."""
-  from safetensors.numpy import load_file  # noqa: PLC0415
+  # The flax loader reads bfloat16 (most released checkpoints); numpy has no such dtype.
+  from safetensors.flax import load_file  # noqa: PLC0415
   path = os.path.abspath(os.path.expanduser(path))
   index = os.path.join(path, 'model.safetensors.index.json')
   if os.path.isfile(index):
@@ -366,7 +370,7 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
       loaded = load_file(os.path.join(path, f))
     except Exception as e:  # safetensors raises its own error types
       raise UserError(f'{os.path.join(path, f)} cannot be read ({type(e).__name__}: {e}).') from None
-    tensors.update({k: np.asarray(v, np.float32) for k, v in loaded.items()})
+    tensors.update({k: np.asarray(jax.device_get(v.astype(np.float32))) for k, v in loaded.items()})
   return tensors
 
 
@@ -526,8 +530,8 @@ def import_params(path: str, m: ModelConfig) -> dict:
   want = model_overrides(conf, tensors)
   for key, value in want.items():
     have = getattr(m, key)
-    if key in ('use_bias', 'parallel_norms') and have != value:
-      continue   # zero biases, or two equal norms, can be loaded either way
+    if (key, value) in (('use_bias', False), ('parallel_norms', 'shared')):
+      continue   # all-zero biases, or two equal norms, load into either setting
     if key == 'n_kv_heads':
       have, value = m.kv_heads, value or m.n_heads
     if key == 'head_dim':

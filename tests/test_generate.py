@@ -203,3 +203,9 @@ def test_matrices_cast_once_give_the_same_tokens():
   a, _ = gen.run(params, prompts, 12, None)
   b, _ = gen.run(cast, prompts, 12, None)
   assert (a == b).all() and a.shape == (2, 12)
+  # A long prompt prefilled in chunks (windows of 64 wrap inside one chunk
+  # of 48 plus the cache) gives the same tokens as one prefill call.
+  long = [np.arange(150, dtype=np.int32) % 200, np.arange(37, dtype=np.int32)]
+  whole, _ = gen.run(cast, long, 10, None, prefill_chunk=1024)
+  chunked, _ = gen.run(cast, long, 10, None, prefill_chunk=48)
+  assert (whole == chunked).all()

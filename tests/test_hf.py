@@ -233,6 +233,29 @@ def test_import_journey_through_the_trainer(tmp_path, capsys):
     trainer.Trainer(bad, str(tmp_path / 'run2'))
 
 
+def test_bfloat16_checkpoint_imports(tmp_path):
+  """Most released checkpoints are saved in bfloat16 (numpy has no such dtype)."""
+  path, model = _hf_model('llama', tmp_path)
+  model.to(torch.bfloat16).save_pretrained(str(tmp_path / 'bf16'), safe_serialization=True)
+  cfg = C.load_config(['tiny.gin'], ['ModelConfig.dtype = "float32"', 'MeshConfig.data = 1',
+                                     *export.gin_bindings(str(tmp_path / 'bf16'))], num_devices=1)
+  params = export.import_params(str(tmp_path / 'bf16'), cfg.model)
+  want = model.model.embed_tokens.weight.float().detach().numpy()
+  np.testing.assert_array_equal(params['embedding'], want)
+
+
+def test_a_config_that_would_drop_weights_is_refused(tmp_path):
+  """Pythia's biases and separate norms must not load into a config without them."""
+  path, _ = _hf_model('gpt_neox', tmp_path)
+  bindings = export.gin_bindings(path)
+  for wrong, needle in (('ModelConfig.use_bias = False', 'use_bias = True'),
+                        ('ModelConfig.parallel_norms = "shared"', "parallel_norms = 'separate'")):
+    cfg = C.load_config(['tiny.gin'], ['ModelConfig.dtype = "float32"', 'MeshConfig.data = 1', *bindings, wrong],
+                        num_devices=1)
+    with pytest.raises(UserError, match=needle):
+      export.import_params(path, cfg.model)
+
+
 def test_import_refuses_what_mjax_cannot_compute(tmp_path):
   path, _ = _hf_model('llama', tmp_path, rope_scaling={'rope_type': 'linear', 'factor': 2.0})
   with pytest.raises(UserError, match="rope_type 'linear'"):

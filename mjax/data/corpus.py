@@ -151,6 +151,15 @@ def document_file(name: str) -> str:
 
 
 def _jsonl_lines(path: str) -> list[bytes]:
+  """A JSON Lines file's lines; the last file read is kept, since its
+  documents are listed, then read batch by batch."""
+  st = os.stat(path)
+  return _jsonl_lines_cached(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _jsonl_lines_cached(path: str, mtime_ns: int, size: int) -> list[bytes]:
+  del mtime_ns, size   # cache key only: a changed file is read again
   with open(path, 'rb') as fh:
     return fh.read().split(b'\n')
 
@@ -180,7 +189,9 @@ def _jsonl_text(path: str, n: int, line: bytes) -> bytes:
     raise DataError(f'data source {path} line {n}: {line[:80].decode("utf-8", "replace")!r} is not a JSON '
                     f'string or an object with a '
                     f'string {JSONL_FIELD!r} field ({type(e).__name__}: {e}).') from None
-  return text.encode('utf-8')
+  # 'replace': a lone surrogate (valid JSON, seen in crawls) becomes '?', and
+  # not_text judges the document like any other.
+  return text.encode('utf-8', errors='replace')
 
 
 def read_documents(root: str, rel_paths: list[str]) -> list[bytes]:
@@ -196,14 +207,12 @@ def read_documents(root: str, rel_paths: list[str]) -> list[bytes]:
     DataError: a JSONL line that is not a JSON string or {"text": string}.
   """
   base = os.path.dirname(root) if os.path.isfile(root) else root
-  docs, jsonl = [], {}
+  docs = []
   for rel in rel_paths:
     parts = _split_jsonl_name(rel)
     if parts is not None:
       path = os.path.join(base, parts[0])
-      if path not in jsonl:   # each file read once per call
-        jsonl = {path: _jsonl_lines(path)}
-      docs.append(_jsonl_text(path, parts[1], jsonl[path][parts[1] - 1]))
+      docs.append(_jsonl_text(path, parts[1], _jsonl_lines(path)[parts[1] - 1]))
       continue
     with open(os.path.join(base, rel), 'rb') as fh:
       docs.append(fh.read())

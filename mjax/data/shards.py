@@ -41,6 +41,7 @@ Every failure raises DataError naming the file, the expected and the found.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -153,14 +154,13 @@ class _ShardWriter:
 def _batches(root: str, files: list[str]) -> Iterator[list[str]]:
   """Groups files into batches of about `_READ_BATCH_BYTES` for tokenizing."""
   base = os.path.dirname(root) if os.path.isfile(root) else root
-  batch, size, seen = [], 0, set()
+  # A JSON Lines document counts an equal share of its file.
+  per_file = collections.Counter(corpus_lib.document_file(f) for f in files)
+  batch, size = [], 0
   for f in files:
     batch.append(f)
-    # A JSON Lines document counts its whole file once (the file is read whole).
     path = corpus_lib.document_file(f)
-    if path not in seen:
-      seen = {path}
-      size += os.path.getsize(os.path.join(base, path))
+    size += os.path.getsize(os.path.join(base, path)) / per_file[path]
     if size >= _READ_BATCH_BYTES:
       yield batch
       batch, size = [], 0

@@ -172,7 +172,8 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                segment_ids: Optional[jax.Array] = None,
-               layers_fn: Optional[Callable] = None, cache: Optional[dict] = None):
+               layers_fn: Optional[Callable] = None, cache: Optional[dict] = None,
+               last_only: bool = False):
     """Args:
       tokens: (batch, seq) int token ids.
       positions: (batch, seq) positions for rotary embeddings; default 0..seq-1.
@@ -185,6 +186,8 @@ class Transformer(nn.Module):
         caches stacked along a leading axis. The call then returns
         (logits, updated cache); positions must be given (see
         `cached_attention` for left padding).
+      last_only: logits of the last position only, (batch, 1, vocab): what
+        generation samples from, without (batch, seq, vocab) fp32 logits.
     """
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
@@ -206,7 +209,7 @@ class Transformer(nn.Module):
       # Generation: no backward pass, so no remat; the caches ride along the
       # layer scan as per-group inputs and outputs.
       x, cache = self._cached_layers(x, positions, cache)
-      return self._head(x, head_table), cache
+      return self._head(x[:, -1:] if last_only else x, head_table), cache
     if c.remat_policy != 'none':
       # prevent_cse is only needed outside scan (scan already blocks CSE).
       group = nn.remat(group, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers)
