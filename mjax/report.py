@@ -99,7 +99,7 @@ def comm(prog: str, argv: list[str]) -> int:
   import time
   import jax
   from mjax.parallel import make_mesh
-  from mjax.parallel.comm_report import comm_report, format_report
+  from mjax.parallel.comm_report import comm_report, format_report, format_schedule, schedule
   from mjax.train import make_program
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
@@ -111,6 +111,8 @@ def comm(prog: str, argv: list[str]) -> int:
         f'{cfg.data.seq_len}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, '
         f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
   print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
+  print()
+  print(format_schedule(schedule(compiled.as_text()), jax.devices()[0].platform))
   return 0
 
 

@@ -284,3 +284,30 @@ def test_fsdp_weights_are_cast_on_the_shard_then_gathered_in_bf16():
   assert 0.8 < ratio <= 1.1, ratio
   text = format_report(comm_report(compiled, cfg, mesh))
   assert 'widens them to f32' in text and 'gathered before their cast' not in text
+
+
+def test_schedule_marks_overlapped_exposed_and_synchronous_collectives():
+  from mjax.parallel.comm_report import format_schedule, schedule
+  # A GPU-style scheduled module: one fusion placed between the all-gather's
+  # start and done; the rest of the pairs start and finish back to back.
+  text = LOOP_HLO.replace(
+      '  %ag-done = ',
+      '  %f = bf16[16,128]{1,0} fusion(%w), kind=kLoop, calls=%add\n  %ag-done = ')
+  items = {s.name: s for s in schedule(text)}
+  assert set(items) == {'ag-start', 'ar-start', 'rs-start', 'cp-start', 'a2a'}   # the wrapped rs once
+  assert (items['ag-start'].mode, items['ag-start'].compute_between) == ('overlapped', 1)
+  assert items['ar-start'].mode == 'exposed' and items['cp-start'].mode == 'exposed'
+  assert (items['rs-start'].kind, items['rs-start'].mode) == ('reduce-scatter', 'exposed')
+  assert items['a2a'].mode == 'synchronous'
+  table = format_schedule(list(items.values()))
+  assert 'all-gather' in table and 'exposed, e.g.' in table
+
+
+def test_cpu_compile_schedule_is_synchronous_and_says_why(fsdp):
+  from mjax.parallel.comm_report import format_schedule, schedule
+  cfg, mesh, compiled = fsdp
+  items = schedule(compiled.as_text())
+  assert items and all(s.mode == 'synchronous' for s in items)
+  assert {'all-gather', 'all-reduce'} <= {s.kind for s in items} or {'all-gather', 'reduce-scatter'} <= {
+      s.kind for s in items}
+  assert 'no asynchronous collectives' in format_schedule(items, 'cpu')

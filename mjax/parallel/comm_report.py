@@ -487,3 +487,94 @@ def format_memory(stats: Optional[dict[str, int]]) -> str:
   lines = ['memory analysis of the compiled step, per device:']
   lines += [f'  {names[k].ljust(w)}  {gib(stats[k]).rjust(14)}' for k in (*MEMORY_FIELDS, 'total')]
   return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Schedule: is anything computed while a collective is in flight?
+# ----------------------------------------------------------------------------
+
+# Instructions that do work on the device between a collective's start and done.
+_COMPUTE = ('fusion', 'dot', 'convolution', 'custom-call', 'while', 'call', 'conditional')
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+  """One collective as the scheduled HLO orders it.
+
+  Attributes:
+    name, kind, computation: the collective (its `-start` for an async pair).
+    mode: 'overlapped' (compute scheduled between start and done), 'exposed'
+      (an async pair with nothing to hide behind) or 'synchronous' (no
+      start/done pair: the backend runs it as one blocking op).
+    compute_between: compute instructions scheduled between start and done.
+  """
+  name: str
+  kind: str
+  computation: str
+  mode: str
+  compute_between: int
+
+
+def _async_kind(module: Module, inst: Instruction) -> Optional[str]:
+  """The collective an async start begins ('all-gather-start', or an
+  `async-start` wrapping a collective), else None."""
+  if inst.opcode.endswith('-start') and inst.opcode[:-len('-start')] in KINDS:
+    return inst.opcode[:-len('-start')]
+  if inst.opcode == 'async-start':
+    called = re.search(r'calls=%?([\w.\-]+)', inst.attrs)
+    for sub in module.computations.get(called.group(1), []) if called else []:
+      if sub.opcode in KINDS:
+        return sub.opcode
+  return None
+
+
+def schedule(text: str) -> list[Scheduled]:
+  """Every collective of a compiled module's text with what is scheduled
+  between its start and done (instruction order of a scheduled module)."""
+  module = hlo_text.parse_module(text)
+  counts, _ = hlo_text.execution_counts(module)
+  wrapped = {m.group(1) for insts in module.computations.values() for inst in insts
+             if inst.opcode == 'async-start' for m in [re.search(r'calls=%?([\w.\-]+)', inst.attrs)] if m}
+  out = []
+  for comp, insts in module.computations.items():
+    if not counts.get(comp) or comp in wrapped:
+      continue   # never runs, or the inside of an async pair (listed at its start)
+    for i, inst in enumerate(insts):
+      kind = _async_kind(module, inst)
+      if kind is None:
+        if inst.opcode in KINDS:
+          out.append(Scheduled(inst.name, inst.opcode, comp, 'synchronous', 0))
+        continue
+      between = 0
+      for later in insts[i + 1:]:
+        if inst.name in later.operands and (later.opcode.endswith('-done') or later.opcode == 'async-done'):
+          break
+        if later.opcode in _COMPUTE and _async_kind(module, later) is None:
+          between += 1
+      out.append(Scheduled(inst.name, kind, comp, 'overlapped' if between else 'exposed', between))
+  return out
+
+
+def format_schedule(items: list[Scheduled], platform: str = '') -> str:
+  """Per kind: how many collectives overlap compute, run exposed, or block."""
+  if not items:
+    return 'schedule: no collectives'
+  rows = [('kind', 'overlapped', 'exposed', 'synchronous')]
+  for kind in KINDS:
+    mine = [s for s in items if s.kind == kind]
+    if mine:
+      rows.append((kind, *(str(sum(s.mode == m for s in mine)) for m in ('overlapped', 'exposed', 'synchronous'))))
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  lines = ['schedule of the compiled step (instruction order of the scheduled HLO): a collective is '
+           'overlapped when compute is scheduled between its start and its done']
+  lines += ['  ' + '  '.join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
+  if all(s.mode == 'synchronous' for s in items):
+    lines.append(f'note: every collective is synchronous{" on " + platform if platform else ""}: this '
+                 'backend has no asynchronous collectives, so nothing can overlap them. The overlap '
+                 'techniques (latency-hiding scheduler, collective matmul, FSDP prefetch) show on a '
+                 'GPU compile.')
+  exposed = [s for s in items if s.mode == 'exposed']
+  if exposed:
+    lines.append(f'exposed, e.g.: {", ".join(s.name for s in exposed[:4])}')
+  return '\n'.join(lines)
