@@ -14,11 +14,15 @@ What is checked, as a user would see it:
      devices over 2 processes) that trains to the last step.
   2. `scancel` of a running job: mjax-train saves a checkpoint on SIGTERM;
      the same command submitted again resumes from it and finishes.
+  3. launch/slurm_ft.sbatch, the fault-tolerance driver with one job step
+     per node: a task killed with SIGKILL is detected, and a new attempt
+     resumes from the last checkpoint and finishes.
 
 Skipped, with the reason, where it cannot run: not root, or no apt to
 install SLURM, or the packages cannot be installed.
 """
 
+import json
 import os
 import re
 import shutil
@@ -161,9 +165,9 @@ def cluster(tmp_path_factory):
     holder.wait(timeout=30)
 
 
-def _submit(env, d, *args, extra_env=None) -> int:
+def _submit(env, d, *args, extra_env=None, script='slurm.sbatch') -> int:
   out = subprocess.run(['sbatch', '--parsable', f'--chdir={REPO}', f'--output={d}/job-%j.out',
-                        os.path.join(REPO, 'launch', 'slurm.sbatch'), *args],
+                        os.path.join(REPO, 'launch', script), *args],
                        capture_output=True, text=True, env={**env, **(extra_env or {})}, timeout=60)
   assert out.returncode == 0, out.stderr
   return int(out.stdout.strip().split(';')[0])
@@ -228,3 +232,26 @@ def test_scancel_saves_and_a_resubmission_resumes(cluster, tmp_path):
   resumed = _log(d, again)
   assert re.search(rf'0: mjax: resumed from \S+ \(step {saved[-1]}\)', resumed), resumed[-2000:]
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', '40'))
+
+
+def test_fault_tolerance_driver_recovers_a_killed_task(cluster, tmp_path):
+  env, d = cluster
+  workdir = str(tmp_path / 'run')
+  job = _submit(env, d, '--workdir', workdir, '--diagnose_args=--checks memory', '--', *TRAIN,
+                '--gin.TrainConfig.steps=20', script='slurm_ft.sbatch',
+                extra_env={'MJAX_FAULT': 'kill:step=12:process=1'})   # SIGKILL, first attempt only
+  assert _wait(env, d, job, timeout=400) == 'COMPLETED', _log(d, job)[-3000:]
+  with open(os.path.join(workdir, 'events.jsonl')) as fh:
+    events = [json.loads(line) for line in fh]
+  kinds = [e['event'] for e in events]
+  launches = [e for e in events if e['event'] == 'launch']
+  assert len(launches) == 2, kinds
+  assert launches[0]['hosts'] == ['node1', 'node2'] and launches[0]['coordinator'].startswith('node1:')
+  faults = [e for e in events if e['event'] == 'fault']
+  assert faults and 1 in faults[0]['processes'], faults
+  assert kinds[-1] == 'finish', kinds
+  restart = next(e for e in events if e['event'] == 'restart')
+  assert restart['fault'] == 'exit' and 0 < restart['checkpoint_step'] < 12, restart
+  with open(os.path.join(workdir, 'logs', 'process-0.log')) as fh:
+    assert re.search(rf'mjax: resumed from \S+ \(step {restart["checkpoint_step"]}\)', fh.read())
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', '20'))

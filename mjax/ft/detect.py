@@ -50,7 +50,7 @@ class ProcState:
   """What the driver knows about one process of the current attempt."""
   process: int
   host: str
-  pid: int
+  pid: Optional[int]                  # None: a remote process (known by its attempt)
   started: float                      # driver clock at launch
   first_beat: Optional[float] = None
   last_beat: Optional[float] = None
@@ -120,12 +120,14 @@ class LossMonitor:
 class Monitor:
   """Tracks the processes of one attempt and says when one has failed."""
 
-  def __init__(self, fault_cfg, losses: LossMonitor):
+  def __init__(self, fault_cfg, losses: LossMonitor, attempt: Optional[int] = None):
     self.cfg = fault_cfg
     self.procs: dict[int, ProcState] = {}
     self.losses = losses
+    self.attempt = attempt   # heartbeats of another attempt are not this one's
 
-  def add(self, process: int, host: str, pid: int, now: float) -> None:
+  def add(self, process: int, host: str, pid: Optional[int], now: float) -> None:
+    # pid None: the process runs elsewhere (its heartbeats' pid means nothing here).
     self.procs[process] = ProcState(process, host, pid, started=now)
 
   def beat(self, payload: dict, now: float) -> Optional[Fault]:
@@ -135,8 +137,10 @@ class Monitor:
     ignored: a datagram can arrive after its sender was replaced.
     """
     p = self.procs.get(int(payload['process']))
-    if p is None or payload.get('pid') != p.pid:
+    if p is None or (p.pid is not None and payload.get('pid') != p.pid):
       return None
+    if self.attempt is not None and payload.get('attempt') != self.attempt:
+      return None   # a process of an earlier attempt
     if p.first_beat is None:
       p.first_beat = now
     p.last_beat = now

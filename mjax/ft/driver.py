@@ -75,12 +75,15 @@ import os
 import shlex
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
 from mjax import flags, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
+from mjax.ft import executor as executor_lib
 from mjax.ft.executor import LocalExecutor
 
 # The driver's own exit statuses.
@@ -111,6 +114,7 @@ class Options:
   diagnose_args: list[str] = dataclasses.field(default_factory=list)
   diagnose_timeout_s: float = 300.0
   quiet: bool = False
+  executor: str = 'local'                       # 'local' or 'slurm' (mjax/ft/executor.py)
 
 
 def _script(name: str) -> Optional[list[str]]:
@@ -126,7 +130,11 @@ def parse_args(argv: Sequence[str]) -> Options:
       prog='mjax-launch', description='Run mjax-train under the fault-tolerance driver.',
       usage='%(prog)s --processes N [--devices M] [--hosts h1,h2 --spares s1] --workdir DIR -- '
             '<mjax-train args>')
-  p.add_argument('--processes', type=int, required=True, help='training processes (one per host)')
+  p.add_argument('--processes', type=int, default=None,
+                 help='training processes (one per host); with --executor slurm, default: one per node')
+  p.add_argument('--executor', choices=('local', 'slurm'), default='local',
+                 help='local: processes on this machine; slurm: one job step per node of the SLURM '
+                      'allocation this runs in (launch/slurm_ft.sbatch)')
   p.add_argument('--devices', type=int, default=None,
                  help='fake CPU devices per process (default: the real devices, e.g. GPUs)')
   p.add_argument('--workdir', required=True, help='run directory (checkpoints, events.jsonl, logs/)')
@@ -152,9 +160,23 @@ def parse_args(argv: Sequence[str]) -> Options:
   args, train_args = p.parse_args(argv[:split]), argv[split + 1:]
   if any(a == '--workdir' or a.startswith('--workdir=') for a in train_args):
     p.error('give --workdir to mjax-launch, before --: the driver passes it on to every process')
+  slurm_nodes = None
+  if args.executor == 'slurm' and not args.hosts:
+    try:
+      slurm_nodes = executor_lib.slurm_hosts()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+      p.error(f'--executor slurm: {e}; submit launch/slurm_ft.sbatch with sbatch, or name --hosts')
+    spare_names = {h for h in args.spares.split(',') if h}
+    slurm_nodes = [h for h in slurm_nodes if h not in spare_names]
+    if args.processes is None:
+      args.processes = len(slurm_nodes)
+    slurm_nodes = slurm_nodes[:args.processes]
+  if args.processes is None:
+    p.error('--processes is required (with --executor local)')
   if args.processes < 1 or (args.devices is not None and args.devices < 1):
     p.error('--processes and --devices must be at least 1')
-  hosts = args.hosts.split(',') if args.hosts else [f'slot{i}' for i in range(args.processes)]
+  hosts = (args.hosts.split(',') if args.hosts else slurm_nodes if slurm_nodes is not None
+           else [f'slot{i}' for i in range(args.processes)])
   spares = [h for h in args.spares.split(',') if h]
   if len(hosts) != args.processes:
     p.error(f'--hosts names {len(hosts)} host(s) for --processes {args.processes}: one host per '
@@ -168,13 +190,17 @@ def parse_args(argv: Sequence[str]) -> Options:
     if not colon or not eq or not name:
       p.error(f'--host_env {item!r}: expected HOST:NAME=VALUE, e.g. slot1:MJAX_DIAGNOSE_FAIL=matmul')
     host_env.setdefault(host, {})[name] = value
+  bind = args.bind
+  if args.executor == 'slurm' and bind == p.get_default('bind'):
+    # The trainers run on other nodes: listen on this node's own address.
+    bind = f'{socket.gethostname()}:0'
   try:
-    hb.parse_address(args.bind)
+    hb.parse_address(bind)
   except ValueError as e:
     p.error(f'--bind: {e}')
-  return Options(args.processes, args.devices, args.workdir, train_args, hosts, spares, args.bind,
+  return Options(args.processes, args.devices, args.workdir, train_args, hosts, spares, bind,
                  host_env, args.grace_s, diagnose_args=shlex.split(args.diagnose_args),
-                 diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet)
+                 diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet, executor=args.executor)
 
 
 # ----------------------------------------------------------------------------
@@ -229,8 +255,10 @@ class Attempt:
 class Driver:
   """Runs, supervises and recovers one job; `run()` returns the exit status."""
 
-  def __init__(self, opts: Options, executor_factory=LocalExecutor):
+  def __init__(self, opts: Options, executor_factory=None):
     """Raises mjax.errors.UserError (exit status 2) for a config that cannot run."""
+    if executor_factory is None:
+      executor_factory = executor_lib.SlurmExecutor if opts.executor == 'slurm' else LocalExecutor
     self.opts = opts
     self.workdir = os.path.abspath(opts.workdir)
     args, bindings = flags.parse(flags.parser('mjax-launch', ''), opts.train_args)
@@ -361,7 +389,7 @@ class Driver:
       bindings = [*bindings, f'{protocol.SKIP_BATCHES_KEY} = {skip}']
     argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
             *[f'--gin_param={b}' for b in bindings]]
-    monitor = detect.Monitor(self.fault_cfg, self.losses)
+    monitor = detect.Monitor(self.fault_cfg, self.losses, attempt=number)
     self.losses.new_attempt()
     handles, logs, now = {}, {}, time.monotonic()
     for i, (host, ex) in enumerate(zip(hosts, executors)):
@@ -374,7 +402,9 @@ class Driver:
         fh.write(f'=== mjax-launch attempt {number}: process {i} of {n} on {host} ===\n'.encode())
       logs[i] = (log, _size(log))
       handles[i] = ex.start(argv, env, log)
-      monitor.add(i, host, handles[i].pid, now)
+      # A remote handle's pid is the local client's; the attempt number in
+      # the heartbeats then tells this attempt's processes from older ones.
+      monitor.add(i, host, None if getattr(ex, 'remote', False) else handles[i].pid, now)
     self.events.emit('launch', attempt=number, hosts=hosts, processes=n,
                      pids=[handles[i].pid for i in range(n)], bindings=bindings, skip_data_steps=skip,
                      coordinator=coordinator)

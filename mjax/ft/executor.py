@@ -48,3 +48,63 @@ class LocalExecutor:
       return p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
       return 124, e.stdout or '', f'timed out after {timeout:.0f}s'
+
+
+class SlurmExecutor:
+  """A node of the SLURM allocation the driver runs in (launch/slurm_ft.sbatch).
+
+  Each training process is a job step on its node (`srun --nodelist=NODE
+  --ntasks=1`), so SLURM's own daemons start, signal and stop it there; the
+  handle is the local `srun` client, which forwards SIGTERM / SIGUSR1 to the
+  task and exits with the task's status. Killing cancels the step itself
+  (`scancel --signal=KILL JOB.STEP`): a killed client alone would leave the
+  task running. Steps overlap (`--overlap`): a diagnostic may run beside a
+  trainer on the same node.
+  """
+  remote = True   # handles' pids are srun clients here, not the trainers
+
+  def __init__(self, host: str):
+    self.host = host
+
+  def coordinator(self, port: int) -> str:
+    return f'{self.host}:{port}'
+
+  def _srun(self, name: str) -> list[str]:
+    return ['srun', '--nodes=1', '--ntasks=1', f'--nodelist={self.host}', '--overlap', '--export=ALL',
+            '--kill-on-bad-exit=1', f'--job-name={name}']
+
+  def start(self, argv: Sequence[str], env: dict, log_path: str) -> subprocess.Popen:
+    from mjax.launch import start_logged
+    from mjax import protocol
+    name = f'mjax-a{env.get(protocol.ATTEMPT_ENV, "0")}-{self.host}'
+    handle = start_logged([*self._srun(name), *argv], env, log_path, new_session=True)
+    handle.step_name = name
+    return handle
+
+  def kill(self, handle: subprocess.Popen) -> None:
+    job = os.environ.get('SLURM_JOB_ID')
+    name = getattr(handle, 'step_name', None)
+    if job and name:
+      out = subprocess.run(['squeue', '--steps', '--noheader', '--format=%i %j', f'--jobs={job}'],
+                           capture_output=True, text=True, timeout=30).stdout
+      for line in out.splitlines():
+        step, _, step_name = line.strip().partition(' ')
+        if step_name == name:
+          subprocess.run(['scancel', '--signal=KILL', step], capture_output=True, timeout=30)
+    try:
+      os.killpg(handle.pid, signal.SIGKILL)   # the srun client
+    except ProcessLookupError:
+      pass
+
+  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
+    return LocalExecutor.run(self, [*self._srun(f'mjax-diagnose-{self.host}'), *argv], env, timeout)
+
+
+def slurm_hosts() -> list[str]:
+  """The nodes of the SLURM allocation this runs in, in order."""
+  nodes = os.environ.get('SLURM_JOB_NODELIST')
+  if not nodes:
+    raise RuntimeError('not inside a SLURM allocation (no SLURM_JOB_NODELIST)')
+  out = subprocess.run(['scontrol', 'show', 'hostnames', nodes], capture_output=True, text=True,
+                       check=True, timeout=30).stdout
+  return [h for h in out.split() if h]
