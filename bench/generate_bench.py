@@ -40,6 +40,7 @@ def main(argv=None):
   p.add_argument('--prompt_len', type=int, default=256)
   p.add_argument('--new_tokens', type=int, default=128)
   p.add_argument('--json', default=None)
+  p.add_argument('--profile', default='', help='also trace a short decode run (jax.profiler) into this folder')
   args, bindings = flags.parse(p, argv if argv is not None else sys.argv[1:])
   cfg = flags.load(flags.gin_files(args), [*bindings, 'MeshConfig.data = -1', 'MeshConfig.pipeline = 1',
                                            'MeshConfig.virtual_stages = 1'], num_devices=jax.device_count())
@@ -55,6 +56,11 @@ def main(argv=None):
   gen.run(cast, prompts, args.new_tokens, None)   # compiles prefill and decode (shapes as timed)
   _, times = gen.run(cast, prompts, args.new_tokens, None)
   steps = times['steps'] - 1
+  if args.profile:
+    # Prefill and decode at the timed shapes, compiled already.
+    jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+    gen.run(cast, prompts, args.new_tokens, None)
+    jax.profiler.stop_trace()
 
   # The cached logits of the prompt's last positions against one full pass.
   model = Transformer(cfg.model)

@@ -137,9 +137,26 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   b, t, h, d = q.shape
   kvh, slots = k.shape[2], cache['pos'].shape[1]
   new_pos = jnp.where(positions >= 0, positions, -1).astype(jnp.int32)
-  keys = jnp.concatenate([cache['k'], k.astype(cache['k'].dtype)], axis=1)     # (batch, L + t, kv, d)
-  vals = jnp.concatenate([cache['v'], v.astype(cache['v'].dtype)], axis=1)
-  kpos = jnp.concatenate([cache['pos'], new_pos], axis=1)[:, None, :]            # (batch, 1, L + t)
+  # The newest L tokens go into their slots (consecutive positions mod L:
+  # distinct slots, so no write lands on another).
+  n = min(t, slots)
+  slot = jnp.mod(positions[:, t - n:], slots)                                    # (batch, n)
+  rows = jnp.arange(b)[:, None]
+  new_cache = {
+      'k': cache['k'].at[rows, slot].set(k[:, t - n:].astype(cache['k'].dtype)),
+      'v': cache['v'].at[rows, slot].set(v[:, t - n:].astype(cache['v'].dtype)),
+      'pos': cache['pos'].at[rows, slot].set(new_pos[:, t - n:]),
+  }
+  if t == 1:
+    # Decoding: the updated cache holds every key the token may see (the one
+    # it overwrote has left the window), so no copy of cache + new token.
+    keys, vals, kpos = new_cache['k'], new_cache['v'], new_cache['pos'][:, None, :]
+  else:
+    # Several tokens: a token may overwrite a key an earlier one of them
+    # still sees, so attend over the old cache and the new tokens.
+    keys = jnp.concatenate([cache['k'], k.astype(cache['k'].dtype)], axis=1)   # (batch, L + t, kv, d)
+    vals = jnp.concatenate([cache['v'], v.astype(cache['v'].dtype)], axis=1)
+    kpos = jnp.concatenate([cache['pos'], new_pos], axis=1)[:, None, :]          # (batch, 1, L + t)
   qpos = positions[:, :, None]                                                   # (batch, t, 1)
   allowed = (kpos >= 0) & (kpos <= qpos)
   if window is not None:
@@ -149,16 +166,6 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   scores = jnp.where(allowed[:, None, None], scores / jnp.sqrt(jnp.float32(d)), _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(vals.dtype)
   out = jnp.einsum('bhgqk,bkhd->bqhgd', probs, vals).reshape(b, t, h, d).astype(q.dtype)
-  # Only the newest L tokens can be seen again; their slots are distinct
-  # (consecutive positions mod L), so no write lands on another.
-  n = min(t, slots)
-  slot = jnp.mod(positions[:, t - n:], slots)                                    # (batch, n)
-  rows = jnp.arange(b)[:, None]
-  new_cache = {
-      'k': cache['k'].at[rows, slot].set(k[:, t - n:].astype(cache['k'].dtype)),
-      'v': cache['v'].at[rows, slot].set(v[:, t - n:].astype(cache['v'].dtype)),
-      'pos': cache['pos'].at[rows, slot].set(new_pos[:, t - n:]),
-  }
   return out, new_cache
 
 
