@@ -290,6 +290,24 @@ def test_two_processes_match_one(tmp_path, repo_root):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * float(np.abs(y).max(initial=0)),
                                err_msg=jax.tree_util.keystr(path))
 
+  # Generation from the 2-process checkpoint, by 2 processes x 4 devices
+  # (the batch of 3 prompts padded to the 8-way data axis) and by one
+  # process: the same greedy text.
+  gen = ['--workdir', multi, '--prompt', 'def ', '--prompt', 'import', '--prompt', 'x = ', '--temperature', '0',
+         '--max_new_tokens', '12', '--no-stop_at_eos', '--format', 'jsonl']
+  two = subprocess.run([PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
+                        os.path.join(BIN, 'mjax-generate'), *gen], env=_clean_env(), cwd=repo_root,
+                       capture_output=True, text=True, timeout=300)
+  assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+  one = subprocess.run([os.path.join(BIN, 'mjax-generate'), *gen],
+                       env=_clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'),
+                       cwd=repo_root, capture_output=True, text=True, timeout=300)
+  assert one.returncode == 0, one.stderr[-3000:]
+  rows = [json.loads(line[4:]) for line in two.stdout.splitlines() if line.startswith('[0] {')]
+  assert not any(line.startswith('[1] {') for line in two.stdout.splitlines())   # process 0 prints
+  assert [r['completion'] for r in rows] == [json.loads(line)['completion'] for line in one.stdout.splitlines()]
+  assert len(rows) == 3 and all(r['tokens'] == 12 for r in rows)
+
 
 def test_a_checkpoint_tier_some_process_cannot_see_is_refused(tmp_path, repo_root):
   """A host-local fast tier in a multi-host job (here: one directory per
