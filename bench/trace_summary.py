@@ -23,6 +23,9 @@ import re
 # carry 'gemm' or 'xmma' or 'cutlass'; cuDNN flash attention 'fmha' or 'cudnn'.
 KINDS = [
     ('attention (cuDNN)', re.compile(r'fmha|flash|cudnn|sdpa', re.I)),
+    # XLA:CPU hands dots, and the elementwise work fused around them, to
+    # YNNPACK: one kind, since the name does not say which.
+    ('YNNPACK fusion (CPU: matrix products and what is fused with them)', re.compile(r'^ynn_fusion', re.I)),
     ('matrix product', re.compile(r'gemm|xmma|cutlass|matmul|dot|nvjet|sm90_', re.I)),
     ('collective', re.compile(r'nccl|all-reduce|all-gather|reduce-scatter|collective', re.I)),
     ('copy / transpose', re.compile(r'memcpy|memset|copy|transpose', re.I)),
@@ -58,6 +61,10 @@ def summarize(path: str, steps: int = 2, top: int = 25) -> str:
   if not device_pids:  # CPU: the XLA ops run on host threads
     device_pids = {p for p, n in pname.items() if 'host' in n.lower() or 'cpu' in n.lower()}
   ops = [e for e in events if e.get('ph') == 'X' and e.get('pid') in device_pids and 'dur' in e]
+  if not any(re.search(r'/device:(GPU|TPU)', pname.get(p, '')) for p in device_pids):
+    # CPU: the host threads also carry the runtime's and Python's own spans,
+    # which enclose the ops; keep the XLA instructions (HLO names) alone.
+    ops = [e for e in ops if re.fullmatch(r'[\w.\-]+', e['name']) and 'Thunk' not in e['name']]
   if not ops:
     return f'no device events in {path}'
   # GPU kernels of one stream never overlap; where several streams run, busy
