@@ -314,19 +314,19 @@ def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:
   from mjax.parallel import make_mesh  # noqa: PLC0415
   from mjax.train import make_program  # noqa: PLC0415
   files, saved = evaluate.config_sources(args)
-  # One device is enough to hold the params; the saved layout reshards onto it.
-  cfg = flags.setup(files, [*saved, *bindings])
+  # One process and one device, whatever mesh the run trained on: the params
+  # end up in one host's memory anyway, and checkpoints reshard onto any mesh.
+  one_device = [f'MeshConfig.{a} = 1' for a in ('data', 'fsdp', 'tensor', 'pipeline', 'virtual_stages',
+                                                 'dcn_data', 'dcn_fsdp', 'dcn_tensor', 'dcn_pipeline')]
+  cfg = flags.load(files, [*saved, *bindings, *one_device], num_devices=1)
   architecture(cfg.model, args.drop_sliding_window)     # refuse before reading anything
-  program = make_program(cfg, make_mesh(cfg.mesh))
+  program = make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()[:1]))
   picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg))
-  canonical = jax.device_get(program.canonical_params(params))
-  conf = {}
-  if jax.process_index() == 0:
-    conf = export_hf(canonical, cfg, args.out, args.drop_sliding_window)
-    evaluate.say(f'{PROG}: step {picked.step} ({picked.path}, '
-                 f'{"checksums verified" if verified else "saved without checksums"}) -> {args.out} '
-                 f'as {conf["architectures"][0]}')
-  return {'out': os.path.abspath(args.out), 'architecture': conf.get('architectures', [None])[0],
+  conf = export_hf(jax.device_get(program.canonical_params(params)), cfg, args.out, args.drop_sliding_window)
+  evaluate.say(f'{PROG}: step {picked.step} ({picked.path}, '
+               f'{"checksums verified" if verified else "saved without checksums"}) -> {args.out} '
+               f'as {conf["architectures"][0]}')
+  return {'out': os.path.abspath(args.out), 'architecture': conf['architectures'][0],
           'step': picked.step, 'checkpoint': picked.path}
 
 
