@@ -266,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--gin_param', action='append', default=[], help="gin binding, e.g. 'MeshConfig.tensor = 2'")
   p.add_argument('--prompt', action='append', default=[], help='a prompt; repeat for a batch')
   p.add_argument('--prompt_file', help='prompts, one per line (a .jsonl file: one JSON string or '
-                 '{"prompt": ...} per line, for prompts with line breaks)')
+                 '{"prompt": ...} per line, for prompts with line breaks); - reads standard input')
   p.add_argument('--max_new_tokens', type=int, default=128)
   p.add_argument('--temperature', type=float, default=Sampling.temperature, help='0: greedy')
   p.add_argument('--top_k', type=int, default=0, help='sample among the k most likely tokens; 0: all')
@@ -296,9 +296,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
   if args.prompt_file:
     path = args.prompt_file
     try:
-      with open(path, encoding='utf-8') as fh:
-        # '\n' only: JSON strings may hold U+2028 and the like, which splitlines() splits on.
-        lines = [line.rstrip('\r') for line in fh.read().split('\n')]
+      if path == '-':   # standard input: `... | mjax-generate --prompt_file -`
+        text = sys.stdin.buffer.read().decode('utf-8')
+      else:
+        with open(path, encoding='utf-8') as fh:
+          text = fh.read()
+      # '\n' only: JSON strings may hold U+2028 and the like, which splitlines() splits on.
+      lines = [line.rstrip('\r') for line in text.split('\n')]
     except (OSError, UnicodeDecodeError) as e:
       raise UserError(f'--prompt_file {path!r} cannot be read ({type(e).__name__}: {e}); give a UTF-8 '
                       f'text file with one prompt per line.') from None

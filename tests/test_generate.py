@@ -2,6 +2,7 @@
 and the command on a trained checkpoint."""
 
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -165,12 +166,17 @@ def test_seeded_sampling_repeats_and_streams(run, capsys):
   assert mjax_generate(*argv, '--seed', '2')[0]['completion'] != a[0]['completion']
 
 
-def test_prompt_file_and_bad_input(run, tmp_path, repo_root):
+def test_prompt_file_and_bad_input(run, tmp_path, repo_root, monkeypatch):
   f = tmp_path / 'p.jsonl'
   f.write_text(json.dumps('line one\nline two') + '\n\n' + json.dumps({'prompt': 'b'}) + '\n')
   got = mjax_generate('--workdir', run, '--prompt_file', str(f), '--max_new_tokens', '3', '--temperature', '0',
                       '--format', 'jsonl')
   assert [r['prompt'] for r in got] == ['line one\nline two', 'b']
+  # Standard input, one prompt per line.
+  monkeypatch.setattr(sys, 'stdin', io.TextIOWrapper(io.BytesIO('first\nsecond one\n'.encode())))
+  got = mjax_generate('--workdir', run, '--prompt_file', '-', '--max_new_tokens', '2', '--temperature', '0',
+                      '--format', 'jsonl')
+  assert [r['prompt'] for r in got] == ['first', 'second one']
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"text": 1}\n')
   with pytest.raises(UserError, match='line 1'):
