@@ -82,16 +82,7 @@ def parser() -> argparse.ArgumentParser:
       epilog='Overrides: --gin.DataConfig.source=/other/data, --gin.MeshConfig.tensor=2, '
              '--gin_param="TrainConfig.global_batch_size = 64" (repeatable, applied after the '
              'config, last one wins).')
-  p.add_argument('--workdir', help="an mjax-train run: its config.gin is the config and its "
-                 "checkpoints (both tiers) the ones to choose from")
-  p.add_argument('--step', type=int, help='the saved step to evaluate (default: the newest readable one)')
-  p.add_argument('--checkpoint', help='a step directory (.../checkpoints/120) or a directory of steps '
-                 '(its newest readable one), instead of a run\'s own checkpoints')
-  p.add_argument('--gin_file', action='append', default=[],
-                 help='gin file applied after the run\'s config.gin, repeatable; without --workdir it '
-                      'is the config (default there: the config saved with the checkpoint)')
-  p.add_argument('--gin_param', action='append', default=[],
-                 help="gin binding, e.g. 'DataConfig.seq_len = 512'")
+  add_checkpoint_args(p, 'evaluate')
   p.add_argument('--split', choices=SPLITS, default='heldout',
                  help='held-out batches in order (default), or the train stream from its start')
   p.add_argument('--batches', type=int, default=None,
@@ -99,11 +90,31 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-  p = parser()
+def add_checkpoint_args(p: argparse.ArgumentParser, verb: str) -> None:
+  """The flags that choose a config and a saved step (mjax-eval, -generate, -export)."""
+  p.add_argument('--workdir', help="an mjax-train run: its config.gin is the config and its "
+                 "checkpoints (both tiers) the ones to choose from")
+  p.add_argument('--step', type=int, help=f'the saved step to {verb} (default: the newest readable one)')
+  p.add_argument('--checkpoint', help='a step directory (.../checkpoints/120) or a directory of steps '
+                 '(its newest readable one), instead of a run\'s own checkpoints')
+  p.add_argument('--gin_file', action='append', default=[],
+                 help='gin file applied after the run\'s config.gin, repeatable; without --workdir it '
+                      'is the config (default there: the config saved with the checkpoint)')
+  p.add_argument('--gin_param', action='append', default=[],
+                 help="gin binding, e.g. 'MeshConfig.tensor = 2'")
+
+
+def parse_checkpoint_args(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  """`flags.parse` for a parser with `add_checkpoint_args`: one of --workdir / --checkpoint is needed."""
   args, bindings = flags.parse(p, argv)
   if not args.workdir and not args.checkpoint:
     p.error('needs --workdir RUN or --checkpoint PATH')
+  return args, bindings
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  p = parser()
+  args, bindings = parse_checkpoint_args(p, argv)
   if args.batches is not None and args.batches < 1:
     p.error(f'--batches {args.batches}: must be at least 1')
   return args, bindings

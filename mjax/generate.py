@@ -259,11 +259,7 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog=PROG, description='Sample text from a saved checkpoint (KV cache, sliding-window ring buffers).',
       epilog='Overrides: --gin.MeshConfig.tensor=2, --gin_param="MeshConfig.data = 2" (repeatable).')
-  p.add_argument('--workdir', help='an mjax-train run: its config.gin and its newest readable checkpoint')
-  p.add_argument('--checkpoint', help='a step directory or a directory of steps, instead of a run\'s own')
-  p.add_argument('--step', type=int, help='the saved step to use (default: the newest readable one)')
-  p.add_argument('--gin_file', action='append', default=[], help='gin file applied after the run\'s config')
-  p.add_argument('--gin_param', action='append', default=[], help="gin binding, e.g. 'MeshConfig.tensor = 2'")
+  evaluate.add_checkpoint_args(p, 'sample from')
   p.add_argument('--prompt', action='append', default=[], help='a prompt; repeat for a batch')
   p.add_argument('--prompt_file', help='prompts, one per line (a .jsonl file: one JSON string or '
                  '{"prompt": ...} per line, for prompts with line breaks); - reads standard input')
@@ -280,9 +276,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   p = parser()
-  args, bindings = flags.parse(p, argv)
-  if not args.workdir and not args.checkpoint:
-    p.error('needs --workdir RUN or --checkpoint PATH')
+  args, bindings = evaluate.parse_checkpoint_args(p, argv)
   if not args.prompt and not args.prompt_file:
     p.error('needs --prompt TEXT (repeatable) or --prompt_file FILE')
   if args.max_new_tokens < 1:

@@ -289,23 +289,16 @@ def export_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog=PROG, description='A checkpoint as a Hugging Face transformers model directory.')
   p.add_argument('out', help='the directory to create (must not exist, or be empty)')
   p.add_argument('--format', choices=FORMATS, default='hf')
-  p.add_argument('--workdir', help='an mjax-train run: its config.gin and newest readable checkpoint')
-  p.add_argument('--checkpoint', help='a step directory or a directory of steps, instead of a run\'s own')
-  p.add_argument('--step', type=int, help='the saved step to export (default: the newest readable one)')
-  p.add_argument('--gin_file', action='append', default=[])
-  p.add_argument('--gin_param', action='append', default=[])
+  from mjax import evaluate  # noqa: PLC0415
+  evaluate.add_checkpoint_args(p, 'export')
   p.add_argument('--drop_sliding_window', action='store_true',
                  help='export a windowed model with full attention (the same logits for texts up to the window)')
   return p
 
 
 def parse_export_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-  from mjax import flags  # noqa: PLC0415
-  p = export_parser()
-  args, bindings = flags.parse(p, argv)
-  if not args.workdir and not args.checkpoint:
-    p.error('needs --workdir RUN or --checkpoint PATH')
-  return args, bindings
+  from mjax import evaluate  # noqa: PLC0415
+  return evaluate.parse_checkpoint_args(export_parser(), argv)
 
 
 def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:

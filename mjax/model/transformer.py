@@ -165,6 +165,14 @@ class LayerGroup(nn.Module):
     return x, (new if cache is not None else None)
 
 
+def _scanned(group, cfg: ModelConfig, in_axes: tuple) -> nn.Module:
+  """The layer groups stacked with nn.scan: params carry a leading `layers`
+  axis; `in_axes` says which inputs are shared (broadcast) or per group (0)."""
+  stack = nn.scan(group, variable_axes={'params': 0}, split_rngs={'params': True}, in_axes=in_axes,
+                  length=cfg.n_layers // cfg.layer_period, metadata_params={nn.PARTITION_NAME: 'layers'})
+  return stack(cfg, name='layers')
+
+
 class Transformer(nn.Module):
   """tokens (batch, seq) int -> logits (batch, seq, vocab) fp32."""
   cfg: ModelConfig
@@ -217,10 +225,7 @@ class Transformer(nn.Module):
     if layers_fn is not None:
       x = layers_fn(x, positions, segment_ids)
     elif c.scan_layers:
-      stack = nn.scan(group, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=n_groups,
-                      metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = stack(c, name='layers')(x, positions, segment_ids)
+      x, _ = _scanned(group, c, (nn.broadcast, nn.broadcast))(x, positions, segment_ids)
     else:
       for g in range(n_groups):
         x, _ = group(c, name=f'layers_{g}')(x, positions, segment_ids)
@@ -231,10 +236,7 @@ class Transformer(nn.Module):
     c = self.cfg
     n_groups = c.n_layers // c.layer_period
     if c.scan_layers:
-      stack = nn.scan(LayerGroup, variable_axes={'params': 0}, split_rngs={'params': True},
-                      in_axes=(nn.broadcast, nn.broadcast, 0), length=n_groups,
-                      metadata_params={nn.PARTITION_NAME: 'layers'})
-      return stack(c, name='layers')(x, positions, None, cache)
+      return _scanned(LayerGroup, c, (nn.broadcast, nn.broadcast, 0))(x, positions, None, cache)
     outs = []
     for g in range(n_groups):
       x, new = LayerGroup(c, name=f'layers_{g}')(x, positions, None, jax.tree.map(lambda a: a[g], cache))
