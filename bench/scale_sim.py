@@ -2,6 +2,7 @@
 
   python bench/scale_sim.py                       # 1,536 and 12,288 processes, 45 s each
   python bench/scale_sim.py --processes 1536 --seconds 60
+  python bench/scale_sim.py --per_host 8         # through per-host agents (mjax-agent), 8 processes each
 
 The driver's own supervision loop (`Driver._supervise`: the heartbeat
 server, the monitor, the straggler analysis thread) runs unchanged in this
@@ -10,6 +11,12 @@ send each simulated trainer's signed heartbeat every heartbeat_interval_s
 (the default 2 s) from 127.0.0.1, with a new step every second, and append
 its timing rows every 10 steps as PhaseTimer does (500 steps of history are
 written first). Halfway through, one simulated process falls silent.
+
+With --per_host K, the heartbeats take the agents' path instead
+(mjax/ft/agent.py): each simulated host opens one authenticated TCP
+connection to the driver's AgentServer, exactly as mjax-agent does, and
+relays its K processes' heartbeats as one message per interval; the driver
+runs with `--executor agent`.
 
 Printed per size, as a markdown table: heartbeats sent, received and dropped;
 false faults (any fault but the silent process's); how long the driver took
@@ -33,7 +40,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mjax.ft import detect, driver as driver_lib, heartbeat as hb  # noqa: E402
+from mjax import protocol  # noqa: E402
+from mjax.ft import agent as agent_lib, detect, driver as driver_lib, heartbeat as hb  # noqa: E402
 
 PID0 = 1_000_000   # simulated pids: never a real process's
 STEP_S = 1.0       # simulated step time
@@ -97,7 +105,68 @@ def sender(first: int, last: int, address: str, secret: str, interval: float, t0
   sent_out.put(sent)
 
 
-def simulate(n: int, seconds: float, interval: float, timeout: float, senders: int) -> dict:
+def _beat(p: int, step: int, now: float, seq: int) -> dict:
+  return {'host': f'h{p}', 'process': p, 'pid': PID0 + p, 'attempt': 0, 'step': step,
+          'step_time': STEP_S, 'step_at': now, 'loss': 2.5, 'losses': [[step, 2.5]],
+          'phase': 'compute', 'loop_step': step + 1, 'logs': [], 'final': False,
+          'seq': seq, 'ts': now, 'nonce': os.urandom(16).hex()}
+
+
+def agent_sender(first: int, last: int, per_host: int, address: str, secret: str, interval: float, t0: float,
+                 seconds: float, silent: int, silent_at: float, workdir: str, sent_out) -> None:
+  """Simulated hosts first..last-1, each an agent relaying `per_host`
+  processes' heartbeats over its own authenticated connection."""
+  import selectors
+  host, port = hb.parse_address(address)
+  sel = selectors.DefaultSelector()
+  chans = []
+  for h in range(first, last):   # the agent's handshake (agent.Agent._connect)
+    sock = socket.create_connection((host, port), timeout=60)
+    ch = agent_lib.Channel(sock, secret, 'agent', 'driver')
+    nonce = os.urandom(8).hex()
+    ch.send({'kind': 'hello', 'host': f'host{h}', 'address': '127.0.0.1', 'pid': PID0 + h, 'nonce': nonce})
+    welcome = None
+    while welcome is None:
+      welcome = next(ch.feed(sock.recv(65536)), None)
+    ch.session = welcome['session']
+    ch.send({'kind': 'ready'})
+    sock.setblocking(False)
+    sel.register(sock, selectors.EVENT_READ, ch)
+    chans.append(ch)
+  n = last - first
+  next_at = [t0 + interval * (i / n) for i in range(n)]
+  flushed = {}
+  sent = 0
+  end = t0 + seconds
+  while time.time() < end:
+    now = time.time()
+    step = HISTORY + int((now - t0) / STEP_S)
+    for k, ch in enumerate(chans):
+      procs = range((first + k) * per_host, (first + k + 1) * per_host)
+      if now >= next_at[k]:
+        payloads = [_beat(p, step, now, 0) for p in procs if not (p == silent and now >= silent_at)]
+        ch.sock.setblocking(True)
+        ch.send({'kind': 'beats', 'payloads': payloads})
+        ch.sock.setblocking(False)
+        sent += len(payloads)
+        next_at[k] += interval
+      for p in procs:
+        if step - flushed.get(p, HISTORY) >= TIMING_EVERY:
+          with open(os.path.join(workdir, 'timings', f'process-{p:05d}.jsonl'), 'a') as fh:
+            fh.writelines(timing_row(p, s) for s in range(flushed.get(p, HISTORY) + 1, step + 1))
+          flushed[p] = step
+    for key, _ in sel.select(0):   # the driver's acks: read and let go
+      try:
+        key.fileobj.recv(1 << 20)
+      except OSError:
+        pass
+    time.sleep(0.002)
+  sent_out.put(sent)
+  for ch in chans:
+    ch.close()
+
+
+def simulate(n: int, seconds: float, interval: float, timeout: float, senders: int, per_host: int = 1) -> dict:
   workdir = tempfile.mkdtemp(prefix=f'mjax-scale-{n}-')
   os.makedirs(os.path.join(workdir, 'timings'))
   for p in range(n):   # the history a long run has behind it
@@ -107,7 +176,14 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
            f'--gin.FaultConfig.heartbeat_timeout_s={timeout}',
            f'--gin.FaultConfig.progress_timeout_s={max(120.0, 3 * timeout)}',
            f'--gin.FaultConfig.collective_timeout_s={max(600.0, 6 * timeout)}']
-  opts = driver_lib.parse_args(['--processes', str(n), '--workdir', workdir, '--quiet', '--', *train])
+  if per_host > 1:
+    os.environ[protocol.SECRET_ENV] = hb.new_secret()
+    from mjax import launch
+    opts = driver_lib.parse_args(['--executor', 'agent', '--bind', f'127.0.0.1:{launch.free_port()}',
+                                  '--processes', '1', '--hosts', 'host0', '--workdir', workdir, '--quiet', '--',
+                                  *train])
+  else:
+    opts = driver_lib.parse_args(['--processes', str(n), '--workdir', workdir, '--quiet', '--', *train])
   d = driver_lib.Driver(opts)
   monitor = detect.Monitor(d.fault_cfg, d.losses)
   handles = {p: FakeHandle(PID0 + p) for p in range(n)}
@@ -132,9 +208,16 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
   silent_at = t0 + seconds / 3
   queue = mp.Queue()
   bounds = [n * i // senders for i in range(senders + 1)]
-  procs = [mp.Process(target=sender, args=(bounds[i], bounds[i + 1], d.server.address, d.secret, interval, t0,
-                                           seconds, silent, silent_at, workdir, queue))
-           for i in range(senders)]
+  if per_host > 1:
+    hosts = n // per_host
+    hb_ = [hosts * i // senders for i in range(senders + 1)]
+    procs = [mp.Process(target=agent_sender, args=(hb_[i], hb_[i + 1], per_host, d.server.address, d.secret,
+                                                   interval, t0, seconds, silent, silent_at, workdir, queue))
+             for i in range(senders)]
+  else:
+    procs = [mp.Process(target=sender, args=(bounds[i], bounds[i + 1], d.server.address, d.secret, interval, t0,
+                                             seconds, silent, silent_at, workdir, queue))
+             for i in range(senders)]
   for pr in procs:
     pr.start()
   cpu0, faults, detected = time.process_time(), [], None
@@ -169,12 +252,18 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
     pr.join()
   sent = sum(queue.get() for _ in procs)
   time.sleep(0.5)
+  messages = received['ok']
+  if d.agents is not None:   # every heartbeat came through the agents
+    received['ok'] += d.agents.relayed
+    messages += d.agents.messages
+    d.agents.close()
   rcvbuf = getattr(d.server, 'receive_buffer', None) or d.server.sock.getsockopt(socket.SOL_SOCKET,
                                                                                  socket.SO_RCVBUF)
   d.server.close()
   d.events.close()
   return {'processes': n, 'sent': sent, 'received': received['ok'], 'dropped': sent - received['ok'],
           'false_faults': faults, 'detected_s': detected, 'cpu_us_per_msg': 1e6 * cpu / max(1, received['ok']),
+          'messages': messages,
           'straggler_s': max(watch_seconds) if watch_seconds else None,
           'rcvbuf': rcvbuf}
 
@@ -286,6 +375,8 @@ def main(argv=None):
   p.add_argument('--interval', type=float, default=2.0, help='heartbeat_interval_s (default: FaultConfig)')
   p.add_argument('--timeout', type=float, default=20.0, help='heartbeat_timeout_s (default: FaultConfig)')
   p.add_argument('--senders', type=int, default=2, help='sender processes')
+  p.add_argument('--per_host', type=int, default=1,
+                 help='processes per host: above 1, heartbeats go through simulated per-host agents')
   p.add_argument('--agreement', type=int, nargs='*', default=[256, 2048],
                  help='simulated processes for the start-up agreement table (none: skip it)')
   p.add_argument('--old_up_to', type=int, default=512,
@@ -293,14 +384,15 @@ def main(argv=None):
   args = p.parse_args(argv)
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
   resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-  print('| processes | heartbeats sent | dropped | false faults | silent process named after '
-        '| driver CPU / heartbeat | straggler analysis | socket buffer |\n|---|---|---|---|---|---|---|---|',
-        flush=True)
+  print('| processes | path | heartbeats sent | messages to the driver | dropped | false faults | silent process '
+        'named after | driver CPU / heartbeat | straggler analysis | socket buffer |\n'
+        '|---|---|---|---|---|---|---|---|---|---|', flush=True)
+  path = f'agents, {args.per_host} per host' if args.per_host > 1 else 'direct UDP'
   for n in args.processes:
-    r = simulate(n, args.seconds, args.interval, args.timeout, args.senders)
+    r = simulate(n, args.seconds, args.interval, args.timeout, args.senders, args.per_host)
     det = f'{r["detected_s"]:.1f} s' if r['detected_s'] is not None else 'not named'
     strag = f'{r["straggler_s"]:.2f} s' if r['straggler_s'] is not None else '-'
-    print(f'| {n:,} | {r["sent"]:,} | {r["dropped"]:,} ({r["dropped"] / max(1, r["sent"]):.2%}) | '
+    print(f'| {n:,} | {path} | {r["sent"]:,} | {r["messages"]:,} | {r["dropped"]:,} ({r["dropped"] / max(1, r["sent"]):.2%}) | '
           f'{len(r["false_faults"])} | {det} (timeout {args.timeout:g} s) | {r["cpu_us_per_msg"]:.0f} µs | '
           f'{strag} | {r["rcvbuf"] / 2**10:,.0f} KiB |', flush=True)
     if r['false_faults']:

@@ -313,6 +313,21 @@ def launch_main(argv: Optional[Sequence[str]] = None) -> None:
   sys.exit(driver.Driver(driver.parse_args(sys.argv[1:] if argv is None else argv)).run())
 
 
+@entry_point('mjax-agent')
+def agent_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-agent: the per-host agent of the fault-tolerance driver.
+
+    MJAX_JOB_SECRET=... mjax-agent --driver HEAD:PORT [--host NAME] [--address ADDR]
+
+  Starts, signals and stops this host's training processes for the driver
+  (mjax-launch --executor agent), runs its diagnostics and relays its
+  heartbeats in aggregate; see mjax/ft/agent.py. Exit status 0 when the
+  driver ends the job, 1 when no driver answered, 2 for bad input.
+  """
+  from mjax.ft import agent
+  sys.exit(agent.agent_main(sys.argv[1:] if argv is None else argv))
+
+
 @entry_point('mjax-eval')
 def eval_main(argv: Optional[Sequence[str]] = None) -> None:
   """mjax-eval: loss, perplexity and bits per byte of a checkpoint, as JSON.

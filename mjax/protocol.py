@@ -32,6 +32,8 @@ EXIT_USER_ERROR = 2    # bad input (mjax.errors.UserError): retrying cannot help
 EXIT_NONFINITE = 3     # the loss became NaN/Inf: the driver rolls back and skips the data
 EXIT_DRIVER_LOST = 4   # no word from the driver for heartbeat_timeout_s: saved and stopped; a
                        # driver that is in fact alive (a network cut) restarts it from that save
+EXIT_HOST_LOST = 255   # the driver's verdict, never a trainer's: the process's host agent went away
+                       # (mjax/ft/agent.py), so the process is as good as gone
 EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell convention 128 + SIGINT)
 
 # --- environment the driver sets for each training process ----------------------

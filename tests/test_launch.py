@@ -379,10 +379,83 @@ def _runs_trainer(container: dict) -> bool:
              for a in container.get('command', []) + container.get('args', []))
 
 
+def _runs(container: dict, script: str) -> bool:
+  return any(os.path.basename(str(a)) == script for a in container.get('command', []) + container.get('args', []))
+
+
+def _flag(argv: list, name: str):
+  return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name), None)
+
+
+def _secret_ref(container: dict):
+  return next((v['valueFrom']['secretKeyRef'] for v in container.get('env', [])
+               if v['name'] == 'MJAX_JOB_SECRET' and 'secretKeyRef' in v.get('valueFrom', {})), None)
+
+
+def ft_jobset_problems(doc: dict) -> list[str]:
+  """A JobSet under the fault-tolerance driver (launch/jobset_ft.yaml): one
+  driver pod with agents; what would keep the agents from reaching the
+  driver, or the driver from finding enough hosts; [] if nothing."""
+  name, spec, problems = doc['metadata']['name'], doc['spec'], []
+  subdomain = spec.get('network', {}).get('subdomain') or name
+  found = {script: [(rj, c) for rj in spec.get('replicatedJobs', [])
+                    for c in rj['template']['spec']['template']['spec']['containers'] if _runs(c, script)]
+           for script in ('mjax-launch', 'mjax-agent', 'mjax-train')}
+  if found['mjax-train']:
+    problems.append('a container runs mjax-train beside the driver: under the driver, the agents start the trainers')
+  if len(found['mjax-launch']) != 1 or not found['mjax-agent']:
+    return problems + ['expected one replicated job running mjax-launch and one running mjax-agent']
+  drj, driver_c = found['mjax-launch'][0]
+  argv = driver_c.get('command', []) + driver_c.get('args', [])
+  if _flag(argv, '--executor') != 'agent':
+    problems.append('the driver does not run with --executor agent')
+  djob = drj['template']['spec']
+  if drj.get('replicas', 1) != 1 or djob.get('parallelism', 1) != 1:
+    problems.append('the driver must be one pod (replicas 1, parallelism 1)')
+  bind = _flag(argv, '--bind') or ':'
+  port = bind.rpartition(':')[2]
+  declared = {(p['containerPort'], p.get('protocol', 'TCP')) for p in driver_c.get('ports', [])}
+  for proto in ('TCP', 'UDP'):
+    if declared and (int(port or 0), proto) not in declared:
+      problems.append(f'the driver\'s --bind port {port} is not a containerPort/{proto} ({sorted(declared)})')
+  processes = int(_flag(argv, '--processes') or 0)
+  driver_pod = f'{name}-{drj["name"]}-0-0'
+  fields = {**_pod_fields(name, drj['name'], 0, 0), 'spec.nodeName': 'node-a'}
+  agents = 0
+  for arj, agent_c in found['mjax-agent']:
+    agents += arj.get('replicas', 1) * arj['template']['spec'].get('parallelism', 1)
+    env = {}
+    for var in agent_c.get('env', []):
+      if 'value' in var:
+        env[var['name']] = _expand(str(var['value']), env)
+      elif 'fieldRef' in var.get('valueFrom', {}):
+        env[var['name']] = {**fields, **_pod_fields(name, arj['name'], 0, 1)}.get(
+            var['valueFrom']['fieldRef']['fieldPath'], '?')
+    aargv = [_expand(str(a), env) for a in agent_c.get('command', []) + agent_c.get('args', [])]
+    if _flag(aargv, '--driver') != f'{driver_pod}.{subdomain}:{port}':
+      problems.append(f'{arj["name"]}: --driver {_flag(aargv, "--driver")!r} is not the driver pod\'s '
+                      f'{driver_pod}.{subdomain}:{port}')
+    address = _flag(aargv, '--address')
+    if address is not None and address != f'{name}-{arj["name"]}-0-1.{subdomain}':
+      problems.append(f'{arj["name"]}: --address {address!r} is not the pod\'s own DNS name')
+    if _secret_ref(agent_c) is None or _secret_ref(agent_c) != _secret_ref(driver_c):
+      problems.append(f'{arj["name"]}: MJAX_JOB_SECRET must come from the driver\'s secret')
+  if agents < processes:
+    problems.append(f'{agents} agent pods for --processes {processes}: a host per process is needed')
+  if spec.get('failurePolicy', {}).get('maxRestarts', 0) != 0:
+    problems.append('failurePolicy.maxRestarts must be 0: the driver restarts, JobSet must not restart everything')
+  if drj['name'] not in (spec.get('successPolicy') or {}).get('targetReplicatedJobs', []):
+    problems.append('successPolicy must target the driver: the set is done when the driver is')
+  return sorted(set(problems))
+
+
 def jobset_problems(doc: dict) -> list[str]:
   """What mjax/distributed.py would get wrong in the pods of this JobSet: the
   process count, the process ids, the coordinator address; [] if nothing."""
   name, spec, problems = doc['metadata']['name'], doc['spec'], []
+  if any(_runs(c, 'mjax-launch') for rj in spec.get('replicatedJobs', [])
+         for c in rj['template']['spec']['template']['spec']['containers']):
+    return ft_jobset_problems(doc)
   trainers = [(rj, c) for rj in spec.get('replicatedJobs', [])
               for c in rj['template']['spec']['template']['spec']['containers'] if _runs_trainer(c)]
   if not trainers:
@@ -475,3 +548,30 @@ def test_coordinator_derived_by_mjax_is_checked_too():
   _container(doc)['env'].append({'name': 'REPLICATED_JOB_NAME', 'valueFrom': {'fieldRef': {
       'fieldPath': "metadata.labels['jobset.sigs.k8s.io/replicatedjob-name']"}}})
   assert jobset_problems(doc) == []
+
+
+FT_JOBSET = next(doc for path, _, doc in JOBSETS if path.endswith('jobset_ft.yaml'))
+
+
+def _ft_part(doc, name):
+  rj = next(r for r in doc['spec']['replicatedJobs'] if r['name'] == name)
+  return rj, rj['template']['spec']['template']['spec']['containers'][0]
+
+
+@pytest.mark.parametrize('mutate, says', [
+    (lambda d: _ft_part(d, 'agents')[0]['template']['spec'].update(parallelism=1, completions=1),
+     '1 agent pods for --processes 2'),
+    (lambda d: _ft_part(d, 'agents')[1]['command'].__setitem__(2, 'mjax-ft-driver-0-0.mjax-ft:7001'),
+     'is not the driver pod'),
+    (lambda d: _ft_part(d, 'driver')[1]['command'].__setitem__(4, '0.0.0.0:7001'), 'is not a containerPort'),
+    (lambda d: _ft_part(d, 'driver')[1]['command'].__setitem__(2, 'local'), '--executor agent'),
+    (lambda d: _ft_part(d, 'agents')[1]['env'].pop(), 'MJAX_JOB_SECRET'),
+    (lambda d: d['spec']['failurePolicy'].update(maxRestarts=3), 'maxRestarts must be 0'),
+    (lambda d: d['spec'].pop('successPolicy'), 'successPolicy'),
+], ids=['agents', 'driver-address', 'port', 'executor', 'secret', 'restarts', 'success'])
+def test_ft_jobset_check_catches_a_mismatch(mutate, says):
+  assert ft_jobset_problems(FT_JOBSET) == []
+  doc = copy.deepcopy(FT_JOBSET)
+  mutate(doc)
+  problems = ft_jobset_problems(doc)
+  assert any(says in p for p in problems), problems

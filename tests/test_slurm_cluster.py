@@ -14,9 +14,10 @@ What is checked, as a user would see it:
      devices over 2 processes) that trains to the last step.
   2. `scancel` of a running job: mjax-train saves a checkpoint on SIGTERM;
      the same command submitted again resumes from it and finishes.
-  3. launch/slurm_ft.sbatch, the fault-tolerance driver with one job step
-     per node: a task killed with SIGKILL is detected, and a new attempt
-     resumes from the last checkpoint and finishes.
+  3. launch/slurm_ft.sbatch, the fault-tolerance driver on the first node
+     and one mjax-agent per node (srun), and again with MJAX_EXECUTOR=slurm
+     (each trainer a job step): a task killed with SIGKILL is detected, and
+     a new attempt resumes from the last checkpoint and finishes.
 
 Skipped, with the reason, where it cannot run: not root, or no apt to
 install SLURM, or the packages cannot be installed.
@@ -234,12 +235,14 @@ def test_scancel_saves_and_a_resubmission_resumes(cluster, tmp_path):
   assert os.path.isdir(os.path.join(workdir, 'checkpoints', '40'))
 
 
-def test_fault_tolerance_driver_recovers_a_killed_task(cluster, tmp_path):
+@pytest.mark.parametrize('executor', ['agent', 'slurm'])
+def test_fault_tolerance_driver_recovers_a_killed_task(cluster, tmp_path, executor):
   env, d = cluster
   workdir = str(tmp_path / 'run')
   job = _submit(env, d, '--workdir', workdir, '--diagnose_args=--checks memory', '--', *TRAIN,
                 '--gin.TrainConfig.steps=20', script='slurm_ft.sbatch',
-                extra_env={'MJAX_FAULT': 'kill:step=12:process=1'})   # SIGKILL, first attempt only
+                extra_env={'MJAX_FAULT': 'kill:step=12:process=1',   # SIGKILL, first attempt only
+                           'MJAX_EXECUTOR': executor})
   assert _wait(env, d, job, timeout=400) == 'COMPLETED', _log(d, job)[-3000:]
   with open(os.path.join(workdir, 'events.jsonl')) as fh:
     events = [json.loads(line) for line in fh]
@@ -247,6 +250,11 @@ def test_fault_tolerance_driver_recovers_a_killed_task(cluster, tmp_path):
   launches = [e for e in events if e['event'] == 'launch']
   assert len(launches) == 2, kinds
   assert launches[0]['hosts'] == ['node1', 'node2'] and launches[0]['coordinator'].startswith('node1:')
+  if executor == 'agent':   # one mjax-agent per node (srun --ntasks-per-node=1), connected before the launch
+    assert sorted(e['host'] for e in events if e['event'] == 'agent_connected')[:2] == ['node1', 'node2'], kinds
+    assert kinds.index('agent_connected') < kinds.index('launch')
+  else:                     # each trainer a job step of its own
+    assert 'agent_connected' not in kinds
   faults = [e for e in events if e['event'] == 'fault']
   assert faults and 1 in faults[0]['processes'], faults
   assert kinds[-1] == 'finish', kinds

@@ -84,7 +84,9 @@ from typing import Optional, Sequence
 from mjax import flags, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
 from mjax.ft import executor as executor_lib
+from mjax.ft import agent as agent_lib
 from mjax.ft.executor import LocalExecutor
+from mjax.errors import UserError
 
 # The driver's own exit statuses.
 EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, protocol.EXIT_USER_ERROR
@@ -114,7 +116,9 @@ class Options:
   diagnose_args: list[str] = dataclasses.field(default_factory=list)
   diagnose_timeout_s: float = 300.0
   quiet: bool = False
-  executor: str = 'local'                       # 'local' or 'slurm' (mjax/ft/executor.py)
+  executor: str = 'local'                       # 'local', 'slurm' or 'agent' (mjax/ft/executor.py, agent.py)
+  discover: bool = False                        # agent: hosts are the agents that connect
+  agent_wait_s: float = 300.0
 
 
 def _script(name: str) -> Optional[list[str]]:
@@ -132,9 +136,13 @@ def parse_args(argv: Sequence[str]) -> Options:
             '<mjax-train args>')
   p.add_argument('--processes', type=int, default=None,
                  help='training processes (one per host); with --executor slurm, default: one per node')
-  p.add_argument('--executor', choices=('local', 'slurm'), default='local',
+  p.add_argument('--executor', choices=('local', 'slurm', 'agent'), default='local',
                  help='local: processes on this machine; slurm: one job step per node of the SLURM '
-                      'allocation this runs in (launch/slurm_ft.sbatch)')
+                      'allocation this runs in; agent: through the mjax-agent of each host, which '
+                      'connect to --bind (launch/slurm_ft.sbatch, launch/jobset_ft.yaml)')
+  p.add_argument('--agent_wait_s', type=float, default=300.0,
+                 help='with --executor agent: how long each attempt waits for the agents of its hosts; '
+                      'a host whose agent is not connected by then sits the attempt out (default 300)')
   p.add_argument('--devices', type=int, default=None,
                  help='fake CPU devices per process (default: the real devices, e.g. GPUs)')
   p.add_argument('--workdir', required=True, help='run directory (checkpoints, events.jsonl, logs/)')
@@ -161,7 +169,8 @@ def parse_args(argv: Sequence[str]) -> Options:
   if any(a == '--workdir' or a.startswith('--workdir=') for a in train_args):
     p.error('give --workdir to mjax-launch, before --: the driver passes it on to every process')
   slurm_nodes = None
-  if args.executor == 'slurm' and not args.hosts:
+  discover = args.executor == 'agent' and not args.hosts and not os.environ.get('SLURM_JOB_NODELIST')
+  if args.executor in ('slurm', 'agent') and not args.hosts and not discover:
     try:
       slurm_nodes = executor_lib.slurm_hosts()
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
@@ -172,13 +181,16 @@ def parse_args(argv: Sequence[str]) -> Options:
       args.processes = len(slurm_nodes)
     slurm_nodes = slurm_nodes[:args.processes]
   if args.processes is None:
-    p.error('--processes is required (with --executor local)')
+    p.error(f'--processes is required (with --executor {args.executor}'
+            + (' outside a SLURM allocation)' if args.executor == 'agent' else ')'))
   if args.processes < 1 or (args.devices is not None and args.devices < 1):
     p.error('--processes and --devices must be at least 1')
   hosts = (args.hosts.split(',') if args.hosts else slurm_nodes if slurm_nodes is not None
-           else [f'slot{i}' for i in range(args.processes)])
+           else [] if discover else [f'slot{i}' for i in range(args.processes)])
   spares = [h for h in args.spares.split(',') if h]
-  if len(hosts) != args.processes:
+  if discover and spares:
+    p.error('--spares needs --hosts: without --hosts, every connected agent beyond --processes is a spare')
+  if len(hosts) != args.processes and not discover:
     p.error(f'--hosts names {len(hosts)} host(s) for --processes {args.processes}: one host per '
             f'process; list extra hosts with --spares')
   if len(set(hosts + spares)) != len(hosts + spares):
@@ -191,21 +203,39 @@ def parse_args(argv: Sequence[str]) -> Options:
       p.error(f'--host_env {item!r}: expected HOST:NAME=VALUE, e.g. slot1:MJAX_DIAGNOSE_FAIL=matmul')
     host_env.setdefault(host, {})[name] = value
   bind = args.bind
-  if args.executor == 'slurm' and bind == p.get_default('bind'):
+  if args.executor in ('slurm', 'agent') and bind == p.get_default('bind'):
     # The trainers run on other nodes: listen on this node's own address.
     bind = f'{socket.gethostname()}:0'
   try:
-    hb.parse_address(bind)
+    _, port = hb.parse_address(bind)
   except ValueError as e:
     p.error(f'--bind: {e}')
+  if args.executor == 'agent' and port == 0:
+    p.error(f'--executor agent needs --bind HOST:PORT with a fixed port (not {bind!r}): every '
+            f'mjax-agent is started with --driver HOST:PORT before the driver listens')
   return Options(args.processes, args.devices, args.workdir, train_args, hosts, spares, bind,
                  host_env, args.grace_s, diagnose_args=shlex.split(args.diagnose_args),
-                 diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet, executor=args.executor)
+                 diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet, executor=args.executor,
+                 discover=discover, agent_wait_s=args.agent_wait_s)
 
 
 # ----------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------
+
+def _agent_secret() -> str:
+  """The job secret the agents share, from MJAX_JOB_SECRET."""
+  secret = os.environ.get(protocol.SECRET_ENV, '')
+  try:
+    if len(bytes.fromhex(secret)) < 16:
+      raise ValueError
+  except ValueError:
+    raise UserError(f'--executor agent: {protocol.SECRET_ENV} must hold the job secret (at least 32 hex '
+                    f'digits) that every mjax-agent of the job was started with, e.g. '
+                    f'export {protocol.SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(32))")') \
+        from None
+  return secret
+
 
 def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
   try:
@@ -257,8 +287,6 @@ class Driver:
 
   def __init__(self, opts: Options, executor_factory=None):
     """Raises mjax.errors.UserError (exit status 2) for a config that cannot run."""
-    if executor_factory is None:
-      executor_factory = executor_lib.SlurmExecutor if opts.executor == 'slurm' else LocalExecutor
     self.opts = opts
     self.workdir = os.path.abspath(opts.workdir)
     args, bindings = flags.parse(flags.parser('mjax-launch', ''), opts.train_args)
@@ -269,16 +297,33 @@ class Driver:
     self.cfg = flags.load(self.gin_files, bindings, num_devices=total)
     self.fault_cfg = self.cfg.fault
     os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
-    self.executor_factory = executor_factory
     self.trainer = opts.trainer or _script('mjax-train') or [
         sys.executable, '-c', 'import sys; from mjax.cli import train_main; sys.argv[0] = "mjax-train"; train_main()']
     self.diagnose_cmd = opts.diagnose or _script('mjax-diagnose')
-    self.secret = hb.new_secret()
-    window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
-    self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
     self.events = events_lib.EventLog(
         os.path.join(self.workdir, 'events.jsonl'),
         echo=None if opts.quiet else _echo)
+    # The agents were started with the job's secret (MJAX_JOB_SECRET) before
+    # the driver: it is theirs to share. Otherwise the driver makes one.
+    self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
+    window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
+    self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
+    self.agents: Optional[agent_lib.AgentServer] = None
+    if opts.executor == 'agent':
+      # TCP on the heartbeat server's port: one address for the agents.
+      host, _ = hb.parse_address(opts.bind)
+      port = int(self.server.address.rpartition(':')[2])
+      try:
+        self.agents = agent_lib.AgentServer(host, port, self.secret, self.fault_cfg.heartbeat_interval_s,
+                                            self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit)
+      except OSError as e:
+        self.server.close()
+        raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None
+    if executor_factory is None:
+      executor_factory = {'slurm': executor_lib.SlurmExecutor,
+                          'agent': lambda host: agent_lib.AgentExecutor(self.agents, host)}.get(
+                              opts.executor, LocalExecutor)
+    self.executor_factory = executor_factory
     self.blocked = hosts_lib.BlockList(self.workdir)
     self.losses = detect.LossMonitor(self.fault_cfg.loss_spike_factor, self.fault_cfg.loss_spike_count)
     self.skip: Optional[tuple[int, int]] = None   # (checkpoint step, batches to skip after it)
@@ -304,7 +349,7 @@ class Driver:
     streak = 0        # in a row without recovering: bounded by max_restarts
     try:
       while True:
-        hosts = hosts_lib.plan_hosts(self.opts.processes, self.opts.hosts, self.opts.spares, self.blocked)
+        hosts = self._plan()
         if not hosts:
           return self._give_up('no healthy host left', restarts)
         try:
@@ -347,6 +392,10 @@ class Driver:
     finally:
       for s, h in old.items():
         signal.signal(s, h)
+      if self.agents is not None:
+        self.agents.farewell('the driver stopped')
+        time.sleep(0.2)   # let the farewells leave before the connections close
+        self.agents.close()
       self.server.close()
       self.events.close()
 
@@ -365,6 +414,31 @@ class Driver:
     from mjax.checkpoint import saved_steps
     found = saved_steps(self.cfg.checkpoint, self.workdir)
     return found[0][0] if found else 0
+
+  def _plan(self) -> list[str]:
+    """The hosts of the next attempt (mjax/ft/hosts.py); with agents, only
+    hosts whose agent is connected, waiting up to --agent_wait_s for them."""
+    o = self.opts
+    if self.agents is None:
+      return hosts_lib.plan_hosts(o.processes, o.hosts, o.spares, self.blocked)
+    if o.discover:   # the connected agents, in name order; those beyond --processes are spares
+      deadline = time.monotonic() + o.agent_wait_s
+      while True:
+        usable = [h for h in self.agents.connected() if h not in self.blocked]
+        if len(usable) >= o.processes or time.monotonic() >= deadline or self._signal is not None:
+          break
+        time.sleep(0.05)
+      hosts = usable[:o.processes]
+    else:
+      wanted = hosts_lib.plan_hosts(o.processes, o.hosts, o.spares, self.blocked)
+      self.agents.wait_for(wanted, o.agent_wait_s)
+      # A host without an agent sits this attempt out (not blocked: its agent
+      # may just be late); a spare takes its place where there is one.
+      pool = [h for h in [*o.hosts, *o.spares] if h not in self.blocked]
+      hosts = [h for h in pool if self.agents.link(h) is not None][:o.processes]
+    missing = sorted(set(o.hosts) - set(self.blocked.hosts()) - set(self.agents.connected()))
+    self.events.emit('agents', connected=self.agents.connected(), chosen=hosts, missing=missing)
+    return hosts
 
   def _elastic(self, n: int) -> list[str]:
     """Bindings for running on n hosts instead of the --processes asked for."""
@@ -436,6 +510,15 @@ class Driver:
         fault = att.monitor.beat(payload, now)
         if fault is not None:
           return fault
+      if self.agents is not None:   # heartbeats relayed by the hosts' agents, verified there
+        now = time.monotonic()
+        for payload in self.agents.take_beats():
+          try:
+            fault = att.monitor.beat(payload, now)
+          except (KeyError, TypeError, ValueError):
+            continue   # an agent of this job relaying a malformed payload: ignore it
+          if fault is not None:
+            return fault
       # The scans below are O(processes): once per tick, not after every
       # batch of datagrams (thousands of senders keep the socket busy).
       now = time.monotonic()
@@ -474,6 +557,10 @@ class Driver:
     if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable for a while
       return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
                           'heartbeat_timeout_s', extra={'exit': codes})
+    if protocol.EXIT_HOST_LOST in failed.values():   # its agent disconnected or fell silent
+      lost = sorted(i for i, c in failed.items() if c == protocol.EXIT_HOST_LOST)
+      return detect.Fault('host_lost', lost, 'the host\'s agent went away (connection lost or silent for '
+                          'heartbeat_timeout_s)', extra={'exit': codes})
     return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
 
   def _facts(self, att: Attempt, process: int) -> dict:
@@ -482,6 +569,8 @@ class Driver:
 
   @staticmethod
   def _describe_status(code: int) -> str:
+    if code == protocol.EXIT_HOST_LOST:
+      return 'host lost'
     if code < 0:
       try:
         return signal.Signals(-code).name

@@ -374,6 +374,9 @@ class HeartbeatServer:
     self.address = f'{shown}:{bound_port}'
     self.verifier = Verifier(secret, window_s)
     self._secret = secret
+    # False: authentic heartbeats are taken but not acknowledged (a host
+    # agent whose driver is gone, so that its trainers notice; agent.py).
+    self.acking = True
 
   def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
     """[(payload, None, sender) or (None, reason, sender)], waiting at most `timeout`."""
@@ -389,7 +392,8 @@ class HeartbeatServer:
       try:
         payload = self.verifier.verify(data)
         out.append((payload, None, sender))
-        self._ack(payload, sender)
+        if self.acking:
+          self._ack(payload, sender)
       except Rejected as e:
         out.append((None, e.reason, sender))
       except Exception as e:  # noqa: BLE001 -- no datagram may stop the driver's loop

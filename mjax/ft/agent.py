@@ -1,0 +1,836 @@
+"""Per-host agents: the driver's hands on every host (MegaScale §7's executors).
+
+  mjax-agent --driver HEAD:PORT                  # on every host, e.g. srun --ntasks-per-node=1
+  mjax-launch --executor agent --bind HEAD:PORT --processes N --workdir DIR -- <mjax-train args>
+
+One agent runs on each host for the whole job; the driver (mjax/ft/driver.py)
+talks to the agents only. An agent
+
+  - starts, signals and kills its host's training processes, and reports
+    their exits;
+  - runs the host's diagnostics (mjax-diagnose) when the driver asks, in a
+    thread of its own so that heartbeats keep flowing meanwhile;
+  - receives its trainers' heartbeats (UDP on the host itself, verified and
+    acknowledged there) and relays them to the driver in aggregate: one
+    message per heartbeat interval for the whole host, so that the driver
+    verifies one message per host where it would verify one per process.
+
+Starts and stops are messages: the driver sends them to every agent at once
+and each host acts in parallel.
+
+The channel is one TCP connection per agent, opened by the agent (so a host
+needs only the driver's address, as a pod or a srun task has). Every message
+is one line of JSON signed with HMAC-SHA256 under the per-job secret
+(MJAX_JOB_SECRET, the same secret as the heartbeats), bound to the session
+(both sides' fresh random nonces) and carrying a per-direction sequence
+number: a message from another job, an altered one, a replay from an earlier
+connection or out of order closes the connection. The handshake:
+
+  agent  -> driver   hello   {host, address, pid, nonce A}
+  driver -> agent    welcome {session "D:A", heartbeat interval and timeout}
+  agent  -> driver   ready   (the first message carrying the session)
+
+An agent counts as connected only after `ready`, so a replayed hello
+registers nothing.
+
+Messages, driver to agent:
+  start {id, argv, env, log}     env: only what the driver adds to its own
+                                 environment; the host's own applies otherwise
+  signal {id, sig}, kill {id}    SIGKILL to the process group
+  run {id, argv, env, timeout}   -> ran {id, code, out, err}
+  port {id}                      -> port {id, port}: a TCP port free on the host,
+                                 for the JAX coordinator of process 0
+  ack                            after each `beats`: the driver is alive
+  exit {reason}                  the job is over: stop everything, exit 0
+Agent to driver:
+  started {id, pid}, exited {id, code}, ran {...}
+  beats {payloads}               every heartbeat interval, also when empty
+                                 (then it is the agent's own heartbeat)
+
+Failure behaviour:
+  - The driver hears nothing from an agent for heartbeat_timeout_s, or its
+    connection closes: that host's processes count as exited with status
+    EXIT_HOST_LOST, and its diagnostics fail; the driver's usual recovery
+    follows (block the host, restart on the others or on a spare).
+  - An agent hears nothing from its driver for heartbeat_timeout_s: it stops
+    acknowledging its trainers' heartbeats, so they save and exit by
+    themselves (HeartbeatClient.driver_lost), as without an agent; whatever
+    still runs a timeout later is killed. Nothing trains unsupervised. The
+    agent then connects again, to whichever driver comes (a restarted one).
+  - An agent that cannot reach a driver for --connect_timeout_s exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import os
+import secrets
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from mjax import protocol
+from mjax.ft import heartbeat as hb
+
+log = logging.getLogger('mjax.agent')
+
+MAX_LINE = 8 << 20        # bytes; a `ran` carries up to 2 x OUTPUT_LIMIT of output
+OUTPUT_LIMIT = 1 << 20    # characters of a diagnostic's stdout / stderr relayed
+EXIT_HOST_LOST = protocol.EXIT_HOST_LOST
+CONNECT_RETRY_S = 0.5
+
+
+class ChannelError(Exception):
+  """The peer sent something that is not an authentic, in-order message."""
+
+
+class Channel:
+  """One authenticated TCP connection (see the module docstring).
+
+  `send` may be called from several threads; `feed` from one.
+  """
+
+  def __init__(self, sock: socket.socket, secret_hex: str, me: str, peer: str):
+    self.sock = sock
+    self._key = bytes.fromhex(secret_hex)
+    self._secret = secret_hex
+    self.me, self.peer = me, peer          # 'agent' / 'driver': the direction of each message
+    self.session: Optional[str] = None
+    self._sent = 0
+    self._received = 0
+    self._buf = bytearray()
+    self._lock = threading.Lock()
+
+  def send(self, msg: dict) -> None:
+    """Raises OSError when the connection is gone."""
+    with self._lock:
+      self._sent += 1
+      payload = {**msg, 'from': self.me, 'seq': self._sent, 'session': self.session}
+      self.sock.sendall(hb.sign(payload, self._secret) + b'\n')
+
+  def feed(self, data: bytes):
+    """Yields the complete messages in what arrived, one at a time (so that
+    a session set while handling one applies to the next); raises
+    ChannelError while iterating."""
+    self._buf += data
+    while True:
+      end = self._buf.find(b'\n')
+      if end < 0:
+        if len(self._buf) > MAX_LINE:
+          raise ChannelError(f'a message longer than {MAX_LINE} bytes')
+        return
+      line = bytes(self._buf[:end])
+      del self._buf[:end + 1]
+      yield self._open(line)
+
+  def _open(self, line: bytes) -> dict:
+    if len(line) > MAX_LINE:
+      raise ChannelError(f'a message longer than {MAX_LINE} bytes')
+    try:
+      outer = json.loads(line)
+      text, mac = outer['payload'], outer['mac']
+      if not isinstance(text, str) or not isinstance(mac, str):
+        raise TypeError
+      want = hmac.new(self._key, text.encode('utf-8'), hashlib.sha256).hexdigest()
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+      raise ChannelError('malformed message') from None
+    if not hmac.compare_digest(want.encode(), mac.encode('utf-8', 'replace')):
+      raise ChannelError('bad signature: wrong job secret or altered message')
+    try:
+      msg = json.loads(text)
+      kind, seq = str(msg['kind']), int(msg['seq'])
+    except (ValueError, KeyError, TypeError, RecursionError):
+      raise ChannelError('signed message lacks kind / seq') from None
+    if msg.get('from') != self.peer:
+      raise ChannelError('a message of the wrong direction (reflected)')
+    if seq != self._received + 1:
+      raise ChannelError(f'message {seq} out of order (expected {self._received + 1}): replayed or lost')
+    if self.session is not None and msg.get('session') != self.session:
+      raise ChannelError('a message of another session (replayed)')
+    self._received = seq
+    return msg
+
+  def close(self) -> None:
+    try:
+      self.sock.close()
+    except OSError:
+      pass
+
+
+def _env_delta(env: dict) -> dict:
+  """What `env` adds to, changes in (a value) or removes from (None) this
+  process's environment: all a remote host needs, since its own environment
+  (PATH, its devices) applies otherwise."""
+  delta: dict = {k: v for k, v in env.items() if os.environ.get(k) != v}
+  delta.update({k: None for k in os.environ if k not in env})
+  return delta
+
+
+def _clip(text: str) -> str:
+  return text if len(text) <= OUTPUT_LIMIT else text[-OUTPUT_LIMIT:]
+
+
+# ----------------------------------------------------------------------------
+# The driver's end
+# ----------------------------------------------------------------------------
+
+class AgentHandle:
+  """A process started through an agent, with what the driver uses of
+  subprocess.Popen: pid, returncode, poll, send_signal, wait."""
+
+  def __init__(self, link: 'AgentLink', ident: int):
+    self.link, self.id = link, ident
+    self.pid: Optional[int] = None        # the process's pid on its host (after `started`)
+    self.returncode: Optional[int] = None
+    self._done = threading.Event()
+
+  def poll(self) -> Optional[int]:
+    return self.returncode
+
+  def send_signal(self, sig: int) -> None:
+    if self.returncode is None:
+      self.link.send({'kind': 'signal', 'id': self.id, 'sig': int(sig)})
+
+  def wait(self, timeout: Optional[float] = None) -> int:
+    if not self._done.wait(timeout):
+      raise subprocess.TimeoutExpired(f'process {self.id} on {self.link.host}', timeout)
+    return self.returncode
+
+  def _exited(self, code: int) -> None:
+    if self.returncode is None:
+      self.returncode = int(code)
+      self._done.set()
+
+
+@dataclasses.dataclass
+class AgentLink:
+  """The driver's view of one connected agent."""
+  host: str
+  address: str                 # how other hosts reach this one (coordinator address)
+  pid: int
+  channel: Channel
+  last_heard: float
+  handles: dict = dataclasses.field(default_factory=dict)    # id -> AgentHandle
+  runs: dict = dataclasses.field(default_factory=dict)       # id -> Future
+  ready: bool = False
+  lost: bool = False
+
+  def send(self, msg: dict) -> None:
+    if self.lost:
+      return
+    try:
+      self.channel.send(msg)
+    except OSError:
+      pass   # noticed by the server's loop, which marks the host lost
+
+
+class AgentServer:
+  """Accepts the agents' connections and serves them from one thread.
+
+  Relayed heartbeats wait in a queue for the driver's loop (`take_beats`);
+  process exits and diagnostic results go straight to their handles and
+  futures.
+  """
+
+  def __init__(self, host: str, port: int, secret_hex: str, interval_s: float, timeout_s: float,
+               on_event: Optional[Callable[..., None]] = None):
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    self._listener = socket.socket(info[0], socket.SOCK_STREAM)
+    self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self._listener.bind(info[4])
+    self._listener.listen(4096)
+    self.port = self._listener.getsockname()[1]
+    self.secret = secret_hex
+    self.interval_s, self.timeout_s = interval_s, timeout_s
+    self._on_event = on_event or (lambda kind, **kw: None)
+    self._lock = threading.Lock()
+    self._links: dict[str, AgentLink] = {}       # host -> its ready agent
+    self._pending: dict[socket.socket, tuple[Channel, float, Optional[dict]]] = {}
+    self._by_sock: dict[socket.socket, AgentLink] = {}
+    self._beats: list[dict] = []
+    self._ids = itertools.count(1)
+    self.messages = 0            # beats messages received
+    self.relayed = 0             # heartbeats inside them
+    self._farewell = False
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, name='mjax-agent-server', daemon=True)
+    self._thread.start()
+
+  # --- what the driver uses ---------------------------------------------------
+
+  def connected(self) -> list[str]:
+    with self._lock:
+      return sorted(h for h, link in self._links.items() if not link.lost)
+
+  def link(self, host: str) -> Optional[AgentLink]:
+    with self._lock:
+      link = self._links.get(host)
+    return link if link is not None and not link.lost else None
+
+  def wait_for(self, hosts: Sequence[str], timeout_s: float, enough: Optional[int] = None) -> list[str]:
+    """Waits until every host in `hosts` (or `enough` of them) has an agent,
+    at most `timeout_s`; returns those connected."""
+    want = len(hosts) if enough is None else enough
+    deadline = time.monotonic() + timeout_s
+    while True:
+      have = [h for h in hosts if self.link(h) is not None]
+      if len(have) >= want or time.monotonic() >= deadline or self._stop.is_set():
+        return have
+      time.sleep(0.05)
+
+  def take_beats(self) -> list[dict]:
+    with self._lock:
+      out, self._beats = self._beats, []
+    return out
+
+  def start(self, host: str, argv: Sequence[str], env: dict, log_path: str) -> AgentHandle:
+    link = self.link(host)
+    ident = next(self._ids)
+    if link is None:   # no agent: the process never runs, the host counts as lost
+      handle = AgentHandle(AgentLink(host, host, 0, None, 0.0, lost=True), ident)
+      handle._exited(EXIT_HOST_LOST)
+      return handle
+    handle = AgentHandle(link, ident)
+    link.handles[ident] = handle
+    link.send({'kind': 'start', 'id': ident, 'argv': list(argv), 'env': _env_delta(env), 'log': log_path})
+    return handle
+
+  def kill(self, handle: AgentHandle) -> None:
+    if handle.returncode is None:
+      handle.link.send({'kind': 'kill', 'id': handle.id})
+
+  def run(self, host: str, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
+    link = self.link(host)
+    if link is None:
+      return EXIT_HOST_LOST, '', f'no agent connected for host {host}'
+    ident = next(self._ids)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    link.runs[ident] = fut
+    link.send({'kind': 'run', 'id': ident, 'argv': list(argv), 'env': _env_delta(env), 'timeout': timeout})
+    try:
+      return fut.result(timeout + 30.0)   # the agent enforces `timeout`; this covers a silent agent
+    except concurrent.futures.TimeoutError:
+      return 124, '', f'the agent on {host} did not answer within {timeout + 30.0:.0f}s'
+
+  def free_port(self, host: str, fallback: int) -> int:
+    """A port free on `host` (its agent looks), else `fallback`."""
+    link = self.link(host)
+    if link is None:
+      return fallback
+    ident = next(self._ids)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    link.runs[ident] = fut
+    link.send({'kind': 'port', 'id': ident})
+    try:
+      port = fut.result(10.0)
+    except concurrent.futures.TimeoutError:
+      return fallback
+    return port if isinstance(port, int) and 0 < port < 65536 else fallback
+
+  def farewell(self, reason: str) -> None:
+    """Tells every agent the job is over (they stop their processes and exit)."""
+    self._farewell = True   # the connections closing now are no news
+    with self._lock:
+      links = list(self._links.values())
+    for link in links:
+      link.send({'kind': 'exit', 'reason': reason})
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=5.0)
+    with self._lock:
+      links = list(self._links.values())
+    for link in links:
+      link.channel.close()
+    for ch, _, _ in self._pending.values():
+      ch.close()
+    self._listener.close()
+
+  # --- the server's thread ----------------------------------------------------
+
+  def _loop(self) -> None:
+    # epoll where there is one: select() stops at 1,024 descriptors, and a
+    # large job has more hosts than that.
+    self._sel = selectors.DefaultSelector()
+    self._sel.register(self._listener, selectors.EVENT_READ)
+    next_check = time.monotonic() + 0.1
+    while not self._stop.is_set():
+      for key, _ in self._sel.select(0.1):
+        if key.fileobj is self._listener:
+          self._accept()
+        else:
+          self._read(key.fileobj)
+      now = time.monotonic()
+      if now >= next_check:
+        next_check = now + 0.1
+        self._check_silent(now)
+
+  def _accept(self) -> None:
+    try:
+      sock, _ = self._listener.accept()
+    except OSError:
+      return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(10.0)   # a send to an agent that stopped reading must not stall the driver for ever
+    self._pending[sock] = (Channel(sock, self.secret, 'driver', 'agent'), time.monotonic(), None)
+    self._sel.register(sock, selectors.EVENT_READ)
+
+  def _read(self, sock: socket.socket) -> None:
+    try:
+      data = sock.recv(1 << 20)
+    except OSError:
+      data = b''
+    if sock in self._pending:
+      self._handshake(sock, data)
+      return
+    link = self._by_sock.get(sock)
+    if link is None:
+      return
+    if not data:
+      self._lose(link, 'connection closed')
+      return
+    link.last_heard = time.monotonic()
+    try:
+      for msg in link.channel.feed(data):
+        self._handle(link, msg)
+    except ChannelError as e:
+      self._on_event('agent_rejected', host=link.host, reason=str(e))
+      self._lose(link, f'rejected: {e}')
+
+  def _handshake(self, sock: socket.socket, data: bytes) -> None:
+    channel, since, hello = self._pending[sock]
+    try:
+      if not data:
+        raise ChannelError('closed during the handshake')
+      for msg in channel.feed(data):
+        if hello is None:
+          if msg.get('kind') != 'hello' or not isinstance(msg.get('nonce'), str) or not msg.get('host'):
+            raise ChannelError('the first message is not a hello')
+          hello = msg
+          channel.session = f'{secrets.token_hex(16)}:{msg["nonce"]}'
+          channel.send({'kind': 'welcome', 'interval_s': self.interval_s, 'timeout_s': self.timeout_s})
+          self._pending[sock] = (channel, since, hello)
+        elif msg.get('kind') == 'ready' and msg.get('session') == channel.session:
+          self._register(sock, channel, hello)
+          return
+        else:
+          raise ChannelError('expected ready')
+    except (ChannelError, OSError) as e:
+      self._forget(sock)
+      channel.close()
+      if data:
+        self._on_event('agent_rejected', host=(hello or {}).get('host'), reason=str(e))
+
+  def _forget(self, sock: socket.socket) -> None:
+    self._pending.pop(sock, None)
+    self._by_sock.pop(sock, None)
+    try:
+      self._sel.unregister(sock)
+    except (KeyError, ValueError):
+      pass
+
+  def _register(self, sock: socket.socket, channel: Channel, hello: dict) -> None:
+    del self._pending[sock]
+    host = str(hello['host'])
+    link = AgentLink(host, str(hello.get('address') or host), int(hello.get('pid') or 0), channel,
+                     time.monotonic(), ready=True)
+    with self._lock:
+      old = self._links.get(host)
+      self._links[host] = link
+    self._by_sock[sock] = link
+    if old is not None and not old.lost:
+      self._lose(old, 'replaced by a new connection from the same host')
+    self._on_event('agent_connected', host=host, address=link.address, pid=link.pid)
+
+  def _handle(self, link: AgentLink, msg: dict) -> None:
+    kind = msg.get('kind')
+    if kind == 'beats':
+      payloads = [p for p in msg.get('payloads') or [] if isinstance(p, dict)]
+      with self._lock:
+        self._beats.extend(payloads)
+        self.messages += 1
+        self.relayed += len(payloads)
+      link.send({'kind': 'ack'})
+    elif kind == 'started':
+      h = link.handles.get(msg.get('id'))
+      if h is not None:
+        h.pid = msg.get('pid')
+    elif kind == 'exited':
+      h = link.handles.pop(msg.get('id'), None)
+      if h is not None:
+        h._exited(int(msg.get('code', EXIT_HOST_LOST)))
+    elif kind == 'ran':
+      fut = link.runs.pop(msg.get('id'), None)
+      if fut is not None and not fut.done():
+        fut.set_result((int(msg.get('code', 1)), str(msg.get('out', '')), str(msg.get('err', ''))))
+    elif kind == 'port':
+      fut = link.runs.pop(msg.get('id'), None)
+      if fut is not None and not fut.done():
+        fut.set_result(msg.get('port'))
+
+  def _check_silent(self, now: float) -> None:
+    for sock, (channel, since, _) in list(self._pending.items()):
+      if now - since > self.timeout_s:   # a connection that never completes its handshake
+        self._forget(sock)
+        channel.close()
+    for link in list(self._by_sock.values()):
+      if not link.lost and now - link.last_heard > self.timeout_s:
+        self._lose(link, f'silent for {now - link.last_heard:.1f}s')
+
+  def _lose(self, link: AgentLink, why: str) -> None:
+    """The host is gone: its processes count as exited (EXIT_HOST_LOST)."""
+    if link.lost:
+      return
+    link.lost = True
+    with self._lock:
+      if self._links.get(link.host) is link:
+        del self._links[link.host]
+    for sock, l in list(self._by_sock.items()):
+      if l is link:
+        self._forget(sock)
+    link.channel.close()
+    for h in list(link.handles.values()):
+      h._exited(EXIT_HOST_LOST)
+    for fut in list(link.runs.values()):
+      if not fut.done():
+        fut.set_result((EXIT_HOST_LOST, '', f'the agent on {link.host} went away ({why})'))
+    link.runs.clear()
+    if not (self._stop.is_set() or self._farewell):
+      self._on_event('agent_lost', host=link.host, reason=why)
+
+
+class AgentExecutor:
+  """The executor (mjax/ft/executor.py's interface) of one host with an agent."""
+  remote = True   # pids are the host's own: the attempt number tells processes apart
+
+  def __init__(self, server: AgentServer, host: str):
+    self.server, self.host = server, host
+
+  def coordinator(self, port: int) -> str:
+    """The address of process 0's coordinator on this host: a port free
+    there (the driver's `port` was free on the driver's machine)."""
+    link = self.server.link(self.host)
+    return f'{link.address if link else self.host}:{self.server.free_port(self.host, port)}'
+
+  def start(self, argv: Sequence[str], env: dict, log_path: str) -> AgentHandle:
+    return self.server.start(self.host, argv, env, log_path)
+
+  def kill(self, handle: AgentHandle) -> None:
+    self.server.kill(handle)
+
+  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
+    return self.server.run(self.host, argv, env, timeout)
+
+
+# ----------------------------------------------------------------------------
+# The agent
+# ----------------------------------------------------------------------------
+
+class Agent:
+  """One host's agent: `serve()` returns its exit status."""
+
+  def __init__(self, driver: str, secret_hex: str, host: str, address: str,
+               connect_timeout_s: float = 600.0, heartbeat_bind: str = '127.0.0.1:0', grace_s: float = 5.0):
+    self.driver = hb.parse_address(driver)
+    self.secret = secret_hex
+    self.host, self.address = host, address
+    self.connect_timeout_s = connect_timeout_s
+    self.grace_s = grace_s
+    # The host's trainers send their heartbeats here (window: clock skew
+    # between trainer and agent is nil, they share the host).
+    self.beats = hb.HeartbeatServer(heartbeat_bind, secret_hex, 60.0)
+    self.procs: dict[int, subprocess.Popen] = {}
+    self.latest: dict[int, dict] = {}       # process -> merged payload since the last relay
+    self.interval_s, self.timeout_s = 2.0, 20.0
+    self._channel: Optional[Channel] = None
+    self._signal: Optional[int] = None
+    self._exit = False
+
+  # --- connection -------------------------------------------------------------
+
+  def _connect(self) -> Optional[Channel]:
+    """Connects and completes the handshake, retrying until connect_timeout_s."""
+    deadline = time.monotonic() + self.connect_timeout_s
+    said = False
+    while time.monotonic() < deadline and self._signal is None:
+      try:
+        sock = socket.create_connection(self.driver, timeout=5.0)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ch = Channel(sock, self.secret, 'agent', 'driver')
+        nonce = secrets.token_hex(16)
+        ch.send({'kind': 'hello', 'host': self.host, 'address': self.address, 'pid': os.getpid(),
+                 'nonce': nonce})
+        welcome = None
+        while welcome is None:
+          data = sock.recv(1 << 16)
+          if not data:
+            raise ConnectionError('closed by the driver')
+          welcome = next(ch.feed(data), None)
+        if welcome.get('kind') != 'welcome' or not str(welcome.get('session', '')).endswith(f':{nonce}'):
+          raise ChannelError('no welcome for this hello')
+        ch.session = welcome['session']
+        self.interval_s = float(welcome.get('interval_s', self.interval_s))
+        self.timeout_s = float(welcome.get('timeout_s', self.timeout_s))
+        ch.send({'kind': 'ready'})
+        sock.settimeout(10.0)
+        print(f'mjax-agent: {self.host}: connected to the driver at {self.driver[0]}:{self.driver[1]}',
+              file=sys.stderr, flush=True)
+        return ch
+      except (OSError, ChannelError) as e:
+        if not said:
+          print(f'mjax-agent: {self.host}: waiting for the driver at {self.driver[0]}:{self.driver[1]} '
+                f'({e})', file=sys.stderr, flush=True)
+          said = True
+        time.sleep(CONNECT_RETRY_S)
+    return None
+
+  # --- main loop --------------------------------------------------------------
+
+  def serve(self) -> int:
+    old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      while not self._exit and self._signal is None:
+        self._channel = self._connect()
+        if self._channel is None:
+          if self._signal is None:
+            print(f'mjax-agent: {self.host}: no driver at {self.driver[0]}:{self.driver[1]} within '
+                  f'{self.connect_timeout_s:.0f}s; exiting', file=sys.stderr, flush=True)
+            return 1
+          break
+        self._session()
+      return 0
+    finally:
+      self._stop_all(self.grace_s)
+      self.beats.close()
+      for s, h in old.items():
+        signal.signal(s, h)
+
+  def _on_signal(self, signum, frame) -> None:
+    self._signal = signum
+
+  def _session(self) -> None:
+    """Serves one driver connection until it ends."""
+    ch = self._channel
+    heard = time.monotonic()
+    next_relay = time.monotonic()
+    lost_at: Optional[float] = None
+    while not self._exit and self._signal is None:
+      ready, _, _ = select.select([ch.sock, self.beats.sock], [], [], 0.05)
+      now = time.monotonic()
+      if ch.sock in ready:
+        try:
+          data = ch.sock.recv(1 << 20)
+          if not data:
+            raise ConnectionError('closed by the driver')
+          heard = now
+          for msg in ch.feed(data):
+            self._command(msg)
+        except (OSError, ChannelError) as e:
+          print(f'mjax-agent: {self.host}: connection to the driver ended ({e})', file=sys.stderr, flush=True)
+          lost_at = now
+          break
+      # The trainers' heartbeats: acknowledged here only while the driver is
+      # heard, so that trainers notice a lost driver as they would without us.
+      self.beats.acking = now - heard < self.timeout_s
+      for payload, _, _ in self.beats.receive(0.0):
+        if payload is not None:
+          self._merge(payload)
+      self._reap()
+      if now >= next_relay:
+        next_relay = now + self.interval_s
+        self._relay()
+      if now - heard > self.timeout_s:
+        print(f'mjax-agent: {self.host}: nothing from the driver for {now - heard:.0f}s; its trainers stop '
+              f'by themselves', file=sys.stderr, flush=True)
+        lost_at = heard
+        break
+    ch.close()
+    if lost_at is not None:
+      self._orphaned(lost_at)
+
+  def _orphaned(self, heard: float) -> None:
+    """The driver is gone: the trainers hear no acknowledgement and stop by
+    themselves within heartbeat_timeout_s; whatever still runs a timeout
+    after that is killed. Heartbeats keep being received (and not
+    acknowledged) meanwhile."""
+    self.beats.acking = False
+    deadline = heard + 2 * self.timeout_s + self.grace_s
+    while self._alive() and time.monotonic() < deadline and self._signal is None:
+      self.beats.receive(0.1)
+      self._reap(report=False)
+    self._stop_all(0.0)
+    self.latest.clear()
+
+  def _alive(self) -> bool:
+    return any(p.poll() is None for p in self.procs.values())
+
+  def _command(self, msg: dict) -> None:
+    kind = msg.get('kind')
+    if kind == 'start':
+      self._start(msg)
+    elif kind == 'signal':
+      p = self.procs.get(msg.get('id'))
+      if p is not None and p.poll() is None:
+        try:
+          p.send_signal(int(msg['sig']))
+        except (ProcessLookupError, ValueError, KeyError):
+          pass
+    elif kind == 'kill':
+      p = self.procs.get(msg.get('id'))
+      if p is not None:
+        _kill_group(p)
+    elif kind == 'run':
+      threading.Thread(target=self._run, args=(msg,), daemon=True).start()
+    elif kind == 'port':
+      from mjax.launch import free_port
+      self._send({'kind': 'port', 'id': msg.get('id'), 'port': free_port()})
+    elif kind == 'exit':
+      print(f'mjax-agent: {self.host}: the driver ended the job ({msg.get("reason")})', file=sys.stderr, flush=True)
+      self._exit = True
+
+  def _env(self, delta: Any) -> dict:
+    env = dict(os.environ)
+    for k, v in (delta or {}).items():
+      if v is None:
+        env.pop(str(k), None)
+      else:
+        env[str(k)] = str(v)
+    env[protocol.HOST_ENV] = self.host
+    return env
+
+  def _start(self, msg: dict) -> None:
+    from mjax.launch import start_logged
+    ident = msg.get('id')
+    env = self._env(msg.get('env'))
+    env[protocol.DRIVER_ADDRESS_ENV] = self.beats.address   # heartbeats come here, relayed from here
+    log_path = str(msg.get('log') or os.devnull)
+    try:
+      os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
+      p = start_logged([str(a) for a in msg.get('argv') or []], env, log_path, new_session=True)
+    except (OSError, ValueError) as e:
+      print(f'mjax-agent: {self.host}: could not start {msg.get("argv")}: {e}', file=sys.stderr, flush=True)
+      self._send({'kind': 'exited', 'id': ident, 'code': 127})
+      return
+    self.procs[ident] = p
+    self._send({'kind': 'started', 'id': ident, 'pid': p.pid})
+
+  def _run(self, msg: dict) -> None:
+    timeout = float(msg.get('timeout') or 300.0)
+    argv = [str(a) for a in msg.get('argv') or []]
+    try:
+      p = subprocess.run(argv, env=self._env(msg.get('env')), capture_output=True, text=True, timeout=timeout)
+      code, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+      code, out, err = 124, (e.stdout or b'').decode() if isinstance(e.stdout, bytes) else (e.stdout or ''), \
+          f'timed out after {timeout:.0f}s'
+    except OSError as e:
+      code, out, err = 127, '', f'{argv[:1]}: {e}'
+    self._send({'kind': 'ran', 'id': msg.get('id'), 'code': code, 'out': _clip(out), 'err': _clip(err)})
+
+  def _send(self, msg: dict) -> None:
+    ch = self._channel
+    if ch is None:
+      return
+    try:
+      ch.send(msg)
+    except OSError:
+      pass   # the session loop notices the closed connection
+
+  def _merge(self, payload: dict) -> None:
+    """The newest heartbeat of each process, with every loss since the last relay."""
+    try:
+      process = int(payload['process'])
+    except (KeyError, TypeError, ValueError):
+      return
+    prev = self.latest.get(process)
+    if prev is not None and prev.get('pid') == payload.get('pid'):
+      payload = {**payload, 'losses': [*(prev.get('losses') or []), *(payload.get('losses') or [])][-hb.MAX_LOSSES:],
+                 'final': bool(prev.get('final')) or bool(payload.get('final'))}
+    self.latest[process] = payload
+
+  def _relay(self) -> None:
+    payloads, self.latest = list(self.latest.values()), {}
+    self._send({'kind': 'beats', 'payloads': payloads})
+
+  def _reap(self, report: bool = True) -> None:
+    for ident, p in list(self.procs.items()):
+      code = p.poll()
+      if code is not None:
+        del self.procs[ident]
+        if report:
+          self._relay()   # its last heartbeats before its exit
+          self._send({'kind': 'exited', 'id': ident, 'code': code})
+
+  def _stop_all(self, grace_s: float) -> None:
+    live = [p for p in self.procs.values() if p.poll() is None]
+    for p in live:
+      try:
+        p.send_signal(signal.SIGTERM)
+      except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    for p in live:
+      if p.poll() is None:
+        _kill_group(p)
+      p.wait()
+    self.procs.clear()
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+  try:
+    os.killpg(p.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def agent_main(argv: Optional[Sequence[str]] = None) -> int:
+  """mjax-agent: one per host; see the module docstring."""
+  p = argparse.ArgumentParser(
+      prog='mjax-agent', description='Per-host agent of the fault-tolerance driver (mjax-launch --executor '
+      'agent): starts and stops this host\'s training processes, runs its diagnostics and relays its '
+      'heartbeats. The job secret comes from MJAX_JOB_SECRET, as the driver\'s.')
+  p.add_argument('--driver', required=True, help='host:port of the driver (mjax-launch --bind)')
+  p.add_argument('--host', default=None,
+                 help='this host\'s name for the driver (default: MJAX_HOST, else SLURM\'s node name, else the '
+                      'host name)')
+  p.add_argument('--address', default=None,
+                 help='the address other hosts reach this one at, for the JAX coordinator when this host '
+                      'runs process 0 (default: SLURM\'s node name, else the host name)')
+  p.add_argument('--connect_timeout_s', type=float, default=600.0,
+                 help='give up (exit 1) when no driver answers for this long (default 600)')
+  p.add_argument('--grace_s', type=float, default=5.0,
+                 help='seconds between SIGTERM and SIGKILL when the agent stops its processes (default 5)')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    hb.parse_address(args.driver)
+  except ValueError as e:
+    p.error(f'--driver: {e}')
+  secret = os.environ.get(protocol.SECRET_ENV, '')
+  try:
+    if len(bytes.fromhex(secret)) < 16:
+      raise ValueError
+  except ValueError:
+    p.error(f'{protocol.SECRET_ENV} must hold the job secret, at least 32 hex digits, the same one the '
+            f'driver has (e.g. python -c "import secrets; print(secrets.token_hex(32))")')
+  # SLURMD_NODENAME: SLURM's name for the node, the one its node list (and
+  # so the driver's host list) uses, also where several nodes share a machine.
+  host = args.host or os.environ.get(protocol.HOST_ENV) or os.environ.get('SLURMD_NODENAME') or socket.gethostname()
+  address = args.address or os.environ.get('SLURMD_NODENAME') or socket.gethostname()
+  agent = Agent(args.driver, secret, host, address,
+                connect_timeout_s=args.connect_timeout_s, grace_s=args.grace_s)
+  return agent.serve()

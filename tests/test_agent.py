@@ -1,0 +1,253 @@
+"""Per-host agents (mjax/ft/agent.py): the channel's authentication, a job
+run through agents, a lost host replaced by a spare, and an agent outliving
+its driver. The agents are real `mjax-agent` processes on 127.0.0.1; the
+trainer is a stand-in that sends real heartbeats (no JAX), so these run in
+seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mjax import launch, protocol
+from mjax.ft import agent as agent_lib, driver, heartbeat as hb
+
+SECRET = 'cd' * 32
+BIN = os.path.dirname(sys.executable)
+
+# attempt 0 of 'slow' runs until stopped; every other attempt: 3 steps and done.
+TRAINER = """
+import os, signal, sys, time
+from mjax.config import FaultConfig
+from mjax.ft.heartbeat import HeartbeatClient
+
+class Timer:
+  current, step = 'compute', 0
+
+attempt = int(os.environ['MJAX_ATTEMPT'])
+client = HeartbeatClient.from_env(Timer, FaultConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
+                                  int(os.environ['MJAX_PROCESS_ID']))
+signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
+steps = 3 if attempt or os.environ.get('AGENT_TEST_MODE') != 'slow' else 10**6
+for step in range(1, steps + 1):
+  Timer.step = step
+  client.report_step(step, 1.0, 0.01)
+  if client.driver_lost():
+    print('driver lost', flush=True)
+    client.close()
+    sys.exit(4)   # protocol.EXIT_DRIVER_LOST
+  time.sleep(0.1)
+client.close()
+"""
+# A diagnostic that passes: the agent runs it on its host.
+DIAGNOSE = ('import json, os; print(json.dumps({"host": os.environ["MJAX_HOST"], "passed": True, '
+            '"checks": [{"name": "memory", "passed": True}]}))')
+QUICK = ['--gin.FaultConfig.heartbeat_interval_s=0.1', '--gin.FaultConfig.heartbeat_timeout_s=1.5',
+         '--gin.FaultConfig.progress_timeout_s=4', '--gin.FaultConfig.collective_timeout_s=30',
+         '--gin.FaultConfig.restart_backoff_s=0.05', '--gin.FaultConfig.max_restarts=2']
+
+
+@pytest.fixture
+def agents(monkeypatch):
+  """start(*hosts) -> {host: Popen} of mjax-agents for the driver at `port`."""
+  monkeypatch.setenv(protocol.SECRET_ENV, SECRET)
+  started = []
+
+  def start(port, *hosts, mode='ok', extra=()):
+    env = {**os.environ, 'AGENT_TEST_MODE': mode, 'PYTHONUNBUFFERED': '1'}
+    env.pop(protocol.INJECT_ENV, None)
+    out = {}
+    for h in hosts:
+      out[h] = subprocess.Popen([os.path.join(BIN, 'mjax-agent'), '--driver', f'127.0.0.1:{port}', '--host', h,
+                                 '--address', '127.0.0.1', '--connect_timeout_s', '60', '--grace_s', '1',
+                                 *extra], env=env, stderr=subprocess.PIPE, text=True)
+      started.append(out[h])
+    return out
+  yield start
+  for p in started:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+
+
+def make_driver(tmp_path, port, *flags):
+  opts = driver.parse_args(['--executor', 'agent', '--bind', f'127.0.0.1:{port}', '--workdir', str(tmp_path),
+                            '--grace_s', '1', '--quiet', '--agent_wait_s', '60', *flags, '--',
+                            '--gin_file', 'tiny.gin', *QUICK])
+  opts.diagnose = [sys.executable, '-c', DIAGNOSE]
+  d = driver.Driver(opts)
+  d.trainer = [sys.executable, '-c', TRAINER]
+  return d
+
+
+def events(tmp_path, kind=None):
+  with open(tmp_path / 'events.jsonl') as fh:
+    rows = [json.loads(line) for line in fh]
+  return [r for r in rows if kind is None or r['event'] == kind]
+
+
+# --- the channel ---------------------------------------------------------------------
+
+def _pair(secret_a=SECRET, secret_b=SECRET):
+  a, b = socket.socketpair()
+  return agent_lib.Channel(a, secret_a, 'agent', 'driver'), agent_lib.Channel(b, secret_b, 'driver', 'agent')
+
+
+def test_channel_passes_messages_in_order_and_refuses_everything_else():
+  agent_end, driver_end = _pair()
+  agent_end.send({'kind': 'hello', 'nonce': 'n1'})
+  agent_end.send({'kind': 'beats', 'payloads': []})
+  msgs = list(driver_end.feed(driver_end.sock.recv(65536)))
+  assert [m['kind'] for m in msgs] == ['hello', 'beats'] and [m['seq'] for m in msgs] == [1, 2]
+
+  line = hb.sign({'kind': 'beats', 'from': 'agent', 'seq': 3, 'session': None}, SECRET) + b'\n'
+  with pytest.raises(agent_lib.ChannelError, match='out of order'):   # a replay of an earlier message
+    list(driver_end.feed(hb.sign({'kind': 'beats', 'from': 'agent', 'seq': 2, 'session': None}, SECRET) + b'\n'))
+  _, fresh = _pair()
+  with pytest.raises(agent_lib.ChannelError, match='bad signature'):   # another job's secret
+    list(fresh.feed(hb.sign({'kind': 'hello', 'from': 'agent', 'seq': 1}, 'ef' * 32) + b'\n'))
+  _, fresh = _pair()
+  with pytest.raises(agent_lib.ChannelError, match='wrong direction'):   # the driver's own message sent back
+    list(fresh.feed(hb.sign({'kind': 'start', 'from': 'driver', 'seq': 1}, SECRET) + b'\n'))
+  _, fresh = _pair()
+  fresh.session = 'now:n2'
+  with pytest.raises(agent_lib.ChannelError, match='another session'):   # recorded from an earlier connection
+    list(fresh.feed(hb.sign({'kind': 'beats', 'from': 'agent', 'seq': 1, 'session': 'then:n1'}, SECRET) + b'\n'))
+  _, fresh = _pair()
+  with pytest.raises(agent_lib.ChannelError, match='malformed'):
+    list(fresh.feed(b'{"payload": 1}\n'))
+  _, fresh = _pair()
+  with pytest.raises(agent_lib.ChannelError, match='longer than'):
+    list(fresh.feed(b'x' * (agent_lib.MAX_LINE + 1)))
+  assert next(driver_end.feed(line))['seq'] == 3   # the connection itself was not confused by the above
+
+
+def test_a_replayed_hello_registers_nothing(tmp_path):
+  server = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0)
+  try:
+    with socket.create_connection(('127.0.0.1', server.port)) as s:
+      s.sendall(hb.sign({'kind': 'hello', 'from': 'agent', 'seq': 1, 'session': None, 'host': 'h9', 'nonce': 'x'},
+                        SECRET) + b'\n')
+      # Without the session the welcome creates, nothing further is accepted.
+      s.sendall(hb.sign({'kind': 'ready', 'from': 'agent', 'seq': 2, 'session': 'old:x'}, SECRET) + b'\n')
+      time.sleep(0.5)
+      assert server.connected() == []
+  finally:
+    server.close()
+
+
+# --- jobs through agents -----------------------------------------------------------------
+
+def test_a_job_runs_through_the_agents_which_relay_heartbeats_in_aggregate(tmp_path, agents):
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1')
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
+  assert d.run() == driver.EXIT_OK
+  assert [e['hosts'] for e in events(tmp_path, 'launch')] == [['a0', 'a1']]
+  assert events(tmp_path, 'running') and events(tmp_path, 'finish')[0]['step'] == 3
+  # Every heartbeat came through an agent: none reached the driver's own socket.
+  assert d.agents.relayed >= 6 and d.agents.messages < d.agents.relayed + 2 * 60
+  # The driver ended the job: each agent exits 0 and its host ran the trainer.
+  assert [p.wait(10) for p in procs.values()] == [0, 0]
+  with open(tmp_path / 'logs' / 'process-1.log') as fh:
+    assert 'process 1 of 2 on a1' in fh.read()
+
+
+def test_hosts_are_the_agents_that_connect_without_a_host_list(tmp_path, agents):
+  port = launch.free_port()
+  agents(port, 'n2', 'n0', 'n1')
+  d = make_driver(tmp_path, port, '--processes', '2')
+  assert d.agents.wait_for(['n0', 'n1', 'n2'], 30) == ['n0', 'n1', 'n2']
+  assert d.run() == driver.EXIT_OK
+  assert events(tmp_path, 'launch')[0]['hosts'] == ['n0', 'n1']   # name order; n2 is a spare
+
+
+def test_a_lost_host_is_blocked_and_a_spare_takes_its_place(tmp_path, agents):
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', 's0', mode='slow')
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--spares', 's0')
+
+  def lose_a1():   # the machine goes: its agent and its trainer die at once
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
+      time.sleep(0.1)
+    link = d.agents.link('a1')
+    pids = [h.pid for h in link.handles.values() if h.pid]
+    os.kill(procs['a1'].pid, signal.SIGKILL)
+    for pid in pids:
+      os.kill(pid, signal.SIGKILL)
+
+  import threading
+  threading.Thread(target=lose_a1, daemon=True).start()
+  t0 = time.monotonic()
+  assert d.run() == driver.EXIT_OK
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'host_lost' and fault['hosts'] == ['a1'] and fault['exit'] == {'1': 'host lost'}
+  blocked = events(tmp_path, 'host_blocked')
+  assert [b['host'] for b in blocked] == ['a1'] and 'no agent connected' in blocked[0]['reason']
+  assert [e['hosts'] for e in events(tmp_path, 'launch')] == [['a0', 'a1'], ['a0', 's0']]
+  assert time.monotonic() - t0 < 60
+
+
+def _safe_events(tmp_path):
+  try:
+    return events(tmp_path)
+  except (OSError, ValueError):
+    return []
+
+
+def test_an_agent_whose_driver_dies_stops_its_trainer_and_serves_the_next_driver(tmp_path, agents):
+  port = launch.free_port()
+  procs = agents(port, 'h0', mode='slow')
+  seen = []
+  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 1.0, on_event=lambda k, **kw: seen.append(k))
+  assert server.wait_for(['h0'], 30) == ['h0']
+  env = launch.local_env(0, 1, '127.0.0.1:1')
+  env.update({protocol.DRIVER_ADDRESS_ENV: 'ignored:1', protocol.SECRET_ENV: SECRET, protocol.ATTEMPT_ENV: '0'})
+  handle = agent_lib.AgentExecutor(server, 'h0').start([sys.executable, '-c', TRAINER], env,
+                                                        str(tmp_path / 'trainer.log'))
+  deadline = time.time() + 30
+  while time.time() < deadline and not server.take_beats():
+    time.sleep(0.05)
+  assert handle.pid and handle.poll() is None
+  server.close()     # the driver dies: no farewell
+  # The trainer hears no acknowledgement and stops by itself (driver_lost).
+  deadline = time.time() + 20
+  while time.time() < deadline:
+    try:
+      os.kill(handle.pid, 0)
+    except ProcessLookupError:
+      break
+    time.sleep(0.1)
+  else:
+    pytest.fail('the trainer outlived its driver')
+  assert 'driver lost' in (tmp_path / 'trainer.log').read_text()
+  # A new driver on the same address gets the agent back.
+  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 1.0)
+  try:
+    assert server.wait_for(['h0'], 30) == ['h0']
+    server.farewell('done')
+    assert procs['h0'].wait(10) == 0
+  finally:
+    server.close()
+
+
+def test_agent_and_driver_refuse_a_missing_secret_or_port(tmp_path, monkeypatch):
+  env = {k: v for k, v in os.environ.items() if k != protocol.SECRET_ENV}
+  p = subprocess.run([os.path.join(BIN, 'mjax-agent'), '--driver', '127.0.0.1:9'], env=env, capture_output=True,
+                     text=True, timeout=60)
+  assert p.returncode == 2 and protocol.SECRET_ENV in p.stderr
+  with pytest.raises(SystemExit):
+    driver.parse_args(['--executor', 'agent', '--processes', '2', '--workdir', str(tmp_path), '--', '--gin_file',
+                       'tiny.gin'])
+  monkeypatch.delenv(protocol.SECRET_ENV, raising=False)
+  from mjax.errors import UserError
+  with pytest.raises(UserError, match=protocol.SECRET_ENV):
+    make_driver(tmp_path, launch.free_port(), '--processes', '1')
