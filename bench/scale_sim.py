@@ -90,7 +90,7 @@ def sender(first: int, last: int, address: str, secret: str, interval: float, t0
         payload = {'host': f'h{p}', 'process': p, 'pid': PID0 + p, 'attempt': 0, 'step': step,
                    'step_time': STEP_S, 'step_at': now, 'loss': 2.5, 'losses': [[step, 2.5]],
                    'phase': 'compute', 'loop_step': step + 1, 'logs': [], 'final': False,
-                   'seq': seq[k], 'ts': now, 'nonce': os.urandom(16).hex()}
+                   'seq': seq[k], 'ts': now, 'sender': f's{p}'}
         try:
           sock.sendto(hb.sign(payload, secret), (host, port))
           sent += 1
@@ -109,7 +109,7 @@ def _beat(p: int, step: int, now: float, seq: int) -> dict:
   return {'host': f'h{p}', 'process': p, 'pid': PID0 + p, 'attempt': 0, 'step': step,
           'step_time': STEP_S, 'step_at': now, 'loss': 2.5, 'losses': [[step, 2.5]],
           'phase': 'compute', 'loop_step': step + 1, 'logs': [], 'final': False,
-          'seq': seq, 'ts': now, 'nonce': os.urandom(16).hex()}
+          'seq': seq, 'ts': now, 'sender': f's{p}'}
 
 
 def agent_sender(first: int, last: int, per_host: int, address: str, secret: str, interval: float, t0: float,

@@ -762,6 +762,27 @@ def test_nonce_cache_forgets_as_the_window_moves():
     v.verify(hb.sign({'ts': t0, 'nonce': 'n5', 'process': 0}, SECRET), now=t0 + 11)
 
 
+def test_sequence_numbers_refuse_replays_with_one_entry_per_sender():
+  v = hb.Verifier(SECRET, window_s=10)
+  t0 = time.time()
+  beat = lambda seq, ts=t0, sender='a': hb.sign({'ts': ts, 'sender': sender, 'seq': seq, 'process': 0}, SECRET)
+  for seq in (1, 2, 5):
+    v.verify(beat(seq), now=t0)
+  for seq in (5, 4, 1):   # the same datagram again, or an older one
+    with pytest.raises(hb.Rejected, match='replay: sequence number'):
+      v.verify(beat(seq), now=t0)
+  v.verify(beat(1, sender='b'), now=t0)   # another sender has its own count
+  for i in range(1000):
+    v.verify(beat(6 + i), now=t0)
+  assert len(v._senders) == 2 and not v._seen   # two entries, however many datagrams
+  v.verify(beat(1, ts=t0 + 11, sender='c'), now=t0 + 11)
+  assert set(v._senders) == {'c'}               # silent senders leave with the window
+  with pytest.raises(hb.Rejected, match='stale'):   # and what they sent cannot come back
+    v.verify(beat(7), now=t0 + 11)
+  with pytest.raises(hb.Rejected, match='malformed'):
+    v.verify(hb.sign({'ts': t0, 'sender': 'a', 'seq': 'x', 'process': 0}, SECRET), now=t0)
+
+
 def test_heartbeat_server_turns_every_datagram_into_a_verdict():
   server = hb.HeartbeatServer('127.0.0.1:0', SECRET, window_s=30)
   sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -911,3 +932,40 @@ def test_chaos_kills_a_dead_driver_a_flipped_bit_and_a_datagram_flood_end_bitwis
   assert sum(1 + e['suppressed_before'] for e in rejected) > 1000, (seed, len(rejected))
   assert losses(tmp_path) == losses(reference), seed
   assert_bitwise(final_state(tmp_path), final_state(reference))
+
+
+# --- collective check between the hosts a fault names -----------------------------------
+
+def test_links_of_the_named_host_are_checked_with_a_healthy_host(tmp_path, monkeypatch):
+  """A hang named slot1: after both hosts pass their own checks, slot1 runs
+  an all-reduce with slot0 (a real two-process mjax-diagnose job); a failing
+  one (injected on slot1's side) blocks slot1 alone."""
+  monkeypatch.delenv('MJAX_FAULT', raising=False)
+  for inject, blocked in (('', []), ('allreduce_global', ['slot1'])):
+    work = tmp_path / (inject or 'ok')
+    opts = driver.parse_args(['--processes', '3', '--devices', '1', '--workdir', str(work), '--quiet',
+                              '--diagnose_args', '--checks memory', '--host_env', f'slot1:MJAX_DIAGNOSE_FAIL={inject}',
+                              '--', '--gin_file', 'tiny.gin', '--gin.TrainConfig.global_batch_size=6'])
+    d = driver.Driver(opts)
+    try:
+      att = fake_attempt(d, ['slot0', 'slot1', 'slot2'])
+      d._diagnose(att, detect.Fault('hang', [1], 'stuck'))
+    finally:
+      d.server.close()
+      d.events.close()
+    checks = events(work, 'link_check')
+    assert [(c['host'], c['partner']) for c in checks] == [('slot1', 'slot0')], checks
+    assert checks[0]['passed'] is (not inject), checks
+    assert [b['host'] for b in events(work, 'host_blocked')] == blocked
+    if inject:
+      assert 'allreduce_global' in events(work, 'host_blocked')[0]['reason']
+    # Their own checks ran on every host; the link check only for the named one.
+    assert sorted(e['host'] for e in events(work, 'diagnosis')) == ['slot0', 'slot1', 'slot2']
+
+
+def test_numerical_faults_check_no_links(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  d._diagnose(att, detect.Fault('nonfinite_loss', [1], 'nan'))
+  assert events(tmp_path, 'link_check') == [] and len(events(tmp_path, 'diagnosis')) == 2

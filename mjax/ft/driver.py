@@ -41,6 +41,9 @@ Recovery, without a human:
      used again by this workdir; an evicted straggler too, and a host whose
      checks were slow while it was loaded (suspect) twice in a row. When every host
      of a multi-host job fails, none is blocked (a shared cause is likelier);
+     then the hosts the fault named (a crash, a lost or hung process) that
+     passed run an all-reduce with a healthy host each, as two-process JAX
+     jobs, all at once: a failing link blocks the named host (_check_links);
   3. wait restart_backoff_s (doubled after each restart in a row, at most
      60 s);
   4. restart from the newest good checkpoint (the trainer resumes from the
@@ -93,6 +96,9 @@ EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, 
 MAX_BACKOFF_S = 60.0
 SUSPECT_LIMIT = 2             # diagnoses in a row a host may pass only because it was loaded
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
+# Faults that may come from a host's network, so the hosts they name get a
+# collective with a healthy host after their own checks (Driver._check_links).
+LINK_FAULTS = ('exit', 'heartbeat_lost', 'hang', 'startup_timeout')
 
 
 # ----------------------------------------------------------------------------
@@ -732,6 +738,7 @@ class Driver:
       return
     for host, detail in failing:
       self._block(host, f'diagnostic failed: {detail}')
+    self._check_links(att, fault, [h for h, r in zip(att.hosts, results) if r[0]])
     # Slow only while the host was loaded (mjax-diagnose's "suspect"): load
     # may explain it once; the same twice in a row, it does not.
     for host, (passed, report, _) in zip(att.hosts, results):
@@ -740,17 +747,25 @@ class Driver:
       if self._suspect[host] >= SUSPECT_LIMIT:
         self._block(host, f'slow under load in {SUSPECT_LIMIT} diagnoses in a row: {", ".join(suspect)}')
 
-  def _diagnose_host(self, host: str) -> tuple[bool, Optional[dict], str]:
+  def _diagnose_env(self, host: str, base: Optional[dict] = None) -> dict:
     from mjax import distributed
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     env.pop(protocol.INJECT_ENV, None)   # the trainer's test faults are not the host's
     if self.opts.devices:
       env['XLA_FLAGS'] = distributed.with_device_count(env.get('XLA_FLAGS', ''), self.opts.devices)
       env['JAX_PLATFORMS'] = 'cpu'
     env[protocol.HOST_ENV] = host
     env.update(self.opts.host_env.get(host, {}))
-    code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args], env,
-                                                     self.opts.diagnose_timeout_s)
+    return env
+
+  def _diagnose_host(self, host: str) -> tuple[bool, Optional[dict], str]:
+    code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
+                                                     self._diagnose_env(host), self.opts.diagnose_timeout_s)
+    return self._verdict(code, out, err)
+
+  @staticmethod
+  def _verdict(code: int, out: str, err: str) -> tuple[bool, Optional[dict], str]:
+    """(passed, report, detail) of one mjax-diagnose run."""
     report = None
     for line in reversed(out.strip().splitlines()):
       try:
@@ -773,6 +788,57 @@ class Driver:
     else:
       detail = f'exit status {code}: ' + (err.strip().splitlines() or ['no output'])[-1][:300]
     return False, report, detail
+
+  def _check_links(self, att: Attempt, fault: detect.Fault, passed: list[str]) -> None:
+    """A collective between hosts, run only for the hosts the fault named.
+
+    Each host's own checks cannot see its network: a bad NIC, cable or
+    switch port passes them and fails the job's next collective again. So
+    each named host that passed its own checks runs an all-reduce with a
+    healthy host (one that passed and was not named), as a two-process JAX
+    job of mjax-diagnose; all pairs at once. A pair that fails blocks the
+    named host: the healthy one has no fault against it. Numerical faults
+    and stragglers say nothing about links; they are not checked.
+    """
+    if fault.kind not in LINK_FAULTS or not self.diagnose_cmd:
+      return
+    named = [att.hosts[i] for i in fault.processes if att.hosts[i] in passed and att.hosts[i] not in self.blocked]
+    healthy = [h for h in passed if h not in named and h not in self.blocked]
+    named = list(dict.fromkeys(named))
+    if not named:
+      return
+    if not healthy:
+      self.events.emit('link_check', hosts=named, passed=None,
+                       detail='no healthy host to pair with: links not checked')
+      return
+    pairs = [(h, healthy[i % len(healthy)]) for i, h in enumerate(named)]
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+      results = list(pool.map(lambda pair: self._link_pair(*pair), pairs))
+    for (suspect, ref), (passed_, detail) in zip(pairs, results):
+      self.events.emit('link_check', host=suspect, partner=ref, passed=passed_, detail=detail,
+                       seconds=round(time.monotonic() - t0, 3))
+      if not passed_:
+        self._block(suspect, f'collective with {ref} failed: {detail}')
+
+  def _link_pair(self, suspect: str, ref: str) -> tuple[bool, str]:
+    """mjax-diagnose --checks allreduce as one JAX job of two processes,
+    the named host first (process 0, so its coordinator is tested too)."""
+    from mjax import launch
+    hosts = [suspect, ref]
+    executors = [self.executor_factory(h) for h in hosts]
+    coordinator = executors[0].coordinator(launch.free_port())
+    # Whether the collective works (right result, within its deadline), not
+    # how fast: one run on a loaded host is no measure of a link's speed,
+    # and a slow link shows up in the straggler analysis.
+    argv = [*self.diagnose_cmd, '--json', *self.opts.diagnose_args, '--checks', 'allreduce', '--no_baseline']
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+      runs = [pool.submit(ex.run, argv, self._diagnose_env(h, launch.local_env(i, 2, coordinator, self.opts.devices)),
+                          self.opts.diagnose_timeout_s)
+              for i, (h, ex) in enumerate(zip(hosts, executors))]
+      verdicts = [self._verdict(*r.result()) for r in runs]
+    bad = [f'{h}: {v[2]}' for h, v in zip(hosts, verdicts) if not v[0]]
+    return (not bad), ('passed' if not bad else '; '.join(bad))
 
   def _block(self, host: str, reason: str) -> None:
     if host in self.blocked:

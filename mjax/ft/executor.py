@@ -4,9 +4,11 @@ The driver (mjax/ft/driver.py) talks to hosts only through an executor:
 `coordinator(port)`, `start(argv, env, log_path)` -> a handle, `kill(handle)`
 and `run(argv, env, timeout)` (diagnostics). Handles offer what
 subprocess.Popen does: poll, send_signal, wait, pid, returncode.
-`LocalExecutor` runs a host slot as processes on this machine; an executor
-for remote hosts (ssh, a Kubernetes pod per host) would implement the same
-methods, with its handles forwarding signals to the remote process.
+`LocalExecutor` runs a host slot as processes on this machine;
+`SlurmExecutor` runs each process as a SLURM job step on its node; the
+executor of a host with an `mjax-agent` (the way for clusters, SLURM or
+Kubernetes) is `AgentExecutor` in mjax/ft/agent.py, whose handles forward
+signals to the remote process through the agent.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Sequence
 
 
 class LocalExecutor:
-  """A host slot on this machine. A remote executor (ssh, a Kubernetes pod)
-  would offer the same four methods, and handles with Popen's poll /
+  """A host slot on this machine. A remote executor (agent.AgentExecutor)
+  offers the same four methods, and handles with Popen's poll /
   send_signal / wait / pid / returncode; the driver uses nothing else."""
 
   def __init__(self, host: str):
