@@ -208,6 +208,13 @@ class MeshConfig:
   # bubble shrinks to (pipeline - 1) / (virtual_stages * microbatches).
   virtual_stages: int = 1
   microbatches: int = 0             # pipeline micro-batches per step; 0: = pipeline size
+  # 'circular': every forward, then the backward by autodiff (GPipe-like:
+  # activations of all m x virtual_stages items alive at the peak).
+  # '1f1b': interleaved one-forward-one-backward, loss and gradients by the
+  # schedule itself; activations bounded by the stage count (at most
+  # 2 x virtual_stages x pipeline chunk inputs per stage) whatever the
+  # micro-batch count, for one extra forward per chunk (mjax/parallel/pipeline.py).
+  pipeline_schedule: str = 'circular'
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')
 
@@ -225,6 +232,9 @@ class MeshConfig:
     return self.microbatches or self.pipeline * self.dcn_pipeline
 
 
+FAST_SCOPES = ('shared', 'host')
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
@@ -236,9 +246,21 @@ class CheckpointConfig:
   fast_directory: Optional[str] = None  # fast tier; None: /dev/shm/mjax/<workdir hash>
   fast_every: int = 0               # fast-tier cadence in steps; 0: no fast tier
   fast_keep: int = 2
+  # Who sees the fast tier's directory. 'shared': every process, at the same
+  # path (one machine's /dev/shm, or a shared filesystem). 'host': each
+  # process writes the shards it holds to its own directory,
+  # <fast_directory>/process-<i> (host memory in a multi-host job without a
+  # shared filesystem); a restart uses those copies only when every process
+  # has its copy of the step and the job's layout is unchanged.
+  fast_scope: str = 'shared'
   async_save: bool = True           # write in the background while training goes on
   restore_from: Optional[str] = None  # explicit checkpoint when the workdir has none
   restore_data: bool = True         # with restore_from: also resume the data position
+  # Multi-process jobs whose data-parallel replicas live in different
+  # processes: one replica reads the train state and sends it to the others
+  # over the network, instead of every replica reading its own full copy
+  # (MegaScale's restore; mjax/checkpoint.py). False: every process reads.
+  single_replica_restore: bool = True
   # A Hugging Face model directory (GPT-NeoX, Llama, Mistral, Ministral) whose
   # weights a fresh run starts from, with a fresh optimizer; `mjax-import`
   # writes the matching ModelConfig. A run that has checkpoints resumes them.
@@ -591,6 +613,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
   _positive(ck, 'keep', 'fast_keep')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
+  if ck.fast_scope not in FAST_SCOPES:
+    _fail('CheckpointConfig.fast_scope', ck.fast_scope,
+          "must be 'shared' (one fast directory every process sees) or 'host' (one per process, "
+          'e.g. each host\'s /dev/shm)')
   if t.wandb_project is not None:
     import importlib.util
     if importlib.util.find_spec('wandb') is None:
@@ -664,6 +690,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
               f'the {groups} layer groups (of {m.layer_period} layers) must split evenly into '
               f'pipeline x virtual_stages = {pp} x {mesh.virtual_stages} = {chunks} chunks')
       mb = mesh.num_microbatches()
+      if mesh.pipeline_schedule not in ('circular', '1f1b'):
+        _fail('MeshConfig.pipeline_schedule', mesh.pipeline_schedule, "one of 'circular', '1f1b'")
+      if mesh.pipeline_schedule == '1f1b' and mb % pp:
+        _fail('MeshConfig.microbatches', mb,
+              f'the 1F1B schedule takes micro-batches in groups of the {pp} stages: use a multiple of {pp}')
       if mesh.virtual_stages > 1 and mb < pp:
         _fail('MeshConfig.microbatches', mb,
               f'an interleaved pipeline needs at least as many micro-batches as stages ({pp})')

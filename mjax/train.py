@@ -265,6 +265,64 @@ def _loss_fn(cfg: Config, model: Transformer):
     logits = forward(params, batch)                               # (batch, seq, vocab) fp32
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
     return jnp.sum(nll * batch['loss_mask']), jnp.sum(batch['loss_mask'])
+  if pipe and cfg.mesh.pipeline_schedule == '1f1b':
+    return _one_f_one_b_loss(cfg, model, group_fn, loss_sums)
+  return loss_sums
+
+
+def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
+  """`plain` (the circular schedule's loss sums) whose gradient comes from
+  the 1F1B schedule (pipeline.one_f_one_b), which computes loss and
+  gradients together: evaluation runs `plain`, differentiation the schedule.
+  Embedding and head are the model's own ends ('embed' / 'head' parts)."""
+
+  def stage_fn(chunk, h, aux):
+    return jax.lax.scan(lambda h, group: (group_fn(group, h, aux), None), h, chunk)[0]
+
+  def head_fn(rest, h, head_aux):
+    targets, mask = head_aux
+    logits = model.apply({'params': rest}, None, part='head', hidden=h)   # (mb, seq, vocab) fp32
+    # optax's form, log-sum-exp less the target's logit, with the target's
+    # logit picked by a masked sum instead of a gather: the same value, and
+    # XLA's partitioner cannot yet split a gather over a vocab-sharded
+    # (tensor-parallel) axis inside the schedule's shard_map.
+    picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
+    nll = jax.nn.logsumexp(logits, axis=-1) - picked
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+  def with_grads(params, batch: Batch):
+    rest = {k: v for k, v in params.items() if k != 'layers'}
+    tokens = batch['inputs']
+    positions = batch.get('positions')
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x, embed_vjp = jax.vjp(lambda r: model.apply({'params': r}, tokens, positions, part='embed'), rest)
+    total, count, dx, d_layers, d_head = pipeline.one_f_one_b(
+        stage_fn, head_fn, params['layers'], rest, x, (positions, batch.get('segment_ids')),
+        (batch['targets'], batch['loss_mask']), microbatches=cfg.mesh.num_microbatches())
+    (d_embed,) = embed_vjp(dx.astype(x.dtype))
+    # The embedding table gets gradients from both ends (tied head): added in fp32.
+    d_rest = jax.tree.map(lambda a, b: a.astype(jnp.float32) + b, d_embed, d_head)
+    grads = {**d_rest, 'layers': d_layers}
+    grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, params)
+    return (total, count), grads
+
+  @jax.custom_vjp
+  def loss_sums(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    return plain(params, batch)
+
+  def fwd(params, batch):
+    out, grads = with_grads(params, batch)
+    return out, (grads, batch)
+
+  def bwd(res, cts):
+    grads, batch = res
+    scale = cts[0]     # the loss sum's cotangent; the token count has no gradient
+    no_grad = lambda a: (np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
+                         else jnp.zeros_like(a))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), jax.tree.map(no_grad, batch)
+
+  loss_sums.defvjp(fwd, bwd)
   return loss_sums
 
 

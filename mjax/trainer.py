@@ -248,8 +248,11 @@ class Trainer:
     self.say(f'mjax: peak {self.peak / 1e12:.3f} TFLOP/s ({self.peak_source})')
     if cfg.mesh.pipelined:
       p, v, m = self.mesh.shape['pipeline'], cfg.mesh.virtual_stages, cfg.mesh.num_microbatches()
-      self.say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches: bubble (p-1)/(v m) = '
-               f'{pipeline.bubble_fraction(p, v, m):.1%}')
+      schedule = cfg.mesh.pipeline_schedule
+      kept = (f'; 1F1B keeps at most {pipeline.in_flight_bound(p, v)} chunk inputs per stage (circular: {m * v})'
+              if schedule == '1f1b' else '')
+      self.say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches, {schedule} schedule: bubble '
+               f'(p-1)/(v m) = {pipeline.bubble_fraction(p, v, m):.1%}{kept}')
 
   def _train_iterator(self, data_state: Optional[dict]):
     cfg = self.cfg

@@ -85,6 +85,13 @@ LAYOUTS = {
     # apart, under tensor + sequence parallelism: kernels joined shard by shard.
     'fsdp4_tensor2_sp_joined': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 4', 'MeshConfig.tensor = 2',
                                 'MeshConfig.sequence_parallel = True', 'ModelConfig.fuse_projections = "all"'],
+    # The interleaved 1F1B schedule: loss and gradients by the schedule itself.
+    'pipeline4_v2_1f1b': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.virtual_stages = 2',
+                          'MeshConfig.microbatches = 4', 'MeshConfig.pipeline_schedule = "1f1b"'],
+    'fsdp2_pipeline2_tensor2_sp_1f1b': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.pipeline = 2',
+                                        'MeshConfig.tensor = 2', 'MeshConfig.sequence_parallel = True',
+                                        'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 4',
+                                        'MeshConfig.pipeline_schedule = "1f1b"'],
     'data2_pipeline2_tensor2_apart': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
                                       'MeshConfig.microbatches = 4', 'ModelConfig.fuse_projections = "none"'],
 }
@@ -135,6 +142,10 @@ def test_bubble_fraction():
     (['MeshConfig.data = 4', 'MeshConfig.tensor = 2', 'MeshConfig.sequence_parallel = True',
       'DataConfig.seq_len = 63', 'ModelConfig.sliding_window = 8'], 'seq_len = 63'),
     (['MeshConfig.data = 8', 'TrainConfig.grad_accum_steps = 4'], 'data x fsdp = 8'),
+    (['MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.microbatches = 6',
+      'TrainConfig.global_batch_size = 12', 'MeshConfig.pipeline_schedule = "1f1b"'], 'groups of the 4 stages'),
+    (['MeshConfig.data = 4', 'MeshConfig.pipeline = 2', 'MeshConfig.pipeline_schedule = "zb"'],
+     "pipeline_schedule = 'zb'.*'circular', '1f1b'"),
 ])
 def test_layout_errors(binding, needle):
   with pytest.raises(C.ConfigError, match=needle):
@@ -147,8 +158,37 @@ def test_document_attention_on_a_pipeline_matches_one_device():
   doc = ['DataConfig.document_attention = True', 'ModelConfig.n_layers = 4']
   ref_losses, ref_params, _ = train_steps(make_cfg(*doc, 'MeshConfig.data = 1', num_devices=1),
                                           jax.devices()[:1])
-  cfg = make_cfg(*doc, 'MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
-                 'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 2')
-  losses, params, _ = train_steps(cfg, jax.devices())
-  assert_matches((ref_losses, ref_params), losses, params)
+  for schedule in ('circular', '1f1b'):
+    cfg = make_cfg(*doc, 'MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
+                   'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 2',
+                   f'MeshConfig.pipeline_schedule = "{schedule}"')
+    losses, params, _ = train_steps(cfg, jax.devices())
+    assert_matches((ref_losses, ref_params), losses, params)
   # (That the masks really separate documents is tested in test_attention.)
+
+
+def _step_temp_bytes(*layout) -> int:
+  from mjax.parallel.comm_report import memory_stats
+  cfg = make_cfg(*layout)
+  program = train.make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()))
+  with program.context():
+    compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
+  return memory_stats(compiled)['temp_size_in_bytes']
+
+
+@pytest.mark.slow
+def test_1f1b_activations_are_bounded_by_the_stages_not_the_microbatches():
+  """Compiled step, p = 4, v = 2, 4 sequences per micro-batch: four times the
+  micro-batches (and the batch) multiply the circular schedule's temporaries
+  (every item's activations live until its backward), while 1F1B's grow only
+  by the batch-sized ends (the embedding's input and cotangent)."""
+  temp = {}
+  for schedule in ('circular', '1f1b'):
+    for m in (4, 16):
+      temp[schedule, m] = _step_temp_bytes(
+          'MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.virtual_stages = 2',
+          f'MeshConfig.microbatches = {m}', f'TrainConfig.global_batch_size = {4 * m}',
+          'ModelConfig.remat_policy = "none"', f'MeshConfig.pipeline_schedule = "{schedule}"')
+  assert temp['circular', 16] > 2.5 * temp['circular', 4], temp
+  assert temp['1f1b', 16] < 0.3 * temp['circular', 16], temp
+  assert temp['1f1b', 16] - temp['1f1b', 4] < 0.15 * (temp['circular', 16] - temp['circular', 4]), temp

@@ -181,7 +181,7 @@ class Transformer(nn.Module):
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                segment_ids: Optional[jax.Array] = None,
                layers_fn: Optional[Callable] = None, cache: Optional[dict] = None,
-               last_only: bool = False):
+               last_only: bool = False, part: str = 'all', hidden: Optional[jax.Array] = None):
     """Args:
       tokens: (batch, seq) int token ids.
       positions: (batch, seq) positions for rotary embeddings; default 0..seq-1.
@@ -196,10 +196,14 @@ class Transformer(nn.Module):
         `cached_attention` for left padding).
       last_only: logits of the last position only, (batch, 1, vocab): what
         generation samples from, without (batch, seq, vocab) fp32 logits.
+      part: 'all'; or one end of the model alone, for a pipeline schedule
+        that runs the layer stack and the loss itself (the 1F1B schedule):
+        'embed' returns the layer stack's input (batch, seq, embed), and
+        'head' the logits of `hidden` (the stack's output; tokens unused).
     """
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
-    if positions is None:
+    if positions is None and part != 'head':
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     table = self.param('embedding', nn.with_logical_partitioning(
         nn.initializers.normal(c.init_std), ('vocab', 'embed')), (c.vocab_size, c.d_model), pdtype)
@@ -210,7 +214,11 @@ class Transformer(nn.Module):
     # same as casting the looked-up rows. The tied head reads the same
     # gathered table (one gather per step).
     lookup, head_table = _gathered_twice(table, dtype)
+    if part == 'head':
+      return self._head(hidden, head_table)
     x = constrain(embed_lookup(lookup, tokens), ACT)  # (batch, seq, embed)
+    if part == 'embed':
+      return x
 
     group = LayerGroup
     if cache is not None:

@@ -23,6 +23,15 @@ never used, so the bubble fraction is (p - 1) / (m v) of a step.
 The backward pass is the autodiff of the forward scan (all forwards, then all
 backwards, GPipe-style memory; remat policies bound it). Sharding is
 expressed with logical names only; no mesh object appears here.
+
+`one_f_one_b` (MeshConfig.pipeline_schedule = '1f1b') is the interleaved
+1F1B schedule instead: it computes loss and gradients itself, a forward and
+a backward of different micro-batches on every stage each tick, keeping at
+most 2 v p chunk inputs per stage whatever m is. It runs as a `shard_map`
+over the stage axis only (the other axes stay automatic), so that each
+stage skips the work it has no item for (`lax.cond`); the shifts between
+stages are `ppermute`s issued at the end of each tick, ahead of the next
+tick's backward, which does not need them.
 """
 
 from __future__ import annotations
@@ -119,3 +128,160 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *
   buf = nn.with_logical_constraint(jnp.zeros((m, mb, s, d), x.dtype), BUF_ACT)
   (_, buf), _ = jax.lax.scan(step, (state, buf), jnp.arange(m * v + p - 1))
   return buf.swapaxes(0, 1).reshape(b, s, d)
+
+
+# ----------------------------------------------------------------------------
+# Interleaved 1F1B: forward and backward of different micro-batches interleaved
+# ----------------------------------------------------------------------------
+
+def one_f_one_b_ticks(stages: int, repeats: int, microbatches: int) -> int:
+  """Lockstep ticks of `one_f_one_b`: m v forwards per stage, the first
+  backward v p ticks after the first forward, and the pipe's depth."""
+  return microbatches * repeats + repeats * stages + stages - 1
+
+
+def in_flight_bound(stages: int, repeats: int) -> int:
+  """Stage inputs a stage of `one_f_one_b` keeps at most: 2 v p, whatever
+  the number of micro-batches (the circular schedule keeps m v)."""
+  return 2 * repeats * stages
+
+
+def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params: Any, x: jax.Array,
+                aux: Any, head_aux: Any, *, microbatches: int):
+  """Loss and gradients of the layer stack + head by an interleaved 1F1B
+  schedule (Megatron-LM's interleaved schedule, run in lockstep).
+
+  Order. Micro-batches go round the pipeline in groups of p: the group's p
+  micro-batches through chunk 0 of every stage, then through chunk 1, ...,
+  then the next group. In sequence order, item k = g v p + r p + j is
+  micro-batch g p + j on its trip r; stage s runs its forward at tick k + s,
+  so the last stage's output of trip r is stage 0's input of trip r + 1 on
+  the very next tick (no buffer: the shift is a ring). On its last trip the
+  last stage applies the head and the loss to the micro-batch at once, and
+  its backward starts on the next tick; backward items run in the mirror
+  order (trips reversed, the cotangents shifted backwards round the ring),
+  item k at stage s at tick v p + k + (p - 1 - s). After warm-up every tick
+  has one forward and one backward on each stage.
+
+  Memory. A stage keeps only the inputs of its chunks between their forward
+  and their backward, at most 2 v p of them (`in_flight_bound`), and
+  recomputes the chunk in its backward (the model's remat policy applies
+  inside): bounded by the stage count, not by the micro-batches, where the
+  circular schedule's autodiff keeps every item's activations (m v).
+
+  Time. `lax.cond` runs a stage's forward and backward only on ticks where
+  they are scheduled (each stage is its own program in a `shard_map` over
+  the stage axis), so the step costs about (m v + p - 1)(F + B), as the
+  circular schedule's forward then backward; plus one forward per chunk for
+  the recomputation.
+
+  Args:
+    stage_fn: `(chunk_params, h, aux) -> h` for one chunk of layer groups.
+    head_fn: `(head_params, h, head_aux) -> (loss_sum, count)` for one
+      micro-batch's layer-stack output.
+    layers: params in pipeline layout, leaves (repeats, stages, per_chunk, ...).
+    head_params: the rest of the params the head and loss read.
+    x: (batch, seq, embed) the layer stack's input.
+    aux, head_aux: pytrees of (batch, seq) per-token inputs of the stack and
+      of the head (None leaves allowed), split into micro-batches with x.
+    microbatches: m, a multiple of the stage count.
+  Returns:
+    (loss_sum, count, dx, d_layers, d_head): sums over the batch, the
+    cotangent of x, and the gradients of the layer params (pipeline layout,
+    fp32) and of head_params (fp32).
+  """
+  leaf = jax.tree.leaves(layers)[0]
+  v, p = leaf.shape[0], leaf.shape[1]
+  m = microbatches
+  if m % p:
+    raise ValueError(f'1F1B takes micro-batches in groups of the {p} stages; {m} is not a multiple of {p}')
+  axis = _stage_axis()
+  b, s_len, d = x.shape
+  mb = b // m
+  # Strided micro-batches, as in circular_pipeline: no data moves.
+  split = lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1)
+  xs, aux, head_aux = split(x), jax.tree.map(split, aux), jax.tree.map(split, head_aux)
+  n_items, slots, first_back = m * v, in_flight_bound(p, v), v * p
+  ticks = one_f_one_b_ticks(p, v, m)
+  f32 = lambda t: jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), t)
+
+  def decode(k):
+    """Sequence index -> (trip, micro-batch)."""
+    g, rem = k // (v * p), k % (v * p)
+    return rem // p, g * p + rem % p
+
+  def body(layers, head_params, xs, aux, head_aux):
+    layers = jax.tree.map(lambda w: w[:, 0], layers)        # this stage's chunks, (v, per_chunk, ...)
+    stage = jax.lax.axis_index(axis)
+    chunk = lambda r: jax.tree.map(lambda w: w[r], layers)
+    pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+    zeros = jnp.zeros((mb, s_len, d), xs.dtype)
+
+    def tick(c, t):
+      # Backward first: it reads the head's cotangent the previous tick left.
+      kb = t - first_back - (p - 1 - stage)
+      kb_c = jnp.clip(kb, 0, n_items - 1)
+      rev, i_b = decode(kb_c)
+      r_b = v - 1 - rev
+      slot_b = ((kb_c // (v * p)) * v * p + r_b * p + kb_c % p) % slots
+      cot = jnp.where((stage == p - 1) & (r_b == v - 1), c['pending'], c['b_in'])
+
+      def backward(c):
+        fn = lambda w, h: stage_fn(w, h, pick(aux, i_b))
+        _, vjp = jax.vjp(fn, chunk(r_b), c['saved'][slot_b])
+        dw, dh = vjp(cot)
+        d_layers = jax.tree.map(lambda acc, g: acc.at[r_b].add(g.astype(jnp.float32)), c['d_layers'], dw)
+        dx = jnp.where((stage == 0) & (r_b == 0), c['dx'].at[i_b].set(dh), c['dx'])
+        return d_layers, dx, dh
+
+      d_layers, dx, dh = jax.lax.cond((kb >= 0) & (kb < n_items), backward,
+                                      lambda c: (c['d_layers'], c['dx'], zeros), c)
+      # Forward.
+      kf = t - stage
+      kf_c = jnp.clip(kf, 0, n_items - 1)
+      r_f, i_f = decode(kf_c)
+      inp = jnp.where((stage == 0) & (r_f == 0), xs[i_f], c['f_in'])
+
+      def forward(c):
+        y = stage_fn(chunk(r_f), inp, pick(aux, i_f))
+        saved = c['saved'].at[kf_c % slots].set(inp)
+
+        def head(_):
+          (loss, count), vjp = jax.vjp(lambda hp, h: head_fn(hp, h, pick(head_aux, i_f)), head_params, y)
+          d_hp, d_y = vjp((jnp.ones_like(loss), jnp.zeros_like(count)))
+          return loss, count, d_hp, d_y
+
+        def no_head(_):
+          return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                  jax.tree.map(jnp.zeros_like, head_params), zeros)
+
+        loss, count, d_hp, d_y = jax.lax.cond((stage == p - 1) & (r_f == v - 1), head, no_head, None)
+        d_head = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), c['d_head'], d_hp)
+        return y, saved, c['loss'] + loss, c['count'] + count, d_head, d_y
+
+      def idle(c):
+        return zeros, c['saved'], c['loss'], c['count'], c['d_head'], zeros
+
+      y, saved, loss, count, d_head, pending = jax.lax.cond((kf >= 0) & (kf < n_items), forward, idle, c)
+      # Outputs one stage on round the ring; cotangents one stage back.
+      f_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % p) for i in range(p)])
+      b_in = jax.lax.ppermute(dh, axis, [(i, (i - 1) % p) for i in range(p)])
+      return dict(f_in=f_in, b_in=b_in, pending=pending, saved=saved, d_layers=d_layers, d_head=d_head,
+                  loss=loss, count=count, dx=dx), None
+
+    c = dict(f_in=zeros, b_in=zeros, pending=zeros, saved=jnp.zeros((slots, mb, s_len, d), xs.dtype),
+             d_layers=f32(layers), d_head=f32(head_params), loss=jnp.zeros((), jnp.float32),
+             count=jnp.zeros((), jnp.float32), dx=jnp.zeros_like(xs))
+    c, _ = jax.lax.scan(tick, c, jnp.arange(ticks))
+    total = lambda a: jax.lax.psum(a, axis)     # made on one stage, zero on the others
+    return (total(c['loss']), total(c['count']), total(c['dx']),
+            jax.tree.map(lambda w: w[:, None], c['d_layers']), jax.tree.map(total, c['d_head']))
+
+  stage_spec = jax.tree.map(lambda _: jax.sharding.PartitionSpec(None, axis), layers)
+  rep = lambda tree: jax.tree.map(lambda _: jax.sharding.PartitionSpec(), tree)
+  run = jax.shard_map(body, in_specs=(stage_spec, rep(head_params), rep(xs), rep(aux), rep(head_aux)),
+                      out_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(),
+                                 jax.sharding.PartitionSpec(), stage_spec, rep(head_params)),
+                      axis_names={axis}, check_vma=False)
+  loss, count, dxs, d_layers, d_head = run(layers, head_params, xs, aux, head_aux)
+  return loss, count, dxs.swapaxes(0, 1).reshape(b, s_len, d), d_layers, d_head
