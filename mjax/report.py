@@ -112,7 +112,7 @@ def comm(prog: str, argv: list[str]) -> int:
         f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
   print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
   print()
-  print(format_schedule(schedule(compiled.as_text()), jax.devices()[0].platform))
+  print(format_schedule(schedule(compiled.as_text(), dict(mesh.shape)), jax.devices()[0].platform))
   return 0
 
 

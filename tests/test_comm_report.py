@@ -311,3 +311,38 @@ def test_cpu_compile_schedule_is_synchronous_and_says_why(fsdp):
   assert {'all-gather', 'all-reduce'} <= {s.kind for s in items} or {'all-gather', 'reduce-scatter'} <= {
       s.kind for s in items}
   assert 'no asynchronous collectives' in format_schedule(items, 'cpu')
+
+
+def test_collective_axes_from_every_printed_group_form():
+  from mjax.parallel.comm_report import collective_axes
+  mesh = {'data': 2, 'fsdp': 1, 'tensor': 2, 'pipeline': 2}   # partition = 4 data + 2 tensor + pipeline
+  assert collective_axes('replica_groups={{0,1},{2,3},{4,5},{6,7}}', mesh) == 'pipeline'
+  assert collective_axes('replica_groups={{0,2},{1,3},{4,6},{5,7}}', mesh) == 'tensor'
+  assert collective_axes('replica_groups=[4,2]<=[8]', mesh) == 'pipeline'
+  # iota with a transpose: [[0,4],[1,5],[2,6],[3,7]]: pairs differing in data.
+  assert collective_axes('replica_groups=[4,2]<=[2,4]T(1,0)', mesh) == 'data'
+  assert collective_axes('replica_groups=[2,4]<=[2,4]', mesh) == 'tensor+pipeline'
+  assert collective_axes('replica_groups={}', mesh) == 'data+tensor+pipeline'
+  assert collective_axes('source_target_pairs={{0,1},{1,0},{2,3},{3,2}}', mesh) == 'pipeline'
+  # The form XLA prints for meshes (size-1 axes may be left out).
+  assert collective_axes("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_1'}", mesh) == 'tensor'
+  assert collective_axes("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_0','axis_2'}",
+                         mesh) == 'data+pipeline'
+  assert collective_axes("replica_groups=mesh['a'=2,'b'=2,'c'=2]", mesh) == 'data+tensor+pipeline'
+  # A reordered printed mesh with the partitions at its positions: [[0,4],[1,5],[2,6],[3,7]] by data.
+  assert collective_axes("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}",
+                         mesh) == 'data'
+  assert collective_axes('channel_id=1', mesh) is None
+
+
+def test_schedule_names_the_axes_of_each_collective(tensor_parallel):
+  from mjax.parallel.comm_report import format_schedule, schedule
+  cfg, mesh, compiled = tensor_parallel
+  items = schedule(compiled.as_text(), mesh)
+  by_axes = {(s.kind, s.axes) for s in items}
+  # Tensor parallelism's activation all-reduces run over `tensor` alone; the
+  # gradients' over the batch axes.
+  assert ('all-reduce', 'tensor') in by_axes, by_axes
+  assert any(k == 'all-reduce' and a and 'data' in a and 'tensor' not in a for k, a in by_axes), by_axes
+  assert all(s.axes is not None for s in items), [s for s in items if s.axes is None]
+  assert 'over' in format_schedule(items, 'cpu') and 'tensor' in format_schedule(items, 'cpu')

@@ -53,6 +53,7 @@ import re
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 from mjax.config import Config
 from mjax.parallel import hlo_text
@@ -507,12 +508,95 @@ class Scheduled:
       (an async pair with nothing to hide behind) or 'synchronous' (no
       start/done pair: the backend runs it as one blocking op).
     compute_between: compute instructions scheduled between start and done.
+    axes: the mesh axes its devices differ along ('tensor', 'data+fsdp',
+      ...), from its replica groups or source-target pairs; None when the
+      mesh is not given or the groups are in a form not decoded here.
   """
   name: str
   kind: str
   computation: str
   mode: str
   compute_between: int
+  axes: Optional[str] = None
+
+
+def _replica_groups(attrs: str, n: int) -> Optional[list[list[int]]]:
+  """The partition groups of a collective from XLA's printed forms: explicit
+  `{{0,1},{2,3}}`, iota `[G,S]<=[dims]T(perm)`, `{}` (everyone); for a
+  collective-permute, its source-target pairs. None for other forms."""
+  pairs = re.search(r'source_target_pairs=\{(.*?)\}\}', attrs)
+  if pairs:
+    return [[int(x) for x in g.split(',')] for g in re.findall(r'\{([\d,\s]+)', pairs.group(1) + '}')]
+  m = re.search(r'replica_groups=', attrs)
+  if not m:
+    return None
+  rest = attrs[m.end():]
+  if rest.startswith('{}'):
+    return [list(range(n))]
+  if rest.startswith('{{'):
+    body = rest[1:rest.index('}}') + 1]
+    return [[int(x) for x in g.split(',') if x.strip()] for g in re.findall(r'\{([^}]*)\}', body)]
+  iota = re.match(r'\[(\d+),(\d+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?', rest)
+  if iota:
+    dims = [int(x) for x in iota.group(3).split(',')]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if iota.group(5):
+      ids = ids.transpose([int(x) for x in iota.group(5).split(',')])
+    return ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+  named = re.match(r"mesh\[([^\]]*)\](,\s*device_ids=\(([^)]*\)?)\))?(\s*\{([^}]*)\})?", rest)
+  if named:
+    # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: groups along the listed axes
+    # of a printed mesh, whose positions hold the partitions `device_ids`
+    # lists (an iota, possibly transposed; default 0, 1, 2, ...).
+    sizes = [(k, int(v)) for k, v in re.findall(r"'?([\w]+)'?\s*=\s*(\d+)", named.group(1))]
+    chosen = re.findall(r"'?([\w]+)'?", named.group(5) or '') if named.group(4) else [k for k, _ in sizes]
+    total = math.prod(v for _, v in sizes)
+    if total != n:
+      return None
+    ids = np.arange(total)
+    if named.group(3):
+      spec = named.group(3)
+      iota = re.fullmatch(r'\[([\d,]+)\](T\(([\d,]+)\))?', spec.strip())
+      if iota:
+        dims = [int(x) for x in iota.group(1).split(',')]
+        ids = np.arange(total).reshape(dims)
+        if iota.group(3):
+          ids = ids.transpose([int(x) for x in iota.group(3).split(',')])
+        ids = ids.reshape(-1)
+      else:
+        try:
+          ids = np.array([int(x) for x in spec.split(',') if x.strip()])
+        except ValueError:
+          return None
+    ids = ids.reshape([v for _, v in sizes] or [1])
+    keep = [i for i, (k, _) in enumerate(sizes) if k in chosen]
+    rest_axes = [i for i in range(len(sizes)) if i not in keep]
+    group = math.prod(sizes[i][1] for i in keep)
+    return ids.transpose(rest_axes + keep).reshape(-1, group).tolist()
+  return None
+
+
+def collective_axes(attrs: str, mesh: Mapping[str, int]) -> Optional[str]:
+  """The mesh axes a collective's devices differ along, e.g. 'tensor'.
+
+  Partition ids number the mesh's devices in row-major order of its axes
+  (`mesh` in its own axis order), so a group's coordinates say which axes
+  it spans: an all-reduce over 'tensor' is tensor parallelism's, an
+  all-gather over 'fsdp' FSDP's weight gather, and so on.
+  """
+  shape = [int(v) for v in mesh.values()]
+  groups = _replica_groups(attrs, math.prod(shape))
+  if not groups:
+    return None
+  coords = np.array(np.unravel_index(np.arange(math.prod(shape)), shape)).T   # partition -> coordinates
+  spans = set()
+  for g in groups:
+    if not g or max(g) >= len(coords):
+      return None
+    c = coords[g]
+    spans |= {a for a, col in zip(mesh, c.T) if len(set(col.tolist())) > 1}
+  named = [a for a in mesh if a in spans]
+  return '+'.join(named) if named else 'none'
 
 
 def _async_kind(module: Module, inst: Instruction) -> Optional[str]:
@@ -528,9 +612,10 @@ def _async_kind(module: Module, inst: Instruction) -> Optional[str]:
   return None
 
 
-def schedule(text: str) -> list[Scheduled]:
+def schedule(text: str, mesh: Optional[Mapping[str, int]] = None) -> list[Scheduled]:
   """Every collective of a compiled module's text with what is scheduled
-  between its start and done (instruction order of a scheduled module)."""
+  between its start and done (instruction order of a scheduled module), and
+  with `mesh` (axis sizes in the mesh's order) the axes each one spans."""
   module = hlo_text.parse_module(text)
   counts, _ = hlo_text.execution_counts(module)
   wrapped = {m.group(1) for insts in module.computations.values() for inst in insts
@@ -543,7 +628,7 @@ def schedule(text: str) -> list[Scheduled]:
       kind = _async_kind(module, inst)
       if kind is None:
         if inst.opcode in KINDS:
-          out.append(Scheduled(inst.name, inst.opcode, comp, 'synchronous', 0))
+          out.append(Scheduled(inst.name, inst.opcode, comp, 'synchronous', 0, _axes_of(module, inst, mesh)))
         continue
       between = 0
       for later in insts[i + 1:]:
@@ -551,24 +636,41 @@ def schedule(text: str) -> list[Scheduled]:
           break
         if later.opcode in _COMPUTE and _async_kind(module, later) is None:
           between += 1
-      out.append(Scheduled(inst.name, kind, comp, 'overlapped' if between else 'exposed', between))
+      out.append(Scheduled(inst.name, kind, comp, 'overlapped' if between else 'exposed', between,
+                           _axes_of(module, inst, mesh)))
   return out
+
+
+def _axes_of(module: Module, inst: Instruction, mesh: Optional[Mapping[str, int]]) -> Optional[str]:
+  if not mesh:
+    return None
+  attrs = inst.attrs
+  if inst.opcode == 'async-start':   # the groups are on the wrapped collective
+    called = re.search(r'calls=%?([\w.\-]+)', attrs)
+    for sub in module.computations.get(called.group(1), []) if called else []:
+      if sub.opcode in KINDS:
+        attrs = sub.attrs
+  return collective_axes(attrs, mesh)
 
 
 def format_schedule(items: list[Scheduled], platform: str = '') -> str:
   """Per kind: how many collectives overlap compute, run exposed, or block."""
   if not items:
     return 'schedule: no collectives'
-  rows = [('kind', 'overlapped', 'exposed', 'synchronous')]
+  rows = [('kind', 'over', 'overlapped', 'exposed', 'synchronous')]
   for kind in KINDS:
-    mine = [s for s in items if s.kind == kind]
-    if mine:
-      rows.append((kind, *(str(sum(s.mode == m for s in mine)) for m in ('overlapped', 'exposed', 'synchronous'))))
-  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for axes in sorted({s.axes or '?' for s in items if s.kind == kind}):
+      mine = [s for s in items if s.kind == kind and (s.axes or '?') == axes]
+      rows.append((kind, axes, *(str(sum(s.mode == m for s in mine))
+                                 for m in ('overlapped', 'exposed', 'synchronous'))))
+  widths = [max(len(r[i]) for r in rows) for i in range(5)]
   lines = ['schedule of the compiled step (instruction order of the scheduled HLO): a collective is '
            'overlapped when compute is scheduled between its start and its done']
-  lines += ['  ' + '  '.join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+  lines += ['  ' + '  '.join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
             for r in rows]
+  lines.append('  over: the mesh axes its devices span (tensor: tensor/sequence parallelism, whose '
+               'all-gathers and reduce-scatters collective matmul overlaps; fsdp: weight gathers and '
+               'gradient reduce-scatters; data: gradient all-reduce; pipeline: stage shifts)')
   if all(s.mode == 'synchronous' for s in items):
     lines.append(f'note: every collective is synchronous{" on " + platform if platform else ""}: this '
                  'backend has no asynchronous collectives, so nothing can overlap them. The overlap '
