@@ -251,3 +251,41 @@ def test_agent_and_driver_refuse_a_missing_secret_or_port(tmp_path, monkeypatch)
   from mjax.errors import UserError
   with pytest.raises(UserError, match=protocol.SECRET_ENV):
     make_driver(tmp_path, launch.free_port(), '--processes', '1')
+
+
+def test_sigterm_to_the_driver_stops_every_trainer_through_its_agent(tmp_path, agents):
+  """A pre-emption: SIGTERM to the driver reaches each trainer through its
+  agent, every trainer exits cleanly, and the agents exit with the job."""
+  import threading
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', mode='slow')
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
+
+  def preempt():
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=preempt, daemon=True).start()
+  assert d.run() == driver.EXIT_OK
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and not events(tmp_path, 'fault')
+  assert [p.wait(10) for p in procs.values()] == [0, 0]
+
+
+def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):
+  port = launch.free_port()
+  agents(port, 'h0')
+  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 2.0)
+  try:
+    assert server.wait_for(['h0'], 30) == ['h0']
+    t0 = time.monotonic()
+    code, out, err = server.run('h0', [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ), 1.0)
+    assert code == 124 and 'timed out' in err and time.monotonic() - t0 < 10
+    # Meanwhile the agent kept relaying (its own heartbeat): it is still connected.
+    assert server.link('h0') is not None
+    assert server.run('nobody', ['true'], {}, 1.0)[0] == agent_lib.EXIT_HOST_LOST
+  finally:
+    server.farewell('done')
+    server.close()
