@@ -289,3 +289,52 @@ def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):
   finally:
     server.farewell('done')
     server.close()
+
+
+# --- real trainers through agents ----------------------------------------------------
+
+@pytest.mark.slow
+def test_a_lost_host_under_real_training_resumes_bitwise_on_a_spare(tmp_path, agents, repo_root,
+                                                                     tmp_path_factory):
+  """Two mjax-train processes through the agents of a0 and a1; the machine
+  a1 is lost (its agent and its trainer SIGKILLed) once a checkpoint exists.
+  The driver blocks a1, resumes on a0 + the spare s0, and the run ends with
+  the same losses and the same final state, bit for bit, as an uninterrupted
+  run through agents."""
+  import test_ft as F
+  import threading
+
+  def run(workdir, hosts, spares, lose=None):
+    port = launch.free_port()
+    procs = agents(port, *hosts, *spares)
+    argv = ['--executor', 'agent', '--bind', f'127.0.0.1:{port}', '--processes', str(len(hosts)),
+            '--hosts', ','.join(hosts), '--workdir', str(workdir), '--agent_wait_s', '120', *F.LAUNCH]
+    if spares:
+      argv += ['--spares', ','.join(spares)]
+    opts = driver.parse_args([*argv, '--', *F.TRAIN])
+    d = driver.Driver(opts)
+    if lose:
+      def kill():
+        deadline = time.time() + 300
+        while time.time() < deadline and F.newest_step(workdir) < 3:
+          time.sleep(0.05)
+        link = d.agents.link(lose)
+        pids = [h.pid for h in link.handles.values() if h.pid]
+        os.kill(procs[lose].pid, signal.SIGKILL)
+        for pid in pids:
+          try:
+            os.kill(pid, signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+      threading.Thread(target=kill, daemon=True).start()
+    assert d.run() == driver.EXIT_OK
+    return workdir
+
+  reference = run(tmp_path_factory.mktemp('agents-ref'), ['a0', 'a1'], [])
+  work = run(tmp_path, ['a0', 'a1'], ['s0'], lose='a1')
+  fault = events(work, 'fault')[0]
+  assert fault['kind'] == 'host_lost' and fault['hosts'] == ['a1'], fault
+  assert [b['host'] for b in events(work, 'host_blocked')] == ['a1']
+  assert [e['hosts'] for e in events(work, 'launch')] == [['a0', 'a1'], ['a0', 's0']]
+  assert F.losses(work) == F.losses(reference)
+  F.assert_bitwise(F.final_state(work), F.final_state(reference))
