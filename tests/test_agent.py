@@ -60,9 +60,12 @@ def agents(monkeypatch):
   monkeypatch.setenv(protocol.SECRET_ENV, SECRET)
   started = []
 
-  def start(port, *hosts, mode='ok', extra=()):
-    env = {**os.environ, 'AGENT_TEST_MODE': mode, 'PYTHONUNBUFFERED': '1'}
-    env.pop(protocol.INJECT_ENV, None)
+  def start(port, *hosts, mode='ok', extra=(), env=None):
+    # The agents' environment is the hosts': the trainers they start get it,
+    # plus only what the driver adds (its own environment stays its own).
+    extra_env = env or {}
+    env = {k: v for k, v in os.environ.items() if k != protocol.INJECT_ENV}
+    env.update({'AGENT_TEST_MODE': mode, 'PYTHONUNBUFFERED': '1', **extra_env})
     out = {}
     for h in hosts:
       out[h] = subprocess.Popen([os.path.join(BIN, 'mjax-agent'), '--driver', f'127.0.0.1:{port}', '--host', h,
@@ -338,3 +341,46 @@ def test_a_lost_host_under_real_training_resumes_bitwise_on_a_spare(tmp_path, ag
   assert [e['hosts'] for e in events(work, 'launch')] == [['a0', 'a1'], ['a0', 's0']]
   assert F.losses(work) == F.losses(reference)
   F.assert_bitwise(F.final_state(work), F.final_state(reference))
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_driver_the_agents_stay_and_a_new_driver_resumes_bitwise(tmp_path, agents, repo_root,
+                                                                               tmp_path_factory):
+  """The driver SIGKILLed mid-run: the agents notice the closed connection
+  and stop acknowledging, so the trainers save and exit by themselves; the
+  agents stay, and a new driver on the same address gets them back and
+  resumes the run, which ends bitwise equal to an uninterrupted one."""
+  import test_ft as F
+  port = launch.free_port()
+  agents(port, 'a0', 'a1', env={protocol.INJECT_ENV: 'delay:seconds=0.5:attempt=0'})   # time to act
+  cmd = lambda workdir: [os.path.join(BIN, 'mjax-launch'), '--executor', 'agent', '--bind', f'127.0.0.1:{port}',
+                         '--processes', '2', '--hosts', 'a0,a1', '--workdir', str(workdir), *F.LAUNCH,
+                         '--', *F.TRAIN]
+  first = subprocess.Popen(cmd(tmp_path), cwd=repo_root, env=F.child_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while F.newest_step(tmp_path) < 3:
+    assert first.poll() is None and time.time() < deadline, first.communicate()[0][-3000:]
+    time.sleep(0.05)
+  first.kill()
+  first.communicate()
+  stopped_by_themselves = time.time()
+  second = subprocess.run(cmd(tmp_path), cwd=repo_root, env=F.child_env(), capture_output=True, text=True,
+                          timeout=600)
+  assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+  logs = ''.join(open(tmp_path / 'logs' / f).read() for f in os.listdir(tmp_path / 'logs'))
+  assert 'the fault-tolerance driver is gone' in logs, logs[-3000:]
+  starts = events(tmp_path, 'start')
+  assert len(starts) == 2 and not events(tmp_path, 'fault')
+  # The second driver's agents are the first one's: connected without a restart.
+  assert {e['host'] for e in events(tmp_path, 'agent_connected') if e['time'] > stopped_by_themselves} == {'a0', 'a1'}
+  reference = tmp_path_factory.mktemp('agents-ref-2')
+  port2 = launch.free_port()
+  agents(port2, 'b0', 'b1')
+  ref = subprocess.run([os.path.join(BIN, 'mjax-launch'), '--executor', 'agent', '--bind', f'127.0.0.1:{port2}',
+                        '--processes', '2', '--hosts', 'b0,b1', '--workdir', str(reference), *F.LAUNCH,
+                        '--', *F.TRAIN], cwd=repo_root, env=F.child_env(), capture_output=True, text=True,
+                       timeout=600)
+  assert ref.returncode == 0, ref.stdout[-3000:]
+  assert F.losses(tmp_path) == F.losses(reference)
+  F.assert_bitwise(F.final_state(tmp_path), F.final_state(reference))
