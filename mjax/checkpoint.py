@@ -18,16 +18,47 @@ Restore takes the newest step across both tiers; a checkpoint that fails to
 read (truncated, corrupted, missing files) is reported and skipped, and the
 next older one is used.
 
+Single-replica restore (MegaScale's): params and LAMB moments are replicated
+over the `data` mesh axis, so when the data-parallel replicas live in
+different processes, one replica (data index 0) reads the state and a
+collective sends it to the others; a restart reads the state's bytes once
+instead of once per replica (192 times for a 175B layout with data = 192).
+It applies when every array of the state is replicated over `data` (size
+> 1) and no process holds devices of two replicas; otherwise, or with
+`CheckpointConfig.single_replica_restore = False`, every process reads the
+shards its devices hold, as Orbax does by default. Both paths give the same
+bits (tests/test_multihost.py; figures from bench/restore_bench.py).
+
 In a multi-process job every process must restore the same step, or they
 hang in their first collective: each one lists what it sees, only steps
 every process sees are candidates, and a failed read in any process moves
 all of them to the next one (agreed through the coordination service,
-mjax/distributed.py). Every tier must be a directory all processes share:
-Orbax's process 0 commits a save only once every process has written its
-shards there. The default fast tier, /dev/shm, is shared by the processes of
-one machine but not across machines, so at start-up process 0 leaves a probe
-file in each tier and a tier some process cannot see it in is a
-configuration error (exit 2) naming the tier and the processes.
+mjax/distributed.py, before any collective runs).
+
+Who sees a tier (`CheckpointConfig.fast_scope` for the fast tier; the
+persistent tier is always shared):
+  shared  one directory every process sees at the same path: Orbax's
+          process 0 commits a save only once every process has written its
+          shards there. The default fast tier, /dev/shm, is shared by the
+          processes of one machine but not across machines, so at start-up
+          process 0 leaves a probe file in each shared tier, and a tier some
+          process cannot see it in is a configuration error (exit 2) naming
+          the tier and the processes.
+  host    (MegaScale's first save stage: device -> host memory, for
+          multi-host jobs without a shared filesystem.) Each process writes
+          the shards it holds, and the data position and checksums, to its
+          own directory, <fast_directory>/process-<i>, committed by itself.
+          Such a step is a restore candidate only when every process has its
+          copy of it, saved by the same layout (process count, mesh, the
+          blocks each process holds) with the same checksums; otherwise the
+          persistent tier (or an older step) is used. Before each such save
+          the processes meet at a barrier, which tells each that every copy
+          of the earlier steps is committed; only then does it drop its
+          copies beyond `fast_keep`, so a save cut off in any process leaves
+          an older step that every process still has. After a restore, each
+          process drops its copies newer than the step restored: they belong
+          to a timeline the job left. Offline tools (mjax-report, mjax-eval)
+          see none of these steps: one process's copy is not a checkpoint.
 
 Resume semantics (decided in `resume`, and nowhere else):
   1. the workdir has a readable checkpoint in either tier: resume from the
@@ -43,8 +74,10 @@ import collections
 import dataclasses
 import errno
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -56,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mjax import distributed
 from mjax.config import CheckpointConfig, ConfigError
@@ -68,6 +102,9 @@ log = logging.getLogger('mjax.checkpoint')
 # changed digit would silently replay or skip batches.
 FINGERPRINTS = 'fingerprints'
 DATA_SHA256 = 'data_sha256'
+# In a host-local step's meta item: which process of which layout saved it
+# (`host_layout`), and the digest of the checksums, which names the state.
+HOST = 'host'
 
 
 def data_digest(data: Optional[dict]) -> str:
@@ -94,6 +131,58 @@ class _Tier:
   directory: str
   every: int
   manager: ocp.CheckpointManager
+  host: bool = False       # this process's own directory (CheckpointConfig.fast_scope = 'host')
+
+
+def host_directory(directory: str) -> str:
+  """This process's directory in a host-local tier: processes that share a
+  machine (one per GPU) share its /dev/shm as well."""
+  return os.path.join(directory, f'process-{jax.process_index()}')
+
+
+def host_layout(tree: Any) -> str:
+  """What a host-local copy of `tree` (arrays or ShapeDtypeStructs with
+  NamedShardings) depends on: the job's process count, this process's index,
+  the mesh, and the blocks of every array this process holds. Equal digests:
+  this process can read its copy back onto `tree`'s shardings."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  mesh = next((x.sharding.mesh for _, x in leaves if isinstance(getattr(x, 'sharding', None), NamedSharding)), None)
+  parts = [jax.process_count(), jax.process_index(), dict(mesh.shape) if mesh is not None else None]
+  for path, x in leaves:
+    blocks = sorted({tuple(tuple(i.indices(n)[:2]) for i, n in zip(index, x.shape))
+                     for index in x.sharding.addressable_devices_indices_map(x.shape).values()})
+    parts.append([jax.tree_util.keystr(path), list(x.shape), str(x.dtype), blocks])
+  return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _prints_digest(prints: dict) -> str:
+  return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _host_manager(directory: str, async_save: bool) -> ocp.CheckpointManager:
+  """An Orbax manager of this process's own directory: every process is its
+  own primary host, writes the shards it holds (replica_id=None: not only
+  the shards of replica 0), and commits alone (Orbax's recipe for local
+  checkpoints, orbax.checkpoint.experimental.emergency). Keeps every step:
+  `Checkpointer._host_turn` drops old ones once it is safe."""
+  me = jax.process_index()
+  os.makedirs(directory, exist_ok=True)   # Orbax creates no root for a subset of processes
+  mp = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
+                                          barrier_sync_key_prefix=f'mjax_host{me}')
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
+  # Directories made in the save call, not by Orbax's background signalling:
+  # its signal keys are named by an operation count that every process's own
+  # manager repeats, so one process would take another's "directory made"
+  # for its own and write into a directory not there yet (FileNotFoundError
+  # in the save thread, seen with 2 processes).
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=None, create=False, cleanup_tmp_directories=True, enable_async_checkpointing=async_save,
+      multiprocessing_options=mp, async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
+  return ocp.CheckpointManager(directory, options=options, item_handlers={
+      'state': ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=registry),
+      'data': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+      'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
 
 
 def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
@@ -216,10 +305,11 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) is not shared by every process: '
           f'process(es) {blind} of {jax.process_count()} do not see the file process 0 wrote there, so '
-          f'their checkpoint shards would never be committed. A multi-host job needs each tier '
+          f'their checkpoint shards would never be committed. A multi-host job needs this tier '
           f'on a filesystem all hosts mount at the same path'
-          + ('; set CheckpointConfig.fast_directory to such a path, or fast_every = 0 to turn the '
-             'fast tier off.' if name == 'fast' else '.'))
+          + ("; set CheckpointConfig.fast_scope = 'host' to keep a copy per process in each "
+             "one's own directory (host memory), point CheckpointConfig.fast_directory at a shared "
+             'path, or set fast_every = 0 to turn the fast tier off.' if name == 'fast' else '.'))
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -361,6 +451,207 @@ def check_same_model(cfg: Any, workdir: str) -> None:
         f'of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
 
 
+# ----------------------------------------------------------------------------
+# Single-replica restore
+# ----------------------------------------------------------------------------
+# Orbax has one (type_handlers.SingleReplicaArrayHandler with
+# SingleReplicaArrayRestoreArgs), and it runs between CPU processes here, but
+# two of its properties rule it out for mjax (orbax-checkpoint 0.12.8):
+#  - it is not bit-exact: its broadcast sums the replicas in the array's own
+#    dtype (_src/multihost/multislice.py, _sum_over_replica_axis), and
+#    -0.0 + 0.0 = +0.0, so a negative zero arrives as a positive one on every
+#    replica: the state differs from the one saved, and its checksums (see
+#    `fingerprints`) call a sound checkpoint damaged;
+#  - it reads and broadcasts in one call (_src/serialization/
+#    jax_array_handlers.py, _single_replica_deserialize_and_broadcast): when
+#    the reading replica fails (a truncated file) it raises, while the other
+#    replicas already wait in the broadcast's collective; the job hangs until
+#    the coordination service aborts it, instead of falling back a step.
+# So the reading replica reads with Orbax's ordinary handler onto its own
+# devices, every process learns whether that went well (coordination
+# service, `restore_latest`), and one jitted sum over the data axis of the
+# arrays' bits as unsigned integers (x + 0 is exact for integers; the other
+# replicas contribute zeros) puts the state onto the target shardings, as
+# multislice.broadcast_one_replica_to_all does with floats.
+
+REPLICA_AXIS = 'data'
+# Bytes per device that one broadcast program moves: bounds the temporary
+# buffers (the replica's copy, the zeros, the result) to a few times this.
+_BROADCAST_CHUNK_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlan:
+  """How one data-parallel replica restores the state for all of them."""
+  mesh: Mesh             # the state's mesh
+  replica_mesh: Mesh     # its devices at data index 0 (the `data` axis kept, size 1)
+  replicas: int          # size of the `data` axis
+  source: bool           # this process holds devices of the reading replica
+
+
+def _spec_axes(spec: PartitionSpec) -> set:
+  return {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+def replica_plan(abstract_state: Any) -> Optional[ReplicaPlan]:
+  """The single-replica plan for restoring `abstract_state`, or None when
+  every process should read the shards its own devices hold:
+    - one process: Orbax already reads each distinct shard once per process
+      and copies it to every local device that holds it;
+    - a `data` axis of size 1, or an array sharded over it: nothing to share;
+    - a process holding devices of several replicas: it would read a whole
+      replica anyway, so sending it one saves nothing.
+
+  Args:
+    abstract_state: ShapeDtypeStructs with NamedShardings on one mesh.
+  """
+  leaves = jax.tree.leaves(abstract_state)
+  shardings = [getattr(x, 'sharding', None) for x in leaves]
+  if jax.process_count() == 1 or not leaves or not all(isinstance(s, NamedSharding) for s in shardings):
+    return None
+  mesh = shardings[0].mesh
+  if (not isinstance(mesh, Mesh) or REPLICA_AXIS not in mesh.axis_names or mesh.shape[REPLICA_AXIS] < 2
+      or any(s.mesh != mesh or REPLICA_AXIS in _spec_axes(s.spec) for s in shardings)):
+    return None
+  axis = mesh.axis_names.index(REPLICA_AXIS)
+  replicas_of = collections.defaultdict(set)
+  for index, device in np.ndenumerate(mesh.devices):
+    replicas_of[device.process_index].add(index[axis])
+  if any(len(r) > 1 for r in replicas_of.values()):
+    return None
+  first = np.take(mesh.devices, [0], axis=axis)
+  return ReplicaPlan(mesh=mesh, replica_mesh=Mesh(first, mesh.axis_names, axis_types=mesh.axis_types),
+                     replicas=mesh.shape[REPLICA_AXIS],
+                     source=jax.process_index() in {d.process_index for d in first.flat})
+
+
+def on_replica(plan: ReplicaPlan, abstract_state: Any) -> Any:
+  """`abstract_state` with the same specs on the reading replica's devices."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(plan.replica_mesh, x.sharding.spec)), abstract_state)
+
+
+def _to_words(x: jax.Array) -> jax.Array:
+  """The array's bits as unsigned integers of a width every collective
+  library reduces (NCCL has no 16-bit unsigned type): 2-byte elements
+  become two uint8, 8-byte ones two uint32 (a trailing axis)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(x, jnp.uint32 if x.dtype.itemsize % 4 == 0 else jnp.uint8)
+
+
+def _from_words(w: jax.Array, dtype) -> jax.Array:
+  return w != 0 if dtype == jnp.bool_ else jax.lax.bitcast_convert_type(w, dtype)
+
+
+def _merge(words: list, dtypes: tuple) -> list:
+  # Integer sums: only the reading replica's words are non-zero, so each sum
+  # is that replica's words, bit for bit (NaN payloads and -0.0 included).
+  return [_from_words(jnp.sum(w, axis=0, dtype=w.dtype), d) for w, d in zip(words, dtypes)]
+
+
+def _globalized(plan: ReplicaPlan, target: jax.ShapeDtypeStruct, replica: Optional[jax.Array]) -> jax.Array:
+  """A (replicas, *words) array over the whole mesh: the reading replica's
+  words at index 0, zeros elsewhere (allocated on each device)."""
+  words = jax.eval_shape(_to_words, jax.ShapeDtypeStruct(target.shape, target.dtype))
+  spec = tuple(target.sharding.spec) + (None,) * (words.ndim - len(target.sharding.spec))
+  sharding = NamedSharding(plan.mesh, PartitionSpec(REPLICA_AXIS, *spec))
+  shape = (plan.replicas, *words.shape)
+  mine = {s.device: s.data for s in replica.addressable_shards} if replica is not None else {}
+  buffers = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    if device in mine:   # same spec on a mesh that differs only in `data`: the same block
+      buffers.append(_to_words(mine[device])[None])
+    else:
+      block = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+      buffers.append(jnp.zeros(block, words.dtype, device=device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, buffers)
+
+
+def _chunks(targets: list, budget: int) -> list[tuple[int, int]]:
+  """[start, end) ranges of `targets` whose per-device bytes stay within
+  `budget` (a larger array goes alone)."""
+  out, start, used = [], 0, 0
+  for i, t in enumerate(targets):
+    nbytes = math.prod(t.sharding.shard_shape(t.shape)) * np.dtype(t.dtype).itemsize
+    if i > start and used + nbytes > budget:
+      out.append((start, i))
+      start, used = i, 0
+    used += nbytes
+  return out + ([(start, len(targets))] if start < len(targets) else [])
+
+
+def broadcast_from_replica(plan: ReplicaPlan, replica_state: Any, abstract_state: Any,
+                           chunk_bytes: int = _BROADCAST_CHUNK_BYTES) -> Any:
+  """The reading replica's state on every replica, bit for bit. A collective:
+  every process calls it.
+
+  Args:
+    plan: from `replica_plan(abstract_state)`.
+    replica_state: the state on `plan.replica_mesh` (`on_replica`) in the
+      reading replica's processes; None elsewhere. Its arrays are deleted.
+    abstract_state: the target shapes, dtypes and shardings.
+  Returns:
+    The state with `abstract_state`'s shardings.
+  """
+  targets, treedef = jax.tree.flatten(abstract_state)
+  sources = jax.tree.leaves(replica_state) if plan.source else [None] * len(targets)
+  if len(sources) != len(targets):
+    raise ValueError(f'the replica\'s state has {len(sources)} arrays, the target {len(targets)}')
+  out = []
+  for start, end in _chunks(targets, chunk_bytes):
+    part = targets[start:end]
+    words = [_globalized(plan, t, s) for t, s in zip(part, sources[start:end])]
+    for s in sources[start:end]:
+      if s is not None:
+        s.delete()   # the words hold a copy: free the replica's before the result is made
+    merge = jax.jit(_merge, static_argnums=1, out_shardings=[t.sharding for t in part])
+    out.extend(merge(words, tuple(np.dtype(t.dtype) for t in part)))
+    del words
+  return jax.tree.unflatten(treedef, out)
+
+
+# The restores of this process; every process of a job makes the same ones in
+# the same order, so the count keeps their agreement keys new to the job.
+_RESTORE_ROUNDS = itertools.count()
+
+
+def _restore_key(n: int, key: str) -> str:
+  return f'ckpt/{key}' if n == 0 else f'ckpt/again{n}/{key}'
+
+
+def _why(e: BaseException) -> str:
+  return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+
+
+def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, path: str,
+              plan: Optional[ReplicaPlan], host: bool = False) -> Restored:
+  """Reads one saved step. Without a plan every process reads the shards
+  its devices hold; with one, only the reading replica's processes read the
+  state, onto that replica's devices (`broadcast_from_replica` then sends
+  it), and elsewhere `Restored.state` is None. Not a collective: a failure
+  here leaves no other process waiting. `host`: `manager` is this process's
+  host-local tier (no plan: each process reads its own copy)."""
+  if host:
+    items = {'state': ocp.args.PyTreeRestore(
+        item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))}
+  else:
+    items = {'state': ocp.args.StandardRestore(abstract_state)} if plan is None else {}
+  out = manager.restore(step, args=ocp.args.Composite(**items, data=ocp.args.JsonRestore(),
+                                                      meta=ocp.args.JsonRestore()))
+  state = out['state'] if plan is None else None
+  if plan is not None and plan.source:
+    # The handler, not a Checkpointer: a Checkpointer's restore ends at a
+    # barrier of every process, which the other replicas never reach.
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      state = handler.restore(epath.Path(path) / 'state',
+                              args=ocp.args.StandardRestore(on_replica(plan, abstract_state)))
+    finally:
+      handler.close()
+  return Restored(step=int(step), state=state, data=out['data'] or None, meta=out['meta'] or {}, path=path)
+
+
 class Checkpointer:
   """Saves and restores train state, data-iterator state and config."""
 
@@ -369,11 +660,17 @@ class Checkpointer:
     self.workdir = workdir
     self.tiers: list[_Tier] = []
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
+    self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
     dirs = tier_directories(cfg, workdir)
+    host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
+    dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
     check_writable(dirs)
-    check_shared(dirs)
+    check_shared({name: d for name, d in dirs.items() if name not in host})
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
+      if name in host:
+        self.tiers.append(_Tier(name, directory, every, _host_manager(directory, cfg.async_save), host=True))
+        continue
       # Orbax names its multi-process barriers by step ('async_write_complete.4'):
       # two tiers saving the same step would meet in one barrier and fail
       # ("already ongoing"). A prefix per tier keeps their barriers apart.
@@ -398,6 +695,8 @@ class Checkpointer:
     for tier in self.tiers:
       if not (force or (tier.every and step % tier.every == 0)):
         continue
+      if tier.host:   # in every process alike, before any decision of its own
+        self._host_turn(tier)
       if step in tier.manager.all_steps():
         if (tier.name, step) not in self._unusable:
           continue
@@ -406,10 +705,12 @@ class Checkpointer:
         self._unusable.discard((tier.name, step))
       if prints is None:  # once per step, whatever the number of tiers
         prints = fingerprints(state)
-      args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                data=ocp.args.JsonSave(data or {}),
-                                meta=ocp.args.JsonSave({**meta, 'step': int(step), FINGERPRINTS: prints,
-                                                        DATA_SHA256: data_digest(data)}))
+      record = {**meta, 'step': int(step), FINGERPRINTS: prints, DATA_SHA256: data_digest(data)}
+      if tier.host:
+        record[HOST] = {'process': jax.process_index(), 'processes': jax.process_count(),
+                        'layout': host_layout(state), 'state': _prints_digest(prints)}
+      args = ocp.args.Composite(state=(ocp.args.PyTreeSave(state) if tier.host else ocp.args.StandardSave(state)),
+                                data=ocp.args.JsonSave(data or {}), meta=ocp.args.JsonSave(record))
       tier.manager.save(step, args=args, force=True)
       saved.append(tier.name)
     return saved
@@ -419,53 +720,126 @@ class Checkpointer:
     for tier in self.tiers:
       tier.manager.wait_until_finished()
 
-  def steps(self) -> list[tuple[int, str]]:
-    """(step, tier) of every complete checkpoint, newest first."""
-    return [(step, tier) for step, tier, _ in saved_steps(self.cfg, self.workdir)]
+  def _host_turn(self, tier: _Tier) -> None:
+    """Before a host-tier save: this process's earlier save committed, every
+    process here (so theirs are too), then this process's copies beyond
+    `fast_keep` dropped. A save cut off later, in any process, leaves the
+    newest `fast_keep` steps that every process has."""
+    tier.manager.wait_until_finished()
+    distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}')
+    for old in sorted(tier.manager.all_steps(), reverse=True)[self.cfg.fast_keep:]:
+      tier.manager.delete(old)
 
-  def restore_latest(self, abstract_state: Any) -> Optional[Restored]:
+  def _host_steps(self, tier: _Tier, layout: Optional[str]) -> list[tuple[int, str, str]]:
+    """(step, tier, state digest) of this process's copies in a host tier,
+    saved by this process in `layout` (any, when None)."""
+    out = []
+    for step in steps_in(tier.directory):
+      try:
+        with open(os.path.join(tier.directory, str(step), 'meta', 'metadata')) as fh:
+          record = json.load(fh).get(HOST, {})
+      except (OSError, ValueError, AttributeError):
+        continue   # no readable record: not a candidate
+      if layout is None or record.get('layout') == layout:
+        out.append((step, tier.name, record.get('state', '')))
+    return out
+
+  def _listing(self, layout: Optional[str] = None) -> list[tuple[int, str, str]]:
+    """(step, tier, tag) of every complete checkpoint this process sees,
+    newest first (the persistent tier first at equal steps); the tag names
+    a host-local copy's state ('' elsewhere)."""
+    found = [(step, tier.name, '') for tier in self.tiers if not tier.host for step in steps_in(tier.directory)]
+    found += [c for tier in self.tiers if tier.host for c in self._host_steps(tier, layout)]
+    return sorted(found, key=lambda x: (x[0], x[1] == 'persistent'), reverse=True)
+
+  def steps(self) -> list[tuple[int, str]]:
+    """(step, tier) of every complete checkpoint, newest first (a host-local
+    tier: this process's copies)."""
+    return [(step, tier) for step, tier, _ in self._listing()]
+
+  def restore_latest(self, abstract_state: Any, single_replica: Optional[bool] = None) -> Optional[Restored]:
     """Newest readable checkpoint across the tiers, or None if there is none.
 
     Args:
       abstract_state: the state's ShapeDtypeStructs with target shardings;
         restoring reshards onto them (any mesh, any device count).
+      single_replica: one data-parallel replica reads, the others receive
+        (where `replica_plan` allows it); None: CheckpointConfig.single_replica_restore.
     """
+    use = self.cfg.single_replica_restore if single_replica is None else single_replica
+    plan = replica_plan(abstract_state) if use else None
+    n = next(_RESTORE_ROUNDS)
     tiers = {t.name: t for t in self.tiers}
-    for i, (step, name) in enumerate(self._candidates()):
+    layout = host_layout(abstract_state) if any(t.host for t in self.tiers) else None
+    restored = None
+    for i, (step, name) in enumerate(self._candidates(_restore_key(n, 'steps'), layout)):
       tier = tiers[name]
       path = os.path.join(tier.directory, str(step))
-      damaged = False
-      try:
-        restored, error = self._restore(tier.manager, step, abstract_state, path), None
-        bad = first_mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
-        if bad is not None:
-          damaged, error = True, f'array {bad} does not match the checksum saved with it'
-        elif restored.meta.get(DATA_SHA256, data_digest(restored.data)) != data_digest(restored.data):
-          damaged, error = True, 'the data position does not match the checksum saved with it'
-      except Exception as e:  # any unreadable checkpoint: report, fall back
-        restored, error = None, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
-      # One process failing to read its shards sends every process back.
-      verdicts = distributed.report_exceptions(f'ckpt/restore/{i}',
-                                               None if error is None else ('D' if damaged else '0'))
+      # A host-local copy is read by its own process: host memory, no shared
+      # storage to spare.
+      restored, verdicts = self._restore_agreed(tier.manager, step, abstract_state, path,
+                                                None if tier.host else plan, _restore_key(n, f'restore/{i}'),
+                                                host=tier.host)
       failed = sorted(verdicts)
       if not failed:
-        return restored
-      restored = None  # freed before the next candidate is read
+        break
+      damaged = all(v.startswith('D') for v in verdicts.values())
+      mine = verdicts.get(jax.process_index(), '')[2:]
       log.warning('checkpoint %s (step %d) is %s%s; falling back to an older one', path, step,
-                  'damaged' if damaged else 'unreadable', f' ({error})' if error else f' in process(es) {failed}')
+                  'damaged' if damaged else 'unreadable', f' ({mine})' if mine else f' in process(es) {failed}')
       # Saved afresh when training passes this step again (see `save`).
       self._unusable.add((name, step))
-      if len(verdicts) == jax.process_count() and all(v == 'D' for v in verdicts.values()):
+      if len(verdicts) == jax.process_count() and damaged:
         # Bits that changed since the save: never usable again. (An unreadable
         # step may be a passing I/O fault: it stays where it is.)
         self._move_aside(tier, step, path)
-    return None
+    for tier in self.tiers:
+      if tier.host:   # newer copies are of a timeline the job has left
+        for step in tier.manager.all_steps():
+          if restored is None or step > restored.step:
+            tier.manager.delete(step)
+    return restored
+
+  @staticmethod
+  def _restore_agreed(manager, step: int, abstract_state: Any, path: str, plan: Optional[ReplicaPlan],
+                      key: str, host: bool = False) -> tuple[Optional[Restored], dict[int, str]]:
+    """Reads one step, sends it to the other replicas (with a plan) and checks
+    it against its checksums.
+
+    Returns:
+      (restored, verdicts): verdicts is {process: '0 why' (unreadable) or
+      'D why' (damaged)}, empty when the step is good; the same in every
+      process, so that all use the step or all skip it.
+    """
+    try:
+      restored, error = read_step(manager, step, abstract_state, path, plan, host), None
+    except Exception as e:  # any unreadable checkpoint: report, fall back
+      restored, error = None, _why(e)
+    # Every process learns whether every read went well before any
+    # collective (the broadcast, the checksums): a process whose read failed
+    # must not leave the others waiting in one.
+    verdicts = distributed.report_exceptions(f'{key}/read', None if error is None else f'0 {error}')
+    if verdicts:
+      return None, verdicts
+    damaged = False
+    try:
+      if plan is not None:
+        restored.state = broadcast_from_replica(plan, restored.state, abstract_state)
+      bad = first_mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
+      if bad is not None:
+        damaged, error = True, f'array {bad} does not match the checksum saved with it'
+      elif restored.meta.get(DATA_SHA256, data_digest(restored.data)) != data_digest(restored.data):
+        damaged, error = True, 'the data position does not match the checksum saved with it'
+    except Exception as e:
+      error = _why(e)
+    verdicts = distributed.report_exceptions(key, None if error is None else f'{"D" if damaged else "0"} {error}')
+    return (None if verdicts else restored), verdicts
 
   @staticmethod
   def _move_aside(tier: _Tier, step: int, path: str) -> None:
     """Renames a damaged step out of the tier (kept for inspection), so that
     training saves that step afresh when it gets there again."""
-    if jax.process_index() == 0 and '://' not in path and os.path.isdir(path):
+    if (tier.host or jax.process_index() == 0) and '://' not in path and os.path.isdir(path):
       aside = os.path.join(tier.directory, f'damaged-{step}-{int(time.time())}')
       try:
         os.rename(path, aside)
@@ -476,28 +850,22 @@ class Checkpointer:
       distributed.barrier(f'ckpt/aside/{tier.name}/{step}', 300.0)
     tier.manager.reload()
 
-  def _candidates(self) -> list[tuple[int, str]]:
-    """`steps()`, narrowed in a multi-process job to those every process sees."""
-    mine = self.steps()
+  def _candidates(self, key: str = 'ckpt/steps', layout: Optional[str] = None) -> list[tuple[int, str]]:
+    """(step, tier) of the checkpoints every process sees, newest first; a
+    host-local step only where every process has its copy of the same state,
+    saved in `layout` (see `host_layout`)."""
+    mine = [tuple(c) for c in self._listing(layout)]
     if jax.process_count() == 1:
-      return mine
+      return [(step, tier) for step, tier, _ in mine]
     # Process 0's list, less what some process cannot see.
-    first = [tuple(c) for c in json.loads(distributed.broadcast_str('ckpt/steps', json.dumps(mine)))]
+    first = [tuple(c) for c in json.loads(distributed.broadcast_str(key, json.dumps(mine)))]
     missing = [c for c in first if c not in set(mine)]
     hidden = {tuple(c) for v in distributed.report_exceptions(
-        'ckpt/steps/missing', json.dumps(missing) if missing else None).values() for c in json.loads(v)}
+        f'{key}/missing', json.dumps(missing) if missing else None).values() for c in json.loads(v)}
     if hidden or len(first) != len(mine):
       log.warning('checkpoints %s are not seen by every process; skipped',
-                  sorted(hidden | (set(mine) - set(first))))
-    return [c for c in first if c not in hidden]
-
-  @staticmethod
-  def _restore(manager, step, abstract_state, path) -> Restored:
-    out = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-    return Restored(step=int(step), state=out['state'], data=out['data'] or None,
-                    meta=out['meta'] or {}, path=path)
+                  sorted((step, tier) for step, tier, _ in hidden | (set(mine) - set(first))))
+    return [(step, tier) for step, tier, tag in first if (step, tier, tag) not in hidden]
 
   def close(self) -> None:
     self.wait()
@@ -522,16 +890,26 @@ def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: 
   restored = ckpt.restore_latest(abstract_state) if ckpt is not None else None
   if restored is not None or not cfg.restore_from:
     return restored
-  restored = restore_from_path(cfg.restore_from, abstract_state)
+  restored = restore_from_path(cfg.restore_from, abstract_state, cfg.single_replica_restore)
   restored.explicit = True
   if not cfg.restore_data:
     restored.data = None
   return restored
 
 
-def restore_from_path(path: str, abstract_state: Any) -> Restored:
+def restore_from_path(path: str, abstract_state: Any, single_replica: bool = True) -> Restored:
   """Restores an explicit checkpoint: a step directory (`.../checkpoints/120`)
-  or a checkpoint directory (its newest step)."""
+  or a checkpoint directory (its newest step).
+
+  Args:
+    path: the step or checkpoint directory.
+    abstract_state: the state's ShapeDtypeStructs with target shardings.
+    single_replica: one data-parallel replica reads, where `replica_plan`
+      allows it (see the module docstring).
+  Raises:
+    CheckpointNotFound: no checkpoint there, or it cannot be read (in any
+      process of the job).
+  """
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
     raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no such directory; give a '
@@ -549,6 +927,16 @@ def restore_from_path(path: str, abstract_state: Any) -> Restored:
       if step is None:
         raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no checkpoint in it; give '
                                  f'a run\'s checkpoints/ directory or one of its step folders.')
-    return Checkpointer._restore(manager, step, abstract_state, os.path.join(directory, str(step)))
+    step_path = os.path.join(directory, str(step))
+    plan = replica_plan(abstract_state) if single_replica else None
+    restored, verdicts = Checkpointer._restore_agreed(manager, step, abstract_state, step_path, plan,
+                                                      _restore_key(next(_RESTORE_ROUNDS), 'explicit'))
+    if verdicts:
+      why = verdicts.get(jax.process_index(), next(iter(verdicts.values())))[2:]
+      raise CheckpointNotFound(
+          f'CheckpointConfig.restore_from = {path!r}: step {step} cannot be used ({why}'
+          + (f', in process(es) {sorted(verdicts)} of {jax.process_count()}' if jax.process_count() > 1 else '')
+          + '); give another step folder, or check the files with `mjax-report checkpoint --verify`.')
+    return restored
   finally:
     manager.close()

@@ -400,3 +400,88 @@ def test_an_unreadable_newest_step_is_saved_afresh_when_training_passes_it(unint
   ck.close()
   from mjax.checkpoint import verify_step
   assert verify_step(os.path.join(workdir, 'checkpoints', '4'))[0] == 'ok'
+
+
+# --- single-replica restore: the broadcast, in one process ------------------------
+
+def test_the_replica_broadcast_is_bit_exact_for_every_dtype():
+  """The reading replica's arrays on every replica, bit for bit: -0.0 and a
+  NaN payload (which a float sum would change), bfloat16 (sent as bytes),
+  integers and booleans; in several programs when the chunk budget is small.
+  (Two processes: tests/test_multihost.py.)"""
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from mjax.checkpoint import ReplicaPlan, broadcast_from_replica, on_replica
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4, 1, 1), C.MeshConfig.AXES)
+  plan = ReplicaPlan(mesh=mesh, replica_mesh=Mesh(mesh.devices[:1], mesh.axis_names), replicas=2, source=True)
+  f32 = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  f32[0, :3] = [-0.0, np.nan, -np.inf]
+  f32.view(np.uint32)[0, 1] |= 0x1234   # a NaN with a payload
+  values = {'f32': f32, 'bf16': f32.astype(jnp.bfloat16), 'i32': np.arange(-8, 8, dtype=np.int32),
+            'bool': np.arange(16) % 3 == 0, 'u8': np.arange(32, dtype=np.uint8).reshape(8, 4),
+            'scalar': np.int32(-5)}
+  specs = {'f32': P('fsdp'), 'bf16': P(None, 'fsdp'), 'i32': P(), 'bool': P('fsdp'), 'u8': P('fsdp'),
+           'scalar': P()}
+  abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+              for k, v in values.items()}
+  for chunk_bytes in (1 << 30, 1):   # one program; one per array
+    replica = jax.tree.map(lambda a, v: jax.device_put(v, a.sharding), on_replica(plan, abstract), values)
+    out = broadcast_from_replica(plan, replica, abstract, chunk_bytes=chunk_bytes)
+    for k, v in values.items():
+      assert out[k].sharding == abstract[k].sharding and out[k].dtype == v.dtype, k
+      for shard in out[k].addressable_shards:   # both replicas, every device
+        assert np.asarray(shard.data).tobytes() == np.asarray(v[shard.index]).tobytes(), (k, shard.device)
+    assert all(x.is_deleted() for x in jax.tree.leaves(replica))   # the replica's copy is freed
+
+
+def test_one_process_has_no_replica_plan():
+  """In one process Orbax already reads each shard once and copies it to the
+  devices that hold it: nothing to gain, every restore takes the usual path."""
+  from mjax.checkpoint import replica_plan
+  program = train.make_program(cfg8('MeshConfig.data = 2', 'MeshConfig.fsdp = 4'),
+                               make_mesh(cfg8('MeshConfig.data = 2', 'MeshConfig.fsdp = 4').mesh))
+  assert replica_plan(program.abstract_state(canonical=True)) is None
+
+
+# --- a host-local fast tier (CheckpointConfig.fast_scope = 'host') ----------------
+
+def test_a_host_local_fast_tier_resumes_bitwise_and_only_on_its_own_layout(uninterrupted, tmp_path):
+  """Each process's copies go to <fast_directory>/process-<i>; the newest
+  step, only there, resumes bitwise. On another mesh those copies are not
+  candidates (this process would hold other blocks): the persistent tier
+  is used, and the copies newer than the step restored are dropped."""
+  import shutil
+  full_dir, full_state = uninterrupted
+  workdir, fast = str(tmp_path / 'run'), tmp_path / 'fast'
+  tiers = ['CheckpointConfig.save_every = 3', 'CheckpointConfig.fast_every = 2',
+           f'CheckpointConfig.fast_directory = "{fast}"', "CheckpointConfig.fast_scope = 'host'"]
+  trainer.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)
+  assert os.listdir(fast) == ['process-0']
+  assert sorted(int(s) for s in os.listdir(fast / 'process-0') if s.isdigit()) == [2, 4, 5]   # fast_keep + 1
+  assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit()) == [3, 5]
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '5'))
+  # Offline tools see no host-local copies: one process's copy is no checkpoint.
+  from mjax.checkpoint import saved_steps
+  assert [(s, t) for s, t, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)] == [(3, 'persistent')]
+
+  other = cfg8(*tiers, 'MeshConfig.data = 2', 'MeshConfig.fsdp = 4')
+  ck = Checkpointer(other.checkpoint, workdir)
+  assert ck.steps() == [(5, 'fast'), (4, 'fast'), (3, 'persistent'), (2, 'fast')]
+  restored = ck.restore_latest(train.make_program(other, make_mesh(other.mesh)).abstract_state(canonical=True))
+  ck.close()
+  assert restored.step == 3 and restored.path.endswith('checkpoints/3')
+  assert sorted(int(s) for s in os.listdir(fast / 'process-0') if s.isdigit()) == [2]
+  # Same layout: the host-local step 5 is the newest step there is.
+  trainer.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)   # saves 4 and 5 again, from 3
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '5'))
+  out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', *tiers), workdir)
+  assert out.start_step == 5
+  assert losses(workdir) == losses(full_dir)
+  assert_bitwise(out_state.params, full_state.params)
+  assert_bitwise(out_state.opt_state, full_state.opt_state)
+
+
+def test_fast_scope_is_validated():
+  with pytest.raises(C.ConfigError, match=r"CheckpointConfig.fast_scope = 'local' is not allowed: must be "
+                                           r"'shared' .* or 'host'"):
+    C.load_config(['tiny.gin'], ["CheckpointConfig.fast_scope = 'local'"])

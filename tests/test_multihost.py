@@ -3,6 +3,7 @@ launcher, and a real 2-process run held to the 1-process run."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -310,8 +311,9 @@ def test_two_processes_match_one(tmp_path, repo_root):
 
 
 def test_a_checkpoint_tier_some_process_cannot_see_is_refused(tmp_path, repo_root):
-  """A host-local fast tier in a multi-host job (here: one directory per
-  process) would never commit a save; it is refused before training starts."""
+  """A fast tier declared shared (the default fast_scope) that is not (here:
+  one directory per process) would never commit a save; it is refused
+  before training starts, and the message names the host-local scope."""
   fast = tmp_path / 'fast' / '$MJAX_PROCESS_ID'
   cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
          os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', str(tmp_path / 'run'),
@@ -321,6 +323,7 @@ def test_a_checkpoint_tier_some_process_cannot_see_is_refused(tmp_path, repo_roo
   assert run.returncode == 2, out[-3000:]
   assert 'not shared by every process: process(es) [1] of 2' in out, out[-3000:]
   assert f"fast_directory = '{tmp_path / 'fast' / '0'}'" in out and 'fast_every = 0' in out
+  assert "fast_scope = 'host'" in out
   assert 'Traceback' not in out
   assert not (tmp_path / 'run' / 'checkpoints').exists() or not os.listdir(tmp_path / 'run' / 'checkpoints')
 
@@ -388,3 +391,86 @@ def test_the_stop_reason_travels_with_the_agreed_step():
   s = StopAgreement()
   assert s._parse('7 SIGTERM') == 7 and not s.driver_lost and s.name.endswith('(SIGTERM)')
   assert StopAgreement()._parse('done') is None
+
+
+# --- single-replica restore: 2 processes, data = 2 across them -----------------------
+
+def test_one_replica_reads_the_state_and_the_other_receives_it_bit_for_bit(tmp_path, repo_root):
+  """MeshConfig.data = 2 over 2 processes x 4 devices (fsdp = 4 inside each):
+  process 0 holds replica 0 and reads the whole state, process 1 reads none
+  of it and receives it over the collective. The state (with a -0.0 in every
+  float array) comes back bit for bit in both modes; a truncated newest step
+  sends both processes back to the older one, with no hang."""
+  sys.path.insert(0, os.path.join(repo_root, 'bench'))
+  try:
+    import restore_bench
+  finally:
+    sys.path.remove(os.path.join(repo_root, 'bench'))
+  rows = restore_bench.run_layout('2x4:2x4', ['--gin_file=tiny.gin', *(f'--gin_param={b}' for b in (
+      'ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d_ff = 256'))], timeout=240,
+      damage=True)
+  disk = rows[0]['state_disk_bytes']
+  assert [r['reading_replica'] for r in rows] == [True, False] and all(r['replica_plan'] for r in rows)
+  for r in rows:
+    assert r['modes_bitwise_equal'], r
+    for mode in ('every', 'single'):
+      assert r['modes'][mode]['step'] == 2 and r['modes'][mode]['bitwise_saved'], (mode, r)
+    # Every replica reads its whole copy (the state's files, give or take
+    # their metadata)...
+    assert 0.95 * disk < r['modes']['every']['rchar'] < 1.1 * disk, (r, disk)
+    # ...or only the first replica does; the second reads a few small files
+    # (step listings), none of the arrays.
+    assert r['damaged'] == {**r['damaged'], 'step': 1, 'bitwise_saved': True}, r
+  assert 0.95 * disk < rows[0]['modes']['single']['rchar'] < 1.1 * disk, rows[0]
+  assert rows[1]['modes']['single']['rchar'] < 0.01 * disk, rows[1]
+
+
+# --- a host-local fast tier: 2 processes, one fast directory each ----------------------
+
+def _train_two(workdir, *extra, steps=STEPS):
+  cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--', os.path.join(BIN, 'mjax-train'),
+         *TRAIN, '--workdir', str(workdir), f'--gin.TrainConfig.steps={steps}', f'--gin.OptimConfig.decay_steps={STEPS}',
+         *extra]
+  run = subprocess.run(cmd, env=_clean_env(), cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  return run.stdout
+
+
+def _steps(directory):
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+@pytest.mark.slow
+def test_a_host_local_fast_tier_resumes_bitwise_and_falls_back_when_one_copy_is_missing(tmp_path):
+  """fast_scope = 'host' with a directory per process that the other cannot
+  see (each host's /dev/shm): (a) the newest step, kept only there, resumes
+  bitwise equal to an uninterrupted run; (b) with one process's copy of the
+  newest step gone, both processes agree on the persistent tier's older
+  step, without a hang, and end bitwise equal as well."""
+  reference = tmp_path / 'reference'
+  _train_two(reference)
+  workdir, fast = tmp_path / 'run', tmp_path / 'fast'
+  host = ['--gin.CheckpointConfig.save_every=1', '--gin.CheckpointConfig.fast_every=1',
+          f'--gin.CheckpointConfig.fast_directory={fast / "$MJAX_PROCESS_ID"}',
+          "--gin.CheckpointConfig.fast_scope='host'"]
+  _train_two(workdir, *host, steps=2)
+  copies = [fast / str(i) / f'process-{i}' for i in range(2)]
+  assert [_steps(c) for c in copies] == [[1, 2], [1, 2]]
+  # (a) The persistent copy of step 2 lost: the host-local copies are newest.
+  shutil.rmtree(workdir / 'checkpoints' / '2')
+  out = _train_two(workdir, *host)
+  assert f'resumed from {copies[0] / "2"} (step 2)' in out, out[-3000:]
+  assert _losses(workdir)[-2:] == _losses(reference)[-2:]
+  for x, y in zip(jax.tree.leaves(_final_state(str(workdir))), jax.tree.leaves(_final_state(str(reference)))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # (b) Step 4 only in process 0's host memory (process 1's copy lost, the
+  # persistent one too): both take the persistent step 3.
+  assert _steps(workdir / 'checkpoints') == [1, 3, 4] and [_steps(c)[-1] for c in copies] == [4, 4]
+  shutil.rmtree(workdir / 'checkpoints' / '4')
+  shutil.rmtree(copies[1] / '4')
+  out = _train_two(workdir, *host)
+  assert f'resumed from {workdir / "checkpoints" / "3"} (step 3)' in out, out[-3000:]
+  assert 4 not in _steps(copies[0]) or _steps(copies[0])[-1] == 4   # dropped, then saved afresh
+  for x, y in zip(jax.tree.leaves(_final_state(str(workdir))), jax.tree.leaves(_final_state(str(reference)))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
