@@ -300,7 +300,8 @@ class CountingClient:
 def startup_agreement(client, me: int, n: int, scheme: str, timeout_s: float = 600.0) -> None:
   """What a start-up agrees on between the processes, in order: the workdir
   verdict, the checkpoint tiers' writability and sharing, the checkpoints
-  every process sees, the restore verdict, the compiled barrier. `scheme`
+  every process sees, the restore's read and its verdict, the compiled
+  barrier. `scheme`
   'new' is mjax's (mjax/distributed.py); 'old' gathers every process's value
   in every process, as it did before."""
   from mjax import distributed as dist
@@ -311,6 +312,7 @@ def startup_agreement(client, me: int, n: int, scheme: str, timeout_s: float = 6
     dist.report_with(client, me, 'ckpt/probe/seen', None, timeout_s)
     dist.broadcast_with(client, me, 'ckpt/steps', '[[100, "persistent"]]', timeout_s)
     dist.report_with(client, me, 'ckpt/steps/missing', None, timeout_s)
+    dist.report_with(client, me, 'ckpt/restore/0/read', None, timeout_s)   # the read, before any collective
     dist.report_with(client, me, 'ckpt/restore/0', None, timeout_s)
   else:
     for key in ('workdir/verdict', 'ckpt/probe/writable', 'ckpt/probe/token', 'ckpt/probe/seen',

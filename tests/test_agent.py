@@ -17,6 +17,10 @@ import time
 import pytest
 
 from mjax import launch, protocol
+
+# A regression here tends to hang (a process never stopped, an agent never
+# answering): fail instead.
+pytestmark = pytest.mark.timeout(300)
 from mjax.ft import agent as agent_lib, driver, heartbeat as hb
 
 SECRET = 'cd' * 32
@@ -132,18 +136,109 @@ def test_channel_passes_messages_in_order_and_refuses_everything_else():
   assert next(driver_end.feed(line))['seq'] == 3   # the connection itself was not confused by the above
 
 
-def test_a_replayed_hello_registers_nothing(tmp_path):
+def _handshake(port, host='h9', nonce='n1'):
+  """An agent's handshake by hand: (socket, channel, the bytes it sent)."""
+  sock = socket.create_connection(('127.0.0.1', port))
+  sent = []
+
+  class Recorded:   # the socket, with what is sent through it kept
+    def send(self, data, *a):
+      sent.append(bytes(data))
+      return sock.send(data, *a)
+
+    def __getattr__(self, name):
+      return getattr(sock, name)
+  ch = agent_lib.Channel(Recorded(), SECRET, 'agent', 'driver')
+  ch.send({'kind': 'hello', 'host': host, 'address': '127.0.0.1', 'pid': 1, 'nonce': nonce})
+  welcome = None
+  while welcome is None:
+    welcome = next(ch.feed(sock.recv(65536)), None)
+  ch.session = welcome['session']
+  ch.send({'kind': 'ready'})
+  return sock, ch, b''.join(sent)
+
+
+def test_a_recorded_handshake_replayed_to_a_new_driver_registers_nothing():
+  first = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0)
+  try:
+    sock, _, recorded = _handshake(first.port)
+    assert first.wait_for(['h9'], 10) == ['h9']
+    sock.close()
+  finally:
+    first.close()
+  second = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0)
+  try:
+    with socket.create_connection(('127.0.0.1', second.port)) as s:
+      s.sendall(recorded)   # hello and ready, byte for byte: the ready names the old session
+      time.sleep(0.5)
+      assert second.connected() == [] and second.alive()
+  finally:
+    second.close()
+
+
+def test_hostile_connections_cost_the_driver_little_and_never_stop_it():
+  seen = []
+  server = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0, on_event=lambda k, **kw: seen.append(kw))
+  socks = []
+  try:
+    # Before authenticating a connection may not send more than a hello.
+    big = socket.create_connection(('127.0.0.1', server.port))
+    big.sendall(b'x' * (agent_lib.MAX_HELLO + 10))
+    big.settimeout(5)
+    assert big.recv(10) == b''            # dropped
+    # More connections mid-handshake than allowed: the oldest go, the server serves on.
+    for _ in range(agent_lib.MAX_PENDING + 20):
+      socks.append(socket.create_connection(('127.0.0.1', server.port)))
+    time.sleep(1.0)
+    assert len(server._pending) <= agent_lib.MAX_PENDING
+    # A signed message with a malformed field is an error for that link only.
+    sock, ch, _ = _handshake(server.port, host='h1')
+    assert server.wait_for(['h1'], 10) == ['h1']
+    ch.send({'kind': 'beats', 'payloads': 5})
+    ch.send({'kind': 'exited', 'id': 'x', 'code': 'y'})
+    time.sleep(0.3)
+    assert server.alive() and server.link('h1') is not None
+    # A second agent claiming a live host is refused; the first keeps it.
+    other, _, _ = _handshake(server.port, host='h1', nonce='n2')
+    time.sleep(0.3)
+    assert server.link('h1').channel is not None and any('another agent' in e.get('reason', '') for e in seen)
+    other.close()
+    sock.close()
+  finally:
+    for s_ in socks:
+      s_.close()
+    server.close()
+
+
+def test_a_process_started_on_a_link_being_lost_exits_at_once():
   server = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0)
   try:
-    with socket.create_connection(('127.0.0.1', server.port)) as s:
-      s.sendall(hb.sign({'kind': 'hello', 'from': 'agent', 'seq': 1, 'session': None, 'host': 'h9', 'nonce': 'x'},
-                        SECRET) + b'\n')
-      # Without the session the welcome creates, nothing further is accepted.
-      s.sendall(hb.sign({'kind': 'ready', 'from': 'agent', 'seq': 2, 'session': 'old:x'}, SECRET) + b'\n')
-      time.sleep(0.5)
-      assert server.connected() == []
+    sock, _, _ = _handshake(server.port, host='h2')
+    assert server.wait_for(['h2'], 10) == ['h2']
+    link = server.link('h2')
+    server._lose(link, 'test')                            # lost between link() and start()
+    handle = server._enrol(link, link.handles, 99, object())
+    assert handle is False
+    h = agent_lib.AgentExecutor(server, 'h2').start(['true'], {}, os.devnull)
+    assert h.poll() == agent_lib.EXIT_HOST_LOST and h.host_lost
+    sock.close()
   finally:
     server.close()
+
+
+def test_a_diagnostic_with_huge_output_is_clipped_not_fatal(tmp_path, agents):
+  port = launch.free_port()
+  agents(port, 'h3')
+  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 2.0)
+  try:
+    assert server.wait_for(['h3'], 30) == ['h3']
+    code, out, err = server.run('h3', [sys.executable, '-c', 'print("\U0001F600" * 3_000_000); print("last")'],
+                                dict(os.environ), 30.0)
+    assert code == 0 and out.endswith('last\n') and len(out) <= agent_lib.OUTPUT_LIMIT
+    assert server.link('h3') is not None
+  finally:
+    server.farewell('done')
+    server.close(linger_s=2.0)
 
 
 # --- jobs through agents -----------------------------------------------------------------
@@ -152,11 +247,13 @@ def test_a_job_runs_through_the_agents_which_relay_heartbeats_in_aggregate(tmp_p
   port = launch.free_port()
   procs = agents(port, 'a0', 'a1')
   d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
+  direct, receive = [], d.server.receive
+  d.server.receive = lambda t: [*(direct.append(r) or r for r in receive(t))]
   assert d.run() == driver.EXIT_OK
   assert [e['hosts'] for e in events(tmp_path, 'launch')] == [['a0', 'a1']]
   assert events(tmp_path, 'running') and events(tmp_path, 'finish')[0]['step'] == 3
   # Every heartbeat came through an agent: none reached the driver's own socket.
-  assert d.agents.relayed >= 6 and d.agents.messages < d.agents.relayed + 2 * 60
+  assert d.agents.relayed >= 6 and direct == []
   # The driver ended the job: each agent exits 0 and its host ran the trainer.
   assert [p.wait(10) for p in procs.values()] == [0, 0]
   with open(tmp_path / 'logs' / 'process-1.log') as fh:
@@ -172,7 +269,7 @@ def test_hosts_are_the_agents_that_connect_without_a_host_list(tmp_path, agents)
   assert events(tmp_path, 'launch')[0]['hosts'] == ['n0', 'n1']   # name order; n2 is a spare
 
 
-def test_a_lost_host_is_blocked_and_a_spare_takes_its_place(tmp_path, agents):
+def test_a_lost_host_sits_out_and_a_spare_takes_its_place(tmp_path, agents):
   port = launch.free_port()
   procs = agents(port, 'a0', 'a1', 's0', mode='slow')
   d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--spares', 's0')
@@ -193,9 +290,13 @@ def test_a_lost_host_is_blocked_and_a_spare_takes_its_place(tmp_path, agents):
   assert d.run() == driver.EXIT_OK
   fault = events(tmp_path, 'fault')[0]
   assert fault['kind'] == 'host_lost' and fault['hosts'] == ['a1'] and fault['exit'] == {'1': 'host lost'}
-  blocked = events(tmp_path, 'host_blocked')
-  assert [b['host'] for b in blocked] == ['a1'] and 'no agent connected' in blocked[0]['reason']
+  # Not judged while its agent is away (a network blip must not block a
+  # healthy host for good): it sits out, and a spare runs in its place.
+  assert not events(tmp_path, 'host_blocked')
+  a1 = [e for e in events(tmp_path, 'diagnosis') if e['host'] == 'a1']
+  assert a1 and a1[0]['passed'] is None and 'no agent' in a1[0]['detail']
   assert [e['hosts'] for e in events(tmp_path, 'launch')] == [['a0', 'a1'], ['a0', 's0']]
+  assert events(tmp_path, 'agents')[-1]['missing'] == ['a1']
   assert time.monotonic() - t0 < 60
 
 
@@ -274,7 +375,9 @@ def test_sigterm_to_the_driver_stops_every_trainer_through_its_agent(tmp_path, a
   assert d.run() == driver.EXIT_OK
   (ev,) = events(tmp_path, 'preempted')
   assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and not events(tmp_path, 'fault')
-  assert [p.wait(10) for p in procs.values()] == [0, 0]
+  # A pre-empted job is not over: the agents stay for the driver that resumes it.
+  time.sleep(1.0)
+  assert all(p.poll() is None for p in procs.values())
 
 
 def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):
@@ -337,7 +440,7 @@ def test_a_lost_host_under_real_training_resumes_bitwise_on_a_spare(tmp_path, ag
   work = run(tmp_path, ['a0', 'a1'], ['s0'], lose='a1')
   fault = events(work, 'fault')[0]
   assert fault['kind'] == 'host_lost' and fault['hosts'] == ['a1'], fault
-  assert [b['host'] for b in events(work, 'host_blocked')] == ['a1']
+  assert not events(work, 'host_blocked')        # away, not judged: it sits out
   assert [e['hosts'] for e in events(work, 'launch')] == [['a0', 'a1'], ['a0', 's0']]
   assert F.losses(work) == F.losses(reference)
   F.assert_bitwise(F.final_state(work), F.final_state(reference))

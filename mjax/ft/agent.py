@@ -34,13 +34,16 @@ An agent counts as connected only after `ready`, so a replayed hello
 registers nothing.
 
 Messages, driver to agent:
-  start {id, argv, env, log}     env: only what the driver adds to its own
-                                 environment; the host's own applies otherwise
+  start {id, argv, env, log}     env: the job's MJAX_* variables and what the
+                                 driver sets on purpose (XLA_FLAGS, ...), None
+                                 for a name to remove; the host's own
+                                 environment applies to everything else
   signal {id, sig}, kill {id}    SIGKILL to the process group
   run {id, argv, env, timeout}   -> ran {id, code, out, err}
   port {id}                      -> port {id, port}: a TCP port free on the host,
                                  for the JAX coordinator of process 0
-  ack                            after each `beats`: the driver is alive
+  ack {supervised}               after each `beats`: the driver is alive, and
+                                 (supervised) its loop is watching the job
   exit {reason}                  the job is over: stop everything, exit 0
 Agent to driver:
   started {id, pid}, exited {id, code}, ran {...}
@@ -49,14 +52,23 @@ Agent to driver:
 
 Failure behaviour:
   - The driver hears nothing from an agent for heartbeat_timeout_s, or its
-    connection closes: that host's processes count as exited with status
-    EXIT_HOST_LOST, and its diagnostics fail; the driver's usual recovery
-    follows (block the host, restart on the others or on a spare).
-  - An agent hears nothing from its driver for heartbeat_timeout_s: it stops
+    connection closes: that host's processes count as lost (`host_lost`),
+    the driver's usual recovery follows, and the host sits out (not
+    blocked: a network blip must not cost a healthy host for good) until
+    its agent is back and passes its diagnostics; a spare takes its place.
+  - Hostile or broken peers: before it authenticates a connection may send
+    one small hello and has HANDSHAKE_S to finish; at most MAX_PENDING wait
+    at once. The server's thread never blocks on one agent (a peer that
+    stops reading is dropped) and no message stops it. A second agent
+    claiming a live host is refused.
+  - An agent hears nothing from its driver for heartbeat_timeout_s, or
+    hears that its loop has stopped watching (`supervised` false): it stops
     acknowledging its trainers' heartbeats, so they save and exit by
-    themselves (HeartbeatClient.driver_lost), as without an agent; whatever
-    still runs a timeout later is killed. Nothing trains unsupervised. The
-    agent then connects again, to whichever driver comes (a restarted one).
+    themselves (HeartbeatClient.driver_lost), as without an agent; after a
+    lost connection, whatever still runs a timeout later is killed. Nothing
+    trains unsupervised. The agent then connects again, to whichever driver
+    comes (a restarted one): the driver tells the agents to exit only when
+    the job is over, not when it is pre-empted or dies.
   - An agent that cannot reach a driver for --connect_timeout_s exits 1.
 """
 
@@ -65,6 +77,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import errno
 import hashlib
 import hmac
 import itertools
@@ -87,14 +100,23 @@ from mjax.ft import heartbeat as hb
 
 log = logging.getLogger('mjax.agent')
 
-MAX_LINE = 8 << 20        # bytes; a `ran` carries up to 2 x OUTPUT_LIMIT of output
-OUTPUT_LIMIT = 1 << 20    # characters of a diagnostic's stdout / stderr relayed
+MAX_LINE = 8 << 20        # bytes of one message once authenticated
+MAX_HELLO = 4096          # bytes a connection may send before it has authenticated
+OUTPUT_LIMIT = 64 << 10   # characters of a diagnostic's stdout / stderr relayed (the tail:
+                          # the report is its last line); at most 4 bytes each encoded
+HANDSHAKE_S = 5.0         # a connection must complete its handshake within this
+SEND_TIMEOUT_S = 10.0     # a command to an agent that reads nothing for this long fails
+MAX_PENDING = 256         # connections mid-handshake at once; the oldest go first
 EXIT_HOST_LOST = protocol.EXIT_HOST_LOST
 CONNECT_RETRY_S = 0.5
 
 
 class ChannelError(Exception):
   """The peer sent something that is not an authentic, in-order message."""
+
+
+class ChannelBusy(BlockingIOError):
+  """Another thread is sending on the channel (a `wait=False` send gives way)."""
 
 
 class Channel:
@@ -113,13 +135,36 @@ class Channel:
     self._received = 0
     self._buf = bytearray()
     self._lock = threading.Lock()
+    self.max_line = MAX_LINE
 
-  def send(self, msg: dict) -> None:
-    """Raises OSError when the connection is gone."""
-    with self._lock:
+  def send(self, msg: dict, wait: bool = True) -> None:
+    """Raises OSError when the connection is gone. `wait=False`: all or
+    nothing at once, never blocking (for a thread that serves every host):
+    BlockingIOError when the peer's buffers are full or another thread is
+    sending; a partly sent message has broken the stream, so the caller
+    drops the connection."""
+    if not self._lock.acquire(blocking=wait):
+      raise ChannelBusy('another send is under way')
+    try:
       self._sent += 1
       payload = {**msg, 'from': self.me, 'seq': self._sent, 'session': self.session}
-      self.sock.sendall(hb.sign(payload, self._secret) + b'\n')
+      view = memoryview(hb.sign(payload, self._secret) + b'\n')
+      deadline = time.monotonic() + SEND_TIMEOUT_S
+      while view:
+        try:
+          view = view[self.sock.send(view):]
+        except BlockingIOError:
+          pass
+        if not view:
+          break
+        left = deadline - time.monotonic()
+        if not wait:
+          raise BlockingIOError('the peer is not reading')
+        if left <= 0:
+          raise TimeoutError(f'the peer read nothing for {SEND_TIMEOUT_S:.0f}s')
+        select.select([], [self.sock], [], left)
+    finally:
+      self._lock.release()
 
   def feed(self, data: bytes):
     """Yields the complete messages in what arrived, one at a time (so that
@@ -129,16 +174,16 @@ class Channel:
     while True:
       end = self._buf.find(b'\n')
       if end < 0:
-        if len(self._buf) > MAX_LINE:
-          raise ChannelError(f'a message longer than {MAX_LINE} bytes')
+        if len(self._buf) > self.max_line:
+          raise ChannelError(f'a message longer than {self.max_line} bytes')
         return
       line = bytes(self._buf[:end])
       del self._buf[:end + 1]
       yield self._open(line)
 
   def _open(self, line: bytes) -> dict:
-    if len(line) > MAX_LINE:
-      raise ChannelError(f'a message longer than {MAX_LINE} bytes')
+    if len(line) > self.max_line:
+      raise ChannelError(f'a message longer than {self.max_line} bytes')
     try:
       outer = json.loads(line)
       text, mac = outer['payload'], outer['mac']
@@ -170,11 +215,20 @@ class Channel:
       pass
 
 
+# Set on purpose by the driver (mjax/launch.py): sent whatever the driver's
+# own environment holds, since the host's may differ.
+_DRIVER_OWNED = ('XLA_FLAGS', 'JAX_PLATFORMS', 'PYTHONUNBUFFERED')
+
+
 def _env_delta(env: dict) -> dict:
-  """What `env` adds to, changes in (a value) or removes from (None) this
-  process's environment: all a remote host needs, since its own environment
-  (PATH, its devices) applies otherwise."""
-  delta: dict = {k: v for k, v in env.items() if os.environ.get(k) != v}
+  """What a remote host's process needs of `env` (the driver's view of its
+  environment): the MJAX_* job variables and the driver-owned names as they
+  are, whatever else differs from the driver's own environment, and None
+  for a name the driver removed from its own. The host's own environment
+  (PATH, its devices, anything set for that host alone) applies to
+  everything else."""
+  delta: dict = {k: v for k, v in env.items()
+                 if os.environ.get(k) != v or k.startswith('MJAX_') or k in _DRIVER_OWNED}
   delta.update({k: None for k in os.environ if k not in env})
   return delta
 
@@ -195,6 +249,7 @@ class AgentHandle:
     self.link, self.id = link, ident
     self.pid: Optional[int] = None        # the process's pid on its host (after `started`)
     self.returncode: Optional[int] = None
+    self.host_lost = False                # its agent went away: returncode is EXIT_HOST_LOST by fiat
     self._done = threading.Event()
 
   def poll(self) -> Optional[int]:
@@ -209,8 +264,9 @@ class AgentHandle:
       raise subprocess.TimeoutExpired(f'process {self.id} on {self.link.host}', timeout)
     return self.returncode
 
-  def _exited(self, code: int) -> None:
+  def _exited(self, code: int, host_lost: bool = False) -> None:
     if self.returncode is None:
+      self.host_lost = host_lost
       self.returncode = int(code)
       self._done.set()
 
@@ -260,8 +316,10 @@ class AgentServer:
     self._links: dict[str, AgentLink] = {}       # host -> its ready agent
     self._pending: dict[socket.socket, tuple[Channel, float, Optional[dict]]] = {}
     self._by_sock: dict[socket.socket, AgentLink] = {}
-    self._beats: list[dict] = []
+    self._beats: dict[tuple, dict] = {}          # (process, pid, attempt) -> newest, losses merged
     self._ids = itertools.count(1)
+    self._watched = time.monotonic()              # the driver's loop was last seen here (`watching`)
+    self._accept_paused_until = 0.0
     self.messages = 0            # beats messages received
     self.relayed = 0             # heartbeats inside them
     self._farewell = False
@@ -280,33 +338,56 @@ class AgentServer:
       link = self._links.get(host)
     return link if link is not None and not link.lost else None
 
-  def wait_for(self, hosts: Sequence[str], timeout_s: float, enough: Optional[int] = None) -> list[str]:
+  def wait_for(self, hosts: Sequence[str], timeout_s: float, enough: Optional[int] = None,
+               go_on: Callable[[], bool] = lambda: True) -> list[str]:
     """Waits until every host in `hosts` (or `enough` of them) has an agent,
-    at most `timeout_s`; returns those connected."""
+    at most `timeout_s` and while `go_on()`; returns those connected."""
     want = len(hosts) if enough is None else enough
     deadline = time.monotonic() + timeout_s
     while True:
       have = [h for h in hosts if self.link(h) is not None]
-      if len(have) >= want or time.monotonic() >= deadline or self._stop.is_set():
+      if len(have) >= want or time.monotonic() >= deadline or self._stop.is_set() or not go_on():
         return have
       time.sleep(0.05)
 
   def take_beats(self) -> list[dict]:
+    """The heartbeats relayed since the last call: the newest of each
+    process, with every loss reported in between."""
     with self._lock:
-      out, self._beats = self._beats, []
+      out, self._beats = list(self._beats.values()), {}
     return out
+
+  def watching(self) -> None:
+    """Called by the driver's loop every tick it watches the job: the acks
+    tell the agents the job is supervised only while this goes on (a
+    driver whose loop is stuck must not keep its trainers training)."""
+    self._watched = time.monotonic()
+
+  def alive(self) -> bool:
+    return self._thread.is_alive()
 
   def start(self, host: str, argv: Sequence[str], env: dict, log_path: str) -> AgentHandle:
     link = self.link(host)
     ident = next(self._ids)
     if link is None:   # no agent: the process never runs, the host counts as lost
       handle = AgentHandle(AgentLink(host, host, 0, None, 0.0, lost=True), ident)
-      handle._exited(EXIT_HOST_LOST)
+      handle._exited(EXIT_HOST_LOST, host_lost=True)
       return handle
     handle = AgentHandle(link, ident)
-    link.handles[ident] = handle
+    if not self._enrol(link, link.handles, ident, handle):
+      handle._exited(EXIT_HOST_LOST, host_lost=True)
+      return handle
     link.send({'kind': 'start', 'id': ident, 'argv': list(argv), 'env': _env_delta(env), 'log': log_path})
     return handle
+
+  def _enrol(self, link: 'AgentLink', table: dict, ident: int, item: Any) -> bool:
+    """Registers a handle or future with its link, unless the link is lost
+    (checked under the lock `_lose` takes, so nothing lands after it)."""
+    with self._lock:
+      if link.lost:
+        return False
+      table[ident] = item
+      return True
 
   def kill(self, handle: AgentHandle) -> None:
     if handle.returncode is None:
@@ -318,7 +399,8 @@ class AgentServer:
       return EXIT_HOST_LOST, '', f'no agent connected for host {host}'
     ident = next(self._ids)
     fut: concurrent.futures.Future = concurrent.futures.Future()
-    link.runs[ident] = fut
+    if not self._enrol(link, link.runs, ident, fut):
+      return EXIT_HOST_LOST, '', f'the agent on {host} went away'
     link.send({'kind': 'run', 'id': ident, 'argv': list(argv), 'env': _env_delta(env), 'timeout': timeout})
     try:
       return fut.result(timeout + 30.0)   # the agent enforces `timeout`; this covers a silent agent
@@ -332,7 +414,8 @@ class AgentServer:
       return fallback
     ident = next(self._ids)
     fut: concurrent.futures.Future = concurrent.futures.Future()
-    link.runs[ident] = fut
+    if not self._enrol(link, link.runs, ident, fut):
+      return fallback
     link.send({'kind': 'port', 'id': ident})
     try:
       port = fut.result(10.0)
@@ -348,14 +431,21 @@ class AgentServer:
     for link in links:
       link.send({'kind': 'exit', 'reason': reason})
 
-  def close(self) -> None:
+  def close(self, linger_s: float = 0.0) -> None:
+    """Stops serving; with `linger_s`, first waits that long at most for the
+    agents to close their ends (after `farewell`, so that it reaches them)."""
+    deadline = time.monotonic() + linger_s
+    while self.connected() and time.monotonic() < deadline and self.alive():
+      time.sleep(0.05)
     self._stop.set()
-    self._thread.join(timeout=5.0)
+    self._thread.join(timeout=15.0)
+    if self._thread.is_alive():
+      return   # stuck in a system call: leave its sockets to the process's exit
     with self._lock:
       links = list(self._links.values())
     for link in links:
       link.channel.close()
-    for ch, _, _ in self._pending.values():
+    for ch, _, _ in list(self._pending.values()):
       ch.close()
     self._listener.close()
 
@@ -368,29 +458,66 @@ class AgentServer:
     self._sel.register(self._listener, selectors.EVENT_READ)
     next_check = time.monotonic() + 0.1
     while not self._stop.is_set():
+      now = time.monotonic()
+      if self._accept_paused_until and now >= self._accept_paused_until:
+        self._accept_paused_until = 0.0
+        self._sel.register(self._listener, selectors.EVENT_READ)
       for key, _ in self._sel.select(0.1):
-        if key.fileobj is self._listener:
-          self._accept()
-        else:
-          self._read(key.fileobj)
+        # Nothing one connection does may stop the thread that serves them all.
+        try:
+          if key.fileobj is self._listener:
+            self._accept()
+          else:
+            self._read(key.fileobj)
+        except Exception as e:  # noqa: BLE001
+          self._drop(key.fileobj, f'{type(e).__name__}: {e}')
       now = time.monotonic()
       if now >= next_check:
         next_check = now + 0.1
-        self._check_silent(now)
+        try:
+          self._check_silent(now)
+        except Exception as e:  # noqa: BLE001
+          log.warning('agent server: %s', e)
+
+  def _drop(self, sock, why: str) -> None:
+    link = self._by_sock.get(sock)
+    if link is not None:
+      self._lose(link, f'dropped: {why}')
+    else:
+      pending = self._pending.get(sock)
+      self._forget(sock)
+      if pending is not None:
+        pending[0].close()
 
   def _accept(self) -> None:
     try:
       sock, _ = self._listener.accept()
-    except OSError:
+    except OSError as e:
+      if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+        # Out of descriptors: the listener stays readable; watching it now
+        # would spin. Look again in a second (connections wait in the backlog).
+        self._sel.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + 1.0
+        log.warning('agent server: cannot accept (%s); pausing for 1 s', e)
       return
+    if len(self._pending) >= MAX_PENDING:   # a flood of unauthenticated connections: the oldest go
+      oldest = min(self._pending, key=lambda s: self._pending[s][1])
+      self._drop(oldest, 'too many connections mid-handshake')
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(10.0)   # a send to an agent that stopped reading must not stall the driver for ever
-    self._pending[sock] = (Channel(sock, self.secret, 'driver', 'agent'), time.monotonic(), None)
+    # Non-blocking: the server's thread never waits on one agent
+    # (Channel.send(wait=False)); the driver's own commands wait at most
+    # SEND_TIMEOUT_S for a slow one.
+    sock.setblocking(False)
+    channel = Channel(sock, self.secret, 'driver', 'agent')
+    channel.max_line = MAX_HELLO   # until it has authenticated
+    self._pending[sock] = (channel, time.monotonic(), None)
     self._sel.register(sock, selectors.EVENT_READ)
 
   def _read(self, sock: socket.socket) -> None:
     try:
       data = sock.recv(1 << 20)
+    except BlockingIOError:
+      return   # nothing after all
     except OSError:
       data = b''
     if sock in self._pending:
@@ -421,7 +548,8 @@ class AgentServer:
             raise ChannelError('the first message is not a hello')
           hello = msg
           channel.session = f'{secrets.token_hex(16)}:{msg["nonce"]}'
-          channel.send({'kind': 'welcome', 'interval_s': self.interval_s, 'timeout_s': self.timeout_s})
+          channel.send({'kind': 'welcome', 'interval_s': self.interval_s, 'timeout_s': self.timeout_s},
+                       wait=False)
           self._pending[sock] = (channel, since, hello)
         elif msg.get('kind') == 'ready' and msg.get('session') == channel.session:
           self._register(sock, channel, hello)
@@ -445,10 +573,21 @@ class AgentServer:
   def _register(self, sock: socket.socket, channel: Channel, hello: dict) -> None:
     del self._pending[sock]
     host = str(hello['host'])
-    link = AgentLink(host, str(hello.get('address') or host), int(hello.get('pid') or 0), channel,
-                     time.monotonic(), ready=True)
     with self._lock:
       old = self._links.get(host)
+    if old is not None and not old.lost and time.monotonic() - old.last_heard < self.timeout_s:
+      # A live agent already speaks for this host (two agents with one host
+      # name would otherwise knock each other off in turn). A restarted
+      # agent gets in once the old link falls silent.
+      self._forget(sock)
+      channel.close()
+      self._on_event('agent_rejected', host=host, reason='another agent of this host is connected and alive')
+      return
+    channel.max_line = MAX_LINE
+    pid = hello.get('pid')
+    link = AgentLink(host, str(hello.get('address') or host), pid if isinstance(pid, int) else 0, channel,
+                     time.monotonic(), ready=True)
+    with self._lock:
       self._links[host] = link
     self._by_sock[sock] = link
     if old is not None and not old.lost:
@@ -458,24 +597,43 @@ class AgentServer:
   def _handle(self, link: AgentLink, msg: dict) -> None:
     kind = msg.get('kind')
     if kind == 'beats':
-      payloads = [p for p in msg.get('payloads') or [] if isinstance(p, dict)]
+      payloads = msg.get('payloads')
+      payloads = [p for p in payloads if isinstance(p, dict)] if isinstance(payloads, list) else []
       with self._lock:
-        self._beats.extend(payloads)
+        for p in payloads:
+          key = (p.get('process'), p.get('pid'), p.get('attempt'))
+          prev = self._beats.get(key)
+          if prev is not None:   # keep every loss for the spike / NaN checks, and a 'final'
+            losses = [*(prev.get('losses') or []), *(p.get('losses') or [])][-hb.MAX_LOSSES:]
+            p = {**p, 'losses': losses, 'final': bool(prev.get('final')) or bool(p.get('final'))}
+          self._beats[key] = p
         self.messages += 1
         self.relayed += len(payloads)
-      link.send({'kind': 'ack'})
+      # Supervised: the driver's loop is watching the job right now. The
+      # agent acknowledges its trainers' heartbeats only while it is.
+      supervised = time.monotonic() - self._watched < self.timeout_s
+      try:
+        link.channel.send({'kind': 'ack', 'supervised': supervised}, wait=False)
+      except ChannelBusy:
+        pass   # the driver's thread is sending to it: this ack can go, the next one comes
+      except BlockingIOError:
+        self._lose(link, 'not reading what the driver sends')
+      except OSError as e:
+        self._lose(link, f'send failed: {e}')
     elif kind == 'started':
       h = link.handles.get(msg.get('id'))
-      if h is not None:
-        h.pid = msg.get('pid')
+      if h is not None and isinstance(msg.get('pid'), int):
+        h.pid = msg['pid']
     elif kind == 'exited':
       h = link.handles.pop(msg.get('id'), None)
+      code = msg.get('code')
       if h is not None:
-        h._exited(int(msg.get('code', EXIT_HOST_LOST)))
+        h._exited(code if isinstance(code, int) else 1)
     elif kind == 'ran':
       fut = link.runs.pop(msg.get('id'), None)
+      code = msg.get('code')
       if fut is not None and not fut.done():
-        fut.set_result((int(msg.get('code', 1)), str(msg.get('out', '')), str(msg.get('err', ''))))
+        fut.set_result((code if isinstance(code, int) else 1, str(msg.get('out', '')), str(msg.get('err', ''))))
     elif kind == 'port':
       fut = link.runs.pop(msg.get('id'), None)
       if fut is not None and not fut.done():
@@ -483,7 +641,7 @@ class AgentServer:
 
   def _check_silent(self, now: float) -> None:
     for sock, (channel, since, _) in list(self._pending.items()):
-      if now - since > self.timeout_s:   # a connection that never completes its handshake
+      if now - since > HANDSHAKE_S:   # a connection that never completes its handshake
         self._forget(sock)
         channel.close()
     for link in list(self._by_sock.values()):
@@ -492,10 +650,10 @@ class AgentServer:
 
   def _lose(self, link: AgentLink, why: str) -> None:
     """The host is gone: its processes count as exited (EXIT_HOST_LOST)."""
-    if link.lost:
-      return
-    link.lost = True
     with self._lock:
+      if link.lost:
+        return
+      link.lost = True   # under the lock: nothing enrols with this link after this
       if self._links.get(link.host) is link:
         del self._links[link.host]
     for sock, l in list(self._by_sock.items()):
@@ -503,7 +661,7 @@ class AgentServer:
         self._forget(sock)
     link.channel.close()
     for h in list(link.handles.values()):
-      h._exited(EXIT_HOST_LOST)
+      h._exited(EXIT_HOST_LOST, host_lost=True)
     for fut in list(link.runs.values()):
       if not fut.done():
         fut.set_result((EXIT_HOST_LOST, '', f'the agent on {link.host} went away ({why})'))
@@ -627,6 +785,7 @@ class Agent:
     heard = time.monotonic()
     next_relay = time.monotonic()
     lost_at: Optional[float] = None
+    supervised = True
     while not self._exit and self._signal is None:
       ready, _, _ = select.select([ch.sock, self.beats.sock], [], [], 0.05)
       now = time.monotonic()
@@ -637,6 +796,8 @@ class Agent:
             raise ConnectionError('closed by the driver')
           heard = now
           for msg in ch.feed(data):
+            if msg.get('kind') == 'ack':
+              supervised = bool(msg.get('supervised', True))
             self._command(msg)
         except (OSError, ChannelError) as e:
           print(f'mjax-agent: {self.host}: connection to the driver ended ({e})', file=sys.stderr, flush=True)
@@ -644,7 +805,7 @@ class Agent:
           break
       # The trainers' heartbeats: acknowledged here only while the driver is
       # heard, so that trainers notice a lost driver as they would without us.
-      self.beats.acking = now - heard < self.timeout_s
+      self.beats.acking = supervised and now - heard < self.timeout_s
       for payload, _, _ in self.beats.receive(0.0):
         if payload is not None:
           self._merge(payload)

@@ -96,6 +96,7 @@ EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, 
 MAX_BACKOFF_S = 60.0
 SUSPECT_LIMIT = 2             # diagnoses in a row a host may pass only because it was loaded
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
+KILL_WAIT_S = 60.0            # after SIGKILL, a process still there this long counts its host as lost
 # Faults that may come from a host's network, so the hosts they name get a
 # collective with a healthy host after their own checks (Driver._check_links).
 LINK_FAULTS = ('exit', 'heartbeat_lost', 'hang', 'startup_timeout')
@@ -125,6 +126,7 @@ class Options:
   executor: str = 'local'                       # 'local', 'slurm' or 'agent' (mjax/ft/executor.py, agent.py)
   discover: bool = False                        # agent: hosts are the agents that connect
   agent_wait_s: float = 300.0
+  preempt_exit_status: int = EXIT_OK             # the driver's status after a clean pre-emption
 
 
 def _script(name: str) -> Optional[list[str]]:
@@ -166,6 +168,10 @@ def parse_args(argv: Sequence[str]) -> Options:
   p.add_argument('--diagnose_timeout_s', type=float, default=300.0,
                  help='a diagnostic taking longer fails its host (default 300)')
   p.add_argument('--quiet', action='store_true', help='do not echo events to stderr')
+  p.add_argument('--preempt_exit_status', type=int, default=EXIT_OK,
+                 help='exit status after a clean pre-emption (SIGTERM): 0 by default; a scheduler that '
+                      'must start the driver again to finish the job wants non-zero, e.g. 143 in '
+                      'launch/jobset_ft.yaml')
   argv = list(argv)
   if '--' not in argv:
     p.parse_args(argv)   # --help, and missing flags, are answered first
@@ -222,7 +228,8 @@ def parse_args(argv: Sequence[str]) -> Options:
   return Options(args.processes, args.devices, args.workdir, train_args, hosts, spares, bind,
                  host_env, args.grace_s, diagnose_args=shlex.split(args.diagnose_args),
                  diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet, executor=args.executor,
-                 discover=discover, agent_wait_s=args.agent_wait_s)
+                 discover=discover, agent_wait_s=args.agent_wait_s,
+                 preempt_exit_status=args.preempt_exit_status)
 
 
 # ----------------------------------------------------------------------------
@@ -316,6 +323,15 @@ class Driver:
     self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
     self.agents: Optional[agent_lib.AgentServer] = None
     if opts.executor == 'agent':
+      # One connection per host: a common soft limit of 1,024 descriptors
+      # would stop a large job's driver from accepting its agents.
+      import resource
+      soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+      if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+          resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20), hard))
+        except (ValueError, OSError):
+          pass
       # TCP on the heartbeat server's port: one address for the agents.
       host, _ = hb.parse_address(opts.bind)
       port = int(self.server.address.rpartition(':')[2])
@@ -338,6 +354,9 @@ class Driver:
     self._signals = 0
     self._rejected: dict[str, list] = {}
     self._suspect: dict[str, int] = {}   # host -> diagnoses in a row slow under load
+    self._undiagnosed: set[str] = set()  # hosts whose agent was away when they were to be diagnosed
+    self._launched = False
+    self._over = False
 
   # --- main loop ----------------------------------------------------------------
 
@@ -353,9 +372,13 @@ class Driver:
     old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     restarts = 0      # in all, for the record
     streak = 0        # in a row without recovering: bounded by max_restarts
+    self._over = False   # finished or given up: the agents may go (not after a pre-emption or a crash)
     try:
       while True:
         hosts = self._plan()
+        if self._signal is not None:
+          self.events.emit('preempted', attempt=restarts, during='waiting for hosts')
+          return self.opts.preempt_exit_status
         if not hosts:
           return self._give_up('no healthy host left', restarts)
         try:
@@ -363,10 +386,12 @@ class Driver:
         except hosts_lib.ElasticError as e:
           return self._give_up(str(e), restarts)
         att = self._launch(restarts, hosts, bindings)
+        self._launched = True
         outcome = self._supervise(att)
         if outcome == 'finished':
           self._stop(att, 'finished')
           self.events.emit('finish', attempt=att.number, restarts=restarts, step=att.monitor.max_step())
+          self._over = True
           return EXIT_OK
         if outcome == 'preempted':
           return self._preempt(att)
@@ -376,11 +401,12 @@ class Driver:
           self._stop(att, fault.kind)
           self.events.emit('giveup', reason=f'a process reported bad input (exit status 2), retrying '
                            f'cannot help: {fault.detail}', restarts=restarts)
+          self._over = True
           return EXIT_BAD_INPUT
         self._stop(att, fault.kind)
         if self._signal is not None:
           self.events.emit('preempted', attempt=att.number, during='recovery')
-          return EXIT_OK
+          return self.opts.preempt_exit_status
         self._diagnose(att, fault)
         if fault.kind in ('nonfinite_loss', 'loss_spike'):
           self._rollback(att, fault)
@@ -399,9 +425,11 @@ class Driver:
       for s, h in old.items():
         signal.signal(s, h)
       if self.agents is not None:
-        self.agents.farewell('the driver stopped')
-        time.sleep(0.2)   # let the farewells leave before the connections close
-        self.agents.close()
+        # The job is over: the agents stop too. After a pre-emption or a
+        # crash of the driver they stay, for the driver that comes next.
+        if self._over:
+          self.agents.farewell('the job is over')
+        self.agents.close(linger_s=5.0 if self._over else 0.0)
       self.server.close()
       self.events.close()
 
@@ -411,6 +439,7 @@ class Driver:
 
   def _give_up(self, reason: str, restarts: int) -> int:
     self.events.emit('giveup', reason=reason, restarts=restarts)
+    self._over = True
     return EXIT_GAVE_UP
 
   def _checkpoint_step(self) -> int:
@@ -434,14 +463,26 @@ class Driver:
         if len(usable) >= o.processes or time.monotonic() >= deadline or self._signal is not None:
           break
         time.sleep(0.05)
-      hosts = usable[:o.processes]
+      pool = usable
     else:
+      # At start, every planned host's agent is waited for; after a fault,
+      # only enough of them (a lost host must not hold up the restart).
       wanted = hosts_lib.plan_hosts(o.processes, o.hosts, o.spares, self.blocked)
-      self.agents.wait_for(wanted, o.agent_wait_s)
+      candidates = wanted if not self._launched else [h for h in [*o.hosts, *o.spares] if h not in self.blocked]
+      self.agents.wait_for(candidates, o.agent_wait_s, enough=min(o.processes, len(candidates)),
+                           go_on=lambda: self._signal is None)
       # A host without an agent sits this attempt out (not blocked: its agent
       # may just be late); a spare takes its place where there is one.
-      pool = [h for h in [*o.hosts, *o.spares] if h not in self.blocked]
-      hosts = [h for h in pool if self.agents.link(h) is not None][:o.processes]
+      pool = [h for h in [*o.hosts, *o.spares] if h not in self.blocked and self.agents.link(h) is not None]
+    # A host whose agent was away when the hosts were diagnosed is checked
+    # now that it is back, before it runs anything.
+    for h in [h for h in pool if h in self._undiagnosed][:max(0, o.processes)]:
+      passed, _, detail = self._diagnose_host(h)
+      self.events.emit('diagnosis', host=h, passed=passed, detail=detail, late=True)
+      self._undiagnosed.discard(h)
+      if not passed:
+        self._block(h, f'diagnostic failed: {detail}')
+    hosts = [h for h in pool if h not in self.blocked][:o.processes]
     missing = sorted(set(o.hosts) - set(self.blocked.hosts()) - set(self.agents.connected()))
     self.events.emit('agents', connected=self.agents.connected(), chosen=hosts, missing=missing)
     return hosts
@@ -517,6 +558,7 @@ class Driver:
         if fault is not None:
           return fault
       if self.agents is not None:   # heartbeats relayed by the hosts' agents, verified there
+        self.agents.watching()
         now = time.monotonic()
         for payload in self.agents.take_beats():
           try:
@@ -563,8 +605,9 @@ class Driver:
     if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable for a while
       return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
                           'heartbeat_timeout_s', extra={'exit': codes})
-    if protocol.EXIT_HOST_LOST in failed.values():   # its agent disconnected or fell silent
-      lost = sorted(i for i, c in failed.items() if c == protocol.EXIT_HOST_LOST)
+    lost = sorted(i for i in failed if getattr(att.handles[i], 'host_lost', False))
+    if lost:   # its agent disconnected or fell silent (an exit status cannot say so: any is a trainer's)
+      codes.update({i: 'host lost' for i in lost})
       return detect.Fault('host_lost', lost, 'the host\'s agent went away (connection lost or silent for '
                           'heartbeat_timeout_s)', extra={'exit': codes})
     return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
@@ -575,8 +618,6 @@ class Driver:
 
   @staticmethod
   def _describe_status(code: int) -> str:
-    if code == protocol.EXIT_HOST_LOST:
-      return 'host lost'
     if code < 0:
       try:
         return signal.Signals(-code).name
@@ -696,11 +737,18 @@ class Driver:
         killed.append(i)
         att.executors[i].kill(h)
     for h in att.handles.values():
-      h.wait()
+      try:
+        h.wait(timeout=KILL_WAIT_S)
+      except subprocess.TimeoutExpired:
+        # Not gone a minute after SIGKILL (a process stuck in the kernel, a
+        # wedged device): the host cannot be trusted with the next attempt.
+        if hasattr(h, '_exited'):
+          h._exited(protocol.EXIT_HOST_LOST, host_lost=True)
     return killed
 
   def _exit_statuses(self, att: Attempt) -> dict:
-    return {i: self._describe_status(h.returncode) for i, h in att.handles.items()}
+    return {i: 'host lost' if getattr(h, 'host_lost', False) else self._describe_status(h.returncode)
+            for i, h in att.handles.items()}
 
   def _stop(self, att: Attempt, why: str) -> None:
     """Stops the job after a fault or at the end, with --grace_s to save."""
@@ -727,7 +775,11 @@ class Driver:
       self.events.emit('diagnosis', host=host, passed=passed, detail=detail,
                        checks=report.get('checks') if report else None,
                        seconds=round(time.monotonic() - t0, 3))
-    failing = [(h, r[2]) for h, r in zip(att.hosts, results) if not r[0]]
+    # A host whose agent is away is not judged now (a network blip must not
+    # block a healthy host for good): it sits out until its agent is back,
+    # and is diagnosed then (_plan). A host that is really gone never is.
+    self._undiagnosed |= {h for h, r in zip(att.hosts, results) if r[0] is None}
+    failing = [(h, r[2]) for h, r in zip(att.hosts, results) if r[0] is False]
     if len(att.hosts) > 1 and len(failing) == len(att.hosts):
       # Every host failing at once points at something they share (the
       # diagnostic's thresholds, a shared file system, the driver itself)
@@ -738,7 +790,7 @@ class Driver:
       return
     for host, detail in failing:
       self._block(host, f'diagnostic failed: {detail}')
-    self._check_links(att, fault, [h for h, r in zip(att.hosts, results) if r[0]])
+    self._check_links(att, fault, [h for h, r in zip(att.hosts, results) if r[0] is True])
     # Slow only while the host was loaded (mjax-diagnose's "suspect"): load
     # may explain it once; the same twice in a row, it does not.
     for host, (passed, report, _) in zip(att.hosts, results):
@@ -758,7 +810,10 @@ class Driver:
     env.update(self.opts.host_env.get(host, {}))
     return env
 
-  def _diagnose_host(self, host: str) -> tuple[bool, Optional[dict], str]:
+  def _diagnose_host(self, host: str) -> tuple[Optional[bool], Optional[dict], str]:
+    """(passed, report, detail); passed None: the host's agent is away, not judged."""
+    if self.agents is not None and self.agents.link(host) is None:
+      return None, None, 'no agent connected: diagnosed when it is back'
     code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
                                                      self._diagnose_env(host), self.opts.diagnose_timeout_s)
     return self._verdict(code, out, err)
@@ -811,15 +866,18 @@ class Driver:
       self.events.emit('link_check', hosts=named, passed=None,
                        detail='no healthy host to pair with: links not checked')
       return
-    pairs = [(h, healthy[i % len(healthy)]) for i, h in enumerate(named)]
+    # Rounds of pairs, each healthy host in one pair at a time: two jobs on
+    # one host's devices at once would fail each other.
     t0 = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(pairs)) as pool:
-      results = list(pool.map(lambda pair: self._link_pair(*pair), pairs))
-    for (suspect, ref), (passed_, detail) in zip(pairs, results):
-      self.events.emit('link_check', host=suspect, partner=ref, passed=passed_, detail=detail,
-                       seconds=round(time.monotonic() - t0, 3))
-      if not passed_:
-        self._block(suspect, f'collective with {ref} failed: {detail}')
+    for first in range(0, len(named), len(healthy)):
+      pairs = list(zip(named[first:first + len(healthy)], healthy))
+      with concurrent.futures.ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+        results = list(pool.map(lambda pair: self._link_pair(*pair), pairs))
+      for (suspect, ref), (passed_, detail) in zip(pairs, results):
+        self.events.emit('link_check', host=suspect, partner=ref, passed=passed_, detail=detail,
+                         seconds=round(time.monotonic() - t0, 3))
+        if not passed_:
+          self._block(suspect, f'collective with {ref} failed: {detail}')
 
   def _link_pair(self, suspect: str, ref: str) -> tuple[bool, str]:
     """mjax-diagnose --checks allreduce as one JAX job of two processes,
@@ -865,7 +923,8 @@ class Driver:
     second signal says not to wait)."""
     self._terminate(att, self.fault_cfg.collective_timeout_s, patient=lambda: self._signals < 2)
     self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att))
-    return EXIT_OK if all(h.returncode == 0 for h in att.handles.values()) else EXIT_GAVE_UP
+    clean = all(h.returncode == 0 for h in att.handles.values())
+    return self.opts.preempt_exit_status if clean else EXIT_GAVE_UP
 
 
 class _StragglerWatch:

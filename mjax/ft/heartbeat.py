@@ -173,8 +173,11 @@ class Verifier:
     if sender is not None:
       last = self._senders.get(sender)
       if last is not None and seq <= last[0]:
-        raise Rejected(f'replay: sequence number {seq} not above {last[0]} from this sender')
-      self._senders[sender] = (seq, ts)
+        # One fixed reason (the driver rate-limits its log per reason).
+        raise Rejected('replay: sequence number not above the last one from this sender')
+      # The newest timestamp seen, not the latest datagram's: the entry must
+      # outlive everything it guards even if the sender's clock steps back.
+      self._senders[sender] = (seq, max(ts, last[1]) if last is not None else ts)
       return payload
     if nonce in self._seen:
       raise Rejected('replay: nonce already seen')
