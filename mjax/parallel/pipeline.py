@@ -218,56 +218,55 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
     zeros = jnp.zeros((mb, s_len, d), xs.dtype)
 
     def tick(c, t):
+      # The conditionals take and give one item's values only; the buffers
+      # (stage inputs, gradients, dx) are updated outside them, in place,
+      # with the item masked in: a buffer passed through a conditional may
+      # be copied every tick.
       # Backward first: it reads the head's cotangent the previous tick left.
       kb = t - first_back - (p - 1 - stage)
+      on_b = (kb >= 0) & (kb < n_items)
       kb_c = jnp.clip(kb, 0, n_items - 1)
       rev, i_b = decode(kb_c)
       r_b = v - 1 - rev
       slot_b = ((kb_c // (v * p)) * v * p + r_b * p + kb_c % p) % slots
       cot = jnp.where((stage == p - 1) & (r_b == v - 1), c['pending'], c['b_in'])
 
-      def backward(c):
-        fn = lambda w, h: stage_fn(w, h, pick(aux, i_b))
-        _, vjp = jax.vjp(fn, chunk(r_b), c['saved'][slot_b])
-        dw, dh = vjp(cot)
-        d_layers = jax.tree.map(lambda acc, g: acc.at[r_b].add(g.astype(jnp.float32)), c['d_layers'], dw)
-        dx = jnp.where((stage == 0) & (r_b == 0), c['dx'].at[i_b].set(dh), c['dx'])
-        return d_layers, dx, dh
+      def backward(w, h, a, cot):
+        _, vjp = jax.vjp(stage_fn, w, h, a)   # the chunk again from its input (remat policy inside)
+        dw, dh, _ = vjp(cot)
+        return dw, dh
 
-      d_layers, dx, dh = jax.lax.cond((kb >= 0) & (kb < n_items), backward,
-                                      lambda c: (c['d_layers'], c['dx'], zeros), c)
+      dw, dh = jax.lax.cond(on_b, backward, lambda w, h, a, cot: (jax.tree.map(jnp.zeros_like, w), zeros),
+                            chunk(r_b), c['saved'][slot_b], pick(aux, i_b), cot)
+      d_layers = jax.tree.map(lambda acc, g: acc.at[r_b].add(g.astype(jnp.float32)), c['d_layers'], dw)
+      first_chunk = on_b & (stage == 0) & (r_b == 0)
+      dx = c['dx'].at[i_b].set(jnp.where(first_chunk, dh, c['dx'][i_b]))
       # Forward.
       kf = t - stage
+      on_f = (kf >= 0) & (kf < n_items)
       kf_c = jnp.clip(kf, 0, n_items - 1)
       r_f, i_f = decode(kf_c)
       inp = jnp.where((stage == 0) & (r_f == 0), xs[i_f], c['f_in'])
+      y = jax.lax.cond(on_f, stage_fn, lambda w, h, a: zeros, chunk(r_f), inp, pick(aux, i_f))
+      slot = kf_c % slots
+      saved = c['saved'].at[slot].set(jnp.where(on_f, inp, c['saved'][slot]))
 
-      def forward(c):
-        y = stage_fn(chunk(r_f), inp, pick(aux, i_f))
-        saved = c['saved'].at[kf_c % slots].set(inp)
+      def head(hp, y, ha):
+        (loss, count), vjp = jax.vjp(lambda hp, h: head_fn(hp, h, ha), hp, y)
+        d_hp, d_y = vjp((jnp.ones_like(loss), jnp.zeros_like(count)))
+        return loss, count, d_hp, d_y
 
-        def head(_):
-          (loss, count), vjp = jax.vjp(lambda hp, h: head_fn(hp, h, pick(head_aux, i_f)), head_params, y)
-          d_hp, d_y = vjp((jnp.ones_like(loss), jnp.zeros_like(count)))
-          return loss, count, d_hp, d_y
+      def no_head(hp, y, ha):
+        return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, hp), zeros)
 
-        def no_head(_):
-          return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-                  jax.tree.map(jnp.zeros_like, head_params), zeros)
-
-        loss, count, d_hp, d_y = jax.lax.cond((stage == p - 1) & (r_f == v - 1), head, no_head, None)
-        d_head = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), c['d_head'], d_hp)
-        return y, saved, c['loss'] + loss, c['count'] + count, d_head, d_y
-
-      def idle(c):
-        return zeros, c['saved'], c['loss'], c['count'], c['d_head'], zeros
-
-      y, saved, loss, count, d_head, pending = jax.lax.cond((kf >= 0) & (kf < n_items), forward, idle, c)
+      loss, count, d_hp, pending = jax.lax.cond(on_f & (stage == p - 1) & (r_f == v - 1), head, no_head,
+                                                head_params, y, pick(head_aux, i_f))
+      d_head = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), c['d_head'], d_hp)
       # Outputs one stage on round the ring; cotangents one stage back.
       f_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % p) for i in range(p)])
       b_in = jax.lax.ppermute(dh, axis, [(i, (i - 1) % p) for i in range(p)])
       return dict(f_in=f_in, b_in=b_in, pending=pending, saved=saved, d_layers=d_layers, d_head=d_head,
-                  loss=loss, count=count, dx=dx), None
+                  loss=c['loss'] + loss, count=c['count'] + count, dx=dx), None
 
     c = dict(f_in=zeros, b_in=zeros, pending=zeros, saved=jnp.zeros((slots, mb, s_len, d), xs.dtype),
              d_layers=f32(layers), d_head=f32(head_params), loss=jnp.zeros((), jnp.float32),
