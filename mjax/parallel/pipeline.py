@@ -273,7 +273,9 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
              count=jnp.zeros((), jnp.float32), dx=jnp.zeros_like(xs))
     c, _ = jax.lax.scan(tick, c, jnp.arange(ticks))
     total = lambda a: jax.lax.psum(a, axis)     # made on one stage, zero on the others
-    return (total(c['loss']), total(c['count']), total(c['dx']),
+    # dx summed in fp32 (exact: one stage holds it, the others zeros): XLA's
+    # CPU backend aborts on a 16-bit all-reduce over the manual stage axis.
+    return (total(c['loss']), total(c['count']), total(c['dx'].astype(jnp.float32)).astype(xs.dtype),
             jax.tree.map(lambda w: w[:, None], c['d_layers']), jax.tree.map(total, c['d_head']))
 
   stage_spec = jax.tree.map(lambda _: jax.sharding.PartitionSpec(None, axis), layers)
