@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, Optional, Sequence
+from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
 from mjax import distributed
 
@@ -167,6 +167,28 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
       p.send_signal(signal.SIGKILL)
   for p in procs:
     p.wait()
+
+
+def terminate(handles: Mapping[Any, Any], grace_s: float, kill: Callable[[Any, Any], None],
+              patient: Callable[[], bool] = lambda: True) -> list:
+  """SIGTERM to every live process (a trainer saves and exits), then
+  `kill(key, handle)` for each still alive after `grace_s`, or as soon as
+  `patient()` turns False. Handles offer Popen's poll and send_signal (a
+  remote executor's do too). Returns the keys of those killed; waiting for
+  them is the caller's."""
+  alive = [h for h in handles.values() if h.poll() is None]
+  for h in alive:
+    try:
+      h.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+      pass
+  deadline = time.monotonic() + grace_s
+  while any(h.poll() is None for h in alive) and time.monotonic() < deadline and patient():
+    time.sleep(0.05)
+  killed = [k for k, h in handles.items() if h.poll() is None]
+  for k in killed:
+    kill(k, handles[k])
+  return killed
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: Optional[float] = None) -> list[int]:

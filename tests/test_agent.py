@@ -6,6 +6,7 @@ seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -226,19 +227,26 @@ def test_a_process_started_on_a_link_being_lost_exits_at_once():
     server.close()
 
 
-def test_a_diagnostic_with_huge_output_is_clipped_not_fatal(tmp_path, agents):
+@contextlib.contextmanager
+def served(agents, host):
+  """An AgentServer with one real mjax-agent, `host`, connected to it."""
   port = launch.free_port()
-  agents(port, 'h3')
+  agents(port, host)
   server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 2.0)
   try:
-    assert server.wait_for(['h3'], 30) == ['h3']
+    assert server.wait_for([host], 30) == [host]
+    yield server
+  finally:
+    server.farewell('done')
+    server.close(linger_s=2.0)
+
+
+def test_a_diagnostic_with_huge_output_is_clipped_not_fatal(tmp_path, agents):
+  with served(agents, 'h3') as server:
     code, out, err = server.run('h3', [sys.executable, '-c', 'print("\U0001F600" * 3_000_000); print("last")'],
                                 dict(os.environ), 30.0)
     assert code == 0 and out.endswith('last\n') and len(out) <= agent_lib.OUTPUT_LIMIT
     assert server.link('h3') is not None
-  finally:
-    server.farewell('done')
-    server.close(linger_s=2.0)
 
 
 # --- jobs through agents -----------------------------------------------------------------
@@ -381,20 +389,13 @@ def test_sigterm_to_the_driver_stops_every_trainer_through_its_agent(tmp_path, a
 
 
 def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):
-  port = launch.free_port()
-  agents(port, 'h0')
-  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 2.0)
-  try:
-    assert server.wait_for(['h0'], 30) == ['h0']
+  with served(agents, 'h0') as server:
     t0 = time.monotonic()
     code, out, err = server.run('h0', [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ), 1.0)
     assert code == 124 and 'timed out' in err and time.monotonic() - t0 < 10
     # Meanwhile the agent kept relaying (its own heartbeat): it is still connected.
     assert server.link('h0') is not None
     assert server.run('nobody', ['true'], {}, 1.0)[0] == agent_lib.EXIT_HOST_LOST
-  finally:
-    server.farewell('done')
-    server.close()
 
 
 # --- real trainers through agents ----------------------------------------------------

@@ -78,8 +78,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import errno
-import hashlib
-import hmac
 import itertools
 import json
 import logging
@@ -185,15 +183,9 @@ class Channel:
     if len(line) > self.max_line:
       raise ChannelError(f'a message longer than {self.max_line} bytes')
     try:
-      outer = json.loads(line)
-      text, mac = outer['payload'], outer['mac']
-      if not isinstance(text, str) or not isinstance(mac, str):
-        raise TypeError
-      want = hmac.new(self._key, text.encode('utf-8'), hashlib.sha256).hexdigest()
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
-      raise ChannelError('malformed message') from None
-    if not hmac.compare_digest(want.encode(), mac.encode('utf-8', 'replace')):
-      raise ChannelError('bad signature: wrong job secret or altered message')
+      text = hb.open_envelope(line, self._key, what='channel')
+    except hb.Rejected as e:
+      raise ChannelError(e.reason) from None
     try:
       msg = json.loads(text)
       kind, seq = str(msg['kind']), int(msg['seq'])
@@ -602,11 +594,7 @@ class AgentServer:
       with self._lock:
         for p in payloads:
           key = (p.get('process'), p.get('pid'), p.get('attempt'))
-          prev = self._beats.get(key)
-          if prev is not None:   # keep every loss for the spike / NaN checks, and a 'final'
-            losses = [*(prev.get('losses') or []), *(p.get('losses') or [])][-hb.MAX_LOSSES:]
-            p = {**p, 'losses': losses, 'final': bool(prev.get('final')) or bool(p.get('final'))}
-          self._beats[key] = p
+          self._beats[key] = hb.merge_beats(self._beats.get(key), p)
         self.messages += 1
         self.relayed += len(payloads)
       # Supervised: the driver's loop is watching the job right now. The
@@ -917,10 +905,8 @@ class Agent:
     except (KeyError, TypeError, ValueError):
       return
     prev = self.latest.get(process)
-    if prev is not None and prev.get('pid') == payload.get('pid'):
-      payload = {**payload, 'losses': [*(prev.get('losses') or []), *(payload.get('losses') or [])][-hb.MAX_LOSSES:],
-                 'final': bool(prev.get('final')) or bool(payload.get('final'))}
-    self.latest[process] = payload
+    self.latest[process] = hb.merge_beats(prev if prev is not None and prev.get('pid') == payload.get('pid')
+                                          else None, payload)
 
   def _relay(self) -> None:
     payloads, self.latest = list(self.latest.values()), {}
@@ -936,18 +922,9 @@ class Agent:
           self._send({'kind': 'exited', 'id': ident, 'code': code})
 
   def _stop_all(self, grace_s: float) -> None:
-    live = [p for p in self.procs.values() if p.poll() is None]
-    for p in live:
-      try:
-        p.send_signal(signal.SIGTERM)
-      except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace_s
-    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
-      time.sleep(0.05)
-    for p in live:
-      if p.poll() is None:
-        _kill_group(p)
+    from mjax.launch import terminate
+    terminate(self.procs, grace_s, lambda _, p: _kill_group(p))
+    for p in self.procs.values():
       p.wait()
     self.procs.clear()
 
@@ -981,13 +958,10 @@ def agent_main(argv: Optional[Sequence[str]] = None) -> int:
     hb.parse_address(args.driver)
   except ValueError as e:
     p.error(f'--driver: {e}')
-  secret = os.environ.get(protocol.SECRET_ENV, '')
   try:
-    if len(bytes.fromhex(secret)) < 16:
-      raise ValueError
-  except ValueError:
-    p.error(f'{protocol.SECRET_ENV} must hold the job secret, at least 32 hex digits, the same one the '
-            f'driver has (e.g. python -c "import secrets; print(secrets.token_hex(32))")')
+    secret = hb.job_secret_from_env()
+  except ValueError as e:
+    p.error(str(e))
   # SLURMD_NODENAME: SLURM's name for the node, the one its node list (and
   # so the driver's host list) uses, also where several nodes share a machine.
   host = args.host or os.environ.get(protocol.HOST_ENV) or os.environ.get('SLURMD_NODENAME') or socket.gethostname()

@@ -238,16 +238,10 @@ def parse_args(argv: Sequence[str]) -> Options:
 
 def _agent_secret() -> str:
   """The job secret the agents share, from MJAX_JOB_SECRET."""
-  secret = os.environ.get(protocol.SECRET_ENV, '')
   try:
-    if len(bytes.fromhex(secret)) < 16:
-      raise ValueError
-  except ValueError:
-    raise UserError(f'--executor agent: {protocol.SECRET_ENV} must hold the job secret (at least 32 hex '
-                    f'digits) that every mjax-agent of the job was started with, e.g. '
-                    f'export {protocol.SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(32))")') \
-        from None
-  return secret
+    return hb.job_secret_from_env()
+  except ValueError as e:
+    raise UserError(f'--executor agent: {e}') from None
 
 
 def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
@@ -722,20 +716,8 @@ class Driver:
     """SIGTERM to every live process (a trainer saves and exits), SIGKILL to
     those still alive after `wait_s` or once `patient()` turns False; returns
     the processes killed."""
-    alive = [h for h in att.handles.values() if h.poll() is None]
-    for h in alive:
-      try:
-        h.send_signal(signal.SIGTERM)
-      except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + wait_s
-    while any(h.poll() is None for h in alive) and time.monotonic() < deadline and patient():
-      time.sleep(0.05)
-    killed = []
-    for i, h in att.handles.items():
-      if h.poll() is None:
-        killed.append(i)
-        att.executors[i].kill(h)
+    from mjax import launch
+    killed = launch.terminate(att.handles, wait_s, lambda i, h: att.executors[i].kill(h), patient)
     for h in att.handles.values():
       try:
         h.wait(timeout=KILL_WAIT_S)

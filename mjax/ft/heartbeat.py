@@ -102,6 +102,53 @@ def parse_address(address: str) -> tuple[str, int]:
   return host.strip('[]'), int(port)
 
 
+def job_secret_from_env() -> str:
+  """MJAX_JOB_SECRET, which the driver and every agent of a job share when
+  the agents start first (mjax/ft/agent.py). Raises ValueError, with the
+  fix, when it is missing or not at least 32 hex digits."""
+  secret = os.environ.get(SECRET_ENV, '')
+  try:
+    if len(bytes.fromhex(secret)) >= 16:
+      return secret
+  except ValueError:
+    pass
+  raise ValueError(f'{SECRET_ENV} must hold the job secret, at least 32 hex digits, the same for the driver '
+                   f'and every mjax-agent of the job, e.g. '
+                   f'export {SECRET_ENV}=$(python -c "import secrets; print(secrets.token_hex(32))")')
+
+
+def open_envelope(data: bytes, key: bytes, what: str = 'heartbeat') -> str:
+  """The signed text of one `sign`ed message; raises Rejected.
+
+  Anyone who can reach a port can send anything, so every step is bounded
+  before it runs: the envelope's types and the MAC's form before comparing,
+  the payload's encoding before hashing, and parser failures of any kind
+  (deep nesting included) become a rejection."""
+  try:
+    outer = json.loads(data)
+    text, mac = outer['payload'], outer['mac']
+    if not isinstance(text, str) or not isinstance(mac, str):
+      raise TypeError
+    text_bytes = text.encode('utf-8')  # a lone surrogate fails here, not in hmac
+  except (ValueError, KeyError, TypeError, IndexError, RecursionError):  # UnicodeError is a ValueError
+    raise Rejected(f'malformed: not a {what} envelope') from None
+  if not _HEX_MAC.fullmatch(mac):
+    raise Rejected('malformed: the mac is not 64 hex digits')
+  want = hmac.new(key, text_bytes, hashlib.sha256).hexdigest().encode()
+  if not hmac.compare_digest(want, mac.encode()):  # bytes: constant time, any content
+    raise Rejected('bad signature: wrong job secret or altered payload')
+  return text
+
+
+def merge_beats(prev: Optional[dict], new: dict) -> dict:
+  """The newer heartbeat of one process, carrying every loss of both (the
+  spike and NaN checks need each one) and `final` if either had it."""
+  if prev is None:
+    return new
+  losses = [*(prev.get('losses') or []), *(new.get('losses') or [])][-MAX_LOSSES:]
+  return {**new, 'losses': losses, 'final': bool(prev.get('final')) or bool(new.get('final'))}
+
+
 def sign(payload: dict, secret_hex: str) -> bytes:
   """One datagram: the payload as JSON text and its HMAC-SHA256."""
   text = json.dumps(payload, separators=(',', ':'))
@@ -132,28 +179,13 @@ class Verifier:
   def verify(self, data: bytes, now: Optional[float] = None) -> dict:
     """Returns the payload of an authentic, fresh datagram; raises Rejected.
 
-    Anyone who can reach the port can send anything, so every step is
-    bounded before it runs: the size before parsing, the envelope's types
-    and the MAC's form before comparing, the payload's encoding before
-    hashing, and parser failures of any kind (deep nesting included) become
-    a rejection. Nothing is remembered before the MAC has checked out.
+    The size is bounded before parsing, the envelope by `open_envelope`.
+    Nothing is remembered before the MAC has checked out.
     """
     now = time.time() if now is None else now
     if len(data) > MAX_DATAGRAM:
       raise Rejected(f'malformed: {len(data)} bytes, more than {MAX_DATAGRAM}')
-    try:
-      outer = json.loads(data)
-      text, mac = outer['payload'], outer['mac']
-      if not isinstance(text, str) or not isinstance(mac, str):
-        raise TypeError
-      text_bytes = text.encode('utf-8')  # a lone surrogate fails here, not in hmac
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError):  # UnicodeError is a ValueError
-      raise Rejected('malformed: not a heartbeat envelope') from None
-    if not _HEX_MAC.fullmatch(mac):
-      raise Rejected('malformed: the mac is not 64 hex digits')
-    want = hmac.new(self._key, text_bytes, hashlib.sha256).hexdigest().encode()
-    if not hmac.compare_digest(want, mac.encode()):  # bytes: constant time, any content
-      raise Rejected('bad signature: wrong job secret or altered payload')
+    text = open_envelope(data, self._key)
     try:
       payload = json.loads(text)
       ts = float(payload['ts'])
