@@ -20,7 +20,18 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/mjax-train --gin_file configs/tiny.gin --workdir runs/tiny $(ARGS)
 
-test: $(STAMP)
+# The CUDA compiler of the installed jaxlib, for the tests that compile for
+# GPUs this machine lacks (mjax-report comm --target h100:8). It needs no GPU
+# and no CUDA libraries; kept out of the environment's site-packages so that
+# nothing else starts the CUDA plugin (tests put it on PYTHONPATH).
+CUDA_AOT := $(VENV)/cuda-aot
+$(CUDA_AOT)/.installed: $(STAMP)
+	V=$$($(BIN)/python -c 'import jaxlib; print(jaxlib.__version__)') && \
+	  $(BIN)/python -m pip install -q --no-deps --target $(CUDA_AOT) \
+	    "jax-cuda12-plugin==$$V" "jax-cuda12-pjrt==$$V"
+	touch $@
+
+test: $(STAMP) $(CUDA_AOT)/.installed
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q tests $(ARGS)
 
 bench: $(STAMP)

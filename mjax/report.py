@@ -85,14 +85,25 @@ def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 @command('comm', 'compiles the train step on the available devices (no training) and prints its '
-         'collectives per step next to the layout\'s analytical minimum, and XLA\'s memory analysis. '
-         'For N fake CPU devices run it with XLA_FLAGS=--xla_force_host_platform_device_count=N.',
-         synopsis='--gin_file F [--gin.X=Y ...] [--overlap_flags]')
+         'collectives per step next to the layout\'s analytical minimum, XLA\'s memory analysis and '
+         'the schedule (which collectives overlap compute). For N fake CPU devices run it with '
+         'XLA_FLAGS=--xla_force_host_platform_device_count=N. With --target h100:8 it compiles for '
+         'GPUs this machine does not have (needs the CUDA plugin, not a GPU), which shows the GPU '
+         'schedule.',
+         synopsis='--gin_file F [--gin.X=Y ...] [--overlap_flags] [--target CARD:N [--no_overlap]]')
 def comm(prog: str, argv: list[str]) -> int:
   p = flags.parser(prog, 'Compile the train step and report its collectives and memory (no training).')
   p.add_argument('--overlap_flags', action='store_true',
                  help='set the GPU collective-overlap XLA flags first (mjax.parallel.xla_flags)')
+  p.add_argument('--target', default=None, metavar='CARD:N',
+                 help='compile for N GPUs of CARD (h100, h200) without them: a deviceless GPU compile '
+                      '(mjax.parallel.gpu_target); the XLA options are those a GPU run of the config '
+                      'sets (TrainConfig.xla_overlap_flags, xla_extra_flags)')
+  p.add_argument('--no_overlap', action='store_true',
+                 help='with --target: compile without the overlap options, to compare')
   args, bindings = flags.parse(p, argv)
+  if args.target:
+    return _comm_for_target(prog, args, bindings)
   # The overlap flags change what XLA compiles, hence what this reports: only
   # when asked. Either way they are set, and the job joined, before JAX starts.
   cfg = flags.setup(flags.gin_files(args), bindings, join=True, xla_flags=args.overlap_flags)
@@ -107,12 +118,43 @@ def comm(prog: str, argv: list[str]) -> int:
   with program.context():
     compiled = program.step.lower(program.abstract_state(), program.abstract_batch()).compile()
   print(f'{prog}: train step compiled in {time.perf_counter() - t0:.1f}s on {jax.device_count()} '
-        f'{jax.devices()[0].platform} device(s); batch {cfg.train.global_batch_size} x seq '
-        f'{cfg.data.seq_len}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, '
-        f'{cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}\n')
+        f'{jax.devices()[0].platform} device(s); {_shape_line(cfg)}\n')
   print(format_report(comm_report(compiled, cfg, dict(mesh.shape))))
   print()
   print(format_schedule(schedule(compiled.as_text(), dict(mesh.shape)), jax.devices()[0].platform))
+  return 0
+
+
+def _shape_line(cfg) -> str:
+  return (f'batch {cfg.train.global_batch_size} x seq {cfg.data.seq_len}, {cfg.model.n_layers} layers, '
+          f'd_model {cfg.model.d_model}, {cfg.model.dtype} compute, remat {cfg.model.remat_policy!r}')
+
+
+def _comm_for_target(prog: str, args: argparse.Namespace, bindings: list[str]) -> int:
+  """`comm --target CARD:N`: the same report for a deviceless GPU compile."""
+  from mjax.parallel import gpu_target
+  target = gpu_target.parse_target(args.target)
+  if args.overlap_flags:
+    raise UserError('--overlap_flags applies to the local devices; with --target the options are '
+                    'those a GPU run of the config sets (--no_overlap leaves them out).')
+  # This process's own backend stays the CPU: a GPU plugin with no GPU would
+  # otherwise be tried first (and fail noisily) when JAX starts.
+  import jax
+  if not jax.config.jax_platforms:
+    jax.config.update('jax_platforms', 'cpu')
+  cfg = flags.load(flags.gin_files(args), bindings, num_devices=target.devices)
+  from mjax.parallel.comm_report import comm_report, format_report, format_schedule, schedule
+  out = gpu_target.compile_step(cfg, target, options={} if args.no_overlap else None)
+  shown = ' '.join(f'{k}={v}' for k, v in out.options.items()) or 'none (XLA defaults)'
+  print(f'{prog}: train step compiled for {target} in {out.seconds:.1f}s (deviceless: no GPU used); '
+        f'{_shape_line(out.cfg)}')
+  print(f'XLA options: {shown}')
+  for note in out.notes:
+    print(f'note: {note}')
+  print()
+  print(format_report(comm_report(out.compiled, out.cfg, dict(out.mesh.shape))))
+  print()
+  print(format_schedule(schedule(out.compiled.as_text(), dict(out.mesh.shape)), 'cuda'))
   return 0
 
 

@@ -296,11 +296,32 @@ def test_schedule_marks_overlapped_exposed_and_synchronous_collectives():
   items = {s.name: s for s in schedule(text)}
   assert set(items) == {'ag-start', 'ar-start', 'rs-start', 'cp-start', 'a2a'}   # the wrapped rs once
   assert (items['ag-start'].mode, items['ag-start'].compute_between) == ('overlapped', 1)
+  assert items['ag-start'].matmuls_between == 0   # an elementwise fusion hides it, not a matmul
   assert items['ar-start'].mode == 'exposed' and items['cp-start'].mode == 'exposed'
   assert (items['rs-start'].kind, items['rs-start'].mode) == ('reduce-scatter', 'exposed')
   assert items['a2a'].mode == 'synchronous'
   table = format_schedule(list(items.values()))
   assert 'all-gather' in table and 'exposed, e.g.' in table
+
+
+def test_schedule_tells_a_collective_behind_a_matmul_from_one_behind_elementwise_work():
+  from mjax.parallel.comm_report import format_schedule, schedule
+  gemm = ('%gemm_body (a: bf16[16,128], b: bf16[128,128]) -> bf16[16,128] {\n'
+          '  %a = bf16[16,128]{1,0} parameter(0)\n  %b = bf16[128,128]{1,0} parameter(1)\n'
+          '  ROOT %d = bf16[16,128]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n'
+          '}\n\n')
+  text = LOOP_HLO.replace('%body (carry', gemm + '%body (carry').replace(
+      '  %ag-done = ',
+      '  %mm = bf16[16,128]{1,0} fusion(%w, %w), kind=kCustom, calls=%gemm_body\n'
+      '  %ag-done = ').replace(
+      '  %ar-done = ',
+      '  %cb = bf16[16,128]{1,0} custom-call(%w, %w), custom_call_target="__cublas$gemm"\n'
+      '  %ar-done = ')
+  items = {s.name: s for s in schedule(text)}
+  assert (items['ag-start'].mode, items['ag-start'].matmuls_between) == ('overlapped', 1)
+  assert (items['ar-start'].mode, items['ar-start'].matmuls_between) == ('overlapped', 1)
+  assert items['cp-start'].matmuls_between == 0
+  assert 'behind matmul' in format_schedule(list(items.values()))
 
 
 def test_cpu_compile_schedule_is_synchronous_and_says_why(fsdp):

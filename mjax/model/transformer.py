@@ -51,11 +51,14 @@ REMAT_POLICIES = {
 }
 
 
-def fusion(cfg: ModelConfig) -> str:
-  """ModelConfig.fuse_projections with 'auto' resolved for the running backend."""
+def fusion(cfg: ModelConfig, platform: Optional[str] = None) -> str:
+  """ModelConfig.fuse_projections with 'auto' resolved for `platform`
+  (default: the running backend). On a GPU cuBLAS runs the separate products
+  at full speed and XLA would materialize the joined ones (measured slower on
+  an H100, bench/RESULTS.md), so they stay apart there."""
   if cfg.fuse_projections != 'auto':
     return cfg.fuse_projections
-  return 'none' if jax.default_backend() == 'gpu' else 'inputs'
+  return 'none' if (platform or jax.default_backend()) == 'gpu' else 'inputs'
 
 
 class Block(nn.Module):

@@ -508,6 +508,9 @@ class Scheduled:
       (an async pair with nothing to hide behind) or 'synchronous' (no
       start/done pair: the backend runs it as one blocking op).
     compute_between: compute instructions scheduled between start and done.
+    matmuls_between: how many of those run a matrix product: a collective
+      with one behind it is hidden by real work (FSDP's next-layer gather
+      behind this layer's matmuls), not only by elementwise kernels.
     axes: the mesh axes its devices differ along ('tensor', 'data+fsdp',
       ...), from its replica groups or source-target pairs; None when the
       mesh is not given or the groups are in a form not decoded here.
@@ -518,6 +521,7 @@ class Scheduled:
   mode: str
   compute_between: int
   axes: Optional[str] = None
+  matmuls_between: int = 0
 
 
 def _replica_groups(attrs: str, n: int) -> Optional[list[list[int]]]:
@@ -630,15 +634,34 @@ def schedule(text: str, mesh: Optional[Mapping[str, int]] = None) -> list[Schedu
         if inst.opcode in KINDS:
           out.append(Scheduled(inst.name, inst.opcode, comp, 'synchronous', 0, _axes_of(module, inst, mesh)))
         continue
-      between = 0
+      between = matmuls = 0
       for later in insts[i + 1:]:
         if inst.name in later.operands and (later.opcode.endswith('-done') or later.opcode == 'async-done'):
           break
         if later.opcode in _COMPUTE and _async_kind(module, later) is None:
           between += 1
+          matmuls += _is_matmul(module, later)
       out.append(Scheduled(inst.name, kind, comp, 'overlapped' if between else 'exposed', between,
-                           _axes_of(module, inst, mesh)))
+                           _axes_of(module, inst, mesh), matmuls))
   return out
+
+
+_GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(gemm|matmul|cublas)', re.IGNORECASE)
+
+
+def _is_matmul(module: Module, inst: Instruction, depth: int = 0) -> bool:
+  """Whether `inst` runs a matrix product: a dot or convolution, a GEMM
+  library call (cuBLAS), or a fusion / call around one (XLA:GPU's Triton
+  `gemm_fusion`s, CPU dot fusions)."""
+  if inst.opcode in ('dot', 'convolution'):
+    return True
+  if inst.opcode == 'custom-call':
+    return bool(_GEMM_TARGET.search(inst.attrs))
+  if inst.opcode in ('fusion', 'call') and depth < 3:
+    called = re.search(r'(?:calls|to_apply)=%?([\w.\-]+)', inst.attrs)
+    return any(_is_matmul(module, sub, depth + 1)
+               for sub in (module.computations.get(called.group(1), []) if called else []))
+  return False
 
 
 def _axes_of(module: Module, inst: Instruction, mesh: Optional[Mapping[str, int]]) -> Optional[str]:
@@ -657,15 +680,17 @@ def format_schedule(items: list[Scheduled], platform: str = '') -> str:
   """Per kind: how many collectives overlap compute, run exposed, or block."""
   if not items:
     return 'schedule: no collectives'
-  rows = [('kind', 'over', 'overlapped', 'exposed', 'synchronous')]
+  rows = [('kind', 'over', 'overlapped', 'behind matmul', 'exposed', 'synchronous')]
   for kind in KINDS:
     for axes in sorted({s.axes or '?' for s in items if s.kind == kind}):
       mine = [s for s in items if s.kind == kind and (s.axes or '?') == axes]
-      rows.append((kind, axes, *(str(sum(s.mode == m for s in mine))
-                                 for m in ('overlapped', 'exposed', 'synchronous'))))
-  widths = [max(len(r[i]) for r in rows) for i in range(5)]
+      counts = [sum(s.mode == 'overlapped' for s in mine), sum(s.matmuls_between > 0 for s in mine),
+                sum(s.mode == 'exposed' for s in mine), sum(s.mode == 'synchronous' for s in mine)]
+      rows.append((kind, axes, *map(str, counts)))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ['schedule of the compiled step (instruction order of the scheduled HLO): a collective is '
-           'overlapped when compute is scheduled between its start and its done']
+           'overlapped when compute is scheduled between its start and its done, behind a matmul '
+           'when that compute includes a matrix product']
   lines += ['  ' + '  '.join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
             for r in rows]
   lines.append('  over: the mesh axes its devices span (tensor: tensor/sequence parallelism, whose '
@@ -675,7 +700,7 @@ def format_schedule(items: list[Scheduled], platform: str = '') -> str:
     lines.append(f'note: every collective is synchronous{" on " + platform if platform else ""}: this '
                  'backend has no asynchronous collectives, so nothing can overlap them. The overlap '
                  'techniques (latency-hiding scheduler, collective matmul, FSDP prefetch) show on a '
-                 'GPU compile.')
+                 'GPU compile: mjax-report comm --target h100:8 compiles for GPUs without one.')
   exposed = [s for s in items if s.mode == 'exposed']
   if exposed:
     lines.append(f'exposed, e.g.: {", ".join(s.name for s in exposed[:4])}')

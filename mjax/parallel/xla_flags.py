@@ -194,6 +194,37 @@ def detect_platform() -> str:
   return 'gpu' if plugins else 'cpu'
 
 
+def wanted_flags(extra: str = '', *, collective_matmul: bool = False) -> dict[str, Optional[str]]:
+  """The overlap flags a GPU run asks for: OVERLAP_FLAGS, COLLECTIVE_MATMUL_FLAGS
+  when `collective_matmul`, then `extra` ('--xla_foo=1 ...'), which wins."""
+  wanted: dict[str, Optional[str]] = dict(OVERLAP_FLAGS)
+  if collective_matmul:
+    wanted.update(COLLECTIVE_MATMUL_FLAGS)
+  wanted.update(parse_flags(extra))
+  return wanted
+
+
+def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
+  """XLA flags as `Lowered.compile(compiler_options=...)` takes them: typed
+  values ('true' -> True, '128' -> 128), since XLA rejects the string 'true'
+  for a bool option there (XLA_FLAGS parses text, compile options do not)."""
+  out: dict[str, object] = {}
+  for name, value in flags.items():
+    if value is None or value.lower() == 'true':
+      out[name] = True
+    elif value.lower() == 'false':
+      out[name] = False
+    else:
+      try:
+        out[name] = int(value)
+      except ValueError:
+        try:
+          out[name] = float(value)
+        except ValueError:
+          out[name] = value
+  return out
+
+
 def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = None, *,
                     collective_matmul: bool = False,
                     libraries: Optional[Sequence[str]] = None) -> list[str]:
@@ -223,10 +254,7 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
   if platform not in _GPU_PLATFORMS:
     log.info('XLA overlap flags: platform %s is not a GPU, nothing set', platform)
     return []
-  wanted = dict(OVERLAP_FLAGS)
-  if collective_matmul:
-    wanted.update(COLLECTIVE_MATMUL_FLAGS)
-  wanted.update(parse_flags(extra))
+  wanted = wanted_flags(extra, collective_matmul=collective_matmul)
   current = os.environ.get('XLA_FLAGS', '')
   user_set = parse_flags(current)
   todo = {k: v for k, v in wanted.items() if k not in user_set}

@@ -1,0 +1,137 @@
+"""The train step compiled for 8 H100s on this CPU-only machine (a deviceless
+GPU compile, mjax.parallel.gpu_target): what the GPU schedule does with each
+layout's collectives, which a CPU compile cannot show (its collectives are
+all synchronous).
+
+The CUDA compiler comes from the jax-cuda12 plugin that `make test` installs
+into .venv/cuda-aot (outside site-packages, so no other test starts it); the
+compiles run in child processes with it on PYTHONPATH.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = Path(sys.prefix) / 'cuda-aot'
+
+if not (PLUGIN / 'jax_plugins').is_dir():
+  if os.environ.get('CI'):
+    raise RuntimeError(f'{PLUGIN} is missing: `make test` installs the CUDA plugin there')
+  pytest.skip(f'no CUDA plugin in {PLUGIN} (make test installs it)', allow_module_level=True)
+
+TINY = ['ModelConfig.dtype = "bfloat16"', 'ModelConfig.n_layers = 8']
+
+# Compiles in a child and prints the schedule and per-kind traffic as JSON.
+SCRIPT = textwrap.dedent('''
+    import dataclasses, json, sys
+    import jax
+    jax.config.update('jax_platforms', 'cpu')
+    from mjax import flags
+    from mjax.parallel import gpu_target
+    from mjax.parallel.comm_report import collective_stats, schedule
+    args = json.loads(sys.argv[1])
+    target = gpu_target.parse_target('h100:8')
+    cfg = flags.load(['configs/tiny.gin'], args['bindings'], num_devices=target.devices)
+    out = gpu_target.compile_step(cfg, target, options=None if args['overlap'] else {})
+    text = out.compiled.as_text()
+    stats = collective_stats(text)
+    print(json.dumps({
+        'schedule': [dataclasses.asdict(s) for s in schedule(text, dict(out.mesh.shape))],
+        'ops': {k: sum(o.executions for o in stats.of_kind(k))
+                for k in ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')},
+        'options': {k: str(v) for k, v in out.options.items()},
+    }))
+''')
+
+
+def gpu_compile(*bindings: str, overlap: bool = True) -> dict:
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(PLUGIN), str(ROOT)]), 'JAX_PLATFORMS': 'cpu'}
+  proc = subprocess.run([sys.executable, '-c', SCRIPT, json.dumps({'bindings': TINY + list(bindings),
+                                                                   'overlap': overlap})],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def of(result: dict, kind: str, axes: str) -> list[dict]:
+  return [s for s in result['schedule'] if s['kind'] == kind and s['axes'] == axes]
+
+
+@pytest.fixture(scope='module')
+def fsdp():
+  return gpu_compile('MeshConfig.data = 1', 'MeshConfig.fsdp = 8')
+
+
+def test_fsdp_gathers_run_behind_matmuls_and_gradients_are_reduce_scattered(fsdp):
+  gathers, scatters = of(fsdp, 'all-gather', 'fsdp'), of(fsdp, 'reduce-scatter', 'fsdp')
+  assert gathers and scatters, fsdp['schedule']
+  # Every collective is asynchronous on the GPU; the weight gathers all have
+  # compute between start and done, and most of them a matrix product: the
+  # next layer's weights arrive while this layer multiplies (prefetch).
+  assert all(s['mode'] != 'synchronous' for s in fsdp['schedule'])
+  assert all(s['mode'] == 'overlapped' for s in gathers), gathers
+  assert sum(s['matmuls_between'] > 0 for s in gathers) >= len(gathers) / 2, gathers
+  # Gradients leave as reduce-scatters (each device keeps its shard), never
+  # as a full all-reduce followed by slicing, and they too hide behind compute.
+  # (The few all-reduces left are the 1-D vectors and the step's norms; the
+  # last of them has nothing left to hide behind.)
+  assert all(s['mode'] == 'overlapped' for s in scatters), scatters
+  assert fsdp['options']['xla_gpu_enable_latency_hiding_scheduler'] == 'True'
+
+
+def test_overlap_options_pipeline_the_fsdp_collectives(fsdp):
+  plain = gpu_compile('MeshConfig.data = 1', 'MeshConfig.fsdp = 8', overlap=False)
+  assert plain['options'] == {}
+  # Same traffic either way; with the options every weight gather and
+  # gradient reduce-scatter is hidden, without them some are not.
+  assert plain['ops']['all-gather'] == fsdp['ops']['all-gather']
+  behind = lambda r: sum(s['matmuls_between'] > 0 for k in ('all-gather', 'reduce-scatter')
+                         for s in of(r, k, 'fsdp'))
+  assert behind(fsdp) > behind(plain), (behind(fsdp), behind(plain))
+
+
+def test_1f1b_stage_shifts_are_asynchronous():
+  r = gpu_compile('MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.microbatches = 4',
+                  'MeshConfig.pipeline_schedule = "1f1b"')
+  shifts = of(r, 'collective-permute', 'pipeline')
+  assert shifts and all(s['mode'] == 'overlapped' for s in shifts), shifts
+
+
+def test_tensor_sequence_parallel_collectives_overlap_compute():
+  r = gpu_compile('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True')
+  tensor = [s for s in r['schedule'] if s['axes'] == 'tensor']
+  assert {s['kind'] for s in tensor} >= {'all-gather', 'reduce-scatter'}, tensor
+  assert all(s['mode'] != 'synchronous' for s in tensor)
+  assert sum(s['matmuls_between'] > 0 for s in tensor) >= 1, tensor
+
+
+def run_report(*args: str, plugin: bool = True) -> subprocess.CompletedProcess:
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(PLUGIN)] * plugin + [str(ROOT)])}
+  return subprocess.run([str(Path(sys.executable).parent / 'mjax-report'), 'comm', '--gin_file',
+                         'configs/tiny.gin', *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_report_command_for_a_gpu_target():
+  proc = run_report('--target', 'h100:8', '--gin.MeshConfig.fsdp=8', '--gin.MeshConfig.data=1')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'compiled for 8 x H100' in proc.stdout and 'deviceless' in proc.stdout
+  assert 'behind matmul' in proc.stdout and 'xla_gpu_enable_latency_hiding_scheduler' in proc.stdout
+  assert 'no asynchronous collectives' not in proc.stdout
+
+
+@pytest.mark.parametrize('target, plugin, says', [
+    ('a100:8', True, 'expected CARD:DEVICES'),
+    ('h100:12', True, 'do not fill hosts of 8'),
+    ('h100:8', False, 'pip install "jax-cuda12-plugin=='),
+])
+def test_report_target_errors(target, plugin, says):
+  proc = run_report('--target', target, plugin=plugin)
+  assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+  assert says in proc.stderr and 'Traceback' not in proc.stderr
