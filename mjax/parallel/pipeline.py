@@ -75,6 +75,31 @@ def _stage_axis() -> str | None:
   return axes[0] if axes else None
 
 
+def _data_axis() -> str | None:
+  """The mesh axis of data parallelism when it splits the batch (size > 1):
+  1F1B runs manual over it too, so gradients are summed over it once per step."""
+  axes = nn.logical_to_mesh_axes(('batch',))
+  batch = axes[0] if axes else None
+  names = batch if isinstance(batch, tuple) else (batch,)
+  mesh = jax.sharding.get_abstract_mesh()
+  return 'data' if 'data' in names and mesh.shape.get('data', 1) > 1 else None
+
+
+def _without_axis(rules, axis: str | None):
+  """Logical rules with `axis` taken out of every mapping."""
+  if axis is None:
+    return rules
+  out = []
+  for name, target in rules:
+    if isinstance(target, (tuple, list)):
+      kept = tuple(t for t in target if t != axis)
+      target = kept if len(kept) > 1 else (kept[0] if kept else None)
+    elif target == axis:
+      target = None
+    out.append((name, target))
+  return tuple(out)
+
+
 def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *,
                       microbatches: int) -> jax.Array:
   """Runs the layer stack over a pipeline.
@@ -196,6 +221,7 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
   if m % p:
     raise ValueError(f'1F1B takes micro-batches in groups of the {p} stages; {m} is not a multiple of {p}')
   axis = _stage_axis()
+  data = _data_axis()
   b, s_len, d = x.shape
   mb = b // m
   # Strided micro-batches, as in circular_pipeline: no data moves.
@@ -211,11 +237,17 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
     return rem // p, g * p + rem % p
 
   def body(layers, head_params, xs, aux, head_aux):
+    # Inside, the batch is this data shard's: the logical rules must not
+    # place it on the (manual) data axis again.
+    with nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), data)):
+      return run_stage(layers, head_params, xs, aux, head_aux)
+
+  def run_stage(layers, head_params, xs, aux, head_aux):
     layers = jax.tree.map(lambda w: w[:, 0], layers)        # this stage's chunks, (v, per_chunk, ...)
     stage = jax.lax.axis_index(axis)
     chunk = lambda r: jax.tree.map(lambda w: w[r], layers)
     pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-    zeros = jnp.zeros((mb, s_len, d), xs.dtype)
+    zeros = jnp.zeros(xs.shape[1:], xs.dtype)               # one micro-batch of this data shard
 
     def tick(c, t):
       # The conditionals take and give one item's values only; the buffers
@@ -268,21 +300,29 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
       return dict(f_in=f_in, b_in=b_in, pending=pending, saved=saved, d_layers=d_layers, d_head=d_head,
                   loss=c['loss'] + loss, count=c['count'] + count, dx=dx), None
 
-    c = dict(f_in=zeros, b_in=zeros, pending=zeros, saved=jnp.zeros((slots, mb, s_len, d), xs.dtype),
+    c = dict(f_in=zeros, b_in=zeros, pending=zeros, saved=jnp.zeros((slots, *xs.shape[1:]), xs.dtype),
              d_layers=f32(layers), d_head=f32(head_params), loss=jnp.zeros((), jnp.float32),
              count=jnp.zeros((), jnp.float32), dx=jnp.zeros_like(xs))
     c, _ = jax.lax.scan(tick, c, jnp.arange(ticks))
     total = lambda a: jax.lax.psum(a, axis)     # made on one stage, zero on the others
+    # Gradients are sums over this data shard's micro-batches until here:
+    # summed over the data shards once per step, where the accumulation in
+    # an automatic layout would all-reduce every tick's contribution.
+    everywhere = lambda a: jax.lax.psum(a, (axis, data) if data else axis)
+    over_data = (lambda a: jax.lax.psum(a, data)) if data else (lambda a: a)
     # dx summed in fp32 (exact: one stage holds it, the others zeros): XLA's
     # CPU backend aborts on a 16-bit all-reduce over the manual stage axis.
-    return (total(c['loss']), total(c['count']), total(c['dx'].astype(jnp.float32)).astype(xs.dtype),
-            jax.tree.map(lambda w: w[:, None], c['d_layers']), jax.tree.map(total, c['d_head']))
+    return (everywhere(c['loss']), everywhere(c['count']),
+            total(c['dx'].astype(jnp.float32)).astype(xs.dtype),
+            jax.tree.map(lambda w: over_data(w)[:, None], c['d_layers']), jax.tree.map(everywhere, c['d_head']))
 
-  stage_spec = jax.tree.map(lambda _: jax.sharding.PartitionSpec(None, axis), layers)
-  rep = lambda tree: jax.tree.map(lambda _: jax.sharding.PartitionSpec(), tree)
-  run = jax.shard_map(body, in_specs=(stage_spec, rep(head_params), rep(xs), rep(aux), rep(head_aux)),
-                      out_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(),
-                                 jax.sharding.PartitionSpec(), stage_spec, rep(head_params)),
-                      axis_names={axis}, check_vma=False)
+  P = jax.sharding.PartitionSpec
+  stage_spec = jax.tree.map(lambda _: P(None, axis), layers)
+  rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+  per_item = lambda tree: jax.tree.map(lambda _: P(None, data), tree)   # (m, mb, ...): mb over data
+  run = jax.shard_map(body, in_specs=(stage_spec, rep(head_params), per_item(xs), per_item(aux),
+                                      per_item(head_aux)),
+                      out_specs=(P(), P(), per_item(xs), stage_spec, rep(head_params)),
+                      axis_names={axis, data} if data else {axis}, check_vma=False)
   loss, count, dxs, d_layers, d_head = run(layers, head_params, xs, aux, head_aux)
   return loss, count, dxs.swapaxes(0, 1).reshape(b, s_len, d), d_layers, d_head
