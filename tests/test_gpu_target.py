@@ -101,6 +101,13 @@ def test_1f1b_stage_shifts_are_asynchronous():
                   'MeshConfig.pipeline_schedule = "1f1b"')
   shifts = of(r, 'collective-permute', 'pipeline')
   assert shifts and all(s['mode'] == 'overlapped' for s in shifts), shifts
+  # A stage's output travels to the next stage while this stage runs its
+  # backward (matmuls inside a conditional); the cotangent, sent last in the
+  # tick, only has the tick's bookkeeping to hide behind.
+  assert sum(s['matmuls_between'] > 0 for s in shifts) >= len(shifts) / 2, shifts
+  # The data-parallel gradients are summed once, not every tick.
+  grads = of(r, 'all-reduce', 'data')
+  assert len(grads) == 1 and r['ops']['all-reduce'] <= 6, (grads, r['ops'])
 
 
 def test_tensor_sequence_parallel_collectives_overlap_compute():

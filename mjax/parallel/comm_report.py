@@ -651,17 +651,26 @@ _GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(gemm|matmul|cublas)', re.I
 
 def _is_matmul(module: Module, inst: Instruction, depth: int = 0) -> bool:
   """Whether `inst` runs a matrix product: a dot or convolution, a GEMM
-  library call (cuBLAS), or a fusion / call around one (XLA:GPU's Triton
-  `gemm_fusion`s, CPU dot fusions)."""
+  library call (cuBLAS), or a fusion / call / conditional / loop around one
+  (XLA:GPU's Triton `gemm_fusion`s, CPU dot fusions, a 1F1B stage's branch)."""
   if inst.opcode in ('dot', 'convolution'):
     return True
   if inst.opcode == 'custom-call':
     return bool(_GEMM_TARGET.search(inst.attrs))
-  if inst.opcode in ('fusion', 'call') and depth < 3:
-    called = re.search(r'(?:calls|to_apply)=%?([\w.\-]+)', inst.attrs)
+  if inst.opcode in ('fusion', 'call', 'conditional', 'while') and depth < 4:
     return any(_is_matmul(module, sub, depth + 1)
-               for sub in (module.computations.get(called.group(1), []) if called else []))
+               for name in _called(inst) for sub in module.computations.get(name, []))
   return False
+
+
+def _called(inst: Instruction) -> list[str]:
+  """The computations a fusion, call, conditional (each branch) or while
+  (its body) runs."""
+  names = re.findall(r'(?:calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)', inst.attrs)
+  branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
+  if branches:
+    names += [b.strip().lstrip('%') for b in branches.group(1).split(',') if b.strip()]
+  return names
 
 
 def _axes_of(module: Module, inst: Instruction, mesh: Optional[Mapping[str, int]]) -> Optional[str]:
