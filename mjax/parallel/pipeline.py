@@ -131,8 +131,18 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *
 
   spmd_axis = _stage_axis()
   run_stages = jax.vmap(stage_fn, spmd_axis_name=spmd_axis)
-  pick_repeat = jax.vmap(lambda w, r: w[r], in_axes=(1, 0), spmd_axis_name=spmd_axis)
   stage_ids = jnp.arange(p)
+
+  def pick_repeat(w, repeat):  # (v, p, ...), (p,) -> each stage's chunk of its repeat, (p, ...)
+    if v == 1:
+      return w[0]
+    # A select among the v repeats, not a per-stage gather: the gradient of a
+    # batched gather is a batched scatter, which XLA's GPU compiler (jax 0.10)
+    # rewrites into an invalid one (HLO verifier: repeated dimensions in
+    # scatter_dims_to_operand_dims, after batched_gather_scatter_normalizer),
+    # found compiling this schedule for 8 H100s. A select's gradient is a select.
+    r = jnp.broadcast_to(repeat.reshape((p,) + (1,) * (w.ndim - 2)), w.shape[1:])
+    return jax.lax.select_n(r, *(w[i] for i in range(v)))
 
   def step(carry, t):
     state, buf = carry                       # (p, mb, s, d), (m, mb, s, d)
