@@ -77,7 +77,7 @@ class Program:
   def abstract_state(self, canonical: bool = False) -> TrainState:
     """ShapeDtypeStructs (with shardings) of the state, or of its checkpoint layout."""
     with self.context():
-      shapes = jax.eval_shape(self.init, jax.random.key(0))
+      shapes = jax.eval_shape(lambda: self.init(jax.random.key(0)))
       if canonical:
         shapes = jax.eval_shape(self.to_canonical, shapes)
     shardings = self.canonical_shardings if canonical else self.state_shardings
@@ -225,7 +225,7 @@ def _layouts(cfg: Config, mesh: Mesh, model: Transformer, rules) -> _Layouts:
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
-    abstract_params = jax.eval_shape(init_params, jax.random.key(0))
+    abstract_params = jax.eval_shape(lambda: init_params(jax.random.key(0)))
   canonical_names = jax.tree.map(lambda b: b.names, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   names = canonical_names
   if pipe:
