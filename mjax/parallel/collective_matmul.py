@@ -99,12 +99,17 @@ def _all_gather_matmul_local(x: jax.Array, kernel: jax.Array, *, n_in: int, axis
   out = None
   chunk = x
   for i in range(t):
-    nxt = _shift_left(chunk, axis, t) if i < t - 1 else None
     y = _dot(chunk, kernel, n_in)                                   # (b, s/t, *f/t)
+    if i < t - 1:
+      # The next step's chunk passes through a barrier with this product:
+      # XLA's dot merger would otherwise join the t products (one kernel,
+      # independent chunks) into one, after every transfer. The kernel stays
+      # out of it: its gradient would come back in t parts, each all-reduced
+      # over the batch axes on its own.
+      chunk, y = jax.lax.optimization_barrier((_shift_left(chunk, axis, t), y))
     if out is None:
       out = jnp.zeros((b, t, *y.shape[1:]), y.dtype)
     out = jax.lax.dynamic_update_index_in_dim(out, y, (idx + i) % t, axis=1)
-    chunk = nxt
   return out.reshape(b, t * sl, *out.shape[3:])
 
 
@@ -118,10 +123,14 @@ def _matmul_reduce_scatter_local(x: jax.Array, kernel: jax.Array, *, n_in: int, 
   """
   sl = x.shape[1] // t
   idx = jax.lax.axis_index(axis)
-  part = lambda c: _dot(jax.lax.dynamic_slice_in_dim(x, c * sl, sl, axis=1), kernel, n_in)
-  acc = part((idx + 1) % t)
+  part = lambda c, a, k: _dot(jax.lax.dynamic_slice_in_dim(a, c * sl, sl, axis=1), k, n_in)
+  acc = part((idx + 1) % t, x, kernel)
   for i in range(1, t):
-    acc = _shift_left(acc, axis, t) + part((idx + i + 1) % t)
+    # As in the all-gather ring, a barrier keeps the partial products apart
+    # (each waits for the sum before it), while the transfer of that sum and
+    # this step's product stay independent of each other.
+    x, acc = jax.lax.optimization_barrier((x, acc))
+    acc = _shift_left(acc, axis, t) + part((idx + i + 1) % t, x, kernel)
   return acc
 
 
