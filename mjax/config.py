@@ -203,6 +203,12 @@ class MeshConfig:
   # the size, and the all-reduces of tensor parallelism become all-gather +
   # reduce-scatter pairs that XLA can overlap with the neighbouring matmuls.
   sequence_parallel: bool = False
+  # With sequence_parallel: run the tensor-parallel projections as collective
+  # matmuls (mjax/parallel/collective_matmul.py), the activations' all-gather
+  # before q/k/v/MLP-in and reduce-scatter after the output projections cut
+  # into chunks passed around the `tensor` ring, each overlapped with the
+  # product of the chunk before. Same parameters and results.
+  collective_matmul: bool = False
   # Interleaved (circular) pipeline: each device holds `virtual_stages` chunks
   # of layers, a micro-batch goes round the pipeline that many times, and the
   # bubble shrinks to (pipeline - 1) / (virtual_stages * microbatches).
@@ -550,6 +556,30 @@ def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
   return tuple(shape)
 
 
+def _check_collective_matmul(mesh: MeshConfig, tp: Optional[int]) -> None:
+  """collective_matmul replaces the all-gather / reduce-scatter of sequence
+  parallelism over a tensor axis of 2 or more devices: without those there is
+  nothing to overlap. `tp`: the resolved tensor size (None: not known yet)."""
+  if not mesh.collective_matmul:
+    return
+  if not mesh.sequence_parallel:
+    _fail('MeshConfig.collective_matmul', True,
+          'it overlaps the all-gather / reduce-scatter of sequence parallelism with the '
+          'tensor-parallel matmuls, so it needs MeshConfig.sequence_parallel = True; set that too, '
+          'or set collective_matmul to False')
+  if tp is None and mesh.tensor != -1:
+    tp = mesh.tensor * mesh.dcn_tensor
+  if tp is not None and tp < 2:
+    _fail('MeshConfig.collective_matmul', True,
+          f'it passes activation chunks around the tensor-parallel ring, which needs '
+          f'MeshConfig.tensor > 1 (the tensor axis has {tp} device); use tensor parallelism '
+          f'or set collective_matmul to False')
+  if mesh.pipeline * mesh.dcn_pipeline > 1:
+    _fail('MeshConfig.collective_matmul', True,
+          'it is not supported together with pipeline parallelism (MeshConfig.pipeline > 1): '
+          'the pipeline schedules run the layers inside their own shard_map; set it to False')
+
+
 def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   """Type- and consistency-checks the tree; returns it with floats normalized."""
   for name, cls in SECTIONS.items():
@@ -657,6 +687,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   if t.global_batch_size % t.grad_accum_steps:
     _fail('TrainConfig.grad_accum_steps', t.grad_accum_steps,
           f'must divide TrainConfig.global_batch_size = {t.global_batch_size}')
+  _check_collective_matmul(mesh, None)
   if mesh.virtual_stages > 1 and mesh.pipeline * mesh.dcn_pipeline == 1:
     _fail('MeshConfig.virtual_stages', mesh.virtual_stages, 'needs MeshConfig.pipeline > 1; use 1')
   if num_devices is not None:
@@ -671,6 +702,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff)):
       if v % tp:
         _fail(f'ModelConfig.{key}', v, f'must be divisible by the tensor-parallel size {tp}')
+    _check_collective_matmul(mesh, tp)
     if mesh.sequence_parallel and d.seq_len % tp:
       _fail('DataConfig.seq_len', d.seq_len,
             f'must be divisible by the tensor-parallel size {tp} with MeshConfig.sequence_parallel')

@@ -19,3 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope='session')
 def repo_root() -> str:
   return REPO
+
+
+@pytest.fixture(scope='module', autouse=True)
+def fresh_gin():
+  """Clears gin's bindings after each test module: config dataclasses are gin
+  configurable, so a later module's `MeshConfig(...)` would otherwise pick up
+  the last `load_config` bindings of an earlier one (test_parallel's
+  pipeline = 4 turned test_model's 4-device mesh into 16 devices)."""
+  yield
+  import gin
+  gin.clear_config()

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from mjax.config import ModelConfig
+from mjax.parallel import collective_matmul
 
 Dtype = jnp.dtype
 
@@ -60,12 +61,26 @@ class Weights(nn.Module):
     return kernel, bias
 
 
-def apply_weights(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], n_in: int) -> jax.Array:
-  """einsum of x's trailing `n_in` dims with the kernel's leading ones (+ bias)."""
-  x = x.astype(kernel.dtype)
-  y = jax.lax.dot_general(
-      x, kernel, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+def apply_weights(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], n_in: int,
+                  axes: Optional[tuple[Optional[str], ...]] = None) -> jax.Array:
+  """einsum of x's trailing `n_in` dims with the kernel's leading ones (+ bias).
+
+  With the kernel's logical names `axes`, a tensor-parallel product of the
+  sequence-parallel residual runs as a collective matmul when the context
+  asks for one (MeshConfig.collective_matmul): same value, with the
+  activations' all-gather / reduce-scatter overlapped with the product.
+  """
+  y = None if axes is None else collective_matmul.projection(x, kernel, n_in, axes)
+  if y is None:
+    x = x.astype(kernel.dtype)
+    y = jax.lax.dot_general(
+        x, kernel, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
   return y if bias is None else y + bias
+
+
+def project(x: jax.Array, w: Weights, n_in: int) -> jax.Array:
+  """`x` through projection `w` (its parameters fetched and cast here)."""
+  return apply_weights(x, *w(), n_in, w.axes)
 
 
 class Norm(nn.Module):
@@ -134,8 +149,8 @@ class Mlp(nn.Module):
     return self.wo
 
   def __call__(self, x: jax.Array) -> jax.Array:  # (batch, seq, embed)
-    h = self.activate(*(apply_weights(x, *w(), 1) for w in self.inputs()))
-    return apply_weights(h, *self.wo(), 1)
+    h = self.activate(*(project(x, w, 1) for w in self.inputs()))
+    return project(h, self.wo, 1)
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -251,8 +266,9 @@ def fused_inputs(x: jax.Array, projections: list[Weights]) -> Optional[list[jax.
     return None
   e = x.shape[-1]
   joined = jnp.concatenate([k.reshape(e, t, -1) for k in kernels], axis=-1)
-  joined = constrain(joined, ('embed', projections[0].axes[1], None))
-  y = jnp.einsum('bse,etn->bstn', x.astype(joined.dtype), joined)
+  joined_axes = ('embed', projections[0].axes[1], None)
+  joined = constrain(joined, joined_axes)
+  y = apply_weights(x, joined, None, 1, joined_axes)  # (batch, seq, t, joined / t)
   y = constrain(y, ('batch', 'seq', projections[0].axes[1], None))
   outs, at = [], 0
   for w, (k, bias) in zip(projections, built):
@@ -287,7 +303,8 @@ def fused_outputs(parts: list[tuple[jax.Array, Weights]]) -> Optional[jax.Array]
   kernels = jnp.concatenate([k.reshape(t, -1, e) for k, _ in built], axis=1)
   name = parts[0][1].axes[0]
   acts = constrain(acts, ('batch', 'seq', name, None))
-  y = jnp.einsum('bstn,tne->bse', acts, constrain(kernels, (name, None, 'embed')))
+  kernel_axes = (name, None, 'embed')
+  y = apply_weights(acts, constrain(kernels, kernel_axes), None, 2, kernel_axes)  # (batch, seq, embed)
   for _, bias in built:
     if bias is not None:
       y = y + bias

@@ -16,6 +16,11 @@ dimension already took `fsdp`, keep `embed` whole: ZeRO-3 / FSDP, weights
 gathered for use. Likewise `residual_seq -> tensor` (sequence parallelism)
 shards the residual stream, while q/k/v and the MLP hidden, named `seq`,
 stay whole along the sequence and split over heads / mlp instead.
+
+`collective_matmul` names no array dimension: its rule says which mesh axis
+the projections' collective matmuls run over (mjax/parallel/collective_matmul.py),
+`tensor` when MeshConfig.collective_matmul is set, else none. Model code reads
+it from the context like every other rule.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ Rules = tuple[tuple[str, object], ...]
 def logical_rules(mesh: MeshConfig | None = None) -> Rules:
   """Rules for the layout `mesh` describes (default: data + FSDP + tensor)."""
   sp = mesh is not None and mesh.sequence_parallel
+  cm = mesh is not None and mesh.collective_matmul
   return (
       ('batch', ('data', 'fsdp')),
       ('residual_seq', 'tensor' if sp else None),
@@ -41,4 +47,5 @@ def logical_rules(mesh: MeshConfig | None = None) -> Rules:
       ('stage', 'pipeline'),
       ('repeat', None),
       ('layers', None),
+      ('collective_matmul', 'tensor' if cm else None),
   )

@@ -1,0 +1,141 @@
+"""Collective matmul (MeshConfig.collective_matmul) computes what the plain
+products compute.
+
+The ring functions against an einsum (values and gradients) on a data2 x
+tensor4 mesh of fake CPU devices; then a model's training steps with the
+option on, against the same layout with it off and against one device, with
+test_parallel's tolerances; and the config errors.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from jax.sharding import AxisType, Mesh
+
+from mjax import config as C
+from mjax.config import MeshConfig
+from mjax.parallel import collective_matmul as cm
+from mjax.parallel import logical_rules
+from tests.test_parallel import STEPS, assert_matches, make_cfg, train_steps
+
+SP = ['MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True']
+CM = [*SP, 'MeshConfig.collective_matmul = True']
+
+
+def _mesh(data=2, tensor=4) -> Mesh:
+  devices = np.asarray(jax.devices()[:data * tensor]).reshape(data, 1, tensor, 1)
+  return Mesh(devices, MeshConfig.AXES, axis_types=(AxisType.Auto,) * 4)
+
+
+def _rules(on: bool):
+  return logical_rules(MeshConfig(data=2, tensor=4, sequence_parallel=True, collective_matmul=on))
+
+
+def _block(x, wq, wo, on: bool):
+  """A column-parallel then a row-parallel projection of a sequence-split
+  (batch, seq, embed) activation, as in an attention block; a scalar out."""
+  with nn.logical_axis_rules(_rules(on)):
+    x = nn.with_logical_constraint(x, ('batch', 'residual_seq', 'embed'))
+    if on:
+      h = cm.projection(x, wq, 1, ('embed', 'heads', 'kv'))
+      assert h is not None, 'the column-parallel product should be a collective matmul'
+      y = cm.projection(jnp.tanh(h), wo, 2, ('heads', 'kv', 'embed'))
+      assert y is not None, 'the row-parallel product should be a collective matmul'
+    else:
+      y = jnp.einsum('bshd,hde->bse', jnp.tanh(jnp.einsum('bse,ehd->bshd', x, wq)), wo)
+    y = nn.with_logical_constraint(y, ('batch', 'residual_seq', 'embed'))
+    return jnp.sum(y * jnp.cos(y))
+
+
+@pytest.fixture(scope='module')
+def operands():
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  return (jax.random.normal(k1, (4, 32, 16)), jax.random.normal(k2, (16, 8, 6)) / 4,
+          jax.random.normal(k3, (8, 6, 16)) / 7)
+
+
+def test_ring_matches_einsum_values_and_grads(operands):
+  with jax.set_mesh(_mesh()):
+    results = {on: jax.jit(jax.value_and_grad(lambda *a: _block(*a, on), argnums=(0, 1, 2)))(*operands)
+               for on in (False, True)}
+  (ref, ref_grads), (got, grads) = results[False], results[True]
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_ring_replaces_the_activation_collectives(operands):
+  """The forward and backward move activations with collective-permutes
+  only: no all-gather or reduce-scatter left (the all-reduces are the
+  weight gradients' over `data`)."""
+  with jax.set_mesh(_mesh()):
+    step = jax.jit(jax.grad(lambda *a: _block(*a, True), argnums=(0, 1, 2)))
+    text = step.lower(*operands).compile().as_text()
+  assert 'collective-permute' in text
+  assert 'all-gather' not in text and 'reduce-scatter' not in text
+
+
+def test_projection_declines_layouts_it_does_not_cover(operands):
+  x, wq, _ = operands
+  with jax.set_mesh(_mesh()):
+    with nn.logical_axis_rules(_rules(False)):   # option off
+      assert cm.projection(x, wq, 1, ('embed', 'heads', 'kv')) is None
+    with nn.logical_axis_rules(_rules(True)):
+      assert cm.projection(x[:, :1], wq, 1, ('embed', 'heads', 'kv')) is None   # one decoding step
+      assert cm.projection(x, wq, 1, ('embed', 'kv', None)) is None             # not tensor-split
+  with nn.logical_axis_rules(_rules(True)):
+    assert cm.projection(x, wq, 1, ('embed', 'heads', 'kv')) is None             # no mesh
+
+
+@pytest.fixture(scope='module')
+def sp_reference():
+  """The same layout with collective matmul off."""
+  losses, params, _ = train_steps(make_cfg(*SP), jax.devices())
+  return losses, params
+
+
+def _counting(monkeypatch) -> dict:
+  """Counts the ring calls the model traces (a fallback to the plain
+  product would pass the equivalence checks without testing anything)."""
+  calls = {'all_gather_matmul': 0, 'matmul_reduce_scatter': 0}
+  for name in calls:
+    fn = getattr(cm, name)
+
+    def wrapped(*a, _fn=fn, _name=name, **k):
+      calls[_name] += 1
+      return _fn(*a, **k)
+    monkeypatch.setattr(cm, name, wrapped)
+  return calls
+
+
+@pytest.mark.parametrize('fuse', ['none', 'inputs', 'all'])
+def test_model_with_collective_matmul_matches(sp_reference, fuse, monkeypatch):
+  fusion = f'ModelConfig.fuse_projections = "{fuse}"'
+  calls = _counting(monkeypatch)
+  losses, params, _ = train_steps(make_cfg(*CM, fusion), jax.devices())
+  # Per traced layer group: q, k, v, MLP in (one joined product when fused)
+  # and the two output projections (one when fused 'all').
+  gathers, scatters = {'none': (4, 2), 'inputs': (1, 2), 'all': (1, 1)}[fuse]
+  assert calls['all_gather_matmul'] % gathers == 0 and calls['all_gather_matmul'] > 0
+  assert calls['matmul_reduce_scatter'] % scatters == 0 and calls['matmul_reduce_scatter'] > 0
+  assert len(losses) == STEPS
+  assert_matches(sp_reference, losses, params)
+  if fuse == 'inputs':
+    one = train_steps(make_cfg('MeshConfig.data = 1', fusion, num_devices=1), jax.devices()[:1])
+    assert_matches(one[:2], losses, params)
+
+
+@pytest.mark.parametrize('binding,needle', [
+    (['MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.collective_matmul = True'],
+     'needs MeshConfig.sequence_parallel = True'),
+    (['MeshConfig.data = 8', 'MeshConfig.sequence_parallel = True', 'MeshConfig.collective_matmul = True'],
+     'needs MeshConfig.tensor > 1'),
+    (['MeshConfig.data = 2', 'MeshConfig.tensor = 2', 'MeshConfig.pipeline = 2',
+      'MeshConfig.sequence_parallel = True', 'MeshConfig.collective_matmul = True'],
+     'pipeline parallelism'),
+])
+def test_config_errors(binding, needle):
+  with pytest.raises(C.ConfigError, match=needle):
+    make_cfg(*binding)
