@@ -30,6 +30,8 @@ LAYOUTS = {
                                'ModelConfig.sliding_window = 256', 'MeshConfig.fsdp = 8', 'MeshConfig.data = 1']),
     'tensor_sp_125m': ('125m.gin', ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
                                     'MeshConfig.sequence_parallel = True']),
+    'tensor_sp_cm_125m': ('125m.gin', ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
+                                       'MeshConfig.sequence_parallel = True', 'MeshConfig.collective_matmul = True']),
     'pipeline_circular_125m': ('125m.gin', ['ModelConfig.n_layers = 16', 'MeshConfig.data = 2',
                                             'MeshConfig.pipeline = 4', 'MeshConfig.virtual_stages = 2',
                                             'MeshConfig.microbatches = 8', 'DataConfig.seq_len = 1024']),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from mjax.config import ModelConfig
-from mjax.model.layers import Weights, constrain, project, rotary, weights
+from mjax.model.layers import Weights, constrain, project, project_many, rotary, weights
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
@@ -218,7 +218,7 @@ class Attention(nn.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
                cache: Optional[dict] = None):  # x: (batch, seq, embed)
-    q, k, v = (project(x, w, 1) for w in self.inputs())
+    q, k, v = project_many(x, self.inputs(), 1)
     if cache is not None:
       out, cache = self.attend(q, k, v, positions, cache=cache)
       return project(out, self.out, 2), cache

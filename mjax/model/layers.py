@@ -83,6 +83,36 @@ def project(x: jax.Array, w: Weights, n_in: int) -> jax.Array:
   return apply_weights(x, *w(), n_in, w.axes)
 
 
+def project_many(x: jax.Array, ws: list[Weights], n_in: int) -> list[jax.Array]:
+  """`x` through several projections of the same input (q, k, v, MLP in).
+
+  Under collective matmul they share one all-gather ring: the activation
+  chunks travel once and each step multiplies them by every kernel.
+  """
+  built = [w() for w in ws]
+  ys = collective_matmul.input_projections(x, [k for k, _ in built], n_in, [w.axes for w in ws])
+  if ys is None:
+    return [apply_weights(x, k, b, n_in) for k, b in built]
+  return [y if b is None else y + b for y, (_, b) in zip(ys, built)]
+
+
+def project_sum(parts: list[tuple[jax.Array, Weights, int]]) -> jax.Array:
+  """sum_i parts[i][0] through projection parts[i][1] (contracting its
+  trailing parts[i][2] dims): the parallel block's two output projections.
+
+  Under collective matmul one reduce-scatter ring carries their sum.
+  """
+  built = [w() for _, w, _ in parts]
+  y = collective_matmul.output_projections(
+      [(x, k, n, w.axes) for (x, w, n), (k, _) in zip(parts, built)])
+  if y is None:
+    return sum(apply_weights(x, k, b, n) for (x, _, n), (k, b) in zip(parts, built))
+  for _, b in built:
+    if b is not None:
+      y = y + b
+  return y
+
+
 class Norm(nn.Module):
   """LayerNorm (MegaScale / GPT) or RMSNorm, computed in fp32."""
   kind: str = 'layernorm'
@@ -149,7 +179,7 @@ class Mlp(nn.Module):
     return self.wo
 
   def __call__(self, x: jax.Array) -> jax.Array:  # (batch, seq, embed)
-    h = self.activate(*(project(x, w, 1) for w in self.inputs()))
+    h = self.activate(*project_many(x, self.inputs(), 1))
     return project(h, self.wo, 1)
 
 

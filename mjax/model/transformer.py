@@ -24,7 +24,7 @@ from flax import linen as nn
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
 from mjax.model.layers import (Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs,
-                               make_norm, out_proj_std, project)
+                               make_norm, out_proj_std, project_many, project_sum)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
 ACT = ('batch', 'residual_seq', 'embed')
@@ -100,14 +100,14 @@ class Block(nn.Module):
     ins = attn.inputs() + mlp.inputs()
     ys = fused_inputs(h, ins)
     if ys is None:  # a layout the kernels cannot be joined in
-      ys = [project(h, w, 1) for w in ins]
+      ys = project_many(h, ins, 1)
     a, cache = _split(attn.attend(*ys[:3], positions, segment_ids, cache), cache)
     m = mlp.activate(*ys[3:])
     if fuse == 'all':
       y = fused_outputs([(a, attn.output()), (m, mlp.output())])
       if y is not None:
         return y, cache
-    return project(a, attn.output(), 2) + project(m, mlp.output(), 1), cache
+    return project_sum([(a, attn.output(), 2), (m, mlp.output(), 1)]), cache
 
 
 def _split(result, cache: Optional[dict]):

@@ -38,7 +38,7 @@ never holds a mesh.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,50 +87,58 @@ def _shift_left(x: jax.Array, axis: str, t: int) -> jax.Array:
   return jax.lax.ppermute(x, axis, [(j, (j - 1) % t) for j in range(t)])
 
 
-def _all_gather_matmul_local(x: jax.Array, kernel: jax.Array, *, n_in: int, axis: str, t: int) -> jax.Array:
-  """Per device: x (b, s/t, *in), kernel (*in, *f/t) -> (b, s, *f/t).
+def _all_gather_matmul_local(x: jax.Array, kernels: tuple, *, n_in: int, axis: str, t: int) -> tuple:
+  """Per device: x (b, s/t, *in), kernels (*in, *f_i/t) -> each (b, s, *f_i/t).
 
-  After i shifts device j holds sequence chunk (j + i) % t; its product goes
-  to that chunk's slot of the output. The shift is issued before the product
-  so the two are independent and the scheduler runs them side by side.
+  After i shifts device j holds sequence chunk (j + i) % t; its products go
+  to that chunk's slot of the outputs. Every kernel reads the same chunk, so
+  one ring serves them all (q, k, v and the MLP input: one transfer, not
+  four). The shift is issued before the products so the two are independent
+  and the scheduler runs them side by side.
   """
   b, sl = x.shape[:2]
   idx = jax.lax.axis_index(axis)
-  out = None
+  outs = None
   chunk = x
   for i in range(t):
-    y = _dot(chunk, kernel, n_in)                                   # (b, s/t, *f/t)
+    ys = tuple(_dot(chunk, k, n_in) for k in kernels)               # each (b, s/t, *f/t)
     if i < t - 1:
-      # The next step's chunk passes through a barrier with this product:
+      # The next step's chunk passes through a barrier with these products:
       # XLA's dot merger would otherwise join the t products (one kernel,
-      # independent chunks) into one, after every transfer. The kernel stays
-      # out of it: its gradient would come back in t parts, each all-reduced
-      # over the batch axes on its own.
-      chunk, y = jax.lax.optimization_barrier((_shift_left(chunk, axis, t), y))
-    if out is None:
-      out = jnp.zeros((b, t, *y.shape[1:]), y.dtype)
-    out = jax.lax.dynamic_update_index_in_dim(out, y, (idx + i) % t, axis=1)
-  return out.reshape(b, t * sl, *out.shape[3:])
+      # independent chunks) into one, after every transfer. The kernels stay
+      # out of it: their gradients would come back in t parts, each
+      # all-reduced over the batch axes on its own.
+      chunk, ys = jax.lax.optimization_barrier((_shift_left(chunk, axis, t), ys))
+    if outs is None:
+      outs = [jnp.zeros((b, t, *y.shape[1:]), y.dtype) for y in ys]
+    outs = [jax.lax.dynamic_update_index_in_dim(o, y, (idx + i) % t, axis=1) for o, y in zip(outs, ys)]
+  return tuple(o.reshape(b, t * sl, *o.shape[3:]) for o in outs)
 
 
-def _matmul_reduce_scatter_local(x: jax.Array, kernel: jax.Array, *, n_in: int, axis: str,
-                                 t: int) -> jax.Array:
-  """Per device: x (b, s, *in/t), kernel (*in/t, *f) -> (b, s/t, *f), summed over the ring.
+def _matmul_reduce_scatter_local(xs: tuple, kernels: tuple, *, n_ins: tuple, axis: str, t: int) -> jax.Array:
+  """Per device: xs (b, s, *in_i/t), kernels (*in_i/t, *f) -> (b, s/t, *f),
+  sum_i x_i @ k_i summed over the ring.
 
-  At step i device j adds its partial product for chunk (j + i + 1) % t to the
-  sum received from device j + 1 (which had that chunk at step i - 1); after
-  t - 1 shifts the sum for chunk j is complete on device j.
+  At step i device j adds its partial products for chunk (j + i + 1) % t to
+  the sum received from device j + 1 (which had that chunk at step i - 1);
+  after t - 1 shifts the sum for chunk j is complete on device j. Several
+  products summed (attention's and the MLP's output projections) share the
+  one ring.
   """
-  sl = x.shape[1] // t
+  sl = xs[0].shape[1] // t
   idx = jax.lax.axis_index(axis)
-  part = lambda c, a, k: _dot(jax.lax.dynamic_slice_in_dim(a, c * sl, sl, axis=1), k, n_in)
-  acc = part((idx + 1) % t, x, kernel)
+
+  def part(c, xs):
+    return sum(_dot(jax.lax.dynamic_slice_in_dim(x, c * sl, sl, axis=1), k, n)
+               for x, k, n in zip(xs, kernels, n_ins))
+
+  acc = part((idx + 1) % t, xs)
   for i in range(1, t):
     # As in the all-gather ring, a barrier keeps the partial products apart
     # (each waits for the sum before it), while the transfer of that sum and
     # this step's product stay independent of each other.
-    x, acc = jax.lax.optimization_barrier((x, acc))
-    acc = _shift_left(acc, axis, t) + part((idx + i + 1) % t, x, kernel)
+    xs, acc = jax.lax.optimization_barrier((xs, acc))
+    acc = _shift_left(acc, axis, t) + part((idx + i + 1) % t, xs)
   return acc
 
 
@@ -138,28 +146,34 @@ def _spec(ndim: int, dim: Optional[int], axis: str) -> P:
   return P(*(axis if d == dim else None for d in range(ndim)))
 
 
-def all_gather_matmul(x: jax.Array, kernel: jax.Array, *, n_in: int, out_dim: int, axis: str) -> jax.Array:
-  """x (b, s, *in) sequence-split over `axis` times kernel (*in, *f) split over
-  `axis` along feature dim `out_dim` (an index into f) -> (b, s, *f) with the
-  whole sequence and the features split, as the all-gather + einsum would."""
+def all_gather_matmul(x: jax.Array, kernels: Sequence[jax.Array], *, n_in: int, out_dims: Sequence[int],
+                      axis: str) -> list[jax.Array]:
+  """x (b, s, *in) sequence-split over `axis` times each kernel (*in, *f_i)
+  split over `axis` along feature dim `out_dims[i]` (an index into f_i) ->
+  each (b, s, *f_i) with the whole sequence and the features split, as the
+  all-gather + einsums would, with one ring for all of them."""
   t = jax.sharding.get_abstract_mesh().shape[axis]
-  body = lambda a, k: _all_gather_matmul_local(a, k, n_in=n_in, axis=axis, t=t)
-  out_ndim = x.ndim - n_in + kernel.ndim - n_in
-  f = _shard_map(body, (_spec(x.ndim, 1, axis), _spec(kernel.ndim, n_in + out_dim, axis)),
-                 _spec(out_ndim, x.ndim - n_in + out_dim, axis), axis)
-  return f(x, kernel)
+  body = lambda a, ks: _all_gather_matmul_local(a, ks, n_in=n_in, axis=axis, t=t)
+  k_specs = tuple(_spec(k.ndim, n_in + d, axis) for k, d in zip(kernels, out_dims))
+  o_specs = tuple(_spec(x.ndim - n_in + k.ndim - n_in, x.ndim - n_in + d, axis)
+                  for k, d in zip(kernels, out_dims))
+  f = _shard_map(body, (_spec(x.ndim, 1, axis), k_specs), o_specs, axis)
+  return list(f(x, tuple(kernels)))
 
 
-def matmul_reduce_scatter(x: jax.Array, kernel: jax.Array, *, n_in: int, in_dim: int, axis: str) -> jax.Array:
-  """x (b, s, *in) split over `axis` along contracted dim `in_dim` (an index
-  into in) times kernel (*in, *f) split the same way -> (b, s, *f), the sum
-  over the ring, sequence-split over `axis`, as einsum + reduce-scatter would."""
+def matmul_reduce_scatter(xs: Sequence[jax.Array], kernels: Sequence[jax.Array], *, n_ins: Sequence[int],
+                          in_dims: Sequence[int], axis: str) -> jax.Array:
+  """Each x_i (b, s, *in_i) split over `axis` along contracted dim
+  `in_dims[i]` (an index into in_i) times kernel_i (*in_i, *f) split the same
+  way -> (b, s, *f): the sum over i and over the ring, sequence-split over
+  `axis`, as einsums + one reduce-scatter would."""
   t = jax.sharding.get_abstract_mesh().shape[axis]
-  body = lambda a, k: _matmul_reduce_scatter_local(a, k, n_in=n_in, axis=axis, t=t)
-  out_ndim = x.ndim - n_in + kernel.ndim - n_in
-  f = _shard_map(body, (_spec(x.ndim, x.ndim - n_in + in_dim, axis), _spec(kernel.ndim, in_dim, axis)),
-                 _spec(out_ndim, 1, axis), axis)
-  return f(x, kernel)
+  body = lambda a, ks: _matmul_reduce_scatter_local(a, ks, n_ins=tuple(n_ins), axis=axis, t=t)
+  x_specs = tuple(_spec(x.ndim, x.ndim - n + d, axis) for x, n, d in zip(xs, n_ins, in_dims))
+  k_specs = tuple(_spec(k.ndim, d, axis) for k, d in zip(kernels, in_dims))
+  out_ndim = xs[0].ndim - n_ins[0] + kernels[0].ndim - n_ins[0]
+  f = _shard_map(body, (x_specs, k_specs), _spec(out_ndim, 1, axis), axis)
+  return f(tuple(xs), tuple(kernels))
 
 
 def _dims_on(spec, axis: str) -> list[int]:
@@ -169,6 +183,58 @@ def _dims_on(spec, axis: str) -> list[int]:
     if a == axis or (isinstance(a, tuple) and axis in a):
       dims.append(d)
   return dims
+
+
+def _ring_dim(kernel: jax.Array, axes: tuple[Optional[str], ...], axis: str) -> Optional[int]:
+  """The one kernel dim split over the ring axis (that axis alone), else None."""
+  spec = tuple(nn.logical_to_mesh_axes(axes))
+  spec = spec + (None,) * (kernel.ndim - len(spec))
+  dims = _dims_on(spec, axis)
+  if len(dims) != 1 or spec[dims[0]] not in (axis, (axis,)):
+    return None
+  return dims[0]
+
+
+def _ring_for(x: jax.Array) -> Optional[str]:
+  """The ring axis for activations `x` (batch, seq, ...), or None: no ring
+  asked for, or a sequence the ring cannot split (one decoding step)."""
+  axis = ring_axis()
+  if axis is None or x.ndim < 3 or x.shape[1] % jax.sharding.get_abstract_mesh().shape[axis]:
+    return None
+  return axis
+
+
+def input_projections(x: jax.Array, kernels: Sequence[jax.Array], n_in: int,
+                      axes: Sequence[tuple[Optional[str], ...]]) -> Optional[list[jax.Array]]:
+  """x's trailing `n_in` dims times each kernel (logical names `axes[i]`),
+  all column-parallel (split over the ring along an output dim: q, k, v, MLP
+  in), as one all-gather ring when the context asks for collective matmul;
+  None otherwise (the caller runs the plain products)."""
+  axis = _ring_for(x)
+  if axis is None:
+    return None
+  dims = [_ring_dim(k, a, axis) for k, a in zip(kernels, axes)]
+  if any(d is None or d < n_in for d in dims):
+    return None
+  x = x.astype(kernels[0].dtype)
+  return all_gather_matmul(x, kernels, n_in=n_in, out_dims=[d - n_in for d in dims], axis=axis)
+
+
+def output_projections(parts: Sequence[tuple[jax.Array, jax.Array, int, tuple[Optional[str], ...]]]
+                       ) -> Optional[jax.Array]:
+  """sum_i x_i @ kernel_i for parts (x_i, kernel_i, n_in_i, logical names of
+  kernel_i), all row-parallel (split over the ring along a contracted dim:
+  attention out, MLP out), as one reduce-scatter ring when the context asks
+  for collective matmul; None otherwise."""
+  axis = _ring_for(parts[0][0])
+  if axis is None:
+    return None
+  dims = [_ring_dim(k, a, axis) for _, k, _, a in parts]
+  if any(d is None or d >= n for d, (_, _, n, _) in zip(dims, parts)):
+    return None
+  dtype = parts[0][1].dtype
+  return matmul_reduce_scatter([x.astype(dtype) for x, _, _, _ in parts], [k for _, k, _, _ in parts],
+                               n_ins=[n for _, _, n, _ in parts], in_dims=dims, axis=axis)
 
 
 def projection(x: jax.Array, kernel: jax.Array, n_in: int, axes: tuple[Optional[str], ...]) -> Optional[jax.Array]:
@@ -181,19 +247,12 @@ def projection(x: jax.Array, kernel: jax.Array, n_in: int, axes: tuple[Optional[
   an output dim (column-parallel: q/k/v, MLP in) or a contracted dim
   (row-parallel: attention out, MLP out).
   """
-  axis = ring_axis()
-  if axis is None or x.ndim < 3:
+  axis = _ring_for(x)
+  if axis is None:
     return None
-  t = jax.sharding.get_abstract_mesh().shape[axis]
-  if x.shape[1] % t:
-    return None  # e.g. one decoding step: no sequence to split
-  spec = tuple(nn.logical_to_mesh_axes(axes))
-  spec = spec + (None,) * (kernel.ndim - len(spec))
-  dims = _dims_on(spec, axis)
-  if len(dims) != 1 or spec[dims[0]] not in (axis, (axis,)):
+  d = _ring_dim(kernel, axes, axis)
+  if d is None:
     return None
-  d = dims[0]
-  x = x.astype(kernel.dtype)
   if d >= n_in:
-    return all_gather_matmul(x, kernel, n_in=n_in, out_dim=d - n_in, axis=axis)
-  return matmul_reduce_scatter(x, kernel, n_in=n_in, in_dim=d, axis=axis)
+    return input_projections(x, [kernel], n_in, [axes])[0]
+  return output_projections([(x, kernel, n_in, axes)])
