@@ -26,8 +26,10 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
         2 x (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
     (gathering after the bf16 cast is the minimum; gathering the fp32 master
     weights doubles it).
-  * FSDP gradients: reduce-scatter over fsdp in the parameter dtype (fp32),
-        (f-1)/f x sum_p elements_p / t_p x 4
+  * FSDP gradients: reduce-scatter over fsdp in the compute dtype (the
+    gradient of a weight cast before its gather comes back through the
+    gather in that dtype; a GPU compile shows bf16 reduce-scatters),
+        (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
     then an all-reduce of the 1/f shard over data when d > 1.
   * Replicated gradients (data parallel): one all-reduce over B,
         2 (B-1)/B x sum_p elements_p / t_p x 4.
@@ -283,10 +285,13 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
                            f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
                            f'forward and again in the backward, in {m.dtype} '
                            f'(2 x (f-1)/f x {elems / 1e6:.2f}M elements x {ec} B)'))
-    rs = sum(grad_bytes(p) for p in fsdp_params)
+    # The weights are cast to the compute dtype on their shards before the
+    # gather, so their gradients come back through the gather, and are
+    # reduce-scattered, in that dtype (then widened to fp32 for LAMB).
+    rs = elems * ec
     out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
-                           f'FSDP: gradients reduce-scattered over fsdp={f} in fp32 '
-                           f'((f-1)/f x {rs / MiB:.1f} MiB)'))
+                           f'FSDP: gradients reduce-scattered over fsdp={f} in {m.dtype}, the dtype of '
+                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB)'))
     if d > 1:
       ar = sum(grad_bytes(p, 'fsdp') for p in fsdp_params)
       out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,
