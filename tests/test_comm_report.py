@@ -208,13 +208,15 @@ def test_data_parallel_all_reduces_the_gradients_only(data_parallel):
   assert 1.0 <= ratio < 1.2, ratio
 
 
-def test_1f1b_sums_data_parallel_gradients_once_per_step():
-  # 1F1B accumulates each stage's gradients over its micro-batches in a loop.
-  # Left to the automatic layout, every tick's contribution was all-reduced
-  # over `data` (11x the gradient bytes with 4 micro-batches); the schedule
-  # runs manual over `data` and sums once, at the end.
+@pytest.mark.parametrize('schedule', ['1f1b', 'circular'])
+def test_pipelines_sum_data_parallel_gradients_once_per_step(schedule):
+  # Both schedules accumulate each stage's gradients over its micro-batches
+  # in a loop (1F1B's ticks, the circular schedule's scan transposed). Left
+  # to the automatic layout, every tick's contribution was all-reduced over
+  # `data` (1F1B: 11x the gradient bytes with 4 micro-batches); both run
+  # manual over `data` and sum once.
   cfg, mesh, compiled = compile_step('MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'ModelConfig.n_layers = 8',
-                                     'MeshConfig.microbatches = 4', 'MeshConfig.pipeline_schedule = "1f1b"')
+                                     'MeshConfig.microbatches = 4', f'MeshConfig.pipeline_schedule = "{schedule}"')
   stats = collective_stats(compiled.as_text())
   grads = [o for o in stats.of_kind('all-reduce') if o.group_size == 2]   # over data
   assert grads and all(o.executions == 1 for o in grads), [(o.op_name, o.executions) for o in grads]

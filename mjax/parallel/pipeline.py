@@ -114,6 +114,29 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *
   Returns:
     (batch, seq, embed), equal to running the groups in order on x.
   """
+  data = _data_axis()
+  if data is None:
+    return _circular(group_fn, layers, x, aux, microbatches)
+  # Manual over the data axis: each data shard runs the schedule on its own
+  # rows, and autodiff sums the layer gradients over `data` once, at this
+  # boundary. Left to the automatic layout, the backward's scan all-reduced
+  # every tick's gradient contribution over `data` (in the compute dtype)
+  # and re-gathered the micro-batch buffer's cotangent each tick (8-GPU
+  # compile of 125m, p = 4, v = 2, m = 8: 923 MiB of all-reduces, 3.1x the
+  # gradient bytes, and 684 MiB of all-gathers a step).
+
+  def body(layers, x, aux):
+    with nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), data)):
+      return _circular(group_fn, layers, x, aux, microbatches)
+
+  P = jax.sharding.PartitionSpec
+  run = jax.shard_map(body, in_specs=(jax.tree.map(lambda _: P(), layers), P(data),
+                                      jax.tree.map(lambda _: P(data), aux)),
+                      out_specs=P(data), axis_names={data}, check_vma=False)
+  return run(layers, x, aux)
+
+
+def _circular(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, microbatches: int) -> jax.Array:
   leaf = jax.tree.leaves(layers)[0]
   v, p = leaf.shape[0], leaf.shape[1]
   m = microbatches
