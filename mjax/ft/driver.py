@@ -100,6 +100,7 @@ KILL_WAIT_S = 60.0            # after SIGKILL, a process still there this long c
 # Faults that may come from a host's network, so the hosts they name get a
 # collective with a healthy host after their own checks (Driver._check_links).
 LINK_FAULTS = ('exit', 'heartbeat_lost', 'hang', 'startup_timeout')
+LINK_TRIES = 2                # link-check jobs a named host must fail before it is blocked
 
 
 # ----------------------------------------------------------------------------
@@ -863,7 +864,24 @@ class Driver:
 
   def _link_pair(self, suspect: str, ref: str) -> tuple[bool, str]:
     """mjax-diagnose --checks allreduce as one JAX job of two processes,
-    the named host first (process 0, so its coordinator is tested too)."""
+    the named host first (process 0, so its coordinator is tested too).
+
+    A failing job is run once more, on a new coordinator port, before the
+    verdict: blocking is for good (and shrinks the job, which then no longer
+    trains bitwise as before), while one failed start of a two-process job
+    has causes that are not the link's: the port `free_port` chose taken by
+    another program before the coordinator bound it, a start-up slowed past
+    a deadline on a loaded host. A bad link fails both times."""
+    first = None
+    for _ in range(LINK_TRIES):
+      passed, detail = self._link_job(suspect, ref)
+      if passed:
+        return True, 'passed' if first is None else f'passed when tried again (first try: {first})'
+      first = first or detail
+    return False, detail if LINK_TRIES == 1 else f'{detail} (failed {LINK_TRIES} times)'
+
+  def _link_job(self, suspect: str, ref: str) -> tuple[bool, str]:
+    """One two-process mjax-diagnose job (see `_link_pair`)."""
     from mjax import launch
     hosts = [suspect, ref]
     executors = [self.executor_factory(h) for h in hosts]
