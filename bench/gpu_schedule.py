@@ -45,7 +45,7 @@ LAYOUTS = {
 def measure(name: str, target_spec: str, overlap: bool) -> list[dict]:
   from mjax import flags
   from mjax.parallel import gpu_target
-  from mjax.parallel.comm_report import collective_stats, expected_traffic, schedule
+  from mjax.parallel.comm_report import comm_report, schedule
   gin, bindings = LAYOUTS[name]
   target = gpu_target.parse_target(target_spec)
   cfg = flags.load([os.path.join('configs', gin)], ['TrainConfig.progress = False', *bindings],
@@ -53,10 +53,8 @@ def measure(name: str, target_spec: str, overlap: bool) -> list[dict]:
   out = gpu_target.compile_step(cfg, target, options=None if overlap else {})
   text = out.compiled.as_text()
   mesh = dict(out.mesh.shape)
-  stats = collective_stats(text)
-  expect = {}
-  for e in expected_traffic(out.cfg, mesh):
-    expect[e.kind] = expect.get(e.kind, 0) + e.wire_bytes
+  report = comm_report(out.compiled, out.cfg, mesh)
+  stats = report.stats
   items = schedule(text, mesh)
   rows = []
   for kind in ('all-gather', 'reduce-scatter', 'all-reduce', 'collective-permute', 'all-to-all'):
@@ -70,7 +68,7 @@ def measure(name: str, target_spec: str, overlap: bool) -> list[dict]:
         n=len(mine), overlapped=sum(s.mode == 'overlapped' for s in mine),
         matmul=sum(s.matmuls_between > 0 for s in mine), exposed=sum(s.mode == 'exposed' for s in mine),
         sync=sum(s.mode == 'synchronous' for s in mine), wire=wire,
-        ratio=(wire * 2**20 / expect[kind]) if expect.get(kind) else None,
+        ratio=(wire * 2**20 / report.expected_wire(kind)) if report.expected_wire(kind) else None,
         dtypes=','.join(sorted({a.dtype for o in stats.of_kind(kind) for a in o.arrays})),
         compile_s=out.seconds))
   return rows
@@ -83,8 +81,8 @@ def main() -> None:
   p.add_argument('--options', nargs='+', default=['on', 'off'], choices=['on', 'off'])
   args = p.parse_args()
   import jax
-  if not jax.config.jax_platforms:
-    jax.config.update('jax_platforms', 'cpu')
+  from mjax.parallel import gpu_target
+  gpu_target.keep_local_backend_cpu()
   print(f'# {time.strftime("%Y-%m-%d")}, compiled for {args.target} on {os.cpu_count()} CPU cores '
         f'(jax {jax.__version__}); nothing run\n')
   print('| layout | XLA options | kind | over | in HLO | overlapped | behind a matmul | exposed | '

@@ -137,11 +137,7 @@ def _comm_for_target(prog: str, args: argparse.Namespace, bindings: list[str]) -
   if args.overlap_flags:
     raise UserError('--overlap_flags applies to the local devices; with --target the options are '
                     'those a GPU run of the config sets (--no_overlap leaves them out).')
-  # This process's own backend stays the CPU: a GPU plugin with no GPU would
-  # otherwise be tried first (and fail noisily) when JAX starts.
-  import jax
-  if not jax.config.jax_platforms:
-    jax.config.update('jax_platforms', 'cpu')
+  gpu_target.keep_local_backend_cpu()
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=target.devices)
   from mjax.parallel.comm_report import comm_report, format_report, format_schedule, schedule
   out = gpu_target.compile_step(cfg, target, options={} if args.no_overlap else None)

@@ -30,10 +30,9 @@ TINY = ['ModelConfig.dtype = "bfloat16"', 'ModelConfig.n_layers = 8']
 # Compiles in a child and prints the schedule and per-kind traffic as JSON.
 SCRIPT = textwrap.dedent('''
     import dataclasses, json, sys
-    import jax
-    jax.config.update('jax_platforms', 'cpu')
     from mjax import flags
     from mjax.parallel import gpu_target
+    gpu_target.keep_local_backend_cpu()
     from mjax.parallel.comm_report import collective_stats, schedule
     args = json.loads(sys.argv[1])
     target = gpu_target.parse_target('h100:8')

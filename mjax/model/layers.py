@@ -72,9 +72,7 @@ def apply_weights(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], n_
   """
   y = None if axes is None else collective_matmul.projection(x, kernel, n_in, axes)
   if y is None:
-    x = x.astype(kernel.dtype)
-    y = jax.lax.dot_general(
-        x, kernel, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    y = collective_matmul.contract(x.astype(kernel.dtype), kernel, n_in)
   return y if bias is None else y + bias
 
 

@@ -51,12 +51,7 @@ RING = 'collective_matmul'
 
 def _shard_map(body, in_specs, out_specs, axis: str):
   """shard_map manual over `axis` only, on the context mesh."""
-  if hasattr(jax, 'shard_map'):
-    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
-  from jax.experimental.shard_map import shard_map  # jax < 0.7
-  mesh = jax.sharding.get_abstract_mesh()
-  auto = frozenset(a for a in mesh.axis_names if a != axis)
-  return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False, auto=auto)
+  return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
 
 
 def ring_axis() -> Optional[str]:
@@ -77,7 +72,7 @@ def ring_axis() -> Optional[str]:
   return axis
 
 
-def _dot(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
+def contract(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
   """x's trailing `n_in` dims contracted with the kernel's leading ones."""
   return jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
 
@@ -101,7 +96,7 @@ def _all_gather_matmul_local(x: jax.Array, kernels: tuple, *, n_in: int, axis: s
   outs = None
   chunk = x
   for i in range(t):
-    ys = tuple(_dot(chunk, k, n_in) for k in kernels)               # each (b, s/t, *f/t)
+    ys = tuple(contract(chunk, k, n_in) for k in kernels)               # each (b, s/t, *f/t)
     if i < t - 1:
       # The next step's chunk passes through a barrier with these products:
       # XLA's dot merger would otherwise join the t products (one kernel,
@@ -129,7 +124,7 @@ def _matmul_reduce_scatter_local(xs: tuple, kernels: tuple, *, n_ins: tuple, axi
   idx = jax.lax.axis_index(axis)
 
   def part(c, xs):
-    return sum(_dot(jax.lax.dynamic_slice_in_dim(x, c * sl, sl, axis=1), k, n)
+    return sum(contract(jax.lax.dynamic_slice_in_dim(x, c * sl, sl, axis=1), k, n)
                for x, k, n in zip(xs, kernels, n_ins))
 
   acc = part((idx + 1) % t, xs)

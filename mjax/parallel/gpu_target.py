@@ -100,6 +100,15 @@ def parse_target(spec: str) -> Target:
   return Target(m.group(1).lower(), n)
 
 
+def keep_local_backend_cpu() -> None:
+  """This process's own backend stays the CPU (unless JAX_PLATFORMS says
+  otherwise): a CUDA plugin with no GPU would otherwise be tried first, and
+  fail noisily, when JAX starts. Call before anything starts the backend."""
+  import jax
+  if not jax.config.jax_platforms:
+    jax.config.update('jax_platforms', 'cpu')
+
+
 def topology_devices(target: Target) -> list[Any]:
   """The devices of a deviceless topology for `target` (no GPU needed).
 

@@ -77,12 +77,19 @@ def _stage_axis() -> str | None:
 
 def _data_axis() -> str | None:
   """The mesh axis of data parallelism when it splits the batch (size > 1):
-  1F1B runs manual over it too, so gradients are summed over it once per step."""
+  both schedules run manual over it, so gradients are summed over it once per step."""
   axes = nn.logical_to_mesh_axes(('batch',))
   batch = axes[0] if axes else None
   names = batch if isinstance(batch, tuple) else (batch,)
   mesh = jax.sharding.get_abstract_mesh()
   return 'data' if 'data' in names and mesh.shape.get('data', 1) > 1 else None
+
+
+def _rules_without(axis: str | None):
+  """The current logical rules with `axis` taken out (a context manager):
+  inside a region manual over `axis`, the batch is already this shard's and
+  must not be placed on that axis again."""
+  return nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), axis))
 
 
 def _without_axis(rules, axis: str | None):
@@ -126,7 +133,7 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *
   # gradient bytes, and 684 MiB of all-gathers a step).
 
   def body(layers, x, aux):
-    with nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), data)):
+    with _rules_without(data):
       return _circular(group_fn, layers, x, aux, microbatches)
 
   P = jax.sharding.PartitionSpec
@@ -270,9 +277,7 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
     return rem // p, g * p + rem % p
 
   def body(layers, head_params, xs, aux, head_aux):
-    # Inside, the batch is this data shard's: the logical rules must not
-    # place it on the (manual) data axis again.
-    with nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), data)):
+    with _rules_without(data):
       return run_stage(layers, head_params, xs, aux, head_aux)
 
   def run_stage(layers, head_params, xs, aux, head_aux):
