@@ -6,6 +6,7 @@ for how they map onto a mesh); nothing here knows about devices.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import jax
@@ -298,12 +299,17 @@ def fused_inputs(x: jax.Array, projections: list[Weights]) -> Optional[list[jax.
   joined = constrain(joined, joined_axes)
   y = apply_weights(x, joined, None, 1, joined_axes)  # (batch, seq, t, joined / t)
   y = constrain(y, ('batch', 'seq', projections[0].axes[1], None))
-  outs, at = [], 0
-  for w, (k, bias) in zip(projections, built):
-    n = k[0].size // t
-    out = y[..., at:at + n].reshape(*x.shape[:-1], *w.features)
+  # One split, not a slice per projection: the backward of a split is one
+  # concatenate of the cotangents, where slices transpose to zero-padded
+  # copies of the whole joined width that XLA then sums (a pad per
+  # projection plus an add: 13% of the peer model's CPU step, and the same
+  # pads in a GPU compile).
+  sizes = [k[0].size // t for k, _ in built]
+  pieces = jnp.split(y, list(itertools.accumulate(sizes[:-1])), axis=-1)
+  outs = []
+  for w, (_, bias), out in zip(projections, built, pieces):
+    out = out.reshape(*x.shape[:-1], *w.features)
     outs.append(out if bias is None else out + bias)
-    at += n
   return outs
 
 
