@@ -222,7 +222,8 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float, fraction: float = 1
   """
   r = int(x.shape[-1] * fraction)
   if r < x.shape[-1]:
-    return jnp.concatenate([rotary(x[..., :r], positions, theta), x[..., r:]], axis=-1)
+    rotated, kept = jnp.split(x, [r], axis=-1)  # a split's backward concatenates; slices pad
+    return jnp.concatenate([rotary(rotated, positions, theta), kept], axis=-1)
   d = x.shape[-1]
   freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)      # (head_dim/2,)
   angle = positions[..., None].astype(jnp.float32) * freq                    # (batch, seq, head_dim/2)
