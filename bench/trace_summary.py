@@ -7,6 +7,12 @@ Reads the Chrome-trace JSON that `jax.profiler.trace(create_perfetto_trace=True)
 writes, keeps the complete events of the device streams (GPU kernels; on CPU,
 the XLA ops of the host threads that run them) and sums their durations by
 name and by kind (matrix products, attention, fusions, collectives, copies).
+
+With the step's optimized HLO beside the trace (`train_step.hlo.txt`, which
+`train_bench.py --profile` writes), it also sums them by part of the model,
+from each op's source location in the HLO metadata: the layers' weight
+matrix products, attention, the layers' other ops, head and loss, forward
+and backward apart, and the optimizer and metrics outside the model.
 """
 
 from __future__ import annotations
@@ -51,7 +57,37 @@ def kind_of(name: str) -> str:
   return 'other'
 
 
-def summarize(path: str, steps: int = 2, top: int = 25) -> str:
+def op_sources(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> the op_name of its metadata (where in the
+  program it comes from, e.g. `jit(train_step)/transpose(jvp(Transformer))/
+  while/body/.../attn.attend/dot_general`)."""
+  return {m.group(1): m.group(2)
+          for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M)}
+
+
+def part_of(source: str) -> str:
+  """Which part of the train step an op with this HLO op_name belongs to."""
+  if not source:
+    return 'no source (runtime, copies XLA added)'
+  if 'jvp(' not in source:  # outside the differentiated model: clipping, LAMB, metrics
+    return 'optimizer and metrics'
+  side = 'backward' if 'transpose(jvp' in source else 'forward'
+  if 'attend' in source:
+    return f'{side}: attention (scores, softmax, their products)'
+  if '/layers/' in source or '/while/body' in source:
+    if source.endswith('dot_general'):
+      return f'{side}: layers\' weight matrix products'
+    if 'dynamic_update_slice' in source or 'dynamic_slice' in source:
+      return f'{side}: layers\' stacking and slicing (scan)'
+    return f'{side}: layers\' other ops (norms, activation, rotary, residual, layout)'
+  if '_head' in source or 'Transformer' not in source:
+    return f'{side}: head and loss'
+  if source.endswith('broadcast_in_dim'):
+    return f'{side}: zero-filled buffers (scan outputs, gradient sums)'
+  return f'{side}: embedding and the rest of the model'
+
+
+def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
   with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
     trace = json.load(fh)
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
@@ -84,12 +120,22 @@ def summarize(path: str, steps: int = 2, top: int = 25) -> str:
     by_kind[kind_of(e['name'])] += e['dur']
     count[e['name']] += 1
   total = sum(by_name.values())
+  by_part = collections.Counter()
+  if hlo:
+    sources = op_sources(hlo)
+    for e in ops:
+      # GPU kernels name their HLO op in args; CPU events are HLO names.
+      by_part[part_of(sources.get(e.get('args', {}).get('hlo_op', e['name']), ''))] += e['dur']
   out = [f'trace {os.path.basename(path)}: {len(ops)} device events over {wall / 1e3:.1f} ms; '
          f'device busy {busy / 1e3:.1f} ms ({busy / wall:.0%} of the span), '
          f'{busy / 1e3 / steps:.1f} ms per step over {steps} steps', '',
          '| kind | ms per step | share |', '|---|---|---|']
   for k, v in by_kind.most_common():
     out.append(f'| {k} | {v / 1e3 / steps:.2f} | {v / total:.1%} |')
+  if by_part:
+    out += ['', '| part of the step | ms per step | share |', '|---|---|---|']
+    for k, v in by_part.most_common():
+      out.append(f'| {k} | {v / 1e3 / steps:.2f} | {v / total:.1%} |')
   out += ['', f'| top {top} ops | calls per step | ms per step | share | kind |', '|---|---|---|---|---|']
   for name, v in by_name.most_common(top):
     short = name if len(name) <= 70 else name[:67] + '...'
@@ -103,8 +149,14 @@ def main(argv=None):
   p.add_argument('path', help='a perfetto_trace.json.gz or a folder holding one')
   p.add_argument('--steps', type=int, default=2, help='steps the trace holds')
   p.add_argument('--top', type=int, default=25)
+  p.add_argument('--hlo', default='', help='the step\'s optimized HLO text (default: train_step.hlo.txt '
+                 'in the trace\'s folder, when there)')
   args = p.parse_args(argv)
-  print(summarize(find_trace(args.path), args.steps, args.top))
+  hlo = args.hlo or (os.path.join(args.path, 'train_step.hlo.txt') if os.path.isdir(args.path) else '')
+  text = open(hlo).read() if hlo and os.path.exists(hlo) else ''
+  if args.hlo and not text:
+    raise SystemExit(f'trace_summary: --hlo {args.hlo}: no such file')
+  print(summarize(find_trace(args.path), args.steps, args.top, text))
 
 
 if __name__ == '__main__':

@@ -48,6 +48,11 @@ def bench(cfg, steps: int, warmup: int, profile_dir: str = '') -> dict:
     jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / steps
     if profile_dir:  # after the timing, so the profiler's overhead is not in it
+      # The program the trace runs, for trace_summary's parts of the step.
+      os.makedirs(profile_dir, exist_ok=True)
+      batch = program.to_global(next(it))
+      with open(os.path.join(profile_dir, 'train_step.hlo.txt'), 'w') as fh:
+        fh.write(program.step.lower(state, batch).compile().as_text())
       with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
         for _ in range(2):
           state, m = program.step(state, program.to_global(next(it)))

@@ -34,7 +34,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -186,7 +186,7 @@ class Trainer:
     injector = Injector.from_env(pid)                          # test-only; None in production
     heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
-    profiler = StepProfiler(cfg, self.workdir, start)
+    profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
     meta = {'config': config_lib.to_dict(cfg)}
     step = start
     with StopAgreement(heartbeat) as stop, profiler:
@@ -422,9 +422,12 @@ def _cache_entries_from_every_process():
 class StepProfiler:
   """A jax.profiler trace of TrainConfig.profile_steps steps from
   TrainConfig.profile_from_step (0: the second step of this run, past the
-  first one's warm-up) into <workdir>/profile, with a Perfetto trace."""
+  first one's warm-up) into <workdir>/profile, with a Perfetto trace and the
+  step's optimized HLO (train_step.hlo.txt), whose source locations let
+  bench/trace_summary.py sum the trace by part of the model."""
 
-  def __init__(self, cfg: Config, workdir: str, start_step: int):
+  def __init__(self, cfg: Config, workdir: str, start_step: int, hlo_text: Callable[[], str]):
+    self.hlo_text = hlo_text
     self.steps = cfg.train.profile_steps
     self.first = cfg.train.profile_from_step or start_step + 2
     self.last = self.first + self.steps - 1
@@ -445,6 +448,8 @@ class StepProfiler:
     jax.profiler.stop_trace()
     self.active = False
     if jax.process_index() == 0:
+      with open(os.path.join(self.directory, 'train_step.hlo.txt'), 'w') as fh:
+        fh.write(self.hlo_text())
       print(f'mjax: profiled steps {self.first}-{self.last} into {self.directory} (TensorBoard\'s profile '
             f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
 

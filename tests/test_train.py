@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -118,7 +119,7 @@ def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_
   assert [(r['step'], r['loss']) for r in read(str(tmp_path))] == [(1, 7.0)]
 
 
-def test_profile_steps_write_a_trace(tmp_path, capsys):
+def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
   cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 1',
                'CheckpointConfig.enabled = False')
   fit(cfg, tmp_path)
@@ -126,6 +127,18 @@ def test_profile_steps_write_a_trace(tmp_path, capsys):
   assert any(f.endswith('perfetto_trace.json.gz') for f in traces), traces
   assert any(f.endswith('.xplane.pb') for f in traces), traces
   assert 'profiled steps 2-2' in capsys.readouterr().out
+  # The program beside the trace: the trace summed by part of the model.
+  assert os.path.exists(tmp_path / 'profile' / 'train_step.hlo.txt')
+  summary = subprocess.run([sys.executable, os.path.join(repo_root, 'bench', 'trace_summary.py'),
+                            str(tmp_path / 'profile'), '--steps', '1'],
+                           capture_output=True, text=True, check=True).stdout
+  parts = dict(re.findall(r'^\| ((?:forward|backward): [^|]+|optimizer and metrics) \| ([\d.]+) \|',
+                          summary, re.M))
+  for part in ('forward: attention (scores, softmax, their products)',
+               'backward: attention (scores, softmax, their products)',
+               "forward: layers' weight matrix products", "backward: layers' weight matrix products",
+               'forward: head and loss', 'backward: head and loss', 'optimizer and metrics'):
+    assert float(parts.get(part, 0)) > 0, (part, summary)
 
 
 def test_weights_and_biases_offline_run_gets_the_metrics_and_config(tmp_path, monkeypatch):
