@@ -279,6 +279,10 @@ def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
   def stage_fn(chunk, h, aux):
     return jax.lax.scan(lambda h, group: (group_fn(group, h, aux), None), h, chunk)[0]
 
+  def embed_fn(rest, inputs):
+    tokens, positions = inputs
+    return model.apply({'params': rest}, tokens, positions, part='embed')
+
   def head_fn(rest, h, head_aux):
     targets, mask = head_aux
     logits = model.apply({'params': rest}, None, part='head', hidden=h)   # (mb, seq, vocab) fp32
@@ -296,13 +300,18 @@ def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
     positions = batch.get('positions')
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x, embed_vjp = jax.vjp(lambda r: model.apply({'params': r}, tokens, positions, part='embed'), rest)
-    total, count, dx, d_layers, d_head = pipeline.one_f_one_b(
-        stage_fn, head_fn, params['layers'], rest, x, (positions, batch.get('segment_ids')),
-        (batch['targets'], batch['loss_mask']), microbatches=cfg.mesh.num_microbatches())
-    (d_embed,) = embed_vjp(dx.astype(x.dtype))
-    # The embedding table gets gradients from both ends (tied head): added in fp32.
-    d_rest = jax.tree.map(lambda a, b: a.astype(jnp.float32) + b, d_embed, d_head)
+    # The embedding's backward runs in the schedule, where its gradient
+    # meets the tied head's, except under FSDP with sequence parallelism,
+    # where XLA cannot partition its scatter-add there (see one_f_one_b).
+    inside = not (cfg.mesh.fsdp > 1 and cfg.mesh.sequence_parallel)
+    total, count, d_layers, d_rest, dx = pipeline.one_f_one_b(
+        embed_fn, stage_fn, head_fn, params['layers'], rest, (tokens, positions),
+        (positions, batch.get('segment_ids')), (batch['targets'], batch['loss_mask']),
+        microbatches=cfg.mesh.num_microbatches(), embed_backward=inside)
+    if not inside:
+      _, embed_vjp = jax.vjp(lambda r: embed_fn(r, (tokens, positions)), rest)
+      (d_embed,) = embed_vjp(dx)
+      d_rest = jax.tree.map(lambda a, b: a.astype(jnp.float32) + b, d_embed, d_rest)
     grads = {**d_rest, 'layers': d_layers}
     grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, params)
     return (total, count), grads

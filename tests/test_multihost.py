@@ -334,7 +334,7 @@ def test_a_warm_compilation_cache_serves_every_process(tmp_path, repo_root):
   restarted job loads the step everywhere instead of recompiling it in every
   process but the first."""
   cache = tmp_path / 'cache'
-  compile_s = {}
+  entries = lambda: {n: os.stat(cache / n).st_mtime_ns for n in os.listdir(cache) if n.startswith('jit_train_step')}
   for run_dir in ('cold', 'warm'):
     cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
            os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', str(tmp_path / run_dir),
@@ -342,13 +342,13 @@ def test_a_warm_compilation_cache_serves_every_process(tmp_path, repo_root):
            '--gin.CheckpointConfig.enabled=False']
     run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    startup = json.loads(next(l for l in run.stdout.splitlines() if 'mjax: startup' in l).split('startup ', 1)[1])
-    # Process 0's compile, then its wait at the barrier for the slowest process.
-    compile_s[run_dir] = startup['compile_s'] + startup['compile_wait_s']
     if run_dir == 'cold':   # one entry per process: each is keyed by its own devices
-      assert len([n for n in os.listdir(cache) if n.startswith('jit_train_step')]) == 2, os.listdir(cache)
-  # Warm, no process compiles: the step is loaded in a fraction of a compile.
-  assert compile_s['warm'] < 0.5 * compile_s['cold'], compile_s
+      cold = entries()
+      assert len(cold) == 2, os.listdir(cache)
+  # Warm, no process compiles: a process that missed the cache would have
+  # compiled and written an entry of its own. (Not timed: a loaded machine
+  # can make a cache load as slow as a small model's compile.)
+  assert entries() == cold, (cold, entries())
 
 
 @pytest.mark.slow

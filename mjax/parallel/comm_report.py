@@ -298,10 +298,15 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
                              f'data={d}: all-reduce of the 1/fsdp gradient shards '
                              f'(2 (d-1)/d x {ar / MiB:.1f} MiB)'))
   replicated = [p for p in params if p not in fsdp_params]
+  # The 1F1B schedule computes the embedding's gradient on the first stage
+  # and the head's on the last: the params outside the layer stack (one
+  # table, when tied) are summed over the stages as well as the data shards.
+  stages = mesh.get('pipeline', 1) if cfg.mesh.pipeline_schedule == '1f1b' else 1
   if replicated:
     groups: dict[int, float] = {}
     for p in replicated:
       n = math.prod(mesh.get(a, 1) for a in batch_axes) // p.shards(mesh, batch_axes)
+      n *= stages if p.shards(mesh, ('pipeline',)) == 1 else 1
       groups[n] = groups.get(n, 0.0) + grad_bytes(p, *batch_axes)
     for n, nbytes in sorted(groups.items()):
       if n > 1:

@@ -211,8 +211,8 @@ def in_flight_bound(stages: int, repeats: int) -> int:
   return 2 * repeats * stages
 
 
-def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params: Any, x: jax.Array,
-                aux: Any, head_aux: Any, *, microbatches: int):
+def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layers: Any, head_params: Any,
+                inputs: Any, aux: Any, head_aux: Any, *, microbatches: int, embed_backward: bool = True):
   """Loss and gradients of the layer stack + head by an interleaved 1F1B
   schedule (Megatron-LM's interleaved schedule, run in lockstep).
 
@@ -240,20 +240,36 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
   circular schedule's forward then backward; plus one forward per chunk for
   the recomputation.
 
+  Gradients leave once. Each stage and data shard sums its own gradients
+  until the end of the step: the layers' are summed over `data` once; the
+  head's and the embedding's are added on the shard first (with a tied
+  table the two ends' gradients meet there) and summed over stages and
+  `data` in one all-reduce. The embedding's backward runs here, on stage
+  0's shards, so no activation gradient leaves the schedule either.
+  `embed_backward=False` returns the stack input's cotangent instead (summed
+  over stages), for the caller to run the embedding's backward: XLA's SPMD
+  partitioner aborts on the lookup's scatter-add inside this partly manual
+  region when its table is sharded over FSDP and tensor with sequence
+  parallelism.
+
   Args:
+    embed_fn: `(head_params, inputs) -> x`, the layer stack's input
+      (batch, seq, embed) from one micro-batch's `inputs`.
     stage_fn: `(chunk_params, h, aux) -> h` for one chunk of layer groups.
     head_fn: `(head_params, h, head_aux) -> (loss_sum, count)` for one
       micro-batch's layer-stack output.
     layers: params in pipeline layout, leaves (repeats, stages, per_chunk, ...).
-    head_params: the rest of the params the head and loss read.
-    x: (batch, seq, embed) the layer stack's input.
-    aux, head_aux: pytrees of (batch, seq) per-token inputs of the stack and
-      of the head (None leaves allowed), split into micro-batches with x.
+    head_params: the rest of the params: what the embedding, the head and
+      the loss read.
+    inputs, aux, head_aux: pytrees of (batch, seq) per-token inputs of the
+      embedding, the stack and the head (None leaves allowed), split into
+      micro-batches.
     microbatches: m, a multiple of the stage count.
   Returns:
-    (loss_sum, count, dx, d_layers, d_head): sums over the batch, the
-    cotangent of x, and the gradients of the layer params (pipeline layout,
-    fp32) and of head_params (fp32).
+    (loss_sum, count, d_layers, d_rest, dx): sums over the batch, the
+    gradients of the layer params (pipeline layout, fp32) and of
+    head_params (fp32), and with `embed_backward=False` the cotangent of the
+    stack input (batch, seq, embed) (else None).
   """
   leaf = jax.tree.leaves(layers)[0]
   v, p = leaf.shape[0], leaf.shape[1]
@@ -262,11 +278,11 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
     raise ValueError(f'1F1B takes micro-batches in groups of the {p} stages; {m} is not a multiple of {p}')
   axis = _stage_axis()
   data = _data_axis()
-  b, s_len, d = x.shape
+  b = jax.tree.leaves(inputs)[0].shape[0]
   mb = b // m
   # Strided micro-batches, as in circular_pipeline: no data moves.
   split = lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1)
-  xs, aux, head_aux = split(x), jax.tree.map(split, aux), jax.tree.map(split, head_aux)
+  inputs, aux, head_aux = (jax.tree.map(split, t) for t in (inputs, aux, head_aux))
   n_items, slots, first_back = m * v, in_flight_bound(p, v), v * p
   ticks = one_f_one_b_ticks(p, v, m)
   f32 = lambda t: jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), t)
@@ -276,12 +292,17 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
     g, rem = k // (v * p), k % (v * p)
     return rem // p, g * p + rem % p
 
-  def body(layers, head_params, xs, aux, head_aux):
+  def body(layers, head_params, inputs, aux, head_aux):
     with _rules_without(data):
-      return run_stage(layers, head_params, xs, aux, head_aux)
+      return run_stage(layers, head_params, inputs, aux, head_aux)
 
-  def run_stage(layers, head_params, xs, aux, head_aux):
+  def run_stage(layers, head_params, inputs, aux, head_aux):
     layers = jax.tree.map(lambda w: w[:, 0], layers)        # this stage's chunks, (v, per_chunk, ...)
+    # Every item's stack input, (m, mb, seq, embed); a lookup, made on each
+    # stage and used on stage 0.
+    flat = lambda a: a.reshape(m * a.shape[1], *a.shape[2:])
+    items = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
+    xs = items(embed_fn(head_params, jax.tree.map(flat, inputs)))
     stage = jax.lax.axis_index(axis)
     chunk = lambda r: jax.tree.map(lambda w: w[r], layers)
     pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
@@ -342,25 +363,38 @@ def one_f_one_b(stage_fn: Callable, head_fn: Callable, layers: Any, head_params:
              d_layers=f32(layers), d_head=f32(head_params), loss=jnp.zeros((), jnp.float32),
              count=jnp.zeros((), jnp.float32), dx=jnp.zeros_like(xs))
     c, _ = jax.lax.scan(tick, c, jnp.arange(ticks))
-    total = lambda a: jax.lax.psum(a, axis)     # made on one stage, zero on the others
+    # The embedding's backward, on stage 0 (the others hold no dx): its
+    # gradient joins the head's on the shard, one all-reduce for both.
+    def embed_grads(hp, dx):
+      _, vjp = jax.vjp(lambda hp: embed_fn(hp, jax.tree.map(flat, inputs)), hp)
+      return vjp(flat(dx))[0]
+
+    d_rest, dx = c['d_head'], None
+    if embed_backward:
+      d_embed = jax.lax.cond(stage == 0, embed_grads, lambda hp, dx: jax.tree.map(jnp.zeros_like, hp),
+                             head_params, c['dx'])
+      d_rest = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_rest, d_embed)
+    else:
+      # Summed in fp32 (exact: one stage holds it, the others zeros): XLA's
+      # CPU backend aborts on a 16-bit all-reduce over the manual stage axis.
+      dx = jax.lax.psum(c['dx'].astype(jnp.float32), axis).astype(xs.dtype)
     # Gradients are sums over this data shard's micro-batches until here:
     # summed over the data shards once per step, where the accumulation in
     # an automatic layout would all-reduce every tick's contribution.
     everywhere = lambda a: jax.lax.psum(a, (axis, data) if data else axis)
     over_data = (lambda a: jax.lax.psum(a, data)) if data else (lambda a: a)
-    # dx summed in fp32 (exact: one stage holds it, the others zeros): XLA's
-    # CPU backend aborts on a 16-bit all-reduce over the manual stage axis.
     return (everywhere(c['loss']), everywhere(c['count']),
-            total(c['dx'].astype(jnp.float32)).astype(xs.dtype),
-            jax.tree.map(lambda w: over_data(w)[:, None], c['d_layers']), jax.tree.map(everywhere, c['d_head']))
+            jax.tree.map(lambda w: over_data(w)[:, None], c['d_layers']), jax.tree.map(everywhere, d_rest), dx)
 
   P = jax.sharding.PartitionSpec
   stage_spec = jax.tree.map(lambda _: P(None, axis), layers)
   rep = lambda tree: jax.tree.map(lambda _: P(), tree)
   per_item = lambda tree: jax.tree.map(lambda _: P(None, data), tree)   # (m, mb, ...): mb over data
-  run = jax.shard_map(body, in_specs=(stage_spec, rep(head_params), per_item(xs), per_item(aux),
+  run = jax.shard_map(body, in_specs=(stage_spec, rep(head_params), per_item(inputs), per_item(aux),
                                       per_item(head_aux)),
-                      out_specs=(P(), P(), per_item(xs), stage_spec, rep(head_params)),
+                      out_specs=(P(), P(), stage_spec, rep(head_params),
+                                 None if embed_backward else P(None, data)),
                       axis_names={axis, data} if data else {axis}, check_vma=False)
-  loss, count, dxs, d_layers, d_head = run(layers, head_params, xs, aux, head_aux)
-  return loss, count, dxs.swapaxes(0, 1).reshape(b, s_len, d), d_layers, d_head
+  loss, count, d_layers, d_rest, dxs = run(layers, head_params, inputs, aux, head_aux)
+  dx = None if embed_backward else dxs.swapaxes(0, 1).reshape(b, *dxs.shape[2:])
+  return loss, count, d_layers, d_rest, dx
