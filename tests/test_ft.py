@@ -1013,6 +1013,46 @@ def test_a_link_check_that_fails_once_blocks_nobody(tmp_path, monkeypatch, fails
   assert len(runs) == 4 and [h for h, _ in runs[:2]] == ['slot1', 'slot0'], runs
 
 
+class CrashingDiagnoseExecutor(FakeExecutor):
+  """The host's own diagnostic crashes before it reports (no JSON) on its
+  first `crashes` runs, then reports as FakeExecutor does."""
+  crashes = 1
+  runs: list = []
+
+  def run(self, argv, env, timeout):
+    if '--no_baseline' in argv:   # a link check: passes
+      return 0, json.dumps({'host': self.host, 'passed': True, 'checks': []}), ''
+    CrashingDiagnoseExecutor.runs.append(self.host)
+    if self.host == 'slot1' and CrashingDiagnoseExecutor.runs.count('slot1') <= self.crashes:
+      return 1, '', 'OSError: [Errno 5] Input/output error'
+    return super().run(argv, env, timeout)
+
+
+@pytest.mark.parametrize('crashes,blocked', [(1, []), (2, ['slot1'])])
+def test_a_diagnostic_that_crashes_once_blocks_nobody(tmp_path, monkeypatch, crashes, blocked):
+  """A host's own diagnostic that crashed without a report is run again
+  before its host is blocked; crashing twice blocks it. A failed check
+  blocks at once (test_failing_diagnostic_blocks_its_host_only)."""
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  monkeypatch.setattr(CrashingDiagnoseExecutor, 'crashes', crashes)
+  monkeypatch.setattr(CrashingDiagnoseExecutor, 'runs', [])
+  opts = driver.parse_args(['--processes', '2', '--workdir', str(tmp_path), '--quiet', '--',
+                            '--gin_file', 'tiny.gin'])
+  opts.diagnose = ['mjax-diagnose']
+  d = driver.Driver(opts, executor_factory=CrashingDiagnoseExecutor)
+  try:
+    d._diagnose(fake_attempt(d, ['slot0', 'slot1']), detect.Fault('exit', [1], 'exited abnormally'))
+  finally:
+    d.server.close()
+    d.events.close()
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == blocked
+  assert sorted(CrashingDiagnoseExecutor.runs) == ['slot0', 'slot1', 'slot1']   # slot1 twice, slot0 once
+  diag = {e['host']: e for e in events(tmp_path, 'diagnosis')}
+  assert diag['slot0']['passed'] and diag['slot1']['passed'] == (not blocked), diag
+  if blocked:
+    assert 'Input/output error (crashed 2 times)' in diag['slot1']['detail'], diag
+
+
 def test_numerical_faults_check_no_links(tmp_path, monkeypatch):
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   d = make_driver(tmp_path)

@@ -38,7 +38,8 @@ Recovery, without a human:
   1. stop every process: SIGTERM, SIGKILL after --grace_s;
   2. run `mjax-diagnose --json` on every host of the job (in parallel);
      a host that fails is added to <workdir>/blocked_hosts.json and never
-     used again by this workdir; an evicted straggler too, and a host whose
+     used again by this workdir (a diagnostic that crashed before it could
+     report is run once more first); an evicted straggler too, and a host whose
      checks were slow while it was loaded (suspect) twice in a row. When every host
      of a multi-host job fails, none is blocked (a shared cause is likelier);
      then the hosts the fault named (a crash, a lost or hung process) that
@@ -101,6 +102,7 @@ KILL_WAIT_S = 60.0            # after SIGKILL, a process still there this long c
 # collective with a healthy host after their own checks (Driver._check_links).
 LINK_FAULTS = ('exit', 'heartbeat_lost', 'hang', 'startup_timeout')
 LINK_TRIES = 2                # link-check jobs a named host must fail before it is blocked
+DIAGNOSE_TRIES = 2            # crashes without a report a host's own diagnostic may have before blocking
 
 
 # ----------------------------------------------------------------------------
@@ -797,9 +799,19 @@ class Driver:
     """(passed, report, detail); passed None: the host's agent is away, not judged."""
     if self.agents is not None and self.agents.link(host) is None:
       return None, None, 'no agent connected: diagnosed when it is back'
-    code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
-                                                     self._diagnose_env(host), self.opts.diagnose_timeout_s)
-    return self._verdict(code, out, err)
+    for attempt in range(1, DIAGNOSE_TRIES + 1):
+      code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
+                                                       self._diagnose_env(host), self.opts.diagnose_timeout_s)
+      passed, report, detail = self._verdict(code, out, err)
+      # A failed check is a verdict, and a diagnostic that hangs points at
+      # the host; one that crashed before it could report says nothing
+      # about the host yet (the tool's own start failed: a port taken, a
+      # file system hiccup) and is run once more before the host is blocked.
+      if passed or report is not None or code == 124 or attempt == DIAGNOSE_TRIES:
+        break
+    if not passed and attempt > 1:
+      detail = f'{detail} (crashed {attempt} times)'
+    return passed, report, detail
 
   @staticmethod
   def _verdict(code: int, out: str, err: str) -> tuple[bool, Optional[dict], str]:
