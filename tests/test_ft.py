@@ -968,6 +968,19 @@ def test_links_of_the_named_host_are_checked_with_a_healthy_host(tmp_path, monke
     assert sorted(e['host'] for e in events(work, 'diagnosis')) == ['slot0', 'slot1', 'slot2']
 
 
+def _diagnose_exit_of_slot1(tmp_path, executor_factory):
+  """The driver's diagnosis after process 1 (on slot1) of a two-host job exited."""
+  opts = driver.parse_args(['--processes', '2', '--workdir', str(tmp_path), '--quiet', '--',
+                            '--gin_file', 'tiny.gin'])
+  opts.diagnose = ['mjax-diagnose']
+  d = driver.Driver(opts, executor_factory=executor_factory)
+  try:
+    d._diagnose(fake_attempt(d, ['slot0', 'slot1']), detect.Fault('exit', [1], 'exited abnormally'))
+  finally:
+    d.server.close()
+    d.events.close()
+
+
 class FlakyLinkExecutor(FakeExecutor):
   """Own checks pass; the first `fails` link-check jobs fail as a two-process
   job does whose coordinator port was taken before it bound it (process 0
@@ -996,15 +1009,7 @@ def test_a_link_check_that_fails_once_blocks_nobody(tmp_path, monkeypatch, fails
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   monkeypatch.setattr(FlakyLinkExecutor, 'fails', fails)
   monkeypatch.setattr(FlakyLinkExecutor, 'link_runs', [])
-  opts = driver.parse_args(['--processes', '2', '--workdir', str(tmp_path), '--quiet', '--',
-                            '--gin_file', 'tiny.gin'])
-  opts.diagnose = ['mjax-diagnose']
-  d = driver.Driver(opts, executor_factory=FlakyLinkExecutor)
-  try:
-    d._diagnose(fake_attempt(d, ['slot0', 'slot1']), detect.Fault('exit', [1], 'exited abnormally'))
-  finally:
-    d.server.close()
-    d.events.close()
+  _diagnose_exit_of_slot1(tmp_path, FlakyLinkExecutor)
   assert hosts_lib.BlockList(str(tmp_path)).hosts() == blocked
   (check,) = events(tmp_path, 'link_check')
   assert (check['host'], check['partner'], check['passed']) == ('slot1', 'slot0', not blocked), check
@@ -1036,15 +1041,7 @@ def test_a_diagnostic_that_crashes_once_blocks_nobody(tmp_path, monkeypatch, cra
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   monkeypatch.setattr(CrashingDiagnoseExecutor, 'crashes', crashes)
   monkeypatch.setattr(CrashingDiagnoseExecutor, 'runs', [])
-  opts = driver.parse_args(['--processes', '2', '--workdir', str(tmp_path), '--quiet', '--',
-                            '--gin_file', 'tiny.gin'])
-  opts.diagnose = ['mjax-diagnose']
-  d = driver.Driver(opts, executor_factory=CrashingDiagnoseExecutor)
-  try:
-    d._diagnose(fake_attempt(d, ['slot0', 'slot1']), detect.Fault('exit', [1], 'exited abnormally'))
-  finally:
-    d.server.close()
-    d.events.close()
+  _diagnose_exit_of_slot1(tmp_path, CrashingDiagnoseExecutor)
   assert hosts_lib.BlockList(str(tmp_path)).hosts() == blocked
   assert sorted(CrashingDiagnoseExecutor.runs) == ['slot0', 'slot1', 'slot1']   # slot1 twice, slot0 once
   diag = {e['host']: e for e in events(tmp_path, 'diagnosis')}
