@@ -25,6 +25,8 @@ import json
 import os
 import re
 
+from mjax.parallel import hlo_text
+
 # Kernel-name patterns, first match wins. cuBLAS/cuBLASLt and CUTLASS GEMMs
 # carry 'gemm' or 'xmma' or 'cutlass'; cuDNN flash attention 'fmha' or 'cudnn'.
 KINDS = [
@@ -57,12 +59,11 @@ def kind_of(name: str) -> str:
   return 'other'
 
 
-def op_sources(hlo_text: str) -> dict[str, str]:
+def op_sources(text: str) -> dict[str, str]:
   """HLO instruction name -> the op_name of its metadata (where in the
   program it comes from, e.g. `jit(train_step)/transpose(jvp(Transformer))/
   while/body/.../attn.attend/dot_general`)."""
-  return {m.group(1): m.group(2)
-          for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M)}
+  return {name: hlo_text.op_name(inst) for name, inst in hlo_text.parse_module(text).by_name.items()}
 
 
 def part_of(source: str) -> str:

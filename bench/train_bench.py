@@ -50,9 +50,8 @@ def bench(cfg, steps: int, warmup: int, profile_dir: str = '') -> dict:
     if profile_dir:  # after the timing, so the profiler's overhead is not in it
       # The program the trace runs, for trace_summary's parts of the step.
       os.makedirs(profile_dir, exist_ok=True)
-      batch = program.to_global(next(it))
       with open(os.path.join(profile_dir, 'train_step.hlo.txt'), 'w') as fh:
-        fh.write(program.step.lower(state, batch).compile().as_text())
+        fh.write(program.step.lower(program.abstract_state(), program.abstract_batch()).compile().as_text())
       with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
         for _ in range(2):
           state, m = program.step(state, program.to_global(next(it)))

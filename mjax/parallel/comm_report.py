@@ -237,9 +237,7 @@ def collective_stats(text: str, trace_widening: bool = True) -> CommStats:
         continue
       group = None if kind == 'collective-permute' else _group_size(inst.attrs, module.num_partitions)
       nbytes, arrays = _buffer(module, inst, kind, group)
-      op_name = re.search(r'op_name="([^"]*)"', inst.attrs)
-      ops.append(CollectiveOp(inst.name, kind, comp, n, nbytes, group, arrays,
-                              op_name.group(1) if op_name else '',
+      ops.append(CollectiveOp(inst.name, kind, comp, n, nbytes, group, arrays, hlo_text.op_name(inst),
                               _widened_from(module, inst) if trace_widening else None))
   return CommStats(ops, unknown, module.num_partitions)
 

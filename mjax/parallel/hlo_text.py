@@ -156,6 +156,15 @@ def _parse_instruction(line: str, computation: str) -> Optional[Instruction]:
   return Instruction(m.group(1), shape, op.group(1), operands, inside, line[end:], computation)
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def op_name(inst: Instruction) -> str:
+  """The JAX op an instruction comes from (its metadata's op_name), or ''."""
+  m = _OP_NAME.search(inst.attrs)
+  return m.group(1) if m else ''
+
+
 def parse_module(text: str) -> Module:
   """Splits HLO text into computations of instructions."""
   computations: dict[str, list[Instruction]] = {}

@@ -299,10 +299,11 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
   def run_stage(layers, head_params, inputs, aux, head_aux):
     layers = jax.tree.map(lambda w: w[:, 0], layers)        # this stage's chunks, (v, per_chunk, ...)
     # Every item's stack input, (m, mb, seq, embed); a lookup, made on each
-    # stage and used on stage 0.
+    # stage and used on stage 0, whose backward runs at the end.
     flat = lambda a: a.reshape(m * a.shape[1], *a.shape[2:])
     items = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
-    xs = items(embed_fn(head_params, jax.tree.map(flat, inputs)))
+    x, embed_vjp = jax.vjp(lambda hp: embed_fn(hp, jax.tree.map(flat, inputs)), head_params)
+    xs = items(x)
     stage = jax.lax.axis_index(axis)
     chunk = lambda r: jax.tree.map(lambda w: w[r], layers)
     pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
@@ -365,14 +366,10 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
     c, _ = jax.lax.scan(tick, c, jnp.arange(ticks))
     # The embedding's backward, on stage 0 (the others hold no dx): its
     # gradient joins the head's on the shard, one all-reduce for both.
-    def embed_grads(hp, dx):
-      _, vjp = jax.vjp(lambda hp: embed_fn(hp, jax.tree.map(flat, inputs)), hp)
-      return vjp(flat(dx))[0]
-
     d_rest, dx = c['d_head'], None
     if embed_backward:
-      d_embed = jax.lax.cond(stage == 0, embed_grads, lambda hp, dx: jax.tree.map(jnp.zeros_like, hp),
-                             head_params, c['dx'])
+      d_embed = jax.lax.cond(stage == 0, lambda dx: embed_vjp(flat(dx))[0],
+                             lambda dx: jax.tree.map(jnp.zeros_like, head_params), c['dx'])
       d_rest = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_rest, d_embed)
     else:
       # Summed in fp32 (exact: one stage holds it, the others zeros): XLA's
