@@ -15,7 +15,8 @@ import pytest
 from flax import linen as nn
 
 from mjax.config import ModelConfig
-from mjax.model.attention import causal_mask, fast_attention, reference_attention
+from mjax.model.attention import (causal_mask, fast_attention, query_blocks, reference_attention,
+                                  xla_attention)
 from mjax.model.transformer import Transformer
 
 BATCH = 2
@@ -213,3 +214,116 @@ def test_segment_ids_keep_attention_inside_documents(window):
   fast = fast_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window, segment_ids=jnp.asarray(seg))
   np.testing.assert_allclose(np.asarray(ref), want, atol=1e-5)
   np.testing.assert_allclose(np.asarray(fast), want, atol=1e-5)
+
+
+# ---------------------------------------------------------------- xla_attention: blocks and its backward
+
+# (window, heads / kv_heads, segments, query block): blocks of 5-8 queries on 37
+# tokens, so most blocks skip keys (causal corner, and window 3 / 9 far back),
+# and the last block is shorter than the others.
+BLOCK_CASES = [(None, 1, False, 8), (3, 2, True, 5), (None, 4, True, 7), (9, 4, True, 4), (16, 1, False, 16)]
+
+
+@functools.lru_cache(maxsize=None)
+def _blocked_and_reference(dtype):
+  """[(outputs and q/k/v gradients of xla_attention, the same of the reference
+  by autodiff)] for BLOCK_CASES, from one compiled function."""
+  rng = np.random.default_rng(11)
+  b, s, d = 2, 37, 8
+  seg = jnp.asarray([[1] * 11 + [2] * 16 + [3] * 10, [1] * s], jnp.int32)
+  cases = []
+  for window, ratio, segments, block in BLOCK_CASES:
+    kvh = HEADS // ratio
+    q, k, v, do = (jnp.asarray(sc * rng.standard_normal((b, s, n, d)), dtype)
+                   for sc, n in ((2.0, HEADS), (2.0, kvh), (1.0, kvh), (1.0, HEADS)))
+    cases.append((q, k, v, do))
+
+  def run(cases):
+    out = []
+    for (window, _, segments, block), (q, k, v, do) in zip(BLOCK_CASES, cases):
+      ids = seg if segments else None
+
+      def value_and_grads(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+        return (fn(q, k, v),) + jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+      out.append((value_and_grads(lambda q, k, v: xla_attention(q, k, v, window, ids, block=block)),
+                  value_and_grads(lambda q, k, v: reference_attention(q, k, v, window, ids))))
+    return out
+
+  return _compile(run, cases)(cases)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('case', range(len(BLOCK_CASES)),
+                         ids=[f'w{w}-gqa{r}-seg{int(s)}-block{b}' for w, r, s, b in BLOCK_CASES])
+def test_xla_attention_blocks_and_backward_match_the_reference(dtype, case):
+  """Output and all three gradients against the reference's autodiff, with
+  query blocks that skip keys. fp32: rounding only; bf16: both paths round
+  their bf16 products differently (a few 2^-8), a wrong mask, skipped key or
+  gradient term is off by O(1) of the largest value."""
+  tol = 1e-5 if dtype == 'float32' else 3e-2
+  got, want = _blocked_and_reference(dtype)[case]
+  for name, g, w in zip(('out', 'dq', 'dk', 'dv'), got, want):
+    assert g.dtype == w.dtype == jnp.dtype(dtype), name
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    scale = np.abs(w).max()
+    assert np.abs(g - w).max() <= tol * scale, (name, np.abs(g - w).max(), scale)
+
+
+@pytest.mark.parametrize('seq,window,block', [(37, None, 8), (37, 3, 5), (300, 100, None), (256, None, None),
+                                              (2048, None, None), (8192, 1024, None), (100, 1, 7)])
+def test_query_blocks_cover_every_allowed_key(seq, window, block):
+  blocks = query_blocks(seq, window, block)
+  # The blocks tile the queries in order ...
+  assert blocks[0][0] == 0 and blocks[-1][1] == seq
+  assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+  # ... and each sees every key any of its queries may attend to.
+  allowed = np.asarray(causal_mask(seq, seq, window)) if seq <= 2048 else None
+  for q0, q1, k0 in blocks:
+    if allowed is not None:
+      assert not allowed[q0:q1, :k0].any() and not allowed[q0:q1, q1:].any()
+    else:  # the same by the window convention: query q0 sees back to q0 - window + 1
+      assert k0 == (0 if window is None else max(0, q0 - window + 1))
+
+
+def test_query_blocks_skip_the_work_attention_cannot_use():
+  # Causal: 4 blocks of seq / 4 compute 10/16 of the (q, k) matrix.
+  blocks = query_blocks(2048, None)
+  assert [q1 - q0 for q0, q1, _ in blocks] == [512] * 4
+  assert sum((q1 - q0) * (q1 - k0) for q0, q1, k0 in blocks) == 2048 * 2048 * 10 // 16
+  # Short sequences keep blocks of at least 128 queries (products stay large).
+  assert query_blocks(256, None) == ((0, 128, 0), (128, 256, 0))
+  assert query_blocks(100, None) == ((0, 100, 0),)
+  # A sliding window: blocks of the window, so the work is O(seq x window).
+  blocks = query_blocks(8192, 1024)
+  assert len(blocks) == 8 and max(q1 - k0 for _, q1, k0 in blocks) < 2 * 1024
+  # In the compiled program too: no (seq, seq) array anywhere, forward or backward.
+  b, s, h, d = 1, 1024, 2, 8
+  q = jnp.zeros((b, s, h, d))
+  loss = lambda q, k, v: jnp.sum(xla_attention(q, k, v, 64))
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).as_text()
+  assert f'{s},{s}' not in hlo and f'{s}x{s}' not in hlo
+  ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(reference_attention(q, k, v, 64)), argnums=(0, 1, 2)))
+  assert f'{s}x{s}' in ref.lower(q, q, q).as_text()  # the check can see one: the reference has them
+
+
+def _key_reductions(fn, q):
+  """Reductions in fn's gradient whose operand ends in a full key axis."""
+  jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))(q, q, q)
+  s = q.shape[1]
+  return [e.primitive.name for e in jaxpr.jaxpr.eqns
+          if e.primitive.name.startswith('reduce_') and e.invars[0].aval.ndim >= 4
+          and e.invars[0].aval.shape[-1] == s and e.params.get('axes') == (e.invars[0].aval.ndim - 1,)]
+
+
+def test_xla_attention_backward_reduces_nothing_over_the_keys():
+  """The forward's max and sum are the only reductions over the keys: the
+  softmax's backward takes its per-query sum from the output (over head_dim).
+  Autodiff of the reference reduces p * dp over the keys once more, the step
+  that ran slowly on XLA:CPU (bench/RESULTS.md)."""
+  q = jnp.zeros((1, 16, 2, 8))
+  assert sorted(_key_reductions(lambda q, k, v: xla_attention(q, k, v, None), q)) == ['reduce_max', 'reduce_sum']
+  # The check sees the reference's third one, so it would see a regression.
+  ref = _key_reductions(lambda q, k, v: reference_attention(q, k, v, None), q)
+  assert ref.count('reduce_max') == 1 and ref.count('reduce_sum') >= 2

@@ -3,8 +3,10 @@
 Two implementations compute the same function:
   * `reference_attention`: einsum + explicit mask + fp32 softmax. Plain XLA,
     easy to read, the numerical reference every other path is tested against.
-  * `fast_attention`: `jax.nn.dot_product_attention`, run as cuDNN flash
-    attention on GPU (O(seq) memory, fused kernel) and as XLA elsewhere.
+  * `fast_attention`: cuDNN flash attention through
+    `jax.nn.dot_product_attention` on GPU (O(seq) memory, fused kernel), and
+    elsewhere `xla_attention`: the reference's forward with the backward
+    written out as flash attention computes it (see there).
 
 Window convention (used everywhere in mjax, FLOP counting included): with
 window `w`, query position i attends to key positions j with i - w < j <= i,
@@ -14,6 +16,7 @@ and any w >= seq_len is the same function as full causal attention.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -26,10 +29,13 @@ from mjax.model.layers import Weights, constrain, project, project_many, rotary,
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
 
-def causal_mask(q_len: int, k_len: int, window: Optional[int]) -> jax.Array:
-  """(q_len, k_len) bool mask; True where attention is allowed."""
-  q = jnp.arange(q_len)[:, None]
-  k = jnp.arange(k_len)[None, :]
+def causal_mask(q_len: int, k_len: int, window: Optional[int], q_start: int = 0, k_start: int = 0) -> jax.Array:
+  """(q_len, k_len) bool mask; True where attention is allowed.
+
+  q_start, k_start: positions of the first query and key (a block of a longer
+  sequence)."""
+  q = jnp.arange(q_start, q_start + q_len)[:, None]
+  k = jnp.arange(k_start, k_start + k_len)[None, :]
   allowed = k <= q
   if window is not None:
     allowed &= k > q - window
@@ -54,25 +60,132 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Option
   q = q.reshape(b, s, kvh, h // kvh, d)                       # (batch, seq, kv_heads, group, head_dim)
   scores = jnp.einsum('bqhgd,bkhd->bhgqk', q, k, preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(d))
-  allowed = causal_mask(s, s, window)                          # (q, k)
-  if segment_ids is not None:
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]   # (batch, q, k)
-    allowed = allowed & same[:, None, None]
-  scores = jnp.where(allowed, scores, _MASK_VALUE)
+  scores = jnp.where(_allowed(s, window, segment_ids), scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)     # (batch, kv_heads, group, q, k)
   out = jnp.einsum('bhgqk,bkhd->bqhgd', probs, v)
   return out.reshape(b, s, h, d)
 
 
+def _allowed(s: int, window: Optional[int], segment_ids: Optional[jax.Array]) -> jax.Array:
+  """Where attention is allowed, broadcastable to (batch, kv_heads, group, q, k)."""
+  allowed = causal_mask(s, s, window)                          # (q, k)
+  if segment_ids is not None:
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]   # (batch, q, k)
+    allowed = allowed & same[:, None, None]
+  return allowed
+
+
+def query_blocks(seq: int, window: Optional[int], block: Optional[int] = None) -> tuple[tuple[int, int, int], ...]:
+  """(q0, q1, k0) per block of queries: queries q0..q1-1 see keys k0..q1-1 at most.
+
+  Causal attention never looks ahead, and a sliding window never further back
+  than window - 1 keys, so a block of queries needs only that span of keys:
+  with 4 blocks a causal layer computes 10/16 of the (q, k) matrix, and a
+  window w << seq costs O(seq * (block + w)) instead of O(seq^2). Blocks are
+  seq/4 queries (at least 128, so the products stay large), or the window
+  when that is shorter; `block` overrides that choice.
+  """
+  block = block or max(128, min(-(-seq // 4), window or seq))
+  return tuple((q0, min(seq, q0 + block), 0 if window is None else max(0, q0 - window + 1))
+               for q0 in range(0, seq, block))
+
+
+def _block_mask(blk: tuple[int, int, int], window: Optional[int],
+                segment_ids: Optional[jax.Array]) -> jax.Array:
+  """`_allowed` for one query block and its keys, broadcastable to (batch, heads, q, k)."""
+  q0, q1, k0 = blk
+  allowed = causal_mask(q1 - q0, q1 - k0, window, q0, k0)
+  if segment_ids is not None:
+    same = segment_ids[:, q0:q1, None] == segment_ids[:, None, k0:q1]
+    allowed = (allowed & same)[:, None]
+  return allowed
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
+                   blocks: tuple, segment_ids: Optional[jax.Array]) -> jax.Array:
+  return _xla_attention_fwd(q, k, v, window, blocks, segment_ids)[0]
+
+
+def _xla_attention_fwd(q, k, v, window, blocks, segment_ids):
+  scale = 1.0 / float(q.shape[-1]) ** 0.5
+  outs, probs = [], []
+  for blk in blocks:
+    q0, q1, k0 = blk
+    scores = jnp.einsum('bqhd,bkhd->bhqk', q[:, q0:q1], k[:, k0:q1], preferred_element_type=jnp.float32)
+    scores = jnp.where(_block_mask(blk, window, segment_ids), scores * scale, _MASK_VALUE)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    probs.append(e / jnp.sum(e, axis=-1, keepdims=True))   # fp32 (batch, heads, q1 - q0, q1 - k0)
+    outs.append(jnp.einsum('bhqk,bkhd->bqhd', probs[-1].astype(v.dtype), v[:, k0:q1]))
+  out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+  return out, (q, k, v, segment_ids, probs, out)
+
+
+def _xla_attention_bwd(window, blocks, res, d_out):
+  q, k, v, segment_ids, probs, out = res
+  f32 = jnp.float32
+  scale = 1.0 / float(q.shape[-1]) ** 0.5
+  # The softmax's backward needs, per query, sum_k p_k dp_k. That equals
+  # d_out . out (out = sum_k p_k v_k): a reduction over head_dim instead of
+  # over the keys, so the (q, k)-sized arrays are only read, never reduced.
+  rows = jnp.einsum('bqhd,bqhd->bhq', d_out, out, preferred_element_type=f32)[..., None]
+  dq, dk, dv = [], jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
+  for (q0, q1, k0), p in zip(blocks, probs):
+    d_probs = jnp.einsum('bqhd,bkhd->bhqk', d_out[:, q0:q1], v[:, k0:q1], preferred_element_type=f32)
+    d_scores = (p * (d_probs - rows[:, :, q0:q1]) * scale).astype(q.dtype)
+    dq.append(jnp.einsum('bhqk,bkhd->bqhd', d_scores, k[:, k0:q1], preferred_element_type=f32))
+    dk = dk.at[:, k0:q1].add(jnp.einsum('bhqk,bqhd->bkhd', d_scores, q[:, q0:q1], preferred_element_type=f32))
+    dv = dv.at[:, k0:q1].add(jnp.einsum('bhqk,bqhd->bkhd', p.astype(v.dtype), d_out[:, q0:q1],
+                                        preferred_element_type=f32))
+  dq = jnp.concatenate(dq, axis=1) if len(dq) > 1 else dq[0]
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_xla_attention.defvjp(_xla_attention_fwd, _xla_attention_bwd)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
+                  segment_ids: Optional[jax.Array] = None, block: Optional[int] = None) -> jax.Array:
+  """Same contract and function as `reference_attention`, in less time.
+
+  Two changes, both what flash attention does:
+    * Queries go in blocks, each with only the keys it can see
+      (`query_blocks`): the masked-out corner of the (q, k) matrix is never
+      computed.
+    * The backward is written out. Autodiff of the reference differentiates
+      the softmax as written: it reduces the probabilities times their
+      cotangents over the keys, and XLA:CPU fuses that reduction into the
+      product before it, which then runs at a fraction of the machine's speed
+      (bench/RESULTS.md). Here the per-query sum comes from the output instead
+      (`_xla_attention_bwd`), so each (q, k)-sized step is one product or one
+      elementwise pass.
+  The residuals are the autodiff's (the fp32 probabilities), of the blocks.
+
+  Grouped-query k and v are repeated to every query head of their group
+  (consecutive heads share one kv head); the repeat's gradient sums the group.
+  Batched products over one head axis lay out better than over (kv_heads,
+  group) on XLA:CPU, and the copies are (seq, head_dim)-sized, not (q, k).
+  """
+  s = q.shape[1]
+  group = q.shape[2] // k.shape[2]
+  if group > 1:
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  return _xla_attention(q, k, v, window, query_blocks(s, window, block), segment_ids)
+
+
 def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
                    implementation: Optional[str] = None,
                    segment_ids: Optional[jax.Array] = None) -> jax.Array:
-  """Same contract as `reference_attention`, through jax.nn.dot_product_attention.
+  """Same contract as `reference_attention`: cuDNN or `xla_attention`.
 
   Args:
-    implementation: None lets JAX choose (cuDNN on GPU when eligible, XLA
-      otherwise); 'cudnn' fails loudly if cuDNN cannot run these shapes.
+    implementation: 'cudnn' runs jax.nn.dot_product_attention's cuDNN flash
+      attention and fails loudly if cuDNN cannot run these shapes; None runs
+      `xla_attention` (jax.nn.dot_product_attention's own XLA path is the
+      reference's autodiff, which `xla_attention` is faster than).
   """
+  if implementation != 'cudnn':
+    return xla_attention(q, k, v, window, segment_ids)
   s = q.shape[1]
   local = None if window is None or window >= s else (window - 1, 0)
   mask = None
