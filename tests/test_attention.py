@@ -272,7 +272,8 @@ def test_xla_attention_blocks_and_backward_match_the_reference(dtype, case):
 
 
 @pytest.mark.parametrize('seq,window,block', [(37, None, 8), (37, 3, 5), (300, 100, None), (256, None, None),
-                                              (2048, None, None), (8192, 1024, None), (100, 1, 7)])
+                                              (2048, None, None), (8192, 1024, None), (100, 1, 7),
+                                              (32768, 128, None)])
 def test_query_blocks_cover_every_allowed_key(seq, window, block):
   blocks = query_blocks(seq, window, block)
   # The blocks tile the queries in order ...
@@ -298,6 +299,9 @@ def test_query_blocks_skip_the_work_attention_cannot_use():
   # A sliding window: blocks of the window, so the work is O(seq x window).
   blocks = query_blocks(8192, 1024)
   assert len(blocks) == 8 and max(q1 - k0 for _, q1, k0 in blocks) < 2 * 1024
+  # ... but at most 16 blocks (each is its own ops: compile time).
+  blocks = query_blocks(32768, 128)
+  assert len(blocks) == 16 and max(q1 - k0 for _, q1, k0 in blocks) < 2048 + 128
   # In the compiled program too: no (seq, seq) array anywhere, forward or backward.
   b, s, h, d = 1, 1024, 2, 8
   q = jnp.zeros((b, s, h, d))
