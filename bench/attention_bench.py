@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from mjax.model.attention import query_blocks, reference_attention, xla_attention  # noqa: E402
+from mjax.model.attention import jax_nn_attention, query_blocks, reference_attention, xla_attention  # noqa: E402
 
 # (name, batch, seq, heads, kv_heads, head_dim, window)
 SHAPES = [
@@ -39,14 +39,9 @@ SHAPES = [
 ]
 
 
-def jax_nn(q, k, v, window):
-  local = None if window is None else (window - 1, 0)
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, implementation='xla')
-
-
 PATHS = {
     'reference': lambda q, k, v, w: reference_attention(q, k, v, w),
-    'jax.nn (xla)': jax_nn,
+    'jax.nn (xla)': lambda q, k, v, w: jax_nn_attention(q, k, v, w, 'xla'),
     'mjax': lambda q, k, v, w: xla_attention(q, k, v, w),
 }
 

@@ -60,19 +60,10 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Option
   q = q.reshape(b, s, kvh, h // kvh, d)                       # (batch, seq, kv_heads, group, head_dim)
   scores = jnp.einsum('bqhgd,bkhd->bhgqk', q, k, preferred_element_type=jnp.float32)
   scores = scores / jnp.sqrt(jnp.float32(d))
-  scores = jnp.where(_allowed(s, window, segment_ids), scores, _MASK_VALUE)
+  scores = jnp.where(_allowed((0, s, 0), window, segment_ids, head_axes=2), scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)     # (batch, kv_heads, group, q, k)
   out = jnp.einsum('bhgqk,bkhd->bqhgd', probs, v)
   return out.reshape(b, s, h, d)
-
-
-def _allowed(s: int, window: Optional[int], segment_ids: Optional[jax.Array]) -> jax.Array:
-  """Where attention is allowed, broadcastable to (batch, kv_heads, group, q, k)."""
-  allowed = causal_mask(s, s, window)                          # (q, k)
-  if segment_ids is not None:
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]   # (batch, q, k)
-    allowed = allowed & same[:, None, None]
-  return allowed
 
 
 def query_blocks(seq: int, window: Optional[int], block: Optional[int] = None) -> tuple[tuple[int, int, int], ...]:
@@ -92,14 +83,15 @@ def query_blocks(seq: int, window: Optional[int], block: Optional[int] = None) -
                for q0 in range(0, seq, block))
 
 
-def _block_mask(blk: tuple[int, int, int], window: Optional[int],
-                segment_ids: Optional[jax.Array]) -> jax.Array:
-  """`_allowed` for one query block and its keys, broadcastable to (batch, heads, q, k)."""
+def _allowed(blk: tuple[int, int, int], window: Optional[int], segment_ids: Optional[jax.Array],
+             head_axes: int = 1) -> jax.Array:
+  """Where queries q0..q1-1 may attend to keys k0..q1-1 (blk = (q0, q1, k0)):
+  (q, k), or with documents (batch, 1 x head_axes, q, k)."""
   q0, q1, k0 = blk
   allowed = causal_mask(q1 - q0, q1 - k0, window, q0, k0)
   if segment_ids is not None:
-    same = segment_ids[:, q0:q1, None] == segment_ids[:, None, k0:q1]
-    allowed = (allowed & same)[:, None]
+    same = segment_ids[:, q0:q1, None] == segment_ids[:, None, k0:q1]   # (batch, q, k)
+    allowed = (allowed & same).reshape(same.shape[:1] + (1,) * head_axes + same.shape[1:])
   return allowed
 
 
@@ -115,11 +107,11 @@ def _xla_attention_fwd(q, k, v, window, blocks, segment_ids):
   for blk in blocks:
     q0, q1, k0 = blk
     scores = jnp.einsum('bqhd,bkhd->bhqk', q[:, q0:q1], k[:, k0:q1], preferred_element_type=jnp.float32)
-    scores = jnp.where(_block_mask(blk, window, segment_ids), scores * scale, _MASK_VALUE)
+    scores = jnp.where(_allowed(blk, window, segment_ids), scores * scale, _MASK_VALUE)
     e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs.append(e / jnp.sum(e, axis=-1, keepdims=True))   # fp32 (batch, heads, q1 - q0, q1 - k0)
     outs.append(jnp.einsum('bhqk,bkhd->bqhd', probs[-1].astype(v.dtype), v[:, k0:q1]))
-  out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+  out = jnp.concatenate(outs, axis=1)
   return out, (q, k, v, segment_ids, probs, out)
 
 
@@ -139,7 +131,7 @@ def _xla_attention_bwd(window, blocks, res, d_out):
     dk = dk.at[:, k0:q1].add(jnp.einsum('bhqk,bqhd->bkhd', d_scores, q[:, q0:q1], preferred_element_type=f32))
     dv = dv.at[:, k0:q1].add(jnp.einsum('bhqk,bqhd->bkhd', p.astype(v.dtype), d_out[:, q0:q1],
                                         preferred_element_type=f32))
-  dq = jnp.concatenate(dq, axis=1) if len(dq) > 1 else dq[0]
+  dq = jnp.concatenate(dq, axis=1)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -175,6 +167,18 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int
   return _xla_attention(q, k, v, window, query_blocks(s, window, block), segment_ids)
 
 
+def jax_nn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
+                     implementation: Optional[str], segment_ids: Optional[jax.Array] = None) -> jax.Array:
+  """`reference_attention`'s contract through jax.nn.dot_product_attention."""
+  s = q.shape[1]
+  local = None if window is None or window >= s else (window - 1, 0)
+  mask = None
+  if segment_ids is not None:
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (batch, 1, q, k)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
+                                      implementation=implementation)
+
+
 def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[int],
                    implementation: Optional[str] = None,
                    segment_ids: Optional[jax.Array] = None) -> jax.Array:
@@ -188,13 +192,7 @@ def fast_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: Optional[in
   """
   if implementation != 'cudnn':
     return xla_attention(q, k, v, window, segment_ids)
-  s = q.shape[1]
-  local = None if window is None or window >= s else (window - 1, 0)
-  mask = None
-  if segment_ids is not None:
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (batch, 1, q, k)
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
-                                      implementation=implementation)
+  return jax_nn_attention(q, k, v, window, 'cudnn', segment_ids)
 
 
 def cudnn_eligible(q: jax.Array) -> bool:
