@@ -23,8 +23,8 @@ from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
-from mjax.model.layers import (Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs,
-                               make_norm, out_proj_std, project_many, project_sum)
+from mjax.model.layers import (Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
+                               matmul, out_proj_std, project_many, project_sum)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
 ACT = ('batch', 'residual_seq', 'embed')
@@ -261,10 +261,10 @@ class Transformer(nn.Module):
     if c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one
       # all-gather of the embedding per step instead of two.
-      logits = jnp.einsum('bse,ve->bsv', x, head_table)
+      logits = matmul(x, head_table, kernel_in_last=True)
     else:
       head = self.param('lm_head', nn.with_logical_partitioning(
           nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)
-      logits = jnp.einsum('bse,ev->bsv', x, head.astype(dtype))
+      logits = matmul(x, head.astype(dtype))
     # The softmax / loss run in fp32 whatever the compute dtype.
     return constrain(logits.astype(jnp.float32), ('batch', 'seq', 'vocab'))
