@@ -71,14 +71,17 @@ def query_blocks(seq: int, window: Optional[int], block: Optional[int] = None) -
 
   Causal attention never looks ahead, and a sliding window never further back
   than window - 1 keys, so a block of queries needs only that span of keys:
-  with 4 blocks a causal layer computes 10/16 of the (q, k) matrix, and a
+  with 8 blocks a causal layer computes 9/16 of the (q, k) matrix, and a
   window w << seq costs O(seq * (block + w)) instead of O(seq^2). Blocks are
-  seq/4 queries (at least 128, so the products stay large), or the window
+  seq/8 queries (at least 128, so the products stay large), or the window
   when that is shorter, but never more than 16 blocks: each is its own ops in
   the program, so a short window on a long sequence must not multiply the
-  compile time. `block` overrides that choice.
+  compile time. Measured on CPU (bench/RESULTS.md), forward + backward at
+  seq 2048: seq/8 against seq/4 1.13x as fast, 1.37x with a 512 window; 16
+  blocks were no faster than 8, and at seq 256 blocks of 64 did not speed up
+  the peer model's step. `block` overrides that choice.
   """
-  block = block or max(128, -(-seq // 16), min(-(-seq // 4), window or seq))
+  block = block or max(128, -(-seq // 16), min(-(-seq // 8), window or seq))
   return tuple((q0, min(seq, q0 + block), 0 if window is None else max(0, q0 - window + 1))
                for q0 in range(0, seq, block))
 
