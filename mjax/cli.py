@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -39,6 +40,27 @@ def entry_point(prog: str):
   return wrap
 
 
+def _interrupted(prog: str) -> None:
+  print(f'{prog}: interrupted; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(protocol.EXIT_INTERRUPTED)
+
+
+def _exit_on_ctrl_c(prog: str) -> None:
+  """Ctrl-C outside the training loop (start-up, compilation, the last save;
+  the loop's own handler stops it cleanly on the first one, and passes a
+  second one here): nothing more to save, leave at once with status 130.
+
+  Done in the handler, not through KeyboardInterrupt: Python raises that
+  wherever the main thread happens to be, and one raised inside a garbage
+  collector callback (JAX registers one) is printed and dropped, so Ctrl-C
+  in start-up was now and then ignored and the job trained on. Leaving with
+  os._exit also skips unwinding through XLA's running threads, which can
+  crash at interpreter exit.
+  """
+  signal.signal(signal.SIGINT, lambda signum, frame: _interrupted(prog))
+
+
 @entry_point('mjax-train')
 def train_main(argv: Optional[Sequence[str]] = None) -> None:
   """mjax-train: trains a model described by gin files."""
@@ -55,6 +77,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     print(_resolved_config(args, bindings), flush=True)
     return
   workdir = args.workdir or os.path.join('runs', flags.run_name(args))
+  _exit_on_ctrl_c(prog)
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   try:
     cfg = flags.setup(flags.gin_files(args), bindings)
@@ -69,13 +92,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     # (roll back, skip the data) from a crash (restart as is).
     print(f'{prog}: error: {e}; last good checkpoint kept', file=sys.stderr)
     sys.exit(protocol.EXIT_NONFINITE)
-  except KeyboardInterrupt:
-    # Ctrl-C during start-up or compilation (the loop itself stops cleanly on
-    # the first one), or a second Ctrl-C: nothing more to save. Leave at once:
-    # unwinding through XLA's running threads at interpreter exit can crash.
-    print(f'{prog}: interrupted; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(protocol.EXIT_INTERRUPTED)
+  except KeyboardInterrupt:   # a SIGINT handler of some library's own, restored on its way out
+    _interrupted(prog)
   if summary.driver_lost:
     print(f'{prog}: stopped after step {summary.final_step}: the fault-tolerance driver is gone '
           f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',

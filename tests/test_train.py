@@ -95,6 +95,27 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, repo_roo
   assert 'interrupted' in err and 'Traceback' not in err, err[-2000:]
 
 
+def test_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(repo_root):
+  # Python drops a KeyboardInterrupt raised in a gc callback (JAX registers
+  # one): a Ctrl-C landing there in start-up was ignored and the job trained
+  # on. mjax-train's handler leaves from the handler itself.
+  code = (
+      'import gc, os, signal, time\n'
+      'from mjax import cli\n'
+      'cli._exit_on_ctrl_c("mjax-train")\n'
+      'def cb(phase, info):\n'
+      '  if phase == "start" and not getattr(cb, "done", False):\n'
+      '    cb.done = True\n'
+      '    os.kill(os.getpid(), signal.SIGINT)\n'
+      '    time.sleep(5)\n'
+      'gc.callbacks.append(cb)\n'
+      'gc.collect()\n'
+      'print("trained on", flush=True)\n')
+  p = subprocess.run([sys.executable, '-c', code], cwd=repo_root, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 130 and 'trained on' not in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
+  assert 'interrupted' in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]
+
+
 def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_path):
   from mjax.metrics import MetricsWriter, read_metrics as read
   first = MetricsWriter(str(tmp_path))
