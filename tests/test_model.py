@@ -460,3 +460,27 @@ def test_joined_projections_are_one_product_under_tensor_parallelism(fuse, dots)
     jaxpr = jax.make_jaxpr(lambda p: block.apply({'params': p}, x, pos))(params)
   n = sum(e.primitive.name == 'dot_general' for e in jaxpr.jaxpr.eqns)
   assert n == dots + 2  # + the reference attention's two einsums
+
+
+def _both_transposed_dots(hlo: str) -> list[str]:
+  """Plain dots of 2-D operands that contract the leading dim of the lhs and
+  the trailing dim of the rhs: both operands transposed."""
+  return [line.strip()[:160] for line in hlo.splitlines()
+          if ' dot(' in line and 'lhs_contracting_dims={0}' in line and 'rhs_contracting_dims={1}' in line
+          and 'batch_dims' not in line]
+
+
+def test_weight_gradients_are_plain_2d_products():
+  # With (batch, seq) both contracted, XLA:CPU computed the head's and the
+  # MLP output's weight gradients with both operands transposed (and a
+  # transposed copy of the logits' gradient first), at a quarter of a plain
+  # product's speed. As 2-D products (layers.matmul) they are plain.
+  cfg = dataclasses.replace(SMALL, tie_embeddings=False, n_kv_heads=None, use_bias=False, d_model=64,
+                            d_ff=128, vocab_size=256)
+  model = Transformer(cfg)
+  tokens = _tokens(seq=32, batch=4, vocab=cfg.vocab_size)
+  params = _random_params(model.init, tokens)
+  cotangent = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32, cfg.vocab_size)), jnp.float32)
+  loss = lambda p: jnp.sum(model.apply({'params': p}, tokens) * cotangent)
+  hlo = _compile(jax.grad(loss), params).as_text()
+  assert not _both_transposed_dots(hlo), _both_transposed_dots(hlo)
