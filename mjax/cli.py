@@ -92,7 +92,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     # (roll back, skip the data) from a crash (restart as is).
     print(f'{prog}: error: {e}; last good checkpoint kept', file=sys.stderr)
     sys.exit(protocol.EXIT_NONFINITE)
-  except KeyboardInterrupt:   # a SIGINT handler of some library's own, restored on its way out
+  except KeyboardInterrupt:   # only where something put Python's default SIGINT handler back
     _interrupted(prog)
   if summary.driver_lost:
     print(f'{prog}: stopped after step {summary.final_step}: the fault-tolerance driver is gone '
