@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from mjax.config import OptimConfig
+from mjax import optim
 from mjax.optim import decay_mask, learning_rate_schedule, make_optimizer
 
 L = 3  # layers of the stacked (scanned) params
@@ -252,3 +253,25 @@ def test_decay_mask_skips_scales_and_biases():
       ('layers', 'block_0', 'norm', 'bias'): False,
       ('layers', 'block_0', 'mlp', 'wi', 'kernel'): True,
   }
+
+
+
+def test_clipping_is_fused_into_the_moments():
+  # optax's clip selects between g and a divided copy of g, which XLA keeps
+  # in memory for both moments' passes; mjax's clip is a scalar factor that
+  # fuses into them. The compiled update must move less memory, by at least
+  # one gradient's worth, with the same result.
+  params = {'a': jnp.ones((512, 512)), 'b': jnp.full((512, 512), 2.0)}
+  grads = jax.tree.map(lambda p: p * 3.0, params)        # global norm well above 1
+  one_grad = 4 * 512 * 512
+  results, moved = [], []
+  for clip in (optim.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)):
+    tx = optax.chain(clip, optax.scale_by_adam())
+    fn = jax.jit(lambda g, s, tx=tx: tx.update(g, s))
+    state = tx.init(params)
+    cost = fn.lower(grads, state).compile().cost_analysis()
+    moved.append((cost[0] if isinstance(cost, list) else cost)['bytes accessed'])
+    results.append(fn(grads, state)[0])
+  assert moved[0] <= moved[1] - one_grad, moved
+  for k in params:
+    np.testing.assert_allclose(results[0][k], results[1][k], rtol=1e-6)
