@@ -27,6 +27,7 @@ from mjax.config import Config
 from mjax.errors import UserError
 from mjax.model import Transformer
 from mjax.model.transformer import LayerGroup, remat
+from mjax.model.loss import cross_entropy
 from mjax.optim import make_optimizer
 from mjax.parallel import logical_rules, pipeline
 
@@ -263,7 +264,7 @@ def _loss_fn(cfg: Config, model: Transformer):
 
   def loss_sums(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
     logits = forward(params, batch)                               # (batch, seq, vocab) fp32
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    nll = cross_entropy(logits, batch['targets'])
     return jnp.sum(nll * batch['loss_mask']), jnp.sum(batch['loss_mask'])
   if pipe and cfg.mesh.pipeline_schedule == '1f1b':
     return _one_f_one_b_loss(cfg, model, group_fn, loss_sums)
@@ -286,13 +287,7 @@ def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
   def head_fn(rest, h, head_aux):
     targets, mask = head_aux
     logits = model.apply({'params': rest}, None, part='head', hidden=h)   # (mb, seq, vocab) fp32
-    # optax's form, log-sum-exp less the target's logit, with the target's
-    # logit picked by a masked sum instead of a gather: the same value, and
-    # XLA's partitioner cannot yet split a gather over a vocab-sharded
-    # (tensor-parallel) axis inside the schedule's shard_map.
-    picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
-    nll = jax.nn.logsumexp(logits, axis=-1) - picked
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    return jnp.sum(cross_entropy(logits, targets) * mask), jnp.sum(mask)
 
   def with_grads(params, batch: Batch):
     rest = {k: v for k, v in params.items() if k != 'layers'}
