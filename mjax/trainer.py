@@ -259,7 +259,9 @@ class Trainer:
     it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
                                       process_index=jax.process_index(), process_count=jax.process_count())
     if data_state:
-      it.set_state(data_state)   # continue exactly where the data stopped
+      note = data_lib.restore_position(it, data_state, cfg.train.global_batch_size, cfg.data.seq_len)
+      if note:
+        self.say(f'mjax: {note}')
     for _ in range(cfg.train.skip_batches):
       next(it)
     if cfg.train.skip_batches:
@@ -269,7 +271,8 @@ class Trainer:
   def _save(self, step: int, meta: dict, force: bool = False) -> None:
     if self.ckpt is not None and (force or self.ckpt.due(step)):
       with self.program.context():
-        self.ckpt.save(step, self.program.to_canonical(self.state), self.train_iter.get_state(),
+        self.ckpt.save(step, self.program.to_canonical(self.state),
+                       data_lib.position(self.train_iter, self.cfg.train.global_batch_size, self.cfg.data.seq_len),
                        meta, force=force)
 
   def _mark(self, phase: str) -> None:

@@ -288,3 +288,45 @@ def test_prepare_reads_json_lines(tmp_path):
   assert manifest['split'] == 'file'
   total = sum(s['tokens'] for s in manifest['shards'])
   assert total == sum(len(f'doc {i} ' * 5) + 1 for i in range(50))
+
+
+@pytest.mark.parametrize('old_batch, new_batch', [(8, 16), (8, 4), (8, 12)])
+def test_position_continues_the_same_rows_after_a_batch_size_change(old_batch, new_batch):
+  """A resume with another global batch size reads on from the row where the
+  saved run stopped, in the same order: nothing skipped, and at most one
+  new batch's worth of rows read again when the boundaries do not line up."""
+  from mjax.config import DataConfig as DC
+  cfg = DC(source='stdlib', seq_len=32)
+  whole = np.concatenate([b['inputs'] for b in _take(data.make_train_iterator(cfg, 4), 12)])
+  old = data.make_train_iterator(cfg, old_batch)
+  _take(old, 3)
+  state = json.loads(json.dumps(data.position(old, old_batch, 32)))
+  assert state['global_batch_size'] == old_batch and state['seq_len'] == 32
+  resumed = data.make_train_iterator(cfg, new_batch)
+  note = data.restore_position(resumed, state, new_batch, 32)
+  rows = 3 * old_batch
+  start = rows // new_batch * new_batch
+  assert f'row {rows}' in note and f'changed from {old_batch} to {new_batch}' in note
+  assert ('again' in note) == (start != rows)
+  np.testing.assert_array_equal(next(resumed)['inputs'], whole[start:start + new_batch])
+
+
+def test_position_restores_exactly_or_restarts_on_another_seq_len():
+  from mjax.config import DataConfig as DC
+  cfg = DC(source='stdlib', seq_len=32)
+  it = data.make_train_iterator(cfg, 8)
+  _take(it, 2)
+  state = data.position(it, 8, 32)
+  want = next(it)['inputs']
+  same = data.make_train_iterator(cfg, 8)
+  assert data.restore_position(same, state, 8, 32) == ''
+  np.testing.assert_array_equal(next(same)['inputs'], want)
+  # A state from before the shape was saved is grain's alone: same shape.
+  older = data.make_train_iterator(cfg, 8)
+  assert data.restore_position(older, {'next_index': 2}, 8, 32) == ''
+  np.testing.assert_array_equal(next(older)['inputs'], want)
+  other = data.make_train_iterator(DC(source='stdlib', seq_len=16), 8)
+  note = data.restore_position(other, state, 8, 16)
+  assert 'seq_len changed from 32 to 16' in note and 'beginning' in note
+  first = next(data.make_train_iterator(DC(source='stdlib', seq_len=16), 8))['inputs']
+  np.testing.assert_array_equal(next(other)['inputs'], first)

@@ -16,7 +16,8 @@ never pads).
 from mjax.data.corpus import EOS_ID, PAD_ID, VOCAB_SIZE, load_corpus
 from mjax.data.errors import DataError
 from mjax.data.packing import document_ids_and_positions
-from mjax.data.pipeline import describe, make_eval_batches, make_train_iterator
+from mjax.data.pipeline import (describe, make_eval_batches, make_train_iterator, position,
+                                restore_position)
 from mjax.data.shards import open_shards, prepare_shards, verify_shards
 from mjax.data.sources import load_sources
 from mjax.data.tokenizer import load_tokenizer, train_bpe
@@ -24,6 +25,7 @@ from mjax.data.tokenizer import load_tokenizer, train_bpe
 __all__ = [
     'EOS_ID', 'PAD_ID', 'VOCAB_SIZE', 'DataError',
     'describe', 'document_ids_and_positions', 'load_corpus', 'load_sources', 'load_tokenizer',
-    'make_eval_batches', 'make_train_iterator', 'open_shards', 'prepare_shards', 'train_bpe',
+    'make_eval_batches', 'make_train_iterator', 'open_shards', 'position', 'prepare_shards',
+    'restore_position', 'train_bpe',
     'verify_shards',
 ]

@@ -14,8 +14,10 @@ k at step k.
 
 Everything before the background reader is a grain MapDataset, a pure
 function of the batch index, so the iterator's state is one integer
-(`{'next_index': k}` from `get_state()`), restored with `set_state()` given
-the same config and batch size.
+(`{'next_index': k}` from `get_state()`). A checkpoint stores it with the
+batch's shape (`position`); `restore_position` puts it back, and converts it
+to the same row of the stream when the global batch size changed (the row
+order does not depend on the batch size; windows do depend on seq_len).
 
 Evaluation takes the held-out windows of every source in order (unshuffled),
 interleaved with the same weights, wrapping around when a split runs out.
@@ -35,7 +37,7 @@ from mjax.data.packing import Batch, Windows, num_windows, rows_from_windows
 from mjax.data.sources import TokenSource, load_sources
 
 __all__ = ['describe', 'make_eval_batches', 'make_train_dataset', 'make_train_iterator',
-           'num_windows']
+           'num_windows', 'position', 'restore_position']
 
 # A row id is window_id + (source index << _SOURCE_SHIFT): one int64 per row
 # keeps grain's batching a plain np.stack.
@@ -183,6 +185,47 @@ def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_inde
   """
   return iter(make_train_dataset(cfg, global_batch_size, process_index=process_index,
                                  process_count=process_count))
+
+
+_SHAPE_KEYS = ('global_batch_size', 'seq_len')
+
+
+def position(it: grain.DatasetIterator, global_batch_size: int, seq_len: int) -> dict:
+  """The train iterator's position for a checkpoint: grain's state (the next
+  global batch's index) and the shape of the batches it counts."""
+  return {**it.get_state(), 'global_batch_size': int(global_batch_size), 'seq_len': int(seq_len)}
+
+
+def restore_position(it: grain.DatasetIterator, state: dict, global_batch_size: int,
+                     seq_len: int) -> str:
+  """Moves `it` (a fresh train iterator) to a saved `position`.
+
+  Same batch shape: exactly where the saved run stopped. Another global
+  batch size: the same row of the same order, at the batch that holds it;
+  a batch index alone would skip or repeat (k batches of 8 rows are not k
+  batches of 16). Another seq_len cuts other windows, so no row corresponds
+  and the order starts from its beginning. A state saved without the shape
+  (older checkpoints) is taken as the same shape.
+
+  Returns:
+    '' when the position was restored exactly, else one sentence for the log
+    saying what was done instead.
+  """
+  saved_b = int(state.get('global_batch_size', global_batch_size))
+  saved_s = int(state.get('seq_len', seq_len))
+  grain_state = {k: v for k, v in state.items() if k not in _SHAPE_KEYS}
+  if saved_s != seq_len:
+    return (f'seq_len changed from {saved_s} to {seq_len}: windows are cut differently, so the data '
+            'order starts again from its beginning')
+  if saved_b == global_batch_size:
+    it.set_state(grain_state)
+    return ''
+  rows = int(grain_state['next_index']) * saved_b
+  k, again = divmod(rows, global_batch_size)
+  it.set_state({**grain_state, 'next_index': k})
+  return (f'global batch size changed from {saved_b} to {global_batch_size}: the data continues at row '
+          f'{rows:,} of the same order (batch {k:,})'
+          + (f', reading its last {again} rows again' if again else ''))
 
 
 def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int, *,
