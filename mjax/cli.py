@@ -112,8 +112,10 @@ def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:
   mesh = dict(zip(cfg.mesh.AXES, (i * j for i, j in zip(config_lib.resolve_mesh_shape(cfg.mesh, n),
                                                           cfg.mesh.dcn_shape()))))
   replica = cfg.train.global_batch_size // (mesh['data'] * mesh['fsdp'])
-  est = estimate_memory(cfg, mesh, replica // cfg.train.grad_accum_steps,
-                        sequence_parallel=cfg.mesh.sequence_parallel)
+  micro = replica // cfg.train.grad_accum_steps
+  if cfg.mesh.pipelined:
+    micro //= cfg.mesh.num_microbatches()
+  est = estimate_memory(cfg, mesh, micro, sequence_parallel=cfg.mesh.sequence_parallel)
   f = report(cfg.model, cfg.data.seq_len)
   tokens = cfg.train.global_batch_size * cfg.data.seq_len
   return '\n'.join([

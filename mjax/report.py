@@ -176,7 +176,10 @@ def memory(prog: str, argv: list[str]) -> int:
   p.add_argument('--micro_batch', type=int, default=1,
                  help='sequences per micro-batch per data-parallel replica (default 1, as Megatron '
                       'runs GPT-3 175B; 0: the whole replica batch, no accumulation)')
-  p.add_argument('--schedule', choices=('1f1b', 'gpipe'), default='1f1b', help='pipeline schedule')
+  p.add_argument('--schedule', choices=('circular', '1f1b'), default=None,
+                 help="pipeline schedule (default: the config's MeshConfig.pipeline_schedule)")
+  p.add_argument('--virtual_stages', type=int, default=None,
+                 help="layer chunks per pipeline stage (default: the config's MeshConfig.virtual_stages)")
   p.add_argument('--attention', choices=('auto', 'flash', 'materialized'), default='auto',
                  help='auto: flash unless ModelConfig.attention_impl is xla')
   p.add_argument('--sequence_parallel', action='store_true', help='split norms / residuals over tensor too')
@@ -192,7 +195,7 @@ def memory(prog: str, argv: list[str]) -> int:
   flash = {'auto': None, 'flash': True, 'materialized': False}[args.attention]
   try:
     est = estimate_memory(cfg, mesh, args.micro_batch or None, flash=flash, schedule=args.schedule,
-                          sequence_parallel=args.sequence_parallel)
+                          virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
   except ValueError as e:   # a mesh or micro-batch that does not fit the config
     raise UserError(str(e)) from None
   print(format_estimate(est))

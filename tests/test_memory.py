@@ -38,17 +38,46 @@ def test_data_fsdp_tensor_mesh_by_hand():
   assert est.info['micro_batch'] == 4 and est.info['in_flight'] == 1
 
 
-def test_pipeline_stages_and_in_flight_micro_batches():
-  est = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False)
+def test_pipeline_stages_and_what_each_schedule_keeps():
+  est = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='circular')
   # Layers split into 2 stages; embedding and final norm stay whole.
   assert est.get('parameters') == (49152 + 256 + 4 * 131328 / 2) * 4
-  # 16 / 2 = 8 micro-batches; 1F1B keeps min(2 stages, 8) in flight.
-  assert (est.info['micro_batches'], est.info['in_flight'], est.info['layers_per_stage']) == (8, 2, 2)
+  # 16 / 2 = 8 micro-batches; the circular schedule's autodiff keeps all of
+  # them, for each of the stage's 2 layers.
+  assert (est.info['micro_batches'], est.info['in_flight'], est.info['layers_per_stage']) == (8, 8, 2)
   sb, e = 64 * 2, 2
   layer = 2 * e * sb * 128 + e * sb * 512 + 2 * e * sb * 256 + e * 4 * 64 * 64 * 2
-  assert est.get('activations (layers)') == 2 * layer * 2
-  gpipe = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='gpipe')
-  assert gpipe.get('activations (layers)') == 2 * layer * 8
+  assert est.get('activations (layers)') == 2 * layer * 8
+  # 1F1B with v = 2 chunks of one layer: at most min(2 v p, m v) = 8 chunk
+  # inputs (one layer input each), and one chunk recomputed.
+  one = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='1f1b',
+                        virtual_stages=2)
+  assert one.info['in_flight'] == 8
+  assert one.get('activations (layers)') == 8 * e * sb * 128
+  assert one.get('activations (recompute)') == 1 * layer
+  # The config's schedule and chunks are the defaults.
+  cfg = small('MeshConfig.pipeline = 2', 'MeshConfig.virtual_stages = 2', 'MeshConfig.pipeline_schedule = "1f1b"')
+  assert estimate_memory(cfg, {'pipeline': 2}, micro_batch=2, flash=False).rows == one.rows
+  with pytest.raises(ValueError, match='virtual stages'):
+    estimate_memory(small(), {'pipeline': 2}, micro_batch=2, schedule='1f1b', virtual_stages=3)
+
+
+def test_print_config_estimates_the_pipeline_it_would_run(repo_root, capsys):
+  # --print_config takes the micro-batches, chunks and schedule from the
+  # config (the trainer's own), not the whole replica batch as one micro-batch.
+  from mjax import cli
+  out = {}
+  for schedule in ('circular', '1f1b'):
+    cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', '--gin.ModelConfig.n_layers=16',
+                    '--gin.MeshConfig.data=2', '--gin.MeshConfig.pipeline=4', '--gin.MeshConfig.virtual_stages=2',
+                    '--gin.MeshConfig.microbatches=4', f'--gin.MeshConfig.pipeline_schedule={schedule}'])
+    out[schedule] = capsys.readouterr().out
+  # tiny: global batch 8 over data 2 -> 4 sequences per replica in 4 micro-batches of 1.
+  for schedule, text in out.items():
+    assert 'micro-batch 1 sequence(s) x 4 per replica per step, 4 layers/stage in 2 chunks' in text
+    assert f'({schedule})' in text
+  assert '4 micro-batch(es) in flight' in out['circular']
+  assert '8 chunk inputs kept' in out['1f1b'] and 'one chunk of 2 layer(s) recomputed' in out['1f1b']
 
 
 def test_remat_policies_keep_less():

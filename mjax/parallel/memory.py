@@ -46,10 +46,14 @@ The parallel block with fuse_projections='all' has one output projection
 
 Sharding of activations: the batch is split over data x fsdp (each replica
 holds global_batch / (data x fsdp) sequences, processed in micro-batches of
-`micro_batch`), heads / MLP over tensor, and layers over pipeline stages. A
-pipeline stage holds its n_layers / pipeline layers for every micro-batch in
-flight: with a 1F1B schedule the first stage has min(pipeline, micro-batches)
-in flight (the worst stage), with GPipe all of them. The fp32 logits
+`micro_batch`), heads / MLP over tensor, and layers over pipeline stages
+(each stage's n_layers / pipeline layers in v = virtual_stages chunks). What
+a stage keeps depends on mjax's pipeline schedule (mjax/parallel/pipeline.py):
+the circular schedule's autodiff keeps every micro-batch's activations of all
+its layers (m micro-batches in flight); the interleaved 1F1B schedule keeps
+only its chunks' inputs between their forward and backward, at most
+min(2 v p, m v) of them (one layer input each), and recomputes one chunk
+(n_layers / (p v) layers under the remat policy) in its backward. The fp32 logits
 (4 b s vocab / t) of the last stage are added; totals assume one device holds
 both (exact without pipelining, conservative with it). FSDP adds two gathered
 layer groups in the compute dtype (the one in use and the next, prefetched).
@@ -144,8 +148,8 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
 
 def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[int] = None, *,
                     flash: Optional[bool] = None, sequence_parallel: bool = False,
-                    schedule: str = '1f1b', params: Optional[list[ParamInfo]] = None,
-                    ) -> MemoryEstimate:
+                    schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
+                    params: Optional[list[ParamInfo]] = None) -> MemoryEstimate:
   """Per-device memory of `cfg` on a mesh of the given sizes (see module doc).
 
   Args:
@@ -157,7 +161,9 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     flash: attention without s^2 probabilities; default: True unless
       ModelConfig.attention_impl is 'xla' (cuDNN flash attention on GPU).
     sequence_parallel: activations outside attention / MLP split over tensor.
-    schedule: '1f1b' or 'gpipe': how many micro-batches a stage holds.
+    schedule: mjax's pipeline schedule, 'circular' or '1f1b' (default
+      cfg.mesh.pipeline_schedule): what a stage keeps (see module doc).
+    virtual_stages: layer chunks per stage (default cfg.mesh.virtual_stages).
     params: ParamInfo list (default: from cfg.model and the logical rules).
   Returns:
     MemoryEstimate.
@@ -179,10 +185,16 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
   if replica_batch % b:
     raise ValueError(f'micro-batch {b} does not divide the per-replica batch {replica_batch}')
   n_micro = replica_batch // b
-  if schedule not in ('1f1b', 'gpipe'):
-    raise ValueError(f"schedule must be '1f1b' or 'gpipe', not {schedule!r}")
-  in_flight = 1 if pp == 1 else (min(pp, n_micro) if schedule == '1f1b' else n_micro)
+  schedule = schedule or cfg.mesh.pipeline_schedule
+  if schedule not in ('circular', '1f1b'):
+    raise ValueError(f"schedule must be 'circular' or '1f1b', not {schedule!r}")
+  v = (virtual_stages or cfg.mesh.virtual_stages) if pp > 1 else 1
   layers_per_stage = math.ceil(m.n_layers / pp)
+  if pp > 1 and (v < 1 or layers_per_stage % v):
+    raise ValueError(f'{layers_per_stage} layers per stage do not split into {v} virtual stages')
+  one_f_one_b = pp > 1 and schedule == '1f1b'
+  # Micro-batches (circular) or chunk inputs (1F1B) a stage holds at once.
+  in_flight = 1 if pp == 1 else (min(2 * v * pp, n_micro * v) if one_f_one_b else n_micro)
   flash = m.attention_impl != 'xla' if flash is None else flash
   params = param_infos(m) if params is None else params
 
@@ -200,17 +212,29 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
                  f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
   per_layer, working = activation_bytes_per_layer(
       cfg, b, t, flash=flash, sequence_parallel=sequence_parallel)
-  rows.append(('activations (layers)', per_layer * layers_per_stage * in_flight,
-               f'{per_layer / 2**20:,.1f} MiB/layer x {layers_per_stage} layers/stage x '
-               f'{in_flight} micro-batch(es) in flight (remat {m.remat_policy!r})'))
-  if working:
-    rows.append(('activations (recompute)', working, 'one layer rematerialized in the backward'))
+  if one_f_one_b:
+    chunk_input = jnp.dtype(m.dtype).itemsize * cfg.data.seq_len * b * m.d_model / (
+        t if sequence_parallel else 1)
+    rows.append(('activations (layers)', chunk_input * in_flight,
+                 f'{in_flight} chunk inputs kept (min(2 v p, m v), v = {v}) x '
+                 f'{chunk_input / 2**20:,.1f} MiB'))
+    chunk = layers_per_stage // v
+    rows.append(('activations (recompute)', chunk * per_layer + working,
+                 f'one chunk of {chunk} layer(s) recomputed in its backward '
+                 f'({per_layer / 2**20:,.1f} MiB/layer, remat {m.remat_policy!r})'))
+  else:
+    rows.append(('activations (layers)', per_layer * layers_per_stage * in_flight,
+                 f'{per_layer / 2**20:,.1f} MiB/layer x {layers_per_stage} layers/stage x '
+                 f'{in_flight} micro-batch(es) in flight (remat {m.remat_policy!r})'))
+    if working:
+      rows.append(('activations (recompute)', working, 'one layer rematerialized in the backward'))
   vocab_split = t if any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']")) else 1
   rows.append(('logits', 4 * b * cfg.data.seq_len * m.vocab_size / vocab_split,
                f'fp32 (micro-batch, seq, vocab / {vocab_split}), last stage'))
   info = dict(mesh=sizes, devices=math.prod(sizes.values()), micro_batch=b,
               micro_batches=n_micro, in_flight=in_flight, layers_per_stage=layers_per_stage,
-              flash=flash, sequence_parallel=sequence_parallel, schedule=schedule,
+              virtual_stages=v, flash=flash, sequence_parallel=sequence_parallel,
+              schedule=schedule if pp > 1 else 'no pipeline',
               params=sum(p.size for p in params))
   return MemoryEstimate(rows, info)
 
@@ -219,10 +243,12 @@ def format_estimate(est: MemoryEstimate) -> str:
   """The estimate as a table, with the assumptions above it."""
   i = est.info
   lines = [f'per-device memory estimate: mesh {i["mesh"]} ({i["devices"]} devices), '
-           f'{i["params"] / 1e9:.2f}B parameters',
+           + (f'{i["params"] / 1e9:.2f}B' if i['params'] >= 1e9 else f'{i["params"] / 1e6:.2f}M')
+           + ' parameters',
            f'micro-batch {i["micro_batch"]} sequence(s) x {i["micro_batches"]} per replica per step, '
-           f'{i["layers_per_stage"]} layers/stage, {i["in_flight"]} micro-batch(es) in flight '
-           f'({i["schedule"]}), attention: {"flash" if i["flash"] else "materialized s^2"}'
+           f'{i["layers_per_stage"]} layers/stage'
+           + (f' in {i["virtual_stages"]} chunks' if i['virtual_stages'] > 1 else '')
+           + f' ({i["schedule"]}), attention: {"flash" if i["flash"] else "materialized s^2"}'
            f'{", sequence parallel" if i["sequence_parallel"] else ""}', '']
   w = max(len(r[0]) for r in est.rows)
   for name, nbytes, how in est.rows:
