@@ -52,6 +52,22 @@ def find_trace(path: str) -> str:
   return hits[-1]
 
 
+def traced_steps(path: str, trace: str) -> int:
+  """The step count recorded beside the trace, in `path` or a folder above
+  the trace file up to it."""
+  top = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
+  d = os.path.dirname(os.path.abspath(trace))
+  while True:
+    f = os.path.join(d, 'profile_steps.json')
+    if os.path.exists(f):
+      with open(f) as fh:
+        return int(json.load(fh)['steps'])
+    if d == top or os.path.dirname(d) == d:
+      raise SystemExit(f'trace_summary: no profile_steps.json beside {trace} (traces from mjax-train and '
+                       'train_bench.py --profile have one): give --steps N, the train steps it holds')
+    d = os.path.dirname(d)
+
+
 def kind_of(name: str) -> str:
   for kind, pat in KINDS:
     if pat.search(name):
@@ -148,7 +164,9 @@ def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
 def main(argv=None):
   p = argparse.ArgumentParser('trace_summary', description=__doc__.splitlines()[0])
   p.add_argument('path', help='a perfetto_trace.json.gz or a folder holding one')
-  p.add_argument('--steps', type=int, default=2, help='steps the trace holds')
+  p.add_argument('--steps', type=int, default=None,
+                 help='steps the trace holds (default: from profile_steps.json, which mjax-train\'s '
+                      'profiler and train_bench.py --profile write beside the trace)')
   p.add_argument('--top', type=int, default=25)
   p.add_argument('--hlo', default='', help='the step\'s optimized HLO text (default: train_step.hlo.txt '
                  'in the trace\'s folder, when there)')
@@ -157,7 +175,8 @@ def main(argv=None):
   text = open(hlo).read() if hlo and os.path.exists(hlo) else ''
   if args.hlo and not text:
     raise SystemExit(f'trace_summary: --hlo {args.hlo}: no such file')
-  print(summarize(find_trace(args.path), args.steps, args.top, text))
+  trace = find_trace(args.path)
+  print(summarize(trace, args.steps or traced_steps(args.path, trace), args.top, text))
 
 
 if __name__ == '__main__':

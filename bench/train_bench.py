@@ -24,6 +24,9 @@ from mjax import flags
 from mjax.devices import peak_flops, peak_memory_bytes
 from mjax.model.flops import flops_per_token
 from mjax.parallel import make_mesh
+from mjax.trainer import write_profile_steps
+
+PROFILE_STEPS = 2
 
 HEADER = ('| config | devices | tokens/s | step time (s) | FLOPs/token | achieved TFLOP/s '
           '| peak TFLOP/s (source) | MFU | peak memory |\n'
@@ -53,9 +56,10 @@ def bench(cfg, steps: int, warmup: int, profile_dir: str = '') -> dict:
       with open(os.path.join(profile_dir, 'train_step.hlo.txt'), 'w') as fh:
         fh.write(program.step.lower(program.abstract_state(), program.abstract_batch()).compile().as_text())
       with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-        for _ in range(2):
+        for _ in range(PROFILE_STEPS):
           state, m = program.step(state, program.to_global(next(it)))
         jax.block_until_ready((state, m))
+      write_profile_steps(profile_dir, PROFILE_STEPS)
   fpt = flops_per_token(cfg.model, cfg.data.seq_len)
   peak, source = peak_flops(devices, cfg.model.dtype, cfg.train.peak_cache_dir)
   tps = cfg.train.global_batch_size * cfg.data.seq_len / dt

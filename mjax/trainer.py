@@ -422,6 +422,15 @@ def _cache_entries_from_every_process():
     state.process_id = saved
 
 
+PROFILE_STEPS_FILE = 'profile_steps.json'
+
+
+def write_profile_steps(directory: str, steps: int, first_step: Optional[int] = None) -> None:
+  """Records beside a trace how many train steps it holds."""
+  with open(os.path.join(directory, PROFILE_STEPS_FILE), 'w') as fh:
+    json.dump({'steps': int(steps), 'first_step': first_step}, fh)
+
+
 class StepProfiler:
   """A jax.profiler trace of TrainConfig.profile_steps steps from
   TrainConfig.profile_from_step (0: the second step of this run, past the
@@ -436,6 +445,7 @@ class StepProfiler:
     self.last = self.first + self.steps - 1
     self.directory = os.path.join(workdir, 'profile')
     self.active = False
+    self.done = self.first - 1
 
   def before(self, step: int) -> None:
     if self.steps and step == self.first:
@@ -443,6 +453,8 @@ class StepProfiler:
       self.active = True
 
   def after(self, step: int, state: Any) -> None:
+    if self.active:
+      self.done = step
     if self.active and step >= self.last:
       jax.block_until_ready(state)   # the traced steps' device work inside the trace
       self._stop()
@@ -453,6 +465,9 @@ class StepProfiler:
     if jax.process_index() == 0:
       with open(os.path.join(self.directory, 'train_step.hlo.txt'), 'w') as fh:
         fh.write(self.hlo_text())
+      # How many steps the trace holds (fewer than asked if the run stopped
+      # inside them): trace_summary divides by it.
+      write_profile_steps(self.directory, self.done - self.first + 1, self.first)
       print(f'mjax: profiled steps {self.first}-{self.last} into {self.directory} (TensorBoard\'s profile '
             f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
 

@@ -141,18 +141,20 @@ def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_
 
 
 def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
-  cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 1',
+  cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 2',
                'CheckpointConfig.enabled = False')
   fit(cfg, tmp_path)
   traces = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'profile') for f in fs]
   assert any(f.endswith('perfetto_trace.json.gz') for f in traces), traces
   assert any(f.endswith('.xplane.pb') for f in traces), traces
-  assert 'profiled steps 2-2' in capsys.readouterr().out
+  assert 'profiled steps 2-3' in capsys.readouterr().out
   # The program beside the trace: the trace summed by part of the model.
   assert os.path.exists(tmp_path / 'profile' / 'train_step.hlo.txt')
   summary = subprocess.run([sys.executable, os.path.join(repo_root, 'bench', 'trace_summary.py'),
-                            str(tmp_path / 'profile'), '--steps', '1'],
+                            str(tmp_path / 'profile')],
                            capture_output=True, text=True, check=True).stdout
+  # The step count comes from beside the trace: per-step figures are per step.
+  assert 'per step over 2 steps' in summary, summary
   parts = dict(re.findall(r'^\| ((?:forward|backward): [^|]+|optimizer and metrics) \| ([\d.]+) \|',
                           summary, re.M))
   for part in ('forward: attention (scores, softmax, their products)',
