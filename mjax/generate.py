@@ -261,8 +261,9 @@ def parser() -> argparse.ArgumentParser:
       epilog='Overrides: --gin.MeshConfig.tensor=2, --gin_param="MeshConfig.data = 2" (repeatable).')
   evaluate.add_checkpoint_args(p, 'sample from')
   p.add_argument('--prompt', action='append', default=[], help='a prompt; repeat for a batch')
-  p.add_argument('--prompt_file', help='prompts, one per line (a .jsonl file: one JSON string or '
-                 '{"prompt": ...} per line, for prompts with line breaks); - reads standard input')
+  p.add_argument('--prompt_file', help='prompts, one per line (a .jsonl file: one JSON string, '
+                 '{"prompt": ...} or {"text": ...} per line, for prompts with line breaks); - reads '
+                 'standard input')
   p.add_argument('--max_new_tokens', type=int, default=128)
   p.add_argument('--temperature', type=float, default=Sampling.temperature, help='0: greedy')
   p.add_argument('--top_k', type=int, default=0, help='sample among the k most likely tokens; 0: all')
@@ -306,12 +307,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
       if path.endswith('.jsonl'):
         try:
           item = json.loads(line)
-          item = item['prompt'] if isinstance(item, dict) else item
+          # {"text": ...} too: the form of mjax's .jsonl data files.
+          item = item['prompt' if 'prompt' in item else 'text'] if isinstance(item, dict) else item
           if not isinstance(item, str):
             raise TypeError(type(item).__name__)
         except (ValueError, KeyError, TypeError) as e:
-          raise UserError(f'--prompt_file {path!r} line {n}: {line[:80]!r} is not a JSON string or '
-                          f'{{"prompt": "..."}} ({type(e).__name__}: {e}).') from None
+          raise UserError(f'--prompt_file {path!r} line {n}: {line[:80]!r} is not a JSON string, '
+                          f'{{"prompt": "..."}} or {{"text": "..."}} ({type(e).__name__}: {e}).') from None
         prompts.append(item)
       else:
         prompts.append(line)
@@ -374,6 +376,21 @@ class Printer:
     return rows
 
 
+def _without_pipeline(cfg, bindings: Sequence[str]) -> list[str]:
+  """Bindings that turn a pipelined run's mesh into a data-parallel one on
+  the same devices (the pipeline's size folded into `data`), for a config
+  whose pipeline comes from the run rather than the command line: decoding
+  has no pipeline schedule, and checkpoints load on any layout."""
+  mesh = cfg.mesh
+  if not mesh.pipelined or any(b.replace(' ', '').startswith('MeshConfig.pipeline=') for b in bindings):
+    return []
+  data = mesh.data * mesh.pipeline if mesh.data != -1 else -1
+  evaluate.say(f'{PROG}: the run is pipelined (pipeline {mesh.pipeline}, virtual_stages {mesh.virtual_stages}); '
+               f'generating on data {data} x fsdp {mesh.fsdp} x tensor {mesh.tensor} instead')
+  return ['MeshConfig.pipeline = 1', 'MeshConfig.virtual_stages = 1', 'MeshConfig.microbatches = 0',
+          f'MeshConfig.data = {data}', "MeshConfig.pipeline_schedule = 'circular'"]
+
+
 def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   """Generates for the prompts `args` give; one dict per prompt.
 
@@ -384,12 +401,12 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   sampling.check()
   prompts = read_prompts(args)
   files, saved = evaluate.config_sources(args)
+  saved = [*saved, *_without_pipeline(flags.load(files, [*saved, *bindings]), bindings)]
   cfg = flags.setup(files, [*saved, *bindings])
   if cfg.mesh.pipelined:
     raise UserError(f'{PROG} runs on data / fsdp / tensor meshes; this config has MeshConfig.pipeline = '
-                    f'{cfg.mesh.pipeline} (virtual_stages {cfg.mesh.virtual_stages}). Add '
-                    f'--gin.MeshConfig.pipeline=1 --gin.MeshConfig.virtual_stages=1 (checkpoints load on '
-                    f'any layout).')
+                    f'{cfg.mesh.pipeline} (virtual_stages {cfg.mesh.virtual_stages}). Leave MeshConfig.pipeline '
+                    f'out of the command line, or set it to 1 (checkpoints load on any layout).')
   setup_compilation_cache(cfg.train.compilation_cache_dir)
   tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
   info = tokenizer.info

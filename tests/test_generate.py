@@ -4,6 +4,7 @@ and the command on a trained checkpoint."""
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -168,10 +169,11 @@ def test_seeded_sampling_repeats_and_streams(run, capsys):
 
 def test_prompt_file_and_bad_input(run, tmp_path, repo_root, monkeypatch):
   f = tmp_path / 'p.jsonl'
-  f.write_text(json.dumps('line one\nline two') + '\n\n' + json.dumps({'prompt': 'b'}) + '\n')
+  f.write_text(json.dumps('line one\nline two') + '\n\n' + json.dumps({'prompt': 'b'}) + '\n'
+               + json.dumps({'text': 'c', 'source': 'as in a data file'}) + '\n')
   got = mjax_generate('--workdir', run, '--prompt_file', str(f), '--max_new_tokens', '3', '--temperature', '0',
                       '--format', 'jsonl')
-  assert [r['prompt'] for r in got] == ['line one\nline two', 'b']
+  assert [r['prompt'] for r in got] == ['line one\nline two', 'b', 'c']
   # Standard input, one prompt per line.
   monkeypatch.setattr(sys, 'stdin', io.TextIOWrapper(io.BytesIO('first\nsecond one\n'.encode())))
   got = mjax_generate('--workdir', run, '--prompt_file', '-', '--max_new_tokens', '2', '--temperature', '0',
@@ -189,6 +191,23 @@ def test_prompt_file_and_bad_input(run, tmp_path, repo_root, monkeypatch):
                      capture_output=True, text=True, cwd=repo_root, timeout=300)
   assert r.returncode == 2, r.stderr
   assert 'no checkpoint of --step 3' in r.stderr and 'persistent tier' in r.stderr
+
+
+def test_a_pipelined_run_generates_data_parallel_on_the_same_devices(run, tmp_path, capsys):
+  # The same checkpoint under a run config with a pipeline (data 4 x
+  # pipeline 2, 1F1B): generation folds the pipeline
+  # into data by itself and samples what the plain run samples.
+  piped = tmp_path / 'piped'
+  piped.mkdir()
+  (piped / 'config.gin').write_text(open(os.path.join(run, 'config.gin')).read() + '\n'.join([
+      '', 'MeshConfig.data = 4', 'MeshConfig.pipeline = 2', 'MeshConfig.virtual_stages = 1',
+      'MeshConfig.microbatches = 4', "MeshConfig.pipeline_schedule = '1f1b'", '']))
+  os.symlink(os.path.join(run, 'checkpoints'), piped / 'checkpoints')
+  argv = ['--temperature', '0', '--max_new_tokens', '12', '--prompt', 'def ', '--format', 'jsonl']
+  capsys.readouterr()
+  got = mjax_generate('--workdir', str(piped), *argv)
+  assert 'the run is pipelined (pipeline 2, virtual_stages 1); generating on data 8' in capsys.readouterr().err
+  assert got == mjax_generate('--workdir', run, *argv)
 
 
 def test_matrices_cast_once_give_the_same_tokens():
