@@ -36,6 +36,9 @@ def main(argv=None) -> int:
   p.add_argument('--port', type=int, default=None, help='coordinator port (default: a free one)')
   p.add_argument('--timeout', type=float, default=None, help='kill everything after this many seconds')
   argv = list(sys.argv[1:] if argv is None else argv)
+  if '--' not in argv and any(a in ('-h', '--help') for a in argv):
+    p.print_help()
+    return 0
   if '--' not in argv:
     p.error('give the command after --, e.g. -- mjax-train --gin_file configs/tiny.gin')
   split = argv.index('--')

@@ -52,9 +52,9 @@ def unresolvable(address: str) -> str | None:
 
 def main(argv: list[str]) -> int:
   """Prints the join line, checks the coordinator; execs argv (never returns then)."""
-  if not argv:
-    print('usage: slurm_task.py COMMAND [ARGS...]', file=sys.stderr)
-    return protocol.EXIT_USER_ERROR
+  if not argv or argv[0] in ('-h', '--help'):
+    print('usage: slurm_task.py COMMAND [ARGS...]\n\n' + __doc__, file=sys.stderr if not argv else sys.stdout)
+    return protocol.EXIT_USER_ERROR if not argv else 0
   try:
     spec = distributed.resolve()
   except distributed.DistributedError as e:

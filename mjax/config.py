@@ -247,7 +247,9 @@ class CheckpointConfig:
   """Orbax checkpoints in two tiers; resume rules in mjax/checkpoint.py."""
   enabled: bool = True
   directory: Optional[str] = None   # persistent tier; None: <workdir>/checkpoints
-  save_every: int = 0               # persistent-tier cadence in steps; 0: only at the end
+  # Persistent-tier cadence in steps (0: only at the end and on SIGTERM):
+  # what a crash costs at most, since a restart resumes the newest save.
+  save_every: int = 1000
   keep: int = 3
   fast_directory: Optional[str] = None  # fast tier; None: /dev/shm/mjax/<workdir hash>
   fast_every: int = 0               # fast-tier cadence in steps; 0: no fast tier
@@ -551,7 +553,8 @@ def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
     shape[shape.index(-1)] = per_slice // known
   elif known != per_slice:
     _fail('MeshConfig', dict(zip(mesh.AXES, shape)),
-          f'the axis sizes multiply to {known} but there are {per_slice} devices per slice '
+          f'the axis sizes multiply to {known} but there {"is" if per_slice == 1 else "are"} {per_slice} '
+          f'device{"" if per_slice == 1 else "s"} per slice '
           f'({num_devices} devices / DCN {dcn}); make the product {per_slice} or set one axis to -1')
   return tuple(shape)
 

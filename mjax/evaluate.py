@@ -175,7 +175,10 @@ def _meta_path(args: argparse.Namespace) -> str:
   steps = steps_in(path)
   step = args.step if args.step is not None else (steps[0] if steps else None)
   if step is None or step not in steps:
-    raise UserError(_missing(f'--checkpoint {path!r}', args.step, _list_steps(steps)))
+    hint = ''
+    if os.path.isfile(os.path.join(path, 'config.gin')):
+      hint = ' It is an mjax-train run directory: give it as --workdir (its config.gin and both checkpoint tiers).'
+    raise UserError(_missing(f'--checkpoint {path!r}', args.step, _list_steps(steps)) + hint)
   return os.path.join(path, str(step))
 
 

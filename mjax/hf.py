@@ -255,7 +255,7 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
   arch = architecture(m, drop_window)
   out = os.path.abspath(os.path.expanduser(out))
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-    raise UserError(f'{PROG}: {out!r} exists and is not an empty directory; give a new path (nothing is '
+    raise UserError(f'{out!r} exists and is not an empty directory; give a new path (nothing is '
                     f'overwritten).')
   info = load_tokenizer(cfg.data.tokenizer).info
   if info.vocab_size > m.vocab_size:
@@ -566,7 +566,7 @@ def import_main(argv: Sequence[str]) -> str:
   args = import_parser().parse_args(list(argv))
   out = os.path.abspath(os.path.expanduser(args.out))
   if os.path.exists(out):
-    raise UserError(f'mjax-import: {out!r} exists; give a new path (nothing is overwritten).')
+    raise UserError(f'{out!r} exists; give a new path (nothing is overwritten).')
   lines = gin_bindings(args.model)
   text = ('# Written by mjax-import from ' + os.path.abspath(args.model) + '\n'
           f"# mjax-train --gin_file {args.out} --workdir runs/finetune\n"
