@@ -398,3 +398,24 @@ def test_schedule_names_the_axes_of_each_collective(tensor_parallel):
   assert any(k == 'all-reduce' and a and 'data' in a and 'tensor' not in a for k, a in by_axes), by_axes
   assert all(s.axes is not None for s in items), [s for s in items if s.axes is None]
   assert 'over' in format_schedule(items, 'cpu') and 'tensor' in format_schedule(items, 'cpu')
+
+
+def test_sequence_parallel_expects_gathers_and_scatters_not_all_reduces():
+  # Sequence parallelism moves tensor parallelism's activations as an
+  # all-gather and a reduce-scatter per all-reduce of plain tensor
+  # parallelism (half of its wire bytes each); collective matmul moves the
+  # layers' share as collective-permute rings.
+  mesh = {'data': 2, 'tensor': 4}
+  tp = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4'])
+  sp = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
+                                    'MeshConfig.sequence_parallel = True'])
+  cm = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
+                                    'MeshConfig.sequence_parallel = True', 'MeshConfig.collective_matmul = True'])
+  data_part = expected(sp, mesh, 'all-reduce')
+  activations = expected(tp, mesh, 'all-reduce') - data_part
+  assert activations > 0 and expected(sp, mesh, 'all-gather') == pytest.approx(activations / 2)
+  assert expected(sp, mesh, 'reduce-scatter') == pytest.approx(activations / 2)
+  assert expected(sp, mesh, 'collective-permute') == 0
+  # tiny: 4 layers x 2 per layer in rings, the embedding and head (2) not.
+  assert expected(cm, mesh, 'all-gather') == pytest.approx(activations / 2 * 2 / 10)
+  assert expected(cm, mesh, 'collective-permute') == pytest.approx(activations * 8 / 10)

@@ -42,7 +42,9 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     policies are assumed to keep the reduced outputs). Plus the
     vocab-sharded embedding lookup (forward) and LM head (backward). With
     sequence parallelism each all-reduce becomes an all-gather plus a
-    reduce-scatter with the same wire bytes. The loss's max / sum over the
+    reduce-scatter with the same wire bytes; with collective matmul the
+    layers' ones are rings of t-1 collective-permutes each (the same bytes
+    again), and the embedding's and head's stay gathers and scatters. The loss's max / sum over the
     sharded vocabulary are (batch, seq) scalars and left out.
   * Pipeline stages (collective-permute of activations) are not modelled.
 """
@@ -320,11 +322,26 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     n = m.n_layers * per_layer + (2 if vocab_sharded else 0)
     remat = ', remat full' if m.remat_policy == 'full' else ''
     ends = ' + embedding fwd + LM head bwd' if vocab_sharded else ''
-    out.append(Expectation('all-reduce', n * 2 * (t - 1) / t * act,
-                           f'tensor={t}: {per_layer} activation all-reduces per layer '
-                           f'({m.block} block{remat}) x {m.n_layers} layers{ends} = {n}, each '
-                           f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} '
-                           f'= {act / MiB:.2f} MiB, x 2 (t-1)/t'))
+    what = (f'{per_layer} per layer ({m.block} block{remat}) x {m.n_layers} layers{ends} = {n}, each '
+            f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} = {act / MiB:.2f} MiB')
+    if not cfg.mesh.sequence_parallel:
+      out.append(Expectation('all-reduce', n * 2 * (t - 1) / t * act,
+                             f'tensor={t}: activation all-reduces, {what}, x 2 (t-1)/t'))
+    else:
+      # Each all-reduce is an all-gather of the sequence-split activations
+      # before the column-parallel products and a reduce-scatter after the
+      # row-parallel ones: (t-1)/t each. Collective matmul moves the layers'
+      # halves as rings of collective-permutes, t-1 chunks of 1/t each.
+      rings = m.n_layers * per_layer if cfg.mesh.collective_matmul else 0
+      for kind in ('all-gather', 'reduce-scatter'):
+        out.append(Expectation(kind, (n - rings) * (t - 1) / t * act,
+                               f'tensor={t}, sequence parallel: activation {kind}s, {what}'
+                               + (f', less the layers\' {rings} in collective-matmul rings' if rings else '')
+                               + ', x (t-1)/t'))
+      if rings:
+        out.append(Expectation('collective-permute', 2 * rings * (t - 1) / t * act,
+                               f'tensor={t}, collective matmul: the layers\' {rings} all-gathers and '
+                               f'{rings} reduce-scatters as rings of t-1 chunk permutes, x (t-1)/t each'))
   return out
 
 
