@@ -91,7 +91,7 @@ def part_of(source: str) -> str:
   side = 'backward' if 'transpose(jvp' in source else 'forward'
   if 'attend' in source:
     return f'{side}: attention (scores, softmax, their products)'
-  if '/layers/' in source or '/while/body' in source:
+  if re.search(r'/layers(_\d+)?/', source) or '/while/body' in source:   # scanned or unrolled
     if source.endswith('dot_general'):
       return f'{side}: layers\' weight matrix products'
     if 'dynamic_update_slice' in source or 'dynamic_slice' in source:

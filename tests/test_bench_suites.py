@@ -38,3 +38,32 @@ def test_every_mfu_row_is_a_valid_one_gpu_config(row):
     got = getattr(getattr(cfg, {'ModelConfig': 'model', 'TrainConfig': 'train',
                                 'MeshConfig': 'mesh', 'DataConfig': 'data'}[section]), field)
     assert str(got) == value, (o, got)
+
+
+def test_hlo_traffic_sums_the_step_by_part_and_kind():
+  # The tiny model's CPU step: every part of the step is found, the scanned
+  # layers' loops have known trip counts, and the table adds up.
+  import sys
+  sys.path.insert(0, os.path.join(REPO, 'bench'))
+  import hlo_traffic
+  from mjax import train
+  from mjax.parallel import make_mesh
+  cfg = flags.load([os.path.join(REPO, 'configs', 'tiny.gin')],
+                   [config_lib.override_to_binding('MeshConfig.data', '1')], num_devices=1)
+  import jax
+  program = train.make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()[:1]))
+  with program.context():
+    text = program.step.lower(program.abstract_state(), program.abstract_batch()).compile().as_text()
+  by_part, by_kind, unknown = hlo_traffic.traffic(text)
+  assert not unknown
+  parts = {part for part, _ in by_part}
+  for part in ('optimizer and metrics', "forward: layers' weight matrix products",
+               "backward: layers' weight matrix products", 'forward: head and loss'):
+    assert part in parts, parts
+  assert by_kind['matrix products'] > 0 and by_kind['memory-bound passes'] > 0
+  assert sum(by_part.values()) == pytest.approx(sum(by_kind.values()))
+  # LAMB reads and writes every fp32 parameter and both moments at least
+  # once: a lower bound the optimizer's passes must reach.
+  n = sum(x.size for x in jax.tree.leaves(program.abstract_state().params))
+  assert by_part[('optimizer and metrics', 'memory-bound passes')] >= 6 * 4 * n
+  assert '| part of the step |' in hlo_traffic.table(text)
