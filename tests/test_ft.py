@@ -336,6 +336,29 @@ def test_slow_under_load_twice_in_a_row_blocks_the_host(tmp_path, monkeypatch):
   d.server.close()
 
 
+def test_every_host_slow_under_load_blocks_none(tmp_path, monkeypatch):
+  # Hosts of one machine, diagnosed side by side, are all slow under the
+  # load they share: however often that happens, nobody is blocked (blocking
+  # them all would end the workdir for good).
+  monkeypatch.setattr(FakeExecutor, 'failing', {'slot0': 'slow_under_load', 'slot1': 'slow_under_load'})
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  for _ in range(3):
+    d._diagnose(att, detect.Fault('exit', [1]))
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == []
+  assert any('shared' in e['detail'] for e in events(tmp_path, 'diagnosis_suspect'))
+  # One host left (the other blocked for a real failure): slow twice, kept.
+  monkeypatch.setattr(FakeExecutor, 'failing', {'slot1': 'memory'})
+  d._diagnose(att, detect.Fault('exit', [1]))
+  monkeypatch.setattr(FakeExecutor, 'failing', {'slot0': 'slow_under_load'})
+  alone = fake_attempt(d, ['slot0'])
+  d._diagnose(alone, detect.Fault('exit', [0]))
+  d._diagnose(alone, detect.Fault('exit', [0]))
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == ['slot1']
+  assert any('last host left' in e['detail'] for e in events(tmp_path, 'diagnosis_suspect'))
+  d.server.close()
+
+
 def test_straggler_flagged_then_evicted(tmp_path, monkeypatch):
   """The analysis runs in its own thread on what the timing files gain
   during the attempt (an earlier attempt's rows are not judged), read
@@ -415,6 +438,9 @@ for step in range(1, 4):
   time.sleep(0.15)
 if mode == 'wedge' and attempt == 0 and os.environ['MJAX_PROCESS_ID'] == '1':
   os.kill(os.getpid(), signal.SIGSTOP)   # alive, but silent: no heartbeats
+if mode == 'crash_at_3':                 # the same step every attempt: a deterministic crash
+  time.sleep(0.3)
+  sys.exit(1)
 while mode == 'long':
   Timer.step += 1
   client.report_step(Timer.step, 1.0, 0.01)
@@ -448,6 +474,17 @@ def test_gives_up_after_max_restarts_in_a_row(tmp_path, monkeypatch):
   restarts = events(tmp_path, 'restart')
   assert [r['in_a_row'] for r in restarts] == [1, 2]
   assert [r['backoff_s'] for r in restarts] == [0.05, 0.1]      # doubling
+  assert 'max_restarts = 2' in events(tmp_path, 'giveup')[0]['reason']
+
+
+def test_catching_up_without_a_newer_checkpoint_is_no_recovery(tmp_path, monkeypatch):
+  # Every attempt reaches step 3 (the step reached before the fault) and
+  # dies there: caught up each time, but nothing saved beyond where it
+  # started, so the restarts stay "in a row" and max_restarts ends it.
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  assert fake_run(tmp_path, monkeypatch, 'crash_at_3') == driver.EXIT_GAVE_UP
+  assert events(tmp_path, 'caught_up')
+  assert [r['in_a_row'] for r in events(tmp_path, 'restart')] == [1, 2]
   assert 'max_restarts = 2' in events(tmp_path, 'giveup')[0]['reason']
 
 

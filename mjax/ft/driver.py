@@ -57,7 +57,8 @@ Recovery, without a human:
   finite states, so the rollback target is good.
 FaultConfig.max_restarts bounds the restarts in a row that do not get
 training back to where it was: an attempt that catches up with the step
-reached before its fault resets the count and the back-off, so a weeks-long
+reached before its fault and saves a checkpoint newer than the one it
+started from resets the count and the back-off, so a weeks-long
 run survives any number of faults spread over time (MegaScale: > 100), while
 a job that fails again before recovering gives up after max_restarts.
 
@@ -286,6 +287,7 @@ class Attempt:
   running: bool = False
   startup_reported: bool = False
   recovered: bool = False   # caught up with the step reached before the last fault
+  checkpoint_at_launch: int = 0   # the newest checkpoint when it started (0: none)
 
 
 # ----------------------------------------------------------------------------
@@ -407,7 +409,12 @@ class Driver:
         self._diagnose(att, fault)
         if fault.kind in ('nonfinite_loss', 'loss_spike'):
           self._rollback(att, fault)
-        if att.recovered:
+        # Recovered: caught up with the step reached before the last fault,
+        # and saved a checkpoint newer than the one it started from. The
+        # heartbeats' step lags the real one by a few steps, so catching up
+        # alone is also what an attempt that dies at the same step every
+        # time does; a newer checkpoint is progress no restart undoes.
+        if att.recovered and self._checkpoint_step() > att.checkpoint_at_launch:
           streak = 0
         if streak >= f.max_restarts:
           return self._give_up(f'max_restarts = {f.max_restarts} restarts in a row without getting back '
@@ -526,7 +533,8 @@ class Driver:
     self.events.emit('launch', attempt=number, hosts=hosts, processes=n,
                      pids=[handles[i].pid for i in range(n)], bindings=bindings, skip_data_steps=skip,
                      coordinator=coordinator)
-    return Attempt(number, hosts, handles, executors, logs, monitor, bindings, now)
+    return Attempt(number, hosts, handles, executors, logs, monitor, bindings, now,
+                   checkpoint_at_launch=self._checkpoint_step())
 
   # --- watching ---------------------------------------------------------------
 
@@ -777,12 +785,25 @@ class Driver:
       self._block(host, f'diagnostic failed: {detail}')
     self._check_links(att, fault, [h for h, r in zip(att.hosts, results) if r[0] is True])
     # Slow only while the host was loaded (mjax-diagnose's "suspect"): load
-    # may explain it once; the same twice in a row, it does not.
-    for host, (passed, report, _) in zip(att.hosts, results):
-      suspect = (report or {}).get('suspect') or []
-      self._suspect[host] = self._suspect.get(host, 0) + 1 if passed and suspect else 0
+    # may explain it once; the same twice in a row, it does not. Every host
+    # slow at once is load they share (hosts of one machine, diagnosed side
+    # by side), as every host failing at once is a shared cause: none is
+    # counted. Nor does a count ever block the last hosts left.
+    suspects = {host: (report or {}).get('suspect') or [] for host, (passed, report, _) in zip(att.hosts, results)
+                if passed}
+    suspects = {h: s for h, s in suspects.items() if s}
+    if len(att.hosts) > 1 and len(suspects) == len(att.hosts):
+      self.events.emit('diagnosis_suspect', hosts=att.hosts,
+                       detail='every host slow under load: the load is probably shared, none counted')
+      return
+    for host in att.hosts:
+      self._suspect[host] = self._suspect.get(host, 0) + 1 if host in suspects else 0
       if self._suspect[host] >= SUSPECT_LIMIT:
-        self._block(host, f'slow under load in {SUSPECT_LIMIT} diagnoses in a row: {", ".join(suspect)}')
+        if not [h for h in att.hosts + list(self.opts.spares) if h != host and h not in self.blocked]:
+          self.events.emit('diagnosis_suspect', hosts=[host],
+                           detail='slow under load again, but the last host left: not blocked')
+          continue
+        self._block(host, f'slow under load in {SUSPECT_LIMIT} diagnoses in a row: {", ".join(suspects[host])}')
 
   def _diagnose_env(self, host: str, base: Optional[dict] = None) -> dict:
     from mjax import distributed
