@@ -418,37 +418,77 @@ STATE_SHAPE_KEYS = ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads'
                     'scan_layers', 'param_dtype')
 
 
+CHECKPOINT_ITEMS = ('state', 'data', 'meta')
+
+
+def _resolved_shape(m: dict, key: str):
+  # None means "the default shape": 4 kv heads and None are the same with 4 heads.
+  if key == 'n_kv_heads':
+    return m.get(key) or m.get('n_heads')
+  if key == 'head_dim':
+    return m.get(key) or (m['d_model'] // m['n_heads'] if m.get('n_heads') else None)
+  return m.get(key)
+
+
+def _shape_changes(before: dict, now: dict) -> str:
+  """'ModelConfig.d_model = 128 there, 256 now, ...' for the state-shaping keys that differ; '' if none."""
+  differ = [k for k in STATE_SHAPE_KEYS if k in before and _resolved_shape(before, k) != _resolved_shape(now, k)]
+  return ', '.join(f'ModelConfig.{k} = {_resolved_shape(before, k)!r} there, {_resolved_shape(now, k)!r} now'
+                   for k in differ)
+
+
 def check_same_model(cfg: Any, workdir: str) -> None:
-  """Raises ConfigError when `workdir` holds checkpoints of a model whose
-  state has other shapes than `cfg`'s: resuming would fail, and starting
-  over would overwrite the earlier run's config and metrics."""
+  """Raises ConfigError when the workdir or its checkpoint directories hold
+  something a start would destroy:
+    * checkpoints of a model whose state has other shapes than `cfg`'s (by
+      the workdir's config.json, and by each saved step's own config, which
+      also covers a CheckpointConfig.directory shared with another run):
+      they cannot be resumed, and a fresh start's saves would make Orbax
+      delete them as the oldest steps beyond `keep`;
+    * a numbered entry that is not an mjax checkpoint (none of state/,
+      data/, meta/): Orbax counts it among the kept steps and deletes it,
+      or a good checkpoint in its place.
+  """
+  now = dataclasses.asdict(cfg.model)
+  advice = ('Either train this model in a new --workdir (and checkpoint directory), or start it from a '
+            'checkpoint of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
   try:
     with open(os.path.join(workdir, 'config.json')) as fh:
       before = json.load(fh).get('model', {})
   except (OSError, ValueError, AttributeError):
-    return  # a new workdir, or one without a readable record: nothing to protect
+    before = None   # a new workdir, or one without a readable record
   tiers = tier_directories(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else {}
-  has_steps = any(os.path.isdir(d) and any(n.isdigit() for n in os.listdir(d))
-                  for d in tiers.values() if '://' not in d)
-  if not has_steps:
-    return
-  now = dataclasses.asdict(cfg.model)
-
-  def resolved(m: dict, key: str):
-    # None means "the default shape": 4 kv heads and None are the same with 4 heads.
-    if key == 'n_kv_heads':
-      return m.get(key) or m.get('n_heads')
-    if key == 'head_dim':
-      return m.get(key) or (m['d_model'] // m['n_heads'] if m.get('n_heads') else None)
-    return m.get(key)
-  differ = [k for k in STATE_SHAPE_KEYS if k in before and resolved(before, k) != resolved(now, k)]
-  if differ:
-    changes = ', '.join(f'ModelConfig.{k} = {resolved(before, k)!r} there, {resolved(now, k)!r} now' for k in differ)
-    raise ConfigError(
-        f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
-        f'resumed with this config, and starting over there would overwrite that run\'s config '
-        f'and metrics. Either train this model in a new --workdir, or start it from a checkpoint '
-        f'of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
+  local = {name: d for name, d in tiers.items() if '://' not in d and os.path.isdir(d)}
+  steps = {name: sorted((n for n in os.listdir(d) if n.isdigit()), key=int, reverse=True)
+           for name, d in local.items()}
+  if before is not None and any(steps.values()):
+    changes = _shape_changes(before, now)
+    if changes:
+      raise ConfigError(
+          f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
+          f'resumed with this config, and starting over there would overwrite that run\'s config '
+          f'and metrics. {advice}')
+  for name, d in local.items():
+    for step in steps[name]:
+      path = os.path.join(d, step)
+      entries = os.listdir(path) if os.path.isdir(path) else ['(a file)']
+      if entries and not any(item in entries for item in CHECKPOINT_ITEMS):
+        raise ConfigError(
+            f'{path!r} in the {name} checkpoint tier is not an mjax checkpoint (it holds '
+            f'{", ".join(sorted(entries)[:3])}{", ..." if len(entries) > 3 else ""}, none of '
+            f'{"/, ".join(CHECKPOINT_ITEMS)}/). Orbax would count it among the kept steps and delete it '
+            f'(or a good checkpoint in its place): move it out of {d!r}, then start again.')
+      try:
+        with open(os.path.join(path, 'meta', 'metadata')) as fh:
+          saved = json.load(fh)['config'].get('model', {})
+      except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        continue   # damaged or partial: the restore moves it aside and falls back
+      changes = _shape_changes(saved, now)
+      if changes:
+        raise ConfigError(
+            f'{path!r} in the {name} checkpoint tier is a checkpoint of another model ({changes}): it '
+            f'cannot be resumed with this config, and a fresh start\'s saves would make Orbax delete it. '
+            f'{advice}')
 
 
 # ----------------------------------------------------------------------------

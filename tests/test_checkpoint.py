@@ -278,6 +278,39 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
                         "ModelConfig.remat_policy = 'full'"), workdir)
 
 
+def test_checkpoints_of_another_model_in_a_shared_checkpoint_directory_are_refused(uninterrupted, tmp_path):
+  # A new workdir (no config.json) whose CheckpointConfig.directory holds
+  # another model's steps: each step's own config says so. Before, the steps
+  # read as unreadable, the run started from scratch, and its saves made
+  # Orbax delete them.
+  workdir, _ = uninterrupted
+  ckdir = os.path.join(workdir, 'checkpoints')
+  steps = sorted(os.listdir(ckdir))
+  other = cfg8(f'TrainConfig.steps = {N}', 'ModelConfig.d_model = 256', 'ModelConfig.d_ff = 512',
+               f"CheckpointConfig.directory = '{ckdir}'")
+  with pytest.raises(C.ConfigError, match=r"checkpoints/\d+' in the persistent checkpoint tier is a checkpoint of "
+                                           r'another model \(ModelConfig.d_model = 128 there, 256 now'):
+    trainer.run(other, str(tmp_path / 'new'))
+  assert sorted(os.listdir(ckdir)) == steps
+
+
+def test_a_numbered_directory_that_is_no_checkpoint_is_refused_and_kept(uninterrupted, tmp_path):
+  import shutil
+  from mjax.checkpoint import check_same_model
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(uninterrupted[0], workdir)
+  junk = os.path.join(workdir, 'checkpoints', '100')
+  os.makedirs(junk)
+  with open(os.path.join(junk, 'notes.txt'), 'w') as fh:
+    fh.write('precious')
+  with pytest.raises(C.ConfigError, match=r"checkpoints/100' in the persistent checkpoint tier is not an mjax "
+                                           r'checkpoint \(it holds notes.txt'):
+    check_same_model(cfg8(f'TrainConfig.steps = {2 * N}'), workdir)
+  assert open(os.path.join(junk, 'notes.txt')).read() == 'precious'
+  os.remove(os.path.join(junk, 'notes.txt'))       # an empty one holds nothing to lose
+  check_same_model(cfg8(f'TrainConfig.steps = {2 * N}'), workdir)
+
+
 def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterrupted, tmp_path, caplog, capsys):
   """One bit of one weight changed in the newest checkpoint, every file still
   valid (what a flipped bit in an uncompressed chunk does): the restore names
