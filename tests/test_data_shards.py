@@ -200,6 +200,13 @@ def test_out_of_vocabulary_id_outside_the_sample_is_caught_by_verify(tmp_path):
   data.open_shards(str(out))
   with pytest.raises(data.DataError, match=f'token id 4000 at position {pos} .*expected < 258'):
     data.open_shards(str(out), verify_checksums=True)
+  # Past the sampled check, the training stream stops at the batch that holds
+  # it (the model would read the id as NaN: a numerical fault, rolled back
+  # and retried, not the data error it is).
+  it = data.make_train_iterator(DataConfig(source=str(out), seq_len=64), 8)
+  with pytest.raises(data.DataError, match=r"token id 4000 .* outside the tokenizer's 258 ids"):
+    for _ in range(200_000 // (8 * 64) + 1):
+      next(it)
 
 
 def test_document_count_is_verified(shard_copy):

@@ -97,11 +97,13 @@ class _Build:
   """Row-id batch -> example batch, one fancy index per source stream."""
 
   def __init__(self, windows: Sequence[Windows], seq_len: int, eos_id: int,
-               document_attention: bool):
+               document_attention: bool, vocab_size: int = 0, roots: Sequence[str] = ()):
     self._windows = tuple(windows)
     self._seq_len = seq_len
     self._eos_id = eos_id
     self._document_attention = document_attention
+    self._vocab_size = vocab_size
+    self._roots = tuple(roots)
 
   def __call__(self, row_ids: np.ndarray) -> Batch:
     ids = np.asarray(row_ids, np.int64)
@@ -113,6 +115,17 @@ class _Build:
       for k in np.unique(which):
         rows = which == k
         w[rows] = self._windows[k].gather(local[rows])
+    if self._vocab_size and w.size and int(w.max()) >= self._vocab_size:
+      # Start-up checks a sample of each shard (every id with
+      # verify_checksums); an id beyond it would reach the model's embedding
+      # lookup, which reads it as NaN: a data error, not a numerical fault.
+      r, c = np.argwhere(w >= self._vocab_size)[0]
+      k = int(which[r])
+      raise DataError(
+          f'data source {self._roots[k] if k < len(self._roots) else "?"}: token id {int(w[r, c])} (window '
+          f'{int(local[r])}, offset {int(c)}) is outside the tokenizer\'s {self._vocab_size} ids: the data is '
+          f'corrupted or was made with another tokenizer. Check it with mjax-prepare --verify, or set '
+          f'DataConfig.verify_checksums = True to check every id at start-up.')
     return rows_from_windows(w, self._eos_id, self._document_attention)
 
 
@@ -159,8 +172,9 @@ def make_train_dataset(cfg: DataConfig, global_batch_size: int, *, process_index
   # Local batches k*n .. k*n + n - 1 together are global batch k, so taking
   # every n-th local batch gives each process its contiguous block of rows.
   ds = ds.batch(local, drop_remainder=True)[process_index::process_count]
-  ds = ds.map(_Build(windows, cfg.seq_len, sources[0][0].tokenizer.eos_id,
-                     cfg.document_attention))
+  tokenizer = sources[0][0].tokenizer
+  ds = ds.map(_Build(windows, cfg.seq_len, tokenizer.eos_id, cfg.document_attention,
+                     tokenizer.vocab_size, [src.root for src, _ in sources]))
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads,
                                               prefetch_buffer_size=cfg.prefetch))
 
@@ -252,7 +266,9 @@ def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int,
   ds = _mix(parts, [w for _, w in sources])
   ids = np.array([ds[j] for j in range(num_batches * global_batch_size)], np.int64)
   ids = ids.reshape(num_batches, global_batch_size)[:, process_index * local:(process_index + 1) * local]
-  build = _Build(windows, cfg.seq_len, sources[0][0].tokenizer.eos_id, cfg.document_attention)
+  tokenizer = sources[0][0].tokenizer
+  build = _Build(windows, cfg.seq_len, tokenizer.eos_id, cfg.document_attention, tokenizer.vocab_size,
+                 [src.root for src, _ in sources])
   return [build(row) for row in ids]
 
 
