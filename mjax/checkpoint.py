@@ -233,6 +233,8 @@ def write_problem(directory: str) -> Optional[str]:
   permission), or None. Creates it if needed; remote paths are not probed."""
   if '://' in directory:
     return None
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    return 'it is a file, not a directory'
   probe = os.path.join(directory, f'.mjax-write-probe-{socket.gethostname()}-{os.getpid()}')
   try:
     os.makedirs(directory, exist_ok=True)
@@ -270,8 +272,8 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
       who = '' if n == 1 else f' in process(es) {sorted(bad)} of {n}'
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) cannot be written{who}: '
-          f'{next(iter(bad.values()))}. Checkpoints need a writable filesystem with room for '
-          f'the train state; free space there, or point CheckpointConfig.{key} at another '
+          f'{next(iter(bad.values()))}. Checkpoints need a writable directory with room for '
+          f'the train state; fix that there, or point CheckpointConfig.{key} at another '
           f'directory' + (' (or set fast_every = 0).' if name == 'fast' else '.'))
 
 

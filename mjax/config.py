@@ -607,6 +607,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('ModelConfig.rotary_fraction', m.rotary_fraction,
           f'must be in (0, 1] and rotate an even number of the {m.dim_per_head} head dims '
           f'(int(head_dim x fraction) = {int(m.dim_per_head * m.rotary_fraction)})')
+  _positive(d, 'seq_len')   # before the window checks that compare with it
   if m.sliding_window is not None:
     if m.sliding_window < 1:
       _fail('ModelConfig.sliding_window', m.sliding_window, 'must be None or a positive int')

@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -127,7 +128,24 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
-  return sum(a.nbytes for a in jax.tree.leaves(init_cache(cfg, 1, max_len))) * batch
+  """Bytes of `init_cache(cfg, batch, max_len)`, without allocating it."""
+  groups, itemsize = cfg.n_layers // cfg.layer_period, np.dtype(dtype_of(cfg.dtype)).itemsize
+  slots = sum(cache_slots(cfg.layer_window(i), max_len) for i in range(cfg.layer_period))
+  return groups * batch * slots * (2 * cfg.kv_heads * cfg.dim_per_head * itemsize + 4)
+
+
+def _check_cache_fits(cfg: ModelConfig, batch: int, max_len: int) -> None:
+  """The KV cache must fit this host's memory (it is built there, then
+  placed on the devices); otherwise say what to lower, before allocating."""
+  need = cache_bytes(cfg, batch, max_len)
+  try:
+    have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return
+  if need > have:
+    raise UserError(f'{PROG}: the KV cache for {batch} row(s) of up to {max_len:,} tokens needs '
+                    f'{need / 2**30:,.1f} GiB, more than this host\'s {have / 2**30:,.1f} GiB of memory: '
+                    f'lower --max_new_tokens (or the prompts\' length).')
 
 
 def left_pad(prompts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -410,13 +428,20 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   setup_compilation_cache(cfg.train.compilation_cache_dir)
   tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
   info = tokenizer.info
-  encoded = [np.concatenate([[info.eos_id], tokenizer.encode(p)]).astype(np.int32) for p in prompts]
+  encoded = []
+  for i, p in enumerate(prompts):
+    try:
+      encoded.append(np.concatenate([[info.eos_id], tokenizer.encode(p)]).astype(np.int32))
+    except UnicodeError as e:
+      raise UserError(f'{PROG}: prompt {i + 1} ({p[:40]!r}) is not valid text ({type(e).__name__}: {e}); '
+                      'give prompts as UTF-8.') from None
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
   choice = evaluate.choose(args, cfg)
   picked, params, verified, _ = evaluate.restore(program, choice)
   rows = _padded_batch(encoded, mesh)
   longest = max(len(e) for e in encoded) + args.max_new_tokens
+  _check_cache_fits(cfg.model, len(rows), longest)
   evaluate.say(f'{PROG}: step {picked.step} from {picked.path} '
                f'({"checksums verified" if verified else "saved without checksums"}); {len(prompts)} '
                f'prompt(s), up to {args.max_new_tokens} new tokens, mesh {dict(mesh.shape)}, KV cache '

@@ -257,7 +257,7 @@ def test_a_workdir_that_is_a_file_is_refused_and_left_alone(tmp_path):
   workdir = tmp_path / 'notes.txt'
   workdir.write_text('keep me')
   cfg = C.load_config(['tiny.gin'], SMALL, num_devices=N)
-  with pytest.raises(C.ConfigError, match=r"--workdir '.*notes.txt' cannot be written: File exists"):
+  with pytest.raises(C.ConfigError, match=r"--workdir '.*notes.txt' cannot be written: it is a file, not a directory"):
     trainer.run(cfg, str(workdir))
   assert workdir.read_text() == 'keep me'
 

@@ -185,6 +185,12 @@ def test_prompt_file_and_bad_input(run, tmp_path, repo_root, monkeypatch):
     mjax_generate('--workdir', run, '--prompt_file', str(bad))
   with pytest.raises(UserError, match='MeshConfig.pipeline'):
     mjax_generate('--workdir', run, '--prompt', 'x', '--gin.MeshConfig.data=4', '--gin.MeshConfig.pipeline=2')
+  # A KV cache beyond the host's memory, and a prompt that is no text,
+  # are named before anything is allocated.
+  with pytest.raises(UserError, match=r'KV cache for .* tokens needs .* lower --max_new_tokens'):
+    mjax_generate('--workdir', run, '--prompt', 'x', '--max_new_tokens', str(10 ** 12))
+  with pytest.raises(UserError, match=r'prompt 2 .* is not valid text'):
+    mjax_generate('--workdir', run, '--prompt', 'fine', '--prompt', 'bad \udcff bytes')
   # The installed command: a missing step exits 2 naming the saved ones.
   r = subprocess.run([sys.executable, '-c', 'from mjax.cli import generate_main; generate_main()',
                       '--workdir', run, '--prompt', 'x', '--step', '3'],
@@ -208,6 +214,16 @@ def test_a_pipelined_run_generates_data_parallel_on_the_same_devices(run, tmp_pa
   got = mjax_generate('--workdir', str(piped), *argv)
   assert 'the run is pipelined (pipeline 2, virtual_stages 1); generating on data 8' in capsys.readouterr().err
   assert got == mjax_generate('--workdir', run, *argv)
+
+
+def test_cache_bytes_is_what_the_cache_allocates():
+  from mjax.generate import cache_bytes
+  for extra in ([], ['ModelConfig.sliding_window = 16', 'ModelConfig.full_attention_every = 2',
+                     'ModelConfig.n_kv_heads = 2', 'ModelConfig.dtype = "float32"']):
+    m = C.load_config(['tiny.gin'], extra).model
+    for batch, max_len in ((1, 10), (3, 100)):
+      allocated = sum(a.nbytes for a in jax.tree.leaves(init_cache(m, batch, max_len)))
+      assert cache_bytes(m, batch, max_len) == allocated
 
 
 def test_matrices_cast_once_give_the_same_tokens():
