@@ -488,6 +488,16 @@ def test_catching_up_without_a_newer_checkpoint_is_no_recovery(tmp_path, monkeyp
   assert 'max_restarts = 2' in events(tmp_path, 'giveup')[0]['reason']
 
 
+def test_no_host_left_names_the_block_list(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  d = make_driver(tmp_path)
+  d._block('slot0', 'test')
+  d._block('slot1', 'test')
+  assert d.run() == driver.EXIT_GAVE_UP
+  reason = events(tmp_path, 'giveup')[0]['reason']
+  assert 'slot0, slot1 blocked in' in reason and 'blocked_hosts.json' in reason and 'repaired' in reason
+
+
 def test_silent_process_is_lost_and_restarted(tmp_path, monkeypatch):
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   assert fake_run(tmp_path, monkeypatch, 'wedge', processes=2) == driver.EXIT_OK

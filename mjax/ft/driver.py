@@ -379,7 +379,10 @@ class Driver:
           self.events.emit('preempted', attempt=restarts, during='waiting for hosts')
           return self.opts.preempt_exit_status
         if not hosts:
-          return self._give_up('no healthy host left', restarts)
+          path = os.path.join(self.workdir, hosts_lib.BLOCKED_FILE)
+          return self._give_up(f'no healthy host left: {", ".join(self.blocked.hosts()) or "none"} blocked in '
+                               f'{path} (each with its reason); take a host out of that file once it is '
+                               f'repaired, or add hosts (--hosts, --spares)', restarts)
         try:
           bindings = self._elastic(len(hosts))
         except hosts_lib.ElasticError as e:
