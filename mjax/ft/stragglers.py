@@ -540,5 +540,7 @@ def format_table(table: Sequence[dict], metric: str = STEP) -> str:
                      for k, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
   return '\n'.join([fmt(head), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines]) + \
-      '\n(times in ms; "x others": median step time / the other processes\' median at the same step; ' \
-      '"late ms": median lag of its end of step behind the others\')'
+      '\n(times in ms; "x others": median step time / the other processes\' median at the same step, ' \
+      'where a straggler can read below 1: the others wait for it inside the step\'s collectives, so their ' \
+      'steps take longer; "late ms": median lag of its end of step behind the others\', what a verdict ' \
+      'rests on)'
