@@ -71,6 +71,7 @@ Resume semantics (decided in `resume`, and nowhere else):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -226,6 +227,28 @@ def _expand(path: str) -> str:
 
 
 _PROBE_BYTES = 1 << 20  # a full filesystem refuses a megabyte as surely as a checkpoint
+
+
+@contextlib.contextmanager
+def _full_disk_is_bad_input(tier: Any, step: Optional[int]):
+  """A save that fails for want of space (now, or an earlier asynchronous
+  one surfacing here) is bad input, not a crash: a restart would fail the
+  same way, so it exits 2 with one message. Orbax writes each step into a
+  temporary directory and commits it by a rename, so the steps already
+  saved are untouched."""
+  try:
+    yield
+  except Exception as e:   # Orbax wraps the OSError (ValueError: RESOURCE_EXHAUSTED ...)
+    text = str(e)
+    if getattr(e, 'errno', None) != errno.ENOSPC and 'No space left on device' not in text:
+      raise
+    raise ConfigError(
+        f'the {tier.name} checkpoint tier ({tier.directory}) is full: a save '
+        f'({"step " + str(step) + ", or the one before it still being written" if step is not None else "the last one"}) '
+        f'failed with "No space left on device". '
+        f'The steps saved before are intact (saved steps: {", ".join(map(str, sorted(tier.manager.all_steps(), reverse=True))) or "none"}); '
+        f'free space there, lower CheckpointConfig.keep, or point CheckpointConfig.{_tier_key(tier.name)} at '
+        f'a larger filesystem, then start again: the run resumes from the newest of them.') from None
 
 
 def write_problem(directory: str) -> Optional[str]:
@@ -753,14 +776,16 @@ class Checkpointer:
                         'layout': host_layout(state), 'state': _prints_digest(prints)}
       args = ocp.args.Composite(state=(ocp.args.PyTreeSave(state) if tier.host else ocp.args.StandardSave(state)),
                                 data=ocp.args.JsonSave(data or {}), meta=ocp.args.JsonSave(record))
-      tier.manager.save(step, args=args, force=True)
+      with _full_disk_is_bad_input(tier, step):
+        tier.manager.save(step, args=args, force=True)
       saved.append(tier.name)
     return saved
 
   def wait(self) -> None:
     """Blocks until every started save is complete on disk."""
     for tier in self.tiers:
-      tier.manager.wait_until_finished()
+      with _full_disk_is_bad_input(tier, None):
+        tier.manager.wait_until_finished()
 
   def _host_turn(self, tier: _Tier) -> None:
     """Before a host-tier save: this process's earlier save committed, every

@@ -543,3 +543,22 @@ def test_1f1b_pipeline_resume_is_bitwise_and_either_schedule_reads_the_checkpoin
   got, want = losses(other), losses(full_dir)
   for step in range(4, N + 1):
     assert got[step] == pytest.approx(want[step], rel=1e-4)
+
+
+def test_a_full_disk_during_a_save_is_bad_input_naming_the_tier_and_the_steps_kept():
+  # Orbax surfaces ENOSPC as a ValueError (RESOURCE_EXHAUSTED), now or at the
+  # next save for an asynchronous one; it becomes one exit-2 message.
+  import types
+  from mjax.checkpoint import _full_disk_is_bad_input
+  tier = types.SimpleNamespace(name='persistent', directory='/ck',
+                               manager=types.SimpleNamespace(all_steps=lambda: [2, 4]))
+  with pytest.raises(C.ConfigError, match=r'persistent checkpoint tier \(/ck\) is full: a save \(step 6, or the one before .*'
+                                           r'saved steps: 4, 2\).*CheckpointConfig.directory'):
+    with _full_disk_is_bad_input(tier, 6):
+      raise ValueError('RESOURCE_EXHAUSTED: write failed: [errno 28] No space left on device')
+  with pytest.raises(C.ConfigError, match='is full'):
+    with _full_disk_is_bad_input(tier, None):
+      raise OSError(28, 'No space left on device')
+  with pytest.raises(ValueError, match='something else'):   # other failures stay what they are
+    with _full_disk_is_bad_input(tier, 6):
+      raise ValueError('something else')
