@@ -44,7 +44,7 @@ from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, protocol
 from mjax.config import Config, ConfigError
-from mjax.devices import peak_flops
+from mjax.devices import memory_per_device, peak_flops
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
 from mjax.ft.phases import PhaseTimer
@@ -114,6 +114,7 @@ class Trainer:
     self.n_params = sum(int(np.prod(x.shape))
                         for x in jax.tree.leaves(self.program.abstract_state().params))
     self._describe(devices)
+    self._check_state_fits(devices)
     self._mark('program')
 
     self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
@@ -253,6 +254,26 @@ class Trainer:
               if schedule == '1f1b' else '')
       self.say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches, {schedule} schedule: bubble '
                f'(p-1)/(v m) = {pipeline.bubble_fraction(p, v, m):.1%}{kept}')
+
+  def _check_state_fits(self, devices: list) -> None:
+    """Refuses a train state that cannot fit the devices before anything is
+    allocated (otherwise the run sits in initialization, or dies without a
+    word, for a model orders of magnitude too large). Only what is certain
+    counts: each device's shards of the parameters, the LAMB moments and
+    the gradients; activations and XLA's temporaries come on top."""
+    state = self.program.abstract_state()
+    shardings = self.program.state_shardings
+    shard = lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    held = sum(shard(x, s) for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))
+    grads = sum(shard(x, s) for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(shardings.params)))
+    have, source = memory_per_device(devices)
+    if have and held + grads > have:
+      raise ConfigError(
+          f'the train state alone needs {(held + grads) / 2**30:,.1f} GiB per device (parameters, LAMB '
+          f'moments and gradients of {self.n_params / 1e6:,.1f}M parameters on mesh {dict(self.mesh.shape)}), '
+          f'more than the {have / 2**30:,.1f} GiB each device has ({source}): use more devices or shard '
+          f'more (MeshConfig.fsdp, tensor, pipeline), or a smaller model; `mjax-train --print_config` '
+          f'estimates the memory of a layout without starting it.')
 
   def _train_iterator(self, data_state: Optional[dict]):
     cfg = self.cfg

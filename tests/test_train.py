@@ -195,3 +195,18 @@ def test_wandb_project_without_wandb_is_refused_by_name(monkeypatch):
   monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'wandb' else real(name, *a))
   with pytest.raises(C.ConfigError, match=r"TrainConfig.wandb_project = 'p'.*mjax\[wandb\]"):
     _small('TrainConfig.wandb_project = "p"')
+
+
+def test_a_train_state_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path):
+  # ~50B parameters on 8 CPU devices sharing this host's memory: the run
+  # stops at once, naming the per-device need and what to change, instead of
+  # sitting in initialization.
+  from mjax.config import ConfigError
+  from mjax import trainer
+  cfg = _small('ModelConfig.d_model = 16384', 'ModelConfig.d_ff = 65536', 'ModelConfig.n_layers = 16',
+               'ModelConfig.n_heads = 64', 'ModelConfig.sliding_window = None',
+               'ModelConfig.full_attention_every = 0')
+  with pytest.raises(ConfigError, match=r'train state alone needs [\d,.]+ GiB per device .* more than the '
+                                        r'[\d,.]+ GiB each device has .*MeshConfig.fsdp'):
+    trainer.run(cfg, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints' / '0')
