@@ -318,7 +318,12 @@ class Trainer:
     launched = os.environ.get(distributed.LAUNCH_TIME)
     if launched:
       out['launch_to_first_step_s'] = time.time() - (time.perf_counter() - first_step_done) - float(launched)
-    return {k: round(v, 3) for k, v in out.items()}
+    out = {k: round(v, 3) for k, v in out.items()}
+    # The step this attempt started from: the driver's events then say where
+    # a restart really resumed (older than the newest step when that one was
+    # found damaged and moved aside).
+    out['resumed_step'] = int(self.start_step)
+    return out
 
   def _summary(self, reporter: 'StepReporter', final_step: int, **fields) -> Summary:
     times = reporter.times

@@ -638,6 +638,9 @@ def test_kill_9_of_a_random_process_resumes_bitwise(reference, tmp_path, repo_ro
   assert fault['exit'][str(victim)] == 'SIGKILL'
   assert [e['attempt'] for e in events(tmp_path, 'launch')] == [0, 1]
   assert events(tmp_path, 'finish')
+  # The restart's start-up says which step it resumed from: a complete one.
+  starts = events(tmp_path, 'startup')
+  assert starts[0]['resumed_step'] == 0 and starts[-1]['resumed_step'] >= 3
   assert losses(tmp_path) == losses(reference)
   assert_bitwise(final_state(tmp_path), final_state(reference))
 

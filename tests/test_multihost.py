@@ -264,6 +264,7 @@ def test_two_processes_match_one(tmp_path, repo_root):
   assert 'on 8 cpu device(s)' in run.stdout and '[1] mjax:' not in run.stdout
   startup = json.loads(next(l for l in run.stdout.splitlines() if 'mjax: startup' in l).split('startup ', 1)[1])
   assert startup['distributed_init_s'] > 0 and startup['launch_to_first_step_s'] > startup['run_to_first_step_s']
+  assert startup['resumed_step'] == 0    # a fresh run; a restart reports the step it resumed from
 
   ref = subprocess.run([os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', single],
                        env=_clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'),
