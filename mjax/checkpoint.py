@@ -410,7 +410,7 @@ def verify_step(path: str) -> tuple[str, str]:
         lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
     reader.close()
   except Exception as e:  # any reason the step cannot be read is the verdict
-    return 'unreadable', f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
+    return 'unreadable', _why(e)
   if not saved:
     return 'unchecked', 'saved without checksums'
   # Read without the train state's classes, the tree's names differ from the
@@ -686,7 +686,20 @@ def _restore_key(n: int, key: str) -> str:
 
 
 def _why(e: BaseException) -> str:
-  return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+  """One line on why a read failed. TensorStore's own error is mostly the
+  store's spec (pages of JSON, 'See full TensorStore details'); the error it
+  wraps names the array, the file and what is wrong with it (e.g.
+  'OUT_OF_RANGE: Error reading "params.embedding/0.0" ... not valid for
+  value of size 100'), so the innermost cause that says something wins."""
+  chain, x = [], e
+  while x is not None and len(chain) < 8:
+    chain.append(x)
+    x = x.__cause__ or x.__context__
+  for x in reversed(chain):
+    first = str(x).splitlines()[0] if str(x) else ''
+    if first and 'TensorStore details' not in first:
+      return f'{type(x).__name__}: {first}'[:500]
+  return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:500]
 
 
 def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, path: str,
