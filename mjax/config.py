@@ -405,6 +405,10 @@ def _explain_gin_error(text: str, err: Exception) -> str:
     close = difflib.get_close_matches(unknown_cls.group(1), list(_CLASSES), n=1)
     hint = (f' Allowed config classes: {", ".join(_CLASSES)}.'
             + (f' Did you mean {close[0]}?' if close else ''))
+  elif msg.startswith('malformed node or string'):
+    # gin's value parser is Python's literal_eval: an expression is not a value.
+    msg = ('the value is an expression, not a literal; gin takes numbers, quoted strings, True, False, '
+           'None, lists, tuples, dicts and @references (a float such as 1e-3, not float(...))')
   subject = f'invalid config binding {text!r}' if text else 'invalid config'
   return f'{subject}: {msg}{" (" + where + ")" if where else ""}.{hint}'
 

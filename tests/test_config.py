@@ -69,6 +69,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('ModelConfig.rotary_fraction = 0.3', ['rotary_fraction = 0.3', 'even number', 'int(head_dim x fraction) = 19']),
     ('ModelConfig.parallel_norms = "two"', ['ModelConfig.parallel_norms', "'shared', 'separate'"]),
     ('CheckpointConfig.init_from_hf = "/no/model"', ['init_from_hf', '/no/model', 'config.json']),
+    ("OptimConfig.learning_rate = float('nan')", ["float('nan')", 'an expression, not a literal']),
+    ('DataConfig.seq_len = 0', ['DataConfig.seq_len = 0']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
