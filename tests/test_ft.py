@@ -406,6 +406,51 @@ def test_straggler_flagged_then_evicted(tmp_path, monkeypatch):
   d.server.close()
 
 
+def test_a_job_slowed_as_a_whole_is_reported_though_no_process_stands_out(tmp_path, monkeypatch):
+  # A process slowed inside the step holds every process in the collective:
+  # all steps take 1.0 s, then all 2.0 s, every process ending together. No
+  # straggler; the job's pace against its own start is what shows it.
+  from mjax.ft import stragglers
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  os.makedirs(tmp_path / 'timings')
+  path = lambda p: tmp_path / 'timings' / f'process-{p:05d}.jsonl'
+
+  def rows(steps, seconds):
+    return {p: ''.join(json.dumps({'step': s, 'process': p, 'host': 'h', 'time': 1000.0 + 3.0 * s,
+                                   'phases': {'data': 0.01, 'compute': seconds}}) + '\n' for s in steps)
+            for p in range(2)}
+
+  for p in range(2):
+    path(p).write_text('')
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  watch = driver._StragglerWatch(str(tmp_path), {0, 1}, d.fault_cfg, every_s=0.05)
+  w = d.fault_cfg.straggler_window
+  found = []
+  try:
+    for steps, seconds in ((range(1, w + 1), 1.0), (range(w + 1, 3 * w + 1), 2.0)):
+      found += watch.take()                        # what was analysed before this write
+      seen = watch.analyses
+      for p, text in rows(steps, seconds).items():
+        with open(path(p), 'a') as fh:
+          fh.write(text)
+      # Two analyses after the write: the second one started after it.
+      deadline = time.time() + 30
+      while time.time() < deadline and (watch.analyses < seen + 2 or (seconds == 2.0 and not watch.pace_notes)):
+        found += watch.take()
+        time.sleep(0.05)
+  finally:
+    watch.close()
+  assert not found
+  (note,) = watch.pace_notes
+  assert note['slowed'] and note['baseline_s'] == pytest.approx(1.01) and note['pace_s'] == pytest.approx(2.01)
+  d._pace_event(att, note)
+  (ev,) = events(tmp_path, 'job_slowdown')
+  assert ev['factor'] == pytest.approx(1.99, abs=0.01) and 'no process ends its steps later' in ev['detail']
+  assert stragglers.job_pace([], 5) is None
+  d.server.close()
+
+
 def test_rollback_accumulates_skips(tmp_path, monkeypatch):
   d = make_driver(tmp_path)
   att = fake_attempt(d, ['slot0', 'slot1'])

@@ -595,6 +595,9 @@ class Driver:
       if fault is not None:
         return fault
       fault = self._stragglers(att, flagged, watch.take())
+      for note in watch.pace_notes:
+        self._pace_event(att, note)
+      watch.pace_notes.clear()
       if fault is not None:
         return fault
 
@@ -671,6 +674,21 @@ class Driver:
                          seconds_since_fault=round(time.time() - self.pre_fault[1], 3))
         self.pre_fault = None
         att.recovered = True
+
+  def _pace_event(self, att: Attempt, note: dict) -> None:
+    """The whole job slower than earlier in the attempt (or back to its
+    pace): no process stands out, so nothing is evicted; the event says
+    when, for a person (or mjax-diagnose) to find which host."""
+    factor = note['pace_s'] / note['baseline_s']
+    detail = (f'the job\'s steps take {note["pace_s"] * 1e3:,.0f} ms, x{factor:.2f} its pace earlier in this '
+              f'attempt ({note["baseline_s"] * 1e3:,.0f} ms), and no process ends its steps later than the others: '
+              'a process slow inside the step (a throttled device, a host stalled while its part of a '
+              'collective is due) holds them all; mjax-diagnose on each host, or its logs, says which'
+              if note['slowed'] else
+              f'the job is back to {note["pace_s"] * 1e3:,.0f} ms a step (x{factor:.2f} of its earlier pace)')
+    self.events.emit('job_slowdown' if note['slowed'] else 'job_pace_recovered', attempt=att.number,
+                     pace_s=round(note['pace_s'], 6), baseline_s=round(note['baseline_s'], 6),
+                     factor=round(factor, 3), detail=detail)
 
   def _stragglers(self, att: Attempt, flagged: set, found: list) -> Optional[detect.Fault]:
     """Events for newly found stragglers; a fault with evict_stragglers."""
@@ -981,6 +999,8 @@ class _StragglerWatch:
     self._conn, child_conn = ctx.Pipe(duplex=False)
     self._stop = ctx.Event()
     self.last_seconds = 0.0      # how long the latest analysis took
+    self.pace_notes: list = []   # the job's slowdowns and recoveries (see _straggler_loop)
+    self.analyses = 0            # analyses received so far
     self._proc = ctx.Process(target=_straggler_loop, name='mjax-stragglers', daemon=True,
                              args=(tail, sorted(processes), fault_cfg.straggler_margin,
                                    fault_cfg.straggler_window, every_s, self._stop, child_conn))
@@ -988,13 +1008,17 @@ class _StragglerWatch:
     child_conn.close()
 
   def take(self) -> list:
+    """The stragglers found since the last call; the job-pace notes go to `pace_notes`."""
     from mjax.ft.stragglers import Straggler
     out = []
     try:
       while self._conn.poll():
-        seconds, found = self._conn.recv()
+        seconds, found, note = self._conn.recv()
         self.last_seconds = seconds
+        self.analyses += 1
         out += [Straggler(**s) for s in found]
+        if note is not None:
+          self.pace_notes.append(note)
     except (EOFError, OSError):
       pass   # the analysis ended (or died): no verdicts, training goes on
     return out
@@ -1010,14 +1034,27 @@ class _StragglerWatch:
 
 
 def _straggler_loop(tail, processes: list, margin: float, window: int, every_s: float, stop, conn) -> None:
-  """The child process of _StragglerWatch."""
+  """The child process of _StragglerWatch. Besides the stragglers it
+  watches the job's pace (stragglers.job_pace): the first full window of the
+  attempt is the baseline, and a pace slower than it by 2 x margin is a
+  slowdown of the whole job, reported once until the pace is back within
+  margin of the baseline."""
   from mjax.ft import stragglers
   keep = set(processes)
+  baseline, slowed = None, False
   while not stop.wait(every_s):
     t0 = time.monotonic()
     rows = [r for r in tail.update() if int(r['process']) in keep]
     found = stragglers.find_stragglers(rows, margin, window)
+    pace, note = stragglers.job_pace(rows, window), None
+    if pace is not None and pace > 0:
+      if baseline is None:
+        baseline = pace
+      elif not slowed and pace > baseline * (1 + 2 * margin):
+        slowed, note = True, {'slowed': True, 'pace_s': pace, 'baseline_s': baseline}
+      elif slowed and pace <= baseline * (1 + margin):
+        slowed, note = False, {'slowed': False, 'pace_s': pace, 'baseline_s': baseline}
     try:
-      conn.send((time.monotonic() - t0, [s.to_json() for s in found]))
+      conn.send((time.monotonic() - t0, [s.to_json() for s in found], note))
     except (BrokenPipeError, OSError):
       return

@@ -463,6 +463,31 @@ def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
   return sorted(found, key=lambda s: -s.slowdown)
 
 
+def job_pace(rows: Sequence[dict], window: int = 20) -> Optional[float]:
+  """The job's step time: per step the median over processes, then the
+  median over the latest `window` steps that at least half the processes
+  reported; None before there are that many.
+
+  What find_stragglers cannot see, this can: a process slowed inside the
+  step's work (a throttled accelerator, a host stopped while its device
+  part of a collective is due) holds every process in that collective, so
+  no process ends late or works longer than the others, but the whole job's
+  steps get longer. Compared with the same job's pace earlier in the attempt
+  (`_StragglerWatch`), it shows as a slowdown of the job."""
+  rows = dedupe_rows(rows)
+  n_proc = len({r['process'] for r in rows})
+  if not n_proc or window < 1:
+    return None
+  by_step: dict[int, list[float]] = collections.defaultdict(list)
+  for r in rows:
+    by_step[int(r['step'])].append(step_duration(r))
+  quorum = max(1, (n_proc + 1) // 2)
+  steps = sorted(s for s, v in by_step.items() if len(v) >= quorum)[-window:]
+  if len(steps) < window:
+    return None
+  return float(np.median([np.median(by_step[s]) for s in steps]))
+
+
 # ----------------------------------------------------------------------------
 # Summary
 # ----------------------------------------------------------------------------
