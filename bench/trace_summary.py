@@ -53,19 +53,21 @@ def find_trace(path: str) -> str:
 
 
 def traced_steps(path: str, trace: str) -> int:
-  """The step count recorded beside the trace, in `path` or a folder above
-  the trace file up to it."""
-  top = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
+  """The step count recorded beside the trace: in a folder above the trace
+  file (jax.profiler writes it under plugins/profile/<time>/ of the folder
+  the trainer's profile_steps.json is in), at most 5 levels up."""
+  del path
   d = os.path.dirname(os.path.abspath(trace))
-  while True:
+  for _ in range(6):
     f = os.path.join(d, 'profile_steps.json')
     if os.path.exists(f):
       with open(f) as fh:
         return int(json.load(fh)['steps'])
-    if d == top or os.path.dirname(d) == d:
-      raise SystemExit(f'trace_summary: no profile_steps.json beside {trace} (traces from mjax-train and '
-                       'train_bench.py --profile have one): give --steps N, the train steps it holds')
+    if os.path.dirname(d) == d:
+      break
     d = os.path.dirname(d)
+  raise SystemExit(f'trace_summary: no profile_steps.json beside {trace} (traces from mjax-train and '
+                   'train_bench.py --profile have one): give --steps N, the train steps it holds')
 
 
 def kind_of(name: str) -> str:

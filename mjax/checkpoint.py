@@ -496,7 +496,13 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   for name, d in local.items():
     for step in steps[name]:
       path = os.path.join(d, step)
-      entries = os.listdir(path) if os.path.isdir(path) else ['(a file)']
+      try:
+        entries = os.listdir(path) if os.path.isdir(path) else ['(a file)']
+      except OSError:
+        continue   # unreadable here: the restore reports it and falls back
+      # Orbax's own bookkeeping (_CHECKPOINT_METADATA, ...) alone is what a
+      # step cut off while being deleted leaves: partial, nothing to lose.
+      entries = [e for e in entries if not e.startswith(('_', '.'))]
       if entries and not any(item in entries for item in CHECKPOINT_ITEMS):
         raise ConfigError(
             f'{path!r} in the {name} checkpoint tier is not an mjax checkpoint (it holds '

@@ -400,13 +400,15 @@ def _without_pipeline(cfg, bindings: Sequence[str]) -> list[str]:
   whose pipeline comes from the run rather than the command line: decoding
   has no pipeline schedule, and checkpoints load on any layout."""
   mesh = cfg.mesh
-  if not mesh.pipelined or any(b.replace(' ', '').startswith('MeshConfig.pipeline=') for b in bindings):
+  given = [b.replace(' ', '') for b in bindings]
+  if not mesh.pipelined or any(b.startswith(('MeshConfig.pipeline=', 'MeshConfig.dcn_pipeline=')) for b in given):
     return []
   data = mesh.data * mesh.pipeline if mesh.data != -1 else -1
-  evaluate.say(f'{PROG}: the run is pipelined (pipeline {mesh.pipeline}, virtual_stages {mesh.virtual_stages}); '
-               f'generating on data {data} x fsdp {mesh.fsdp} x tensor {mesh.tensor} instead')
-  return ['MeshConfig.pipeline = 1', 'MeshConfig.virtual_stages = 1', 'MeshConfig.microbatches = 0',
-          f'MeshConfig.data = {data}', "MeshConfig.pipeline_schedule = 'circular'"]
+  evaluate.say(f'{PROG}: the run is pipelined (pipeline {mesh.pipeline * mesh.dcn_pipeline}, virtual_stages '
+               f'{mesh.virtual_stages}); generating on data {data} x fsdp {mesh.fsdp} x tensor {mesh.tensor} instead')
+  return ['MeshConfig.pipeline = 1', 'MeshConfig.dcn_pipeline = 1', 'MeshConfig.virtual_stages = 1',
+          'MeshConfig.microbatches = 0', f'MeshConfig.data = {data}',
+          f'MeshConfig.dcn_data = {mesh.dcn_data * mesh.dcn_pipeline}', "MeshConfig.pipeline_schedule = 'circular'"]
 
 
 def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
@@ -437,11 +439,11 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
                       'give prompts as UTF-8.') from None
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
-  choice = evaluate.choose(args, cfg)
-  picked, params, verified, _ = evaluate.restore(program, choice)
   rows = _padded_batch(encoded, mesh)
   longest = max(len(e) for e in encoded) + args.max_new_tokens
-  _check_cache_fits(cfg.model, len(rows), longest)
+  _check_cache_fits(cfg.model, len(rows), longest)   # before the checkpoint is read
+  choice = evaluate.choose(args, cfg)
+  picked, params, verified, _ = evaluate.restore(program, choice)
   evaluate.say(f'{PROG}: step {picked.step} from {picked.path} '
                f'({"checksums verified" if verified else "saved without checksums"}); {len(prompts)} '
                f'prompt(s), up to {args.max_new_tokens} new tokens, mesh {dict(mesh.shape)}, KV cache '

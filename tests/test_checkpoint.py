@@ -309,6 +309,9 @@ def test_a_numbered_directory_that_is_no_checkpoint_is_refused_and_kept(uninterr
   assert open(os.path.join(junk, 'notes.txt')).read() == 'precious'
   os.remove(os.path.join(junk, 'notes.txt'))       # an empty one holds nothing to lose
   check_same_model(cfg8(f'TrainConfig.steps = {2 * N}'), workdir)
+  with open(os.path.join(junk, '_CHECKPOINT_METADATA'), 'w') as fh:
+    fh.write('{}')                                 # nor does what a cut-off deletion leaves
+  check_same_model(cfg8(f'TrainConfig.steps = {2 * N}'), workdir)
 
 
 def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterrupted, tmp_path, caplog, capsys):

@@ -533,6 +533,18 @@ def test_catching_up_without_a_newer_checkpoint_is_no_recovery(tmp_path, monkeyp
   assert 'max_restarts = 2' in events(tmp_path, 'giveup')[0]['reason']
 
 
+def test_progress_counts_checkpoints_only_where_the_driver_sees_them(tmp_path):
+  # Without checkpoints, or with a fast tier in the hosts' own memory, a
+  # restart's progress is invisible on disk: catching up is all there is.
+  cases = [([], True), (['--gin.CheckpointConfig.enabled=False'], False),
+           (['--gin.CheckpointConfig.fast_every=10'], True),
+           (['--gin.CheckpointConfig.fast_every=10', "--gin.CheckpointConfig.fast_scope='host'"], False)]
+  for train, visible in cases:
+    d = make_driver(tmp_path, train=train)
+    assert d._progress_visible() == visible, train
+    d.server.close()
+
+
 def test_no_host_left_names_the_block_list(tmp_path, monkeypatch):
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   d = make_driver(tmp_path)

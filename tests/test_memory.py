@@ -42,19 +42,27 @@ def test_pipeline_stages_and_what_each_schedule_keeps():
   est = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='circular')
   # Layers split into 2 stages; embedding and final norm stay whole.
   assert est.get('parameters') == (49152 + 256 + 4 * 131328 / 2) * 4
-  # 16 / 2 = 8 micro-batches; the circular schedule's autodiff keeps all of
-  # them, for each of the stage's 2 layers.
-  assert (est.info['micro_batches'], est.info['in_flight'], est.info['layers_per_stage']) == (8, 8, 2)
+  # 16 / 2 = 8 micro-batches of 2; the pipeline takes m = 2 (the stage
+  # count, MeshConfig.microbatches' default) at a time, the other 6 are
+  # accumulation slices after them. The circular schedule's autodiff keeps
+  # all m of a slice, for each of the stage's 2 layers.
+  assert (est.info['micro_batches'], est.info['in_flight'], est.info['layers_per_stage']) == (8, 2, 2)
   sb, e = 64 * 2, 2
   layer = 2 * e * sb * 128 + e * sb * 512 + 2 * e * sb * 256 + e * 4 * 64 * 64 * 2
-  assert est.get('activations (layers)') == 2 * layer * 8
-  # 1F1B with v = 2 chunks of one layer: at most min(2 v p, m v) = 8 chunk
-  # inputs (one layer input each), and one chunk recomputed.
+  assert est.get('activations (layers)') == 2 * layer * 2
+  # Its head runs on the whole slice: m x 2 sequences of fp32 logits.
+  assert est.get('logits') == 4 * (2 * 2) * 64 * 384
+  wide = estimate_memory(small('MeshConfig.microbatches = 8'), {'pipeline': 2}, micro_batch=2, flash=False,
+                         schedule='circular')
+  assert wide.info['in_flight'] == 8 and wide.get('activations (layers)') == 2 * layer * 8
+  # 1F1B with v = 2 chunks of one layer: at most min(2 v p, m v) = 4 chunk
+  # inputs (one layer input each), one chunk recomputed, one micro-batch's logits.
   one = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='1f1b',
                         virtual_stages=2)
-  assert one.info['in_flight'] == 8
-  assert one.get('activations (layers)') == 8 * e * sb * 128
+  assert one.info['in_flight'] == 4
+  assert one.get('activations (layers)') == 4 * e * sb * 128
   assert one.get('activations (recompute)') == 1 * layer
+  assert one.get('logits') == 4 * 2 * 64 * 384
   # The config's schedule and chunks are the defaults.
   cfg = small('MeshConfig.pipeline = 2', 'MeshConfig.virtual_stages = 2', 'MeshConfig.pipeline_schedule = "1f1b"')
   assert estimate_memory(cfg, {'pipeline': 2}, micro_batch=2, flash=False).rows == one.rows

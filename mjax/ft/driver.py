@@ -416,8 +416,11 @@ class Driver:
         # and saved a checkpoint newer than the one it started from. The
         # heartbeats' step lags the real one by a few steps, so catching up
         # alone is also what an attempt that dies at the same step every
-        # time does; a newer checkpoint is progress no restart undoes.
-        if att.recovered and self._checkpoint_step() > att.checkpoint_at_launch:
+        # time does; a newer checkpoint is progress no restart undoes. Where
+        # the driver cannot see the checkpoints a restart resumes from
+        # (_progress_visible), catching up is all it has.
+        if att.recovered and (not self._progress_visible()
+                              or self._checkpoint_step() > att.checkpoint_at_launch):
           streak = 0
         if streak >= f.max_restarts:
           return self._give_up(f'max_restarts = {f.max_restarts} restarts in a row without getting back '
@@ -448,6 +451,16 @@ class Driver:
     self.events.emit('giveup', reason=reason, restarts=restarts)
     self._over = True
     return EXIT_GAVE_UP
+
+  def _progress_visible(self) -> bool:
+    """Whether every checkpoint a restart may resume from is one the driver
+    sees (`_checkpoint_step`): not with checkpoints off, nor with a fast tier
+    in the hosts' own memory (host scope, or /dev/shm of machines other than
+    the driver's)."""
+    ck = self.cfg.checkpoint
+    if not ck.enabled:
+      return False
+    return not ck.fast_every or (ck.fast_scope == 'shared' and self.opts.executor == 'local')
 
   def _checkpoint_step(self) -> int:
     """The newest complete checkpoint over both tiers (0: none yet)."""

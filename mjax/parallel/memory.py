@@ -53,8 +53,11 @@ the circular schedule's autodiff keeps every micro-batch's activations of all
 its layers (m micro-batches in flight); the interleaved 1F1B schedule keeps
 only its chunks' inputs between their forward and backward, at most
 min(2 v p, m v) of them (one layer input each), and recomputes one chunk
-(n_layers / (p v) layers under the remat policy) in its backward. The fp32 logits
-(4 b s vocab / t) of the last stage are added; totals assume one device holds
+(n_layers / (p v) layers under the remat policy) in its backward. The pipeline
+takes m micro-batches at a time (MeshConfig.microbatches); further
+micro-batches of the step are gradient-accumulation slices, one after another.
+The fp32 logits (4 b s vocab / t per micro-batch: all m of them at once
+under the circular schedule, one under 1F1B) of the last stage are added; totals assume one device holds
 both (exact without pipelining, conservative with it). FSDP adds two gathered
 layer groups in the compute dtype (the one in use and the next, prefetched).
 
@@ -194,7 +197,11 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     raise ValueError(f'{layers_per_stage} layers per stage do not split into {v} virtual stages')
   one_f_one_b = pp > 1 and schedule == '1f1b'
   # Micro-batches (circular) or chunk inputs (1F1B) a stage holds at once.
-  in_flight = 1 if pp == 1 else (min(2 * v * pp, n_micro * v) if one_f_one_b else n_micro)
+  # The pipeline takes m micro-batches at a time (MeshConfig.microbatches,
+  # default the stage count); the rest of the step's micro-batches are
+  # gradient-accumulation slices, run one after another.
+  m_pipe = min(n_micro, cfg.mesh.microbatches or pp) if pp > 1 else 1
+  in_flight = 1 if pp == 1 else (min(2 * v * pp, m_pipe * v) if one_f_one_b else m_pipe)
   flash = m.attention_impl != 'xla' if flash is None else flash
   params = param_infos(m) if params is None else params
 
@@ -229,8 +236,11 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     if working:
       rows.append(('activations (recompute)', working, 'one layer rematerialized in the backward'))
   vocab_split = t if any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']")) else 1
-  rows.append(('logits', 4 * b * cfg.data.seq_len * m.vocab_size / vocab_split,
-               f'fp32 (micro-batch, seq, vocab / {vocab_split}), last stage'))
+  # The circular schedule applies the head to the whole slice of m
+  # micro-batches at once; 1F1B to one micro-batch at a time.
+  head_rows = b * (m_pipe if pp > 1 and not one_f_one_b else 1)
+  rows.append(('logits', 4 * head_rows * cfg.data.seq_len * m.vocab_size / vocab_split,
+               f'fp32 ({head_rows:g} sequence(s), seq, vocab / {vocab_split}), last stage'))
   info = dict(mesh=sizes, devices=math.prod(sizes.values()), micro_batch=b,
               micro_batches=n_micro, in_flight=in_flight, layers_per_stage=layers_per_stage,
               virtual_stages=v, flash=flash, sequence_parallel=sequence_parallel,
