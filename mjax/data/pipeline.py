@@ -239,7 +239,7 @@ def restore_position(it: grain.DatasetIterator, state: dict, global_batch_size: 
   it.set_state({**grain_state, 'next_index': k})
   return (f'global batch size changed from {saved_b} to {global_batch_size}: the data continues at row '
           f'{rows:,} of the same order (batch {k:,})'
-          + (f', reading its last {again} rows again' if again else ''))
+          + (f', reading its first {again} rows again' if again else ''))
 
 
 def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int, *,
