@@ -36,12 +36,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mjax.parallel import hlo_text  # noqa: E402
-from trace_summary import part_of  # noqa: E402
+from trace_summary import kind_of as kernel_kind, part_of  # noqa: E402
 
 NOT_KERNELS = {'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast', 'while', 'call',
                'conditional', 'after-all', 'partition-id', 'replica-id', 'opt-barrier', 'add-dependency'}
-GEMM = re.compile(r'gemm|cublas|matmul|^dot|\.dot|_dot', re.I)
-ATTENTION = re.compile(r'fmha|cudnn|flash', re.I)
 
 
 def control_computations(module: hlo_text.Module) -> set[str]:
@@ -83,9 +81,10 @@ def kernel_bytes(module: hlo_text.Module, inst: hlo_text.Instruction) -> float:
 def kind_of(module: hlo_text.Module, inst: hlo_text.Instruction, source: str) -> str:
   target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
   label = f'{inst.name} {target.group(1) if target else ""}'
-  if ATTENTION.search(label) or 'attend' in source:
+  kind = kernel_kind(label)   # the trace's kernel-name patterns fit HLO names too
+  if kind.startswith('attention') or 'attend' in source:
     return 'attention'
-  if GEMM.search(label) or fused_root(module, inst) == 'dot' or source.endswith('dot_general'):
+  if kind == 'matrix product' or fused_root(module, inst) == 'dot' or source.endswith('dot_general'):
     return 'matrix products'
   return 'memory-bound passes'
 

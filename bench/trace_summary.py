@@ -52,11 +52,10 @@ def find_trace(path: str) -> str:
   return hits[-1]
 
 
-def traced_steps(path: str, trace: str) -> int:
+def traced_steps(trace: str) -> int:
   """The step count recorded beside the trace: in a folder above the trace
   file (jax.profiler writes it under plugins/profile/<time>/ of the folder
   the trainer's profile_steps.json is in), at most 5 levels up."""
-  del path
   d = os.path.dirname(os.path.abspath(trace))
   for _ in range(6):
     f = os.path.join(d, 'profile_steps.json')
@@ -178,7 +177,7 @@ def main(argv=None):
   if args.hlo and not text:
     raise SystemExit(f'trace_summary: --hlo {args.hlo}: no such file')
   trace = find_trace(args.path)
-  print(summarize(trace, args.steps or traced_steps(args.path, trace), args.top, text))
+  print(summarize(trace, args.steps or traced_steps(trace), args.top, text))
 
 
 if __name__ == '__main__':

@@ -484,8 +484,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
     before = None   # a new workdir, or one without a readable record
   tiers = tier_directories(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else {}
   local = {name: d for name, d in tiers.items() if '://' not in d and os.path.isdir(d)}
-  steps = {name: sorted((n for n in os.listdir(d) if n.isdigit()), key=int, reverse=True)
-           for name, d in local.items()}
+  steps = {name: steps_in(d) for name, d in local.items()}
   if before is not None and any(steps.values()):
     changes = _shape_changes(before, now)
     if changes:
@@ -495,7 +494,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
           f'and metrics. {advice}')
   for name, d in local.items():
     for step in steps[name]:
-      path = os.path.join(d, step)
+      path = os.path.join(d, str(step))
       try:
         entries = os.listdir(path) if os.path.isdir(path) else ['(a file)']
       except OSError:

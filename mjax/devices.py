@@ -193,15 +193,22 @@ def peak_memory_bytes(devices: Sequence[jax.Device]) -> tuple[Optional[int], str
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'host max RSS'
 
 
+def host_memory_bytes() -> Optional[int]:
+  """This machine's physical memory, or None where the OS does not say."""
+  try:
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
 def memory_per_device(devices: Sequence[jax.Device]) -> tuple[Optional[int], str]:
   """What one device can hold: the backend's limit (GPU), else this host's
   physical memory shared by its local devices (CPU); None when unknown."""
   limits = [s['bytes_limit'] for s in map(memory_stats, devices) if s.get('bytes_limit')]
   if limits:
     return min(limits), 'device memory'
-  try:
-    host = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  except (ValueError, OSError, AttributeError):
+  host = host_memory_bytes()
+  if host is None:
     return None, 'unknown'
   import jax
   local = max(1, sum(1 for d in devices if d.process_index == jax.process_index()))

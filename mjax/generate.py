@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -48,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mjax import data as data_lib
 from mjax import evaluate, flags
 from mjax.config import Config, ModelConfig
+from mjax.devices import host_memory_bytes
 from mjax.errors import UserError
 from mjax.model import Transformer
 from mjax.model.attention import cache_slots
@@ -109,6 +109,17 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int) -> jax.Ar
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _cache_layout(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+  """The KV caches' arrays as (shape, dtype, fill), without allocating them."""
+  groups, dtype = cfg.n_layers // cfg.layer_period, dtype_of(cfg.dtype)
+  layout = {}
+  for i in range(cfg.layer_period):
+    n = cache_slots(cfg.layer_window(i), max_len)
+    kv = (groups, batch, n, cfg.kv_heads, cfg.dim_per_head)
+    layout[f'block_{i}'] = {'k': (kv, dtype, 0), 'v': (kv, dtype, 0), 'pos': ((groups, batch, n), np.int32, -1)}
+  return layout
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
   """Empty KV caches for `batch` rows of up to `max_len` tokens (numpy).
 
@@ -116,33 +127,21 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
   compute dtype, 'pos': (groups, batch, slots_i) int32, -1 = empty}}, where
   slots_i is the window of block i of each layer group, or max_len.
   """
-  groups = cfg.n_layers // cfg.layer_period
-  dtype = dtype_of(cfg.dtype)
-  cache = {}
-  for i in range(cfg.layer_period):
-    n = cache_slots(cfg.layer_window(i), max_len)
-    kv = (groups, batch, n, cfg.kv_heads, cfg.dim_per_head)
-    cache[f'block_{i}'] = {'k': np.zeros(kv, dtype), 'v': np.zeros(kv, dtype),
-                           'pos': np.full((groups, batch, n), -1, np.int32)}
-  return cache
+  return {block: {k: np.full(shape, fill, dtype) for k, (shape, dtype, fill) in arrays.items()}
+          for block, arrays in _cache_layout(cfg, batch, max_len).items()}
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
   """Bytes of `init_cache(cfg, batch, max_len)`, without allocating it."""
-  groups, itemsize = cfg.n_layers // cfg.layer_period, np.dtype(dtype_of(cfg.dtype)).itemsize
-  slots = sum(cache_slots(cfg.layer_window(i), max_len) for i in range(cfg.layer_period))
-  return groups * batch * slots * (2 * cfg.kv_heads * cfg.dim_per_head * itemsize + 4)
+  return sum(math.prod(shape) * np.dtype(dtype).itemsize
+             for arrays in _cache_layout(cfg, batch, max_len).values() for shape, dtype, _ in arrays.values())
 
 
 def _check_cache_fits(cfg: ModelConfig, batch: int, max_len: int) -> None:
   """The KV cache must fit this host's memory (it is built there, then
   placed on the devices); otherwise say what to lower, before allocating."""
-  need = cache_bytes(cfg, batch, max_len)
-  try:
-    have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  except (ValueError, OSError, AttributeError):
-    return
-  if need > have:
+  need, have = cache_bytes(cfg, batch, max_len), host_memory_bytes()
+  if have is not None and need > have:
     raise UserError(f'{PROG}: the KV cache for {batch} row(s) of up to {max_len:,} tokens needs '
                     f'{need / 2**30:,.1f} GiB, more than this host\'s {have / 2**30:,.1f} GiB of memory: '
                     f'lower --max_new_tokens (or the prompts\' length).')

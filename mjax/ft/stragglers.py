@@ -408,6 +408,13 @@ def compare(rows: Sequence[dict], steps: Optional[Sequence[int]] = None) -> dict
 # Detection
 # ----------------------------------------------------------------------------
 
+def _latest_steps(rows: Sequence[dict], window: int, quorum: int) -> list[int]:
+  """The latest `window` steps that at least `quorum` processes reported:
+  rows arrive in batches, so the newest steps may be missing a few processes."""
+  counts: dict[int, int] = collections.Counter(int(r['step']) for r in rows)
+  return sorted(s for s, c in counts.items() if c >= quorum)[-window:]
+
+
 def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
                     consistency: float = 0.8) -> list[Straggler]:
   """Processes consistently slower than the others over the last steps.
@@ -432,13 +439,7 @@ def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
   n_proc = len({r['process'] for r in rows})
   if n_proc < 2:
     return []
-  # Judge on the latest steps that enough processes have reported already:
-  # rows arrive in batches, so the newest steps may be missing a few processes.
-  counts: dict[int, int] = {}
-  for r in rows:
-    counts[int(r['step'])] = counts.get(int(r['step']), 0) + 1
-  quorum = max(2, (n_proc + 1) // 2)
-  steps = sorted(s for s, c in counts.items() if c >= quorum)[-window:]
+  steps = _latest_steps(rows, window, max(2, (n_proc + 1) // 2))
   if len(steps) < window:
     return []
   recent = [r for r in rows if int(r['step']) >= steps[0]]
@@ -478,13 +479,12 @@ def job_pace(rows: Sequence[dict], window: int = 20) -> Optional[float]:
   n_proc = len({r['process'] for r in rows})
   if not n_proc or window < 1:
     return None
+  steps = _latest_steps(rows, window, (n_proc + 1) // 2)
+  if len(steps) < window:
+    return None
   by_step: dict[int, list[float]] = collections.defaultdict(list)
   for r in rows:
     by_step[int(r['step'])].append(step_duration(r))
-  quorum = max(1, (n_proc + 1) // 2)
-  steps = sorted(s for s, v in by_step.items() if len(v) >= quorum)[-window:]
-  if len(steps) < window:
-    return None
   return float(np.median([np.median(by_step[s]) for s in steps]))
 
 

@@ -220,8 +220,9 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
   per_layer, working = activation_bytes_per_layer(
       cfg, b, t, flash=flash, sequence_parallel=sequence_parallel)
   if one_f_one_b:
-    chunk_input = jnp.dtype(m.dtype).itemsize * cfg.data.seq_len * b * m.d_model / (
-        t if sequence_parallel else 1)
+    # A chunk's input is one layer input: what remat 'full' keeps per layer.
+    chunk_input, _ = activation_bytes_per_layer(cfg, b, t, policy='full', flash=flash,
+                                                sequence_parallel=sequence_parallel)
     rows.append(('activations (layers)', chunk_input * in_flight,
                  f'{in_flight} chunk inputs kept (min(2 v p, m v), v = {v}) x '
                  f'{chunk_input / 2**20:,.1f} MiB'))
