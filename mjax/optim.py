@@ -14,7 +14,7 @@ that the model only casts to bf16 for its matrix products.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,40 +43,52 @@ def decay_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def scale_by_layerwise_trust_ratio(stacked: Any) -> optax.GradientTransformation:
-  """LAMB's trust ratio ||w|| / ||u||, computed per layer.
+def layerwise_trust_ratio(updates: Any, params: Any, stacked: Any) -> tuple[Any, jax.Array]:
+  """LAMB's trust ratio ||w|| / ||u||, one per layer: (scaled updates, the sum
+  over every layer of the scaled updates' squared norms).
 
   optax.scale_by_trust_ratio takes one norm per array. With scanned layers one
   array holds every layer (leading `layers` axis), and a single ratio for all
   of them would not be layer-wise any more; here a stacked array gets one
-  ratio per layer.
+  ratio per layer. The second result is ||ratio * u||^2 from the norms already
+  taken, so the update's norm (a metric every step) costs no pass of its own.
 
   Args:
+    updates: the Adam update plus weight decay, one leaf per param.
+    params: the weights.
     stacked: a tree like the params giving, per leaf, how many leading axes
       index layers: 0 (or False) for an ordinary array, 1 (or True) for a
       scanned stack, 3 for the pipeline layout (repeat, stage, layer).
   """
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
+  def scale(u, w, is_stacked):
+    lead = int(is_stacked)
+    axes = tuple(range(lead, w.ndim)) if lead and w.ndim > lead else None
+    w_norm = jnp.sqrt(jnp.sum(jnp.square(w.astype(jnp.float32)), axis=axes, keepdims=True))
+    u_norm = jnp.sqrt(jnp.sum(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
+    # A zero norm (fresh zero-init bias, zero update) means "no information":
+    # fall back to a ratio of 1, as the paper and optax do.
+    ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+    return (u * ratio).astype(u.dtype), jnp.sum(jnp.square(ratio * u_norm))
 
+  pairs = jax.tree.map(scale, updates, params, stacked)
+  is_pair = lambda x: isinstance(x, tuple)
+  scaled = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+  sq = sum(jax.tree.leaves(jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)), jnp.zeros((), jnp.float32))
+  return scaled, sq
+
+
+def scale_by_layerwise_trust_ratio(stacked: Any) -> optax.GradientTransformation:
+  """layerwise_trust_ratio as an optax transform (see there for `stacked`)."""
   def update_fn(updates, state, params):
     if params is None:
       raise ValueError('scale_by_layerwise_trust_ratio needs the params')
+    return layerwise_trust_ratio(updates, params, stacked)[0], state
 
-    def scale(u, w, is_stacked):
-      lead = int(is_stacked)
-      axes = tuple(range(lead, w.ndim)) if lead and w.ndim > lead else None
-      w_norm = jnp.sqrt(jnp.sum(jnp.square(w.astype(jnp.float32)), axis=axes, keepdims=True))
-      u_norm = jnp.sqrt(jnp.sum(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
-      # A zero norm (fresh zero-init bias, zero update) means "no information":
-      # fall back to a ratio of 1, as the paper and optax do.
-      ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
-      return (u * ratio).astype(u.dtype)
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
-    return jax.tree.map(scale, updates, params, stacked), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+def _clip_factor(g_norm: jax.Array, max_norm: float) -> jax.Array:
+  return max_norm / jnp.maximum(g_norm, max_norm)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -90,29 +102,62 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   """
   def update_fn(updates, state, params=None):
     del params
-    g_norm = optax.tree.norm(updates)
-    factor = max_norm / jnp.maximum(g_norm, max_norm)
+    factor = _clip_factor(optax.tree.norm(updates), max_norm)
     return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, stacked: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Returns (LAMB transformation, learning-rate schedule).
+class Lamb(NamedTuple):
+  """LAMB for the train step.
+
+  tx: the optax chain. Its init gives the optimizer state (and so the
+    checkpoint's layout); its update is the plain optax form of `update`.
+  schedule: the learning rate by step.
+  update: (gradient sums, token count, state, params) -> (updates, state,
+    {'grad_norm', 'update_norm'}). The same chain, run part by part, so that
+    the gradients' mean, its norm, the clip and the update's norm cost no
+    pass over the model of their own: the division by the token count and
+    the clip are one scalar folded into the moments' update, the gradient
+    norm is the sums' norm divided by the count, and the update norm comes
+    from the trust ratio's norms. Each of those, written as a pass over the
+    gradients or updates, is a full read (and a write of the scaled copy
+    where a reduction cannot fuse its producer, as on XLA:CPU).
+  """
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  update: Callable[..., tuple[Any, Any, dict]]
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, stacked: Any) -> Lamb:
+  """LAMB with its learning-rate schedule.
 
   Args:
     cfg: optimizer config.
     total_steps: TrainConfig.steps, the default decay horizon.
-    stacked: per-leaf count of leading layer axes (see scale_by_layerwise_trust_ratio).
+    stacked: per-leaf count of leading layer axes (see layerwise_trust_ratio).
   """
   schedule = learning_rate_schedule(cfg, total_steps)
-  parts = []
-  if cfg.clip_norm > 0:
-    parts.append(clip_by_global_norm(cfg.clip_norm))
-  parts += [
-      optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
-      optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-      scale_by_layerwise_trust_ratio(stacked),
-      optax.scale_by_learning_rate(schedule),
-  ]
-  return optax.chain(*parts), schedule
+  clip = cfg.clip_norm > 0
+  adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+  decay = optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask)
+  lr = optax.scale_by_learning_rate(schedule)
+  parts = ([clip_by_global_norm(cfg.clip_norm)] if clip else []) + [
+      adam, decay, scale_by_layerwise_trust_ratio(stacked), lr]
+  tx = optax.chain(*parts)
+
+  def update(grad_sums, count, opt_state, params):
+    inv = 1.0 / count
+    g_norm = optax.tree.norm(grad_sums) * inv
+    scale = inv * _clip_factor(g_norm, cfg.clip_norm) if clip else inv
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grad_sums)
+    states = list(opt_state)
+    k = int(clip)                      # the clip's state is empty: nothing to carry
+    u, states[k] = adam.update(grads, states[k], params)
+    u, states[k + 1] = decay.update(u, states[k + 1], params)
+    u, sq = layerwise_trust_ratio(u, params, stacked)
+    rate = schedule(states[k + 3].count)
+    u, states[k + 3] = lr.update(u, states[k + 3], params)
+    return u, tuple(states), {'grad_norm': g_norm, 'update_norm': jnp.abs(rate) * jnp.sqrt(sq)}
+
+  return Lamb(tx, schedule, update)

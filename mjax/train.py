@@ -133,7 +133,8 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   rules = logical_rules(cfg.mesh)
   replicated = NamedSharding(mesh, P())
   lay = _layouts(cfg, mesh, model, rules)
-  tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, lay.layer_axes)
+  lamb = make_optimizer(cfg.optim, cfg.train.steps, lay.layer_axes)
+  tx, schedule = lamb.tx, lamb.schedule
 
   def shardings_for(names_tree, params_shapes) -> TrainState:
     param_shardings = jax.tree.map(lambda n: nn.logical_to_mesh_sharding(P(*n), mesh, rules),
@@ -178,11 +179,9 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps)
     count = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates, opt_state, norms = lamb.update(grads, count, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': total / count, 'grad_norm': optax.tree.norm(grads),
-               'update_norm': optax.tree.norm(updates), 'lr': schedule(state.step)}
+    metrics = {'loss': total / count, **norms, 'lr': schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return Program(

@@ -132,7 +132,7 @@ def _trust(w, r):
 
 def _run_mjax(params, grads, cfg, total_steps):
   stacked = _unflatten({p: p in STACKED for p in _flatten(params)})
-  tx, _ = make_optimizer(cfg, total_steps, stacked)
+  tx = make_optimizer(cfg, total_steps, stacked).tx
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   state = tx.init(params)
 
@@ -275,3 +275,64 @@ def test_clipping_is_fused_into_the_moments():
   assert moved[0] <= moved[1] - one_grad, moved
   for k in params:
     np.testing.assert_allclose(results[0][k], results[1][k], rtol=1e-6)
+
+
+@pytest.mark.parametrize('clip_norm', [1.0, 0.0])
+def test_step_update_is_the_chain_on_the_mean_gradient(clip_norm):
+  # The train step hands LAMB gradient sums and a token count; its update
+  # must equal the optax chain on the mean gradient, state included, and its
+  # norms the norms of that mean gradient and of the resulting update.
+  cfg = OptimConfig(learning_rate=0.05, warmup_steps=1, decay_steps=None, min_lr_ratio=0.1,
+                    weight_decay=0.1, clip_norm=clip_norm)
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _toy_params())
+  stacked = _unflatten({p: p in STACKED for p in _flatten(params)})
+  lamb = make_optimizer(cfg, 6, stacked)
+  ours = theirs = lamb.tx.init(params)
+  count = jnp.float32(37.0)
+  for step, g in enumerate(_toy_grads(params, 3), start=1):
+    sums = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) * count, _unflatten(g))
+    u, ours, norms = jax.jit(lamb.update)(sums, count, ours, params)
+    mean = jax.tree.map(lambda s: s / count, sums)
+    want, theirs = jax.jit(lamb.tx.update)(mean, theirs, params)
+    for a, b in zip(jax.tree.leaves((u, ours)), jax.tree.leaves((want, theirs))):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=f'step {step}')
+    np.testing.assert_allclose(norms['grad_norm'], optax.tree.norm(mean), rtol=1e-5)
+    np.testing.assert_allclose(norms['update_norm'], optax.tree.norm(want), rtol=1e-5)
+    assert float(norms['update_norm']) > 0 or step == 1       # step 1 runs at lr 0 (warm-up)
+    params = optax.apply_updates(params, u)
+
+
+def test_step_update_moves_less_memory_than_the_plain_form():
+  # Written plainly (divide by the count, run the chain, take both norms as
+  # metrics) the update writes a divided copy of the gradients and a copy of
+  # the updates for their norms where a reduction does not fuse its producer
+  # (XLA:CPU). The step's form folds both into scalars: at least two
+  # gradients' worth less memory moved, on any backend.
+  cfg = OptimConfig(learning_rate=0.05, warmup_steps=0, clip_norm=1.0)
+  params = {'a': jnp.ones((512, 512)), 'layers': jnp.full((4, 256, 512), 2.0)}
+  stacked = {'a': 0, 'layers': 1}
+  lamb = make_optimizer(cfg, 10, stacked)
+  state = lamb.tx.init(params)
+  sums = jax.tree.map(lambda p: p * 300.0, params)
+  count = jnp.float32(100.0)
+  one_grad = 4 * sum(p.size for p in jax.tree.leaves(params))
+
+  def step(sums, count, state, params):
+    u, state, norms = lamb.update(sums, count, state, params)
+    return optax.apply_updates(params, u), state, norms
+
+  def plain(sums, count, state, params):
+    mean = jax.tree.map(lambda s: s / count, sums)
+    u, state = lamb.tx.update(mean, state, params)
+    return optax.apply_updates(params, u), state, {'grad_norm': optax.tree.norm(mean),
+                                                  'update_norm': optax.tree.norm(u)}
+
+  moved, results = [], []
+  for fn in (step, plain):
+    jitted = jax.jit(fn)
+    cost = jitted.lower(sums, count, state, params).compile().cost_analysis()
+    moved.append((cost[0] if isinstance(cost, list) else cost)['bytes accessed'])
+    results.append(jitted(sums, count, state, params))
+  assert moved[0] <= moved[1] - 2 * one_grad, (moved, one_grad)
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    np.testing.assert_allclose(a, b, rtol=2e-5)
