@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
 
+from mjax.ft import device_time
 from mjax.parallel import hlo_text
 
 # Kernel-name patterns, first match wins. cuBLAS/cuBLASLt and CUTLASS GEMMs
@@ -35,7 +34,7 @@ KINDS = [
     # YNNPACK: one kind, since the name does not say which.
     ('YNNPACK fusion (CPU: matrix products and what is fused with them)', re.compile(r'^ynn_fusion', re.I)),
     ('matrix product', re.compile(r'gemm|xmma|cutlass|matmul|dot|nvjet|sm90_', re.I)),
-    ('collective', re.compile(r'nccl|all-reduce|all-gather|reduce-scatter|collective', re.I)),
+    ('collective', device_time.COLLECTIVE),
     ('copy / transpose', re.compile(r'memcpy|memset|copy|transpose', re.I)),
     ('reduction / norm fusion', re.compile(r'reduce|norm', re.I)),
     ('elementwise / other fusion', re.compile(r'fusion|loop_|input_|wrapped_|convert', re.I)),
@@ -43,13 +42,10 @@ KINDS = [
 
 
 def find_trace(path: str) -> str:
-  if os.path.isfile(path):
-    return path
-  hits = sorted(glob.glob(os.path.join(path, '**', '*perfetto_trace.json.gz'), recursive=True)
-                or glob.glob(os.path.join(path, '**', '*.trace.json.gz'), recursive=True))
-  if not hits:
+  hit = device_time.find_trace(path)
+  if not hit:
     raise SystemExit(f'trace_summary: no perfetto_trace.json.gz under {path}')
-  return hits[-1]
+  return hit
 
 
 def traced_steps(trace: str) -> int:
@@ -106,29 +102,11 @@ def part_of(source: str) -> str:
 
 
 def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
-  with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
-    trace = json.load(fh)
-  events = trace['traceEvents'] if isinstance(trace, dict) else trace
-  pname = {e['pid']: e.get('args', {}).get('name', '') for e in events
-           if e.get('ph') == 'M' and e.get('name') == 'process_name'}
-  device_pids = {p for p, n in pname.items() if re.search(r'/device:(GPU|TPU)', n)}
-  if not device_pids:  # CPU: the XLA ops run on host threads
-    device_pids = {p for p, n in pname.items() if 'host' in n.lower() or 'cpu' in n.lower()}
-  ops = [e for e in events if e.get('ph') == 'X' and e.get('pid') in device_pids and 'dur' in e]
-  if not any(re.search(r'/device:(GPU|TPU)', pname.get(p, '')) for p in device_pids):
-    # CPU: the host threads also carry the runtime's and Python's own spans,
-    # which enclose the ops; keep the XLA instructions (HLO names) alone.
-    ops = [e for e in ops if re.fullmatch(r'[\w.\-]+', e['name']) and 'Thunk' not in e['name']]
+  ops = device_time.device_ops(path)
   if not ops:
     return f'no device events in {path}'
-  # GPU kernels of one stream never overlap; where several streams run, busy
-  # time is the union of their intervals.
+  busy = device_time.busy_seconds(ops) * 1e6
   spans = sorted((e['ts'], e['ts'] + e['dur']) for e in ops)
-  busy, end = 0.0, -1.0
-  for a, b in spans:
-    if b > end:
-      busy += b - max(a, end)
-      end = b
   wall = spans[-1][1] - spans[0][0]
   by_name = collections.Counter()
   by_kind = collections.Counter()

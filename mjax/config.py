@@ -329,6 +329,9 @@ class FaultConfig:
   progress_timeout_s: float = 120.0     # heartbeats but no new step: hang
   collective_timeout_s: float = 600.0   # what the job tolerates by itself (jax's peer heartbeat)
   timing_every: int = 10                # steps between per-process timing flushes
+  device_timing_every: int = 100        # trace one step's device time per process every this many
+                                        # steps, naming a rank slowed inside the step (0: off;
+                                        # multi-process jobs only; see mjax/ft/device_time.py)
   straggler_margin: float = 0.2         # slower than the median by this share...
   straggler_window: int = 20            # ...over this many steps: a straggler
   evict_stragglers: bool = False
@@ -672,7 +675,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(f, 'heartbeat_interval_s', 'heartbeat_timeout_s', 'progress_timeout_s',
             'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
             'loss_spike_count')
-  _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', allow_zero=True)
+  _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', 'device_timing_every', allow_zero=True)
   # The driver has to notice a lost process (heartbeat) before it calls it a
   # hang (progress), and both before a collective times out on the healthy
   # processes (collective): then the driver, not a timeout on every rank,

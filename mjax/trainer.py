@@ -47,6 +47,7 @@ from mjax.config import Config, ConfigError
 from mjax.devices import memory_per_device, peak_flops
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
+from mjax.ft.device_time import DeviceSampler
 from mjax.ft.phases import PhaseTimer
 from mjax.metrics import MetricsWriter
 from mjax.model.flops import flops_per_token
@@ -188,6 +189,7 @@ class Trainer:
     heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
+    sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, self.workdir, pid)
     meta = {'config': config_lib.to_dict(cfg)}
     step = start
     with StopAgreement(heartbeat) as stop, profiler:
@@ -195,6 +197,7 @@ class Trainer:
         if injector is not None:
           injector.before_step(step)
         profiler.before(step)
+        sampler.before(step, profiling=profiler.active)
         with timer.phase('data'):
           batch = program.to_global(next(self.train_iter))
         with timer.phase('compute'):
@@ -208,7 +211,9 @@ class Trainer:
           reporter.flush()
           with timer.phase('checkpoint'):
             self._save(step, meta)
-        timer.end_step(step)
+        with timer.phase('compute'):       # a sampled step's trace waits for its device work
+          sampler.wait(self.state)
+        timer.end_step(step, sampler.collect())
         profiler.after(step, self.state)
         if stop.agreed(step):
           break

@@ -213,3 +213,73 @@ def test_report_stragglers_prints_table_and_writes_heatmap_and_trace(tmp_path, c
 def test_report_stragglers_explains_a_missing_timings_folder(tmp_path, capsys):
   assert report.main(['stragglers', str(tmp_path)]) == 2
   assert capsys.readouterr().err.startswith('mjax-report stragglers: error: no timing files')
+
+
+# --- device time of sampled steps: a rank slowed inside the step -------------------
+
+def with_device_samples(rows, every=10, slow=None, factor=1.5, seed=0):
+  """Adds what DeviceSampler records every `every` steps: each process's
+  device time in compute kernels and in collectives. The step's compute is
+  the same 1 s everywhere but on `slow`, which takes `factor` x as long;
+  everyone else waits that difference out inside the step's collectives."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for r in rows:
+    r = dict(r)
+    if r['step'] % every == 0:
+      n = 1 + max(x['process'] for x in rows)
+      base = 0.8 * (1 + 0.03 * rng.standard_normal(n))
+      compute = base.copy()
+      if slow is not None:
+        compute[slow] *= factor
+      arrive = compute + 0.02
+      wait = np.max(arrive) - arrive + 0.05      # the collective itself, plus waiting for the last
+      r['device'] = {'compute': float(compute[r['process']]), 'collective': float(wait[r['process']])}
+    out.append(r)
+  return out
+
+
+def test_a_rank_slowed_inside_the_step_is_named_by_its_device_time():
+  # Host timings cannot see it: every process ends each step together.
+  rows = with_device_samples(lockstep_rows(n=4, steps=60, seed=3), slow=2, factor=1.5)
+  assert st._host_stragglers(st.dedupe_rows(rows), 0.2, 20, 0.8) == []
+  (found,) = st.find_stragglers(rows, margin=0.2, window=20)
+  assert found.process == 2 and found.reason == 'device'
+  assert 0.3 < found.slowdown < 0.7 and 1.4 < found.ratio < 1.6   # 0.4 s more, in a step of 0.85 s
+  assert (found.first_step, found.last_step) == (40, 60)
+  assert 'device computes' in found.describe() and 'process 2' in found.describe()
+  # The report's table shows the device columns and the verdict.
+  text = st.format_table(st.summary_table(rows))
+  assert 'device compute' in text and 'straggler (+' in text.splitlines()[4] and 'device)' in text
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_device_samples_of_a_clean_run_flag_nobody(seed):
+  rows = with_device_samples(lockstep_rows(n=8, steps=60, seed=seed), seed=seed)
+  assert st.find_stragglers(rows) == []
+
+
+def test_a_device_verdict_needs_three_samples_and_two_processes():
+  rows = with_device_samples(lockstep_rows(n=4, steps=60, seed=3), slow=2, factor=1.5)
+  assert st.device_stragglers(upto(rows, 29)) == []                  # samples at 10 and 20 only
+  assert [s.process for s in st.device_stragglers(upto(rows, 30))] == [2]
+  one = [r for r in rows if r['process'] == 2]
+  assert st.device_stragglers(one) == []
+  # One slow sample (a rank that paid for something once) is not a straggler.
+  once = [dict(r, device={**r['device'], 'compute': r['device']['compute'] * 1.5})
+          if 'device' in r and r['process'] == 1 and r['step'] == 50 else r
+          for r in with_device_samples(lockstep_rows(n=4, steps=60, seed=4))]
+  assert st.find_stragglers(once) == []
+
+
+def test_the_driver_tail_keeps_device_samples_far_behind_its_window(tmp_path):
+  # The driver keeps the last ~50 rows a process; samples come every 100
+  # steps, so they are kept apart, or no verdict could ever form.
+  rows = with_device_samples(lockstep_rows(n=3, steps=400, checkpoint_every=0), every=100, slow=1)
+  tail = st.TimingTail(str(tmp_path), keep=48, from_end=False)
+  _write(tmp_path, [r for r in rows if r['step'] <= 250])
+  tail.update()
+  _write(tmp_path, [r for r in rows if r['step'] > 250])
+  seen = tail.update()
+  assert sorted({r['step'] for r in seen if 'device' in r}) == [100, 200, 300, 400]
+  assert [s.process for s in st.find_stragglers(seen)] == [1]

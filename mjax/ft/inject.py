@@ -3,6 +3,10 @@
     MJAX_FAULT="kill:step=12:process=1"     SIGKILL itself before step 12
     MJAX_FAULT="hang:step=12:process=0"     stop making progress at step 12
     MJAX_FAULT="slow:factor=1.3:process=2"  every step takes 1.3x as long
+    MJAX_FAULT="throttle:factor=0.3:process=1:step=5"
+                                            from step 5, stopped (SIGSTOP) 30% of the time,
+                                            in cycles of 0.1 s: slowed inside the step, like a
+                                            throttled device, so the others wait in collectives
     MJAX_FAULT="delay:seconds=0.5"          every step takes 0.5 s longer (time to act in)
     MJAX_FAULT="nan:step=8"                 report a NaN loss at step 8
     MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
@@ -19,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'delay', 'nan', 'exit')
+KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'exit')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +57,9 @@ def parse(spec: str) -> list[InjectedFault]:
       if key not in ('step', 'process', 'factor', 'seconds', 'code', 'attempt'):
         raise ValueError(f'{protocol.INJECT_ENV}: unknown field {key!r} in {part!r}')
       kw[key] = float(value) if key in ('factor', 'seconds') else int(value)
+    if kind == 'throttle' and not 0 < kw.get('factor', 0) < 1:
+      raise ValueError(f'{protocol.INJECT_ENV}: {part!r}: a throttle\'s factor is the share of time '
+                       f'stopped, between 0 and 1 (factor=0.3)')
     faults.append(InjectedFault(kind, **kw))
   return faults
 
@@ -62,6 +71,7 @@ class Injector:
     self.faults = [f for f in faults
                    if (f.process is None or f.process == process_index) and f.attempt in (attempt, -1)]
     self._t = None
+    self._throttle: Optional[subprocess.Popen] = None
 
   @classmethod
   def from_env(cls, process_index: int) -> Optional['Injector']:
@@ -79,6 +89,8 @@ class Injector:
       if f.kind == 'hang' and step == f.step:
         while True:  # a stuck collective: alive, heartbeating, no progress
           time.sleep(3600)
+      if f.kind == 'throttle' and step >= f.step and self._throttle is None:
+        self._throttle = _start_throttle(f.factor)
     self._t = time.perf_counter()
 
   def after_step(self, step: int, loss: float) -> float:
@@ -91,3 +103,27 @@ class Injector:
       if f.kind == 'nan' and step == f.step:
         return float('nan')
     return loss
+
+
+# A process cannot resume itself from SIGSTOP: a child stops and continues it,
+# and continues it for good when the parent is gone or the child is told to stop.
+_THROTTLE = """
+import os, signal, sys, time
+pid, stopped = int(sys.argv[1]), float(sys.argv[2])
+signal.signal(signal.SIGTERM, lambda *_: (os.kill(pid, signal.SIGCONT), sys.exit(0)))
+try:
+  while os.getppid() == pid:
+    os.kill(pid, signal.SIGSTOP); time.sleep(0.1 * stopped)
+    os.kill(pid, signal.SIGCONT); time.sleep(0.1 * (1 - stopped))
+except ProcessLookupError:
+  pass
+finally:
+  try:
+    os.kill(pid, signal.SIGCONT)
+  except ProcessLookupError:
+    pass
+"""
+
+
+def _start_throttle(share: float) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, '-c', _THROTTLE, str(os.getpid()), str(share)])

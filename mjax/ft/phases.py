@@ -24,7 +24,9 @@ class PhaseTimer:
     eval        held-out evaluation
   Rows are appended every `every` steps to
   `<workdir>/timings/process-<index>.jsonl`, one JSON object per step:
-  {"step", "process", "host", "time" (unix, end of step), "phases": {...}}.
+  {"step", "process", "host", "time" (unix, end of step), "phases": {...}},
+  plus "device": {"compute", "collective"} in the steps whose device time
+  was sampled (FaultConfig.device_timing_every).
   `current` and `step` are what a heartbeat reports.
   """
 
@@ -53,10 +55,15 @@ class PhaseTimer:
         self.current = prev
     return timed()
 
-  def end_step(self, step: int) -> None:
+  def end_step(self, step: int, device: dict | None = None) -> None:
+    """Closes the row of `step`; `device` is a sampled step's device time
+    ({'compute': s, 'collective': s}, see mjax.ft.device_time)."""
     self.step = step
-    self._rows.append({'step': int(step), 'process': self.process, 'host': self.host,
-                       'time': time.time(), 'phases': {k: round(v, 6) for k, v in self._acc.items()}})
+    row = {'step': int(step), 'process': self.process, 'host': self.host,
+           'time': time.time(), 'phases': {k: round(v, 6) for k, v in self._acc.items()}}
+    if device:
+      row['device'] = device
+    self._rows.append(row)
     self._acc.clear()
     if len(self._rows) >= self.every:
       self.flush()

@@ -45,8 +45,11 @@ steps of large models take seconds), and that the processes are held in
 step by their collectives, as every multi-process mjax job is (processes
 running each at its own pace drift apart, and their end times with them). A slow accelerator is invisible to
 host timings in a synchronous job (its collective partners wait on the
-device, not on the host, and all are released together); per-device
-throughput checks (`mjax.ft.diagnose`) find those.
+device, not on the host, and all are released together). For those, every
+FaultConfig.device_timing_every steps each process traces one step and its
+row carries "device": {"compute": s, "collective": s} (mjax/ft/device_time.py):
+the slow rank computes longer and waits less in the collectives than the
+others, and `device_stragglers` compares the last DEVICE_SAMPLES such steps.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ import numpy as np
 # accumulated into row s + 1 before its data, and a checkpoint closes the step.
 PHASE_ORDER = ('eval', 'data', 'compute', 'checkpoint')
 STEP = 'step'  # the metric "sum of all phases"
+DEVICE = 'device'  # the reason of a straggler found in the sampled device times
+DEVICE_SAMPLES = 3  # sampled steps a device verdict rests on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +82,12 @@ class Straggler:
     slowdown: median over the window of its slowdown (the largest of its
       lateness and its excess step or phase time, in step times).
     reason: the signal with the largest median: 'late' (ends its steps
-      after the others), 'step' (longer steps) or a phase ('data', ...).
+      after the others), 'step' (longer steps), a phase ('data', ...), or
+      'device' (its device computes longer in the sampled steps, see
+      `device_stragglers`).
     ratio: median over the window of its step time divided by the median
-      of the other processes' at the same step.
+      of the other processes' at the same step (for 'device': of its device
+      compute time).
     lateness: median over the window of how much later than the others it
       ended each step, in step times (see `compare`).
     lateness_s: the same lag in seconds.
@@ -101,6 +109,11 @@ class Straggler:
 
   def describe(self) -> str:
     """One line for logs and the driver's decision record."""
+    if self.reason == DEVICE:
+      return (f'process {self.process} on {self.host}: its device computes {self.slowdown:+.0%} of a step longer '
+              f'than the others\' in the sampled steps {self.first_step}-{self.last_step} (compute time '
+              f'x{self.ratio:.2f}; slow in {self.slow_share:.0%} of the samples): the others wait for it inside '
+              f'the step\'s collectives')
     why = {'late': 'ends its steps late', 'step': 'longer steps'}.get(self.reason, f'longer {self.reason} phase')
     return (f'process {self.process} on {self.host}: {self.slowdown:+.0%} of a step slower than the others '
             f'over steps {self.first_step}-{self.last_step}, mostly {why} (step time x{self.ratio:.2f}, '
@@ -173,6 +186,9 @@ class TimingTail:
     self._offsets: dict[str, int] = {}
     self._partial: dict[str, bytes] = {}
     self._rows: dict[str, collections.deque] = {}
+    # Sampled rows come every FaultConfig.device_timing_every steps, far
+    # apart: the last few are kept apart from the latest rows.
+    self._sampled: dict[str, collections.deque] = {}
     if from_end:
       for path in self._paths():
         self._offsets[path] = os.path.getsize(path)
@@ -199,11 +215,15 @@ class TimingTail:
       lines = (self._partial.pop(path, b'') + data).split(b'\n')
       self._partial[path] = lines.pop()   # a row still being written
       kept = self._rows.setdefault(path, collections.deque(maxlen=self.keep))
+      sampled = self._sampled.setdefault(path, collections.deque(maxlen=2 * DEVICE_SAMPLES))
       for line in lines:
         row = _parse_row(line.decode('utf-8', errors='replace'))
         if row is not None:
           kept.append(row)
-    return [r for kept in self._rows.values() for r in kept]
+          if 'device' in row:
+            sampled.append(row)
+    recent = [r for kept in self._rows.values() for r in kept]
+    return [r for rows in self._sampled.values() for r in rows] + recent
 
 
 def _parse_row(line: str) -> Optional[dict]:
@@ -415,6 +435,70 @@ def _latest_steps(rows: Sequence[dict], window: int, quorum: int) -> list[int]:
   return sorted(s for s, c in counts.items() if c >= quorum)[-window:]
 
 
+def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optional[dict]:
+  """Per process, its device compute time in the latest sampled steps against the others'.
+
+  A rank slowed inside the step holds the others in the step's collectives:
+  their compute kernels end on time and they wait, it computes longer and
+  waits little (see mjax.ft.device_time). Its extra compute time, in units
+  of the others' device step (compute + collectives) less that extra, which
+  they spent waiting, is its slowdown, as `compare` measures a phase.
+
+  Returns:
+    None with fewer than `samples` steps sampled by at least half the
+    processes (and two), else {'processes' [P], 'steps' [S], 'ratio' [P, S]
+    (compute / the others' median), 'slowdown' [P, S]}, NaN where a process
+    has no sample.
+  """
+  sampled = [r for r in rows if isinstance(r.get('device'), dict)]
+  n_proc = len({int(r['process']) for r in sampled})
+  if n_proc < 2:
+    return None
+  steps = _latest_steps(sampled, samples, max(2, (n_proc + 1) // 2))
+  if len(steps) < samples:
+    return None
+  processes = sorted({int(r['process']) for r in sampled})
+  pi, si = {p: i for i, p in enumerate(processes)}, {s: j for j, s in enumerate(steps)}
+  compute = np.full((len(processes), len(steps)), np.nan)
+  total = compute.copy()
+  for r in sampled:
+    j = si.get(int(r['step']))
+    if j is not None:
+      d = r['device']
+      compute[pi[int(r['process'])], j] = float(d.get('compute', np.nan))
+      total[pi[int(r['process'])], j] = float(d.get('compute', np.nan)) + float(d.get('collective', 0.0))
+  with np.errstate(invalid='ignore', divide='ignore'):
+    ref, ref_total = _loo_median(compute), _loo_median(total)
+    extra = compute - ref
+    rest = np.maximum(ref_total - np.clip(extra, 0, None), 0.1 * ref_total)
+    return {'processes': np.array(processes), 'steps': np.array(steps), 'ratio': compute / ref,
+            'slowdown': extra / rest}
+
+
+def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: float = 0.8,
+                      samples: int = DEVICE_SAMPLES) -> list[Straggler]:
+  """Processes whose device computes longer than the others' in each of the
+  latest `samples` sampled steps: median slowdown above `margin`, above
+  margin / 2 in at least `consistency` of them (all, for three samples)."""
+  sig = device_compare(dedupe_rows(rows), samples)
+  if sig is None:
+    return []
+  hosts = {int(r['process']): r.get('host', '?') for r in rows}
+  found = []
+  for i, p in enumerate(sig['processes'].tolist()):
+    slow = sig['slowdown'][i]
+    valid = ~np.isnan(slow)
+    if valid.sum() < max(1, (samples + 1) // 2):
+      continue
+    med, share = float(np.median(slow[valid])), float(np.mean(slow[valid] > margin / 2))
+    if med > margin and share >= consistency:
+      found.append(Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
+                             ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
+                             slow_share=share, first_step=int(sig['steps'][0]),
+                             last_step=int(sig['steps'][-1])))
+  return found
+
+
 def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
                     consistency: float = 0.8) -> list[Straggler]:
   """Processes consistently slower than the others over the last steps.
@@ -430,12 +514,22 @@ def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
       process must be slower than margin / 2.
 
   Returns:
-    The stragglers, slowest first.
+    The stragglers, slowest first: those the host timings show, and those
+    whose device computes longer in the sampled steps (`device_stragglers`),
+    a process found both ways once, by its larger slowdown.
   """
   if margin <= 0 or window < 1 or not 0 < consistency <= 1:
     raise ValueError(f'find_stragglers: margin {margin!r} must be > 0, window {window!r} >= 1 and '
                      f'consistency {consistency!r} in (0, 1].')
   rows = dedupe_rows(rows)
+  found = {}
+  for s in _host_stragglers(rows, margin, window, consistency) + device_stragglers(rows, margin, consistency):
+    if s.process not in found or s.slowdown > found[s.process].slowdown:
+      found[s.process] = s
+  return sorted(found.values(), key=lambda s: -s.slowdown)
+
+
+def _host_stragglers(rows: Sequence[dict], margin: float, window: int, consistency: float) -> list[Straggler]:
   n_proc = len({r['process'] for r in rows})
   if n_proc < 2:
     return []
@@ -461,7 +555,7 @@ def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
           ratio=float(_nanmedian(sig['ratio'][i])), lateness=by_signal['late'],
           lateness_s=float(_nanmedian(sig['lateness_s'][i])), slow_share=share,
           first_step=int(sig['steps'][0]), last_step=int(sig['steps'][-1])))
-  return sorted(found, key=lambda s: -s.slowdown)
+  return found
 
 
 def job_pace(rows: Sequence[dict], window: int = 20) -> Optional[float]:
@@ -537,6 +631,9 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
     }
     if p in flagged:
       entry.update(slowdown=flagged[p].slowdown, reason=flagged[p].reason)
+    sampled = [r['device'] for r in rows if int(r['process']) == p and isinstance(r.get('device'), dict)]
+    if sampled:
+      entry['device'] = {k: float(np.median([d.get(k, np.nan) for d in sampled])) for k in ('compute', 'collective')}
     table.append(entry)
   return table
 
@@ -546,8 +643,10 @@ def format_table(table: Sequence[dict], metric: str = STEP) -> str:
   if not table:
     return '(no timing rows)'
   phase_names = list(table[0]['phases'])
+  sampled = any('device' in e for e in table)
   head = ['process', 'host', 'steps', f'{metric} p50', 'p90', 'x others', 'late ms'] + \
-         [f'{ph} p50' for ph in phase_names] + ['verdict']
+         [f'{ph} p50' for ph in phase_names] + (['device compute', 'device collective'] if sampled else []) + \
+         ['verdict']
 
   def ms(v):
     return '-' if v != v else f'{v * 1e3:.1f}'  # v != v: NaN, nothing to compare
@@ -557,7 +656,9 @@ def format_table(table: Sequence[dict], metric: str = STEP) -> str:
     verdict = e['verdict'] + (f' ({e["slowdown"]:+.0%}, {e["reason"]})' if 'slowdown' in e else '')
     lines.append([str(e['process']), e['host'], str(e['steps']), ms(e['median_s']), ms(e['p90_s']),
                   '-' if e['ratio'] != e['ratio'] else f'{e["ratio"]:.2f}', ms(e['lateness_s'])] +
-                 [ms(e['phases'][ph]) for ph in phase_names] + [verdict])
+                 [ms(e['phases'][ph]) for ph in phase_names] +
+                 ([ms(e.get('device', {}).get(k, float('nan'))) for k in ('compute', 'collective')]
+                  if sampled else []) + [verdict])
   widths = [max(len(h), *(len(l[k]) for l in lines)) for k, h in enumerate(head)]
 
   def fmt(cells):
@@ -568,4 +669,6 @@ def format_table(table: Sequence[dict], metric: str = STEP) -> str:
       '\n(times in ms; "x others": median step time / the other processes\' median at the same step, ' \
       'where a straggler can read below 1: the others wait for it inside the step\'s collectives, so their ' \
       'steps take longer; "late ms": median lag of its end of step behind the others\', what a verdict ' \
-      'rests on)'
+      'rests on' + ('; "device": median over the sampled steps of its device\'s time in compute kernels and in '
+                    'collectives, where a rank slowed inside the step computes longer and the others wait)'
+                    if sampled else ')')

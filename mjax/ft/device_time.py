@@ -1,0 +1,140 @@
+"""Each process's device time of a sampled step, compute and collectives
+apart: the slow rank that host timings cannot name (MegaScale §4.3).
+
+In a synchronous job a rank slowed inside the step (a throttled GPU, a host
+stopped while its device's part of a collective is due) holds every rank in
+that collective: every process's host sees the same step time, and none ends
+late. The device trace tells them apart. The slow rank's kernels take longer
+and it arrives last at each collective, so it waits little there; the
+healthy ranks finish their kernels on time and then wait for it inside the
+collective. Per rank, time in compute kernels against time in collectives
+names it (measured on two CPU processes, one stopped a third of the time:
+its compute 9.4 s against 6.8 s, its all-reduce wait 0.07 s against 2.7 s).
+
+`DeviceSampler` traces one step every FaultConfig.device_timing_every steps
+with jax.profiler on every process (the same steps everywhere), reads the
+trace back, and hands {'compute': s, 'collective': s} to the process's
+timing row (`mjax.ft.phases`), where `mjax.ft.stragglers` compares the
+processes. The trace is deleted once read.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+from typing import Any, Iterable, Optional
+
+import jax
+
+# Collective kernels and ops: NCCL's kernels on GPU, XLA's collective ops
+# (their async start/done halves included) on CPU and in HLO names.
+COLLECTIVE = re.compile(r'nccl|all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|'
+                        r'ragged-all-to-all|^send|^recv', re.I)
+
+
+def find_trace(path: str) -> Optional[str]:
+  """The newest perfetto_trace.json.gz (or *.trace.json.gz) at or below `path`."""
+  if os.path.isfile(path):
+    return path
+  hits = sorted(glob.glob(os.path.join(path, '**', '*perfetto_trace.json.gz'), recursive=True)
+                or glob.glob(os.path.join(path, '**', '*.trace.json.gz'), recursive=True))
+  return hits[-1] if hits else None
+
+
+def device_ops(path: str) -> list[dict]:
+  """The complete events of the device streams in a jax.profiler trace: GPU
+  (or TPU) kernels, or on CPU the XLA ops of the host threads that run them.
+
+  Each is a Chrome-trace event with at least 'name', 'ts' and 'dur' (µs).
+  """
+  with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
+    trace = json.load(fh)
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  pname = {e['pid']: e.get('args', {}).get('name', '') for e in events
+           if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  device_pids = {p for p, n in pname.items() if re.search(r'/device:(GPU|TPU)', n)}
+  on_cpu = not device_pids
+  if on_cpu:  # the XLA ops run on host threads
+    device_pids = {p for p, n in pname.items() if 'host' in n.lower() or 'cpu' in n.lower()}
+  ops = [e for e in events if e.get('ph') == 'X' and e.get('pid') in device_pids and 'dur' in e]
+  if on_cpu:
+    # The host threads also carry the runtime's and Python's own spans,
+    # which enclose the ops; keep the XLA instructions (HLO names) alone.
+    ops = [e for e in ops if re.fullmatch(r'[\w.\-]+', e['name']) and 'Thunk' not in e['name']]
+  return ops
+
+
+def busy_seconds(ops: Iterable[dict]) -> float:
+  """Seconds covered by the union of the ops' intervals: kernels of one GPU
+  stream never overlap, but several streams (and XLA:CPU's threads) do."""
+  spans = sorted((e['ts'], e['ts'] + e['dur']) for e in ops)
+  busy, end = 0.0, float('-inf')
+  for a, b in spans:
+    if b > end:
+      busy += b - max(a, end)
+      end = b
+  return busy / 1e6
+
+
+def split(ops: list[dict]) -> dict:
+  """{'compute': s, 'collective': s}: device time in compute kernels and in
+  collectives (each the union of its intervals)."""
+  coll = [e for e in ops if COLLECTIVE.search(e['name'])]
+  comp = [e for e in ops if not COLLECTIVE.search(e['name'])]
+  return {'compute': round(busy_seconds(comp), 6), 'collective': round(busy_seconds(coll), 6)}
+
+
+class DeviceSampler:
+  """Traces one step every `every` steps and returns its device split.
+
+  Off (every step a no-op) when `every` is 0, in a single-process job (no
+  other rank to compare with), and in the steps the user's own profile
+  (TrainConfig.profile_steps) traces: jax.profiler runs one trace at a time.
+  """
+
+  def __init__(self, every: int, directory: str, enabled: bool = True):
+    self.every = every if enabled else 0
+    self.directory = directory
+    self.active = False
+
+  @classmethod
+  def for_run(cls, every: int, workdir: str, process_index: int) -> 'DeviceSampler':
+    directory = os.path.join(workdir, 'timings', f'.device-trace-{process_index:05d}')
+    return cls(every, directory, enabled=jax.process_count() > 1)
+
+  def due(self, step: int) -> bool:
+    return bool(self.every) and step % self.every == 0
+
+  def before(self, step: int, profiling: bool = False) -> None:
+    if not self.due(step) or profiling:
+      return
+    shutil.rmtree(self.directory, ignore_errors=True)
+    try:
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+    except RuntimeError:          # another trace is running (the user's own): skip this sample
+      return
+    self.active = True
+
+  def wait(self, state: Any) -> None:
+    """In a sampled step: waits for its device work, which the trace must hold."""
+    if self.active:
+      jax.block_until_ready(state)
+
+  def collect(self) -> Optional[dict]:
+    """The sampled step's {'compute', 'collective'} seconds, or None."""
+    if not self.active:
+      return None
+    self.active = False
+    jax.profiler.stop_trace()
+    try:
+      path = find_trace(self.directory)
+      ops = device_ops(path) if path else []
+      return split(ops) if ops else None
+    except (OSError, ValueError, KeyError):   # an unreadable trace costs the sample, not the run
+      return None
+    finally:
+      shutil.rmtree(self.directory, ignore_errors=True)
