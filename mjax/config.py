@@ -536,6 +536,19 @@ def _positive(section, *names, allow_zero=False):
             'must be >= 0' if allow_zero else 'must be a positive number')
 
 
+# XLA indexes array dimensions, token ids and positions with 32-bit integers.
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _below_int32(section, *names):
+  for n in names:
+    v = getattr(section, n)
+    if v is not None and v > _INT32_MAX:
+      _fail(f'{type(section).__name__}.{n}', v,
+            f'must be at most 2**31 - 1 = {_INT32_MAX:,}: array sizes, token ids and positions are '
+            '32-bit integers in the compiled program')
+
+
 def _divisors(n: int) -> str:
   ds = [d for d in range(1, n + 1) if n % d == 0]
   return ', '.join(map(str, ds[:12])) + (', ...' if len(ds) > 12 else '')
@@ -601,6 +614,8 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim',
             'd_ff', 'norm_eps', 'rope_theta', 'init_std')
   _positive(m, 'full_attention_every', allow_zero=True)
+  _below_int32(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
+               'sliding_window')
   if m.head_dim is None and m.d_model % m.n_heads:
     _fail('ModelConfig.n_heads', m.n_heads,
           f'must divide ModelConfig.d_model = {m.d_model} (divisors: {_divisors(m.d_model)}), '
@@ -615,6 +630,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
           f'must be in (0, 1] and rotate an even number of the {m.dim_per_head} head dims '
           f'(int(head_dim x fraction) = {int(m.dim_per_head * m.rotary_fraction)})')
   _positive(d, 'seq_len')   # before the window checks that compare with it
+  _below_int32(d, 'seq_len')
   if m.sliding_window is not None:
     if m.sliding_window < 1:
       _fail('ModelConfig.sliding_window', m.sliding_window, 'must be None or a positive int')

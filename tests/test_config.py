@@ -71,6 +71,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('CheckpointConfig.init_from_hf = "/no/model"', ['init_from_hf', '/no/model', 'config.json']),
     ("OptimConfig.learning_rate = float('nan')", ["float('nan')", 'an expression, not a literal']),
     ('DataConfig.seq_len = 0', ['DataConfig.seq_len = 0']),
+    ('ModelConfig.d_model = 100000000000', ['ModelConfig.d_model = 100000000000', '2**31 - 1']),
+    ('DataConfig.seq_len = 4294967296', ['DataConfig.seq_len = 4294967296', '32-bit']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
