@@ -81,6 +81,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import socket
 import time
 from typing import Any, Optional
@@ -744,6 +745,7 @@ class Checkpointer:
     self.tiers: list[_Tier] = []
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
     self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
+    self.is_main = jax.process_index() == 0
     dirs = tier_directories(cfg, workdir)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
@@ -767,6 +769,45 @@ class Checkpointer:
 
   def due(self, step: int) -> bool:
     return any(t.every and step % t.every == 0 for t in self.tiers)
+
+  def space_warnings(self, state_bytes: int) -> list[str]:
+    """What each tier's free disk space will not hold, as warnings.
+
+    A save that finds the disk full stops the run (exit 2, earlier steps
+    intact), but only at the first save, possibly hours in: say it at
+    start-up. A checkpoint is about the train state's bytes (a host-local
+    tier holds this process's share); Orbax writes a new step before it
+    deletes the oldest beyond `keep`, so `keep` + 1 steps must fit, less
+    those already on disk. Warnings, not errors: compression and other
+    runs' cleanup can make room, and what fails later fails safely.
+
+    Args:
+      state_bytes: the whole train state's bytes (parameters, moments, step).
+    """
+    out = []
+    for t in self.tiers:
+      if '://' in t.directory or not (self.is_main or t.host):
+        continue
+      need = state_bytes / (jax.process_count() if t.host else 1)
+      try:
+        free = shutil.disk_usage(t.directory).free
+        have = sum(1 for e in os.listdir(t.directory) if e.isdigit())
+      except OSError:
+        continue
+      keep = self.cfg.keep if t.name == 'persistent' else self.cfg.fast_keep
+      room = int(free // max(need, 1))
+      key, gib = _tier_key(t.name), lambda b: f'{b / 2**30:,.2f} GiB'
+      where = f'CheckpointConfig.{key} = {t.directory!r} (the {t.name} tier)'
+      if room < 1:
+        out.append(f'{where} has {gib(free)} free, less than one checkpoint of this train state '
+                   f'(~{gib(need)}): its first save will fail and stop the run (exit status 2; earlier '
+                   f'checkpoints stay intact). Make room there or point CheckpointConfig.{key} elsewhere.')
+      elif room < keep + 1 - have:
+        out.append(f'{where} has room for {room} more checkpoint(s) of ~{gib(need)} ({gib(free)} free), '
+                   f'fewer than keep = {keep} needs ({keep + 1 - have} more: a new step is written before the '
+                   f'oldest is deleted): a save will fail and stop the run once the disk fills. Make room '
+                   f'there, or lower keep.')
+    return out
 
   def save(self, step: int, state: Any, data: Optional[dict], meta: dict, force: bool = False) -> list[str]:
     """Starts the saves due at `step` (all tiers when `force`); returns their names.

@@ -119,7 +119,11 @@ class Trainer:
     self._mark('program')
 
     self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
-    restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, self.program.abstract_state(canonical=True))
+    abstract = self.program.abstract_state(canonical=True)
+    if self.ckpt is not None:
+      for warning in self.ckpt.space_warnings(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))):
+        print(f'mjax: warning: {warning}', flush=True)
+    restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract)
     with self.program.context():
       if restored is not None:
         self.state = self.program.from_canonical(restored.state)

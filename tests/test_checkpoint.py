@@ -565,3 +565,30 @@ def test_a_full_disk_during_a_save_is_bad_input_naming_the_tier_and_the_steps_ke
   with pytest.raises(ValueError, match='something else'):   # other failures stay what they are
     with _full_disk_is_bad_input(tier, 6):
       raise ValueError('something else')
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_said_at_start_up(tmp_path, monkeypatch):
+  # Room for less than one checkpoint: the first save will fail, hours in
+  # perhaps; room for fewer than keep + 1 (a new step is written before the
+  # oldest goes): a later one will. Said at start-up, by tier.
+  import collections
+  from mjax import checkpoint as ck
+  cfg = C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), keep=3)
+  tier = Checkpointer(cfg, str(tmp_path / 'run'))
+  usage = collections.namedtuple('usage', 'total used free')
+  gib = 2 ** 30
+  monkeypatch.setattr(ck.shutil, 'disk_usage', lambda p: usage(100 * gib, 99.5 * gib, 0.5 * gib))
+  (w,) = tier.space_warnings(2 * gib)
+  assert f"CheckpointConfig.directory = '{tmp_path}/ckpt' (the persistent tier) has 0.50 GiB free" in w
+  assert 'less than one checkpoint' in w and '~2.00 GiB' in w and 'exit status 2' in w
+  monkeypatch.setattr(ck.shutil, 'disk_usage', lambda p: usage(100 * gib, 95 * gib, 5 * gib))
+  (w,) = tier.space_warnings(2 * gib)
+  assert 'room for 2 more checkpoint(s)' in w and 'keep = 3' in w and '(4 more' in w
+  # Steps already on disk count: with three there, one more is all it needs.
+  for step in ('10', '20', '30'):
+    os.makedirs(tmp_path / 'ckpt' / step)
+  assert tier.space_warnings(2 * gib) == []
+  monkeypatch.setattr(ck.shutil, 'disk_usage', lambda p: usage(100 * gib, 10 * gib, 90 * gib))
+  os.rmdir(tmp_path / 'ckpt' / '30')
+  assert tier.space_warnings(2 * gib) == []
+  tier.close()

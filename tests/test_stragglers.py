@@ -283,3 +283,19 @@ def test_the_driver_tail_keeps_device_samples_far_behind_its_window(tmp_path):
   seen = tail.update()
   assert sorted({r['step'] for r in seen if 'device' in r}) == [100, 200, 300, 400]
   assert [s.process for s in st.find_stragglers(seen)] == [1]
+
+
+def test_trace_shows_sampled_device_time_on_its_own_track(tmp_path):
+  rows = with_device_samples(lockstep_rows(n=2, steps=20), every=10, slow=1)
+  trace = timeline.chrome_trace(rows)
+  dev = [e for e in trace['traceEvents'] if e.get('cat') == 'device']
+  assert sorted((e['pid'], e['args']['step'], e['name']) for e in dev) == sorted(
+      (p, s, f'device {k}') for p in (0, 1) for s in (10, 20) for k in ('compute', 'collective'))
+  assert all(e['tid'] == 1 for e in dev)
+  by = {(e['pid'], e['args']['step'], e['name']): e for e in dev}
+  row = next(r for r in rows if r['process'] == 1 and r['step'] == 20)
+  assert by[(1, 20, 'device compute')]['dur'] == pytest.approx(row['device']['compute'] * 1e6, abs=1)
+  # Inside the step's compute phase, which starts where the device track does.
+  compute = next(e for e in trace['traceEvents'] if e.get('cat') == 'phase' and e['pid'] == 1
+                 and e['args']['step'] == 20 and e['name'] == 'compute')
+  assert by[(1, 20, 'device compute')]['ts'] == compute['ts']

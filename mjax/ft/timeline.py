@@ -24,6 +24,19 @@ def _row_phases(row: dict) -> list[tuple[str, float]]:
   return [(p, float(phases[p])) for p in order]
 
 
+def _device_events(row: dict, pid: int, start_s: float) -> list[dict]:
+  """A sampled step's device time (mjax/ft/device_time.py) on its own track
+  under the compute phase: compute kernels, then collectives. The sums, laid
+  end to end: which ran when inside the step is in the trace, not the row."""
+  out, t = [], start_s
+  for name in ('compute', 'collective'):
+    seconds = float(row['device'].get(name, 0.0))
+    out.append({'ph': 'X', 'name': f'device {name}', 'cat': 'device', 'pid': pid, 'tid': 1,
+                'ts': round(t * 1e6, 3), 'dur': round(seconds * 1e6, 3), 'args': {'step': int(row['step'])}})
+    t += seconds
+  return out
+
+
 def chrome_trace(rows: Sequence[dict]) -> dict:
   """A Chrome / Perfetto trace of all processes' phases.
 
@@ -54,11 +67,15 @@ def chrome_trace(rows: Sequence[dict]) -> dict:
                      'args': {'name': f'process {p} ({r.get("host", "?")})'}})
       events.append({'ph': 'M', 'name': 'process_sort_index', 'pid': p, 'tid': 0, 'args': {'sort_index': p}})
       events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 0, 'args': {'name': 'phases'}})
+      events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 1,
+                     'args': {'name': 'device time (sampled steps)'}})
     t = start
     for name, seconds in _row_phases(r):
       events.append({'ph': 'X', 'name': name, 'cat': 'phase', 'pid': p, 'tid': 0,
                      'ts': round((t - origin) * 1e6, 3), 'dur': round(seconds * 1e6, 3),
                      'args': {'step': int(r['step'])}})
+      if name == 'compute' and isinstance(r.get('device'), dict):
+        events += _device_events(r, p, t - origin)
       t += seconds
   return {'traceEvents': events, 'displayTimeUnit': 'ms',
           'otherData': {'unix_time_origin': origin, 'source': 'mjax timings/process-*.jsonl'}}
