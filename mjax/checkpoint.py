@@ -83,6 +83,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import time
 from typing import Any, Optional
 
@@ -736,6 +737,47 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
   return Restored(step=int(step), state=state, data=out['data'] or None, meta=out['meta'] or {}, path=path)
 
 
+class _FullDiskLogFilter(logging.Filter):
+  """Drops Orbax's own error logs (with their tracebacks, one per thread of
+  the save) of a write that found the disk full: `_full_disk_is_bad_input`
+  reports that once, naming the tier and the steps kept."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+      text += f' {record.exc_info[1]}'
+    return 'No space left on device' not in text
+
+
+def _quiet_failed_save_aftermath() -> None:
+  """Keeps a save that found the disk full to one message.
+
+  Orbax logs the failed write from each of its save threads, with a
+  traceback. Then it closes its asyncio loop while TensorStore is still
+  finishing the save's other writes; each completion's callback into the
+  closed loop raises RuntimeError('Event loop is closed') in a TensorStore
+  thread, which Python reports as unraisable: one traceback per array (58 for
+  `tiny`, ~330 lines in all before the message that matters). The log
+  filter drops the first kind; the hook drops exactly the second and hands
+  every other unraisable exception on.
+  """
+  absl_logger = logging.getLogger('absl')
+  if not any(isinstance(f, _FullDiskLogFilter) for f in absl_logger.filters):
+    absl_logger.addFilter(_FullDiskLogFilter())
+  previous = sys.unraisablehook
+  if getattr(previous, 'mjax_closed_loop_filter', False):
+    return
+
+  def hook(unraisable):
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed':
+      return
+    previous(unraisable)
+
+  hook.mjax_closed_loop_filter = True
+  sys.unraisablehook = hook
+
+
 class Checkpointer:
   """Saves and restores train state, data-iterator state and config."""
 
@@ -746,6 +788,7 @@ class Checkpointer:
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
     self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
     self.is_main = jax.process_index() == 0
+    _quiet_failed_save_aftermath()
     dirs = tier_directories(cfg, workdir)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}

@@ -592,3 +592,48 @@ def test_a_disk_too_small_for_the_checkpoints_is_said_at_start_up(tmp_path, monk
   os.rmdir(tmp_path / 'ckpt' / '30')
   assert tier.space_warnings(2 * gib) == []
   tier.close()
+
+
+def test_a_disk_that_fills_during_training_is_said_once_with_no_tracebacks(tmp_path, repo_root):
+  # A 20 MB filesystem, a state of ~40 MB: warned at start-up, then the
+  # first save fails. What the user reads is the warning and one message:
+  # neither Orbax's logs of the failed write (a traceback per save thread)
+  # nor TensorStore's callbacks into Orbax's closed event loop (one
+  # traceback per array) in between.
+  fs = _tmpfs(tmp_path / 'fs', 'size=20m')
+  if fs is None:
+    pytest.skip('mounting a tmpfs needs root')
+  try:
+    cmd = [os.path.join(os.path.dirname(sys.executable), 'mjax-train'), '--gin_file', 'configs/tiny.gin',
+           '--workdir', str(fs / 'run'), '--gin.TrainConfig.steps=3', '--gin.CheckpointConfig.save_every=2',
+           '--gin.TrainConfig.progress=False', '--gin.TrainConfig.compilation_cache_dir=None']
+    env = {k: v for k, v in os.environ.items() if not k.startswith(('MJAX_', 'XLA_FLAGS'))}
+    run = subprocess.run(cmd, env={**env, 'JAX_PLATFORMS': 'cpu'}, cwd=repo_root, capture_output=True,
+                         text=True, timeout=300)
+  finally:
+    subprocess.run(['umount', str(fs)], capture_output=True)
+  out = run.stdout + run.stderr
+  assert run.returncode == 2, out[-3000:]
+  assert 'less than one checkpoint of this train state' in run.stdout
+  assert 'the persistent checkpoint tier' in run.stderr and 'is full' in run.stderr
+  assert 'Traceback' not in out and 'Event loop is closed' not in out, out[-3000:]
+
+
+def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
+  import logging
+  import types
+  from mjax import checkpoint as ck
+  seen = []
+  monkeypatch.setattr(sys, 'unraisablehook', lambda u: seen.append(u.exc_value))
+  ck._quiet_failed_save_aftermath()
+  ck._quiet_failed_save_aftermath()          # twice: still one filter, one hook
+  sys.unraisablehook(types.SimpleNamespace(exc_value=RuntimeError('Event loop is closed')))
+  other = RuntimeError('something else')
+  sys.unraisablehook(types.SimpleNamespace(exc_value=other))
+  assert seen == [other]
+  absl = logging.getLogger('absl')
+  assert sum(isinstance(f, ck._FullDiskLogFilter) for f in absl.filters) == 1
+  full = logging.LogRecord('absl', logging.ERROR, __file__, 1, 'save failed', None,
+                           (ValueError, ValueError('Failed to write: No space left on device'), None))
+  kept = logging.LogRecord('absl', logging.ERROR, __file__, 1, 'save failed: permission denied', None, None)
+  assert not absl.filter(full) and absl.filter(kept)
