@@ -1163,3 +1163,22 @@ def test_numerical_faults_check_no_links(tmp_path, monkeypatch):
   att = fake_attempt(d, ['slot0', 'slot1'])
   d._diagnose(att, detect.Fault('nonfinite_loss', [1], 'nan'))
   assert events(tmp_path, 'link_check') == [] and len(events(tmp_path, 'diagnosis')) == 2
+
+
+@pytest.mark.slow
+def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_root):
+  """Process 1 is stopped 40% of the time from step 3 (SIGSTOP cycles, as a
+  throttled device): its host timings match the other's, since the
+  all-reduce releases both together; its sampled device compute time does
+  not, and the driver names it (a report: evict_stragglers is off)."""
+  train = ['--gin.ModelConfig.d_model=256', '--gin.DataConfig.seq_len=128', '--gin.TrainConfig.steps=40',
+           '--gin.OptimConfig.decay_steps=40', '--gin.CheckpointConfig.save_every=0',
+           '--gin.FaultConfig.device_timing_every=4', '--gin.FaultConfig.timing_every=4']
+  env = child_env(MJAX_FAULT='throttle:factor=0.4:process=1:step=3')
+  run = subprocess.run(launch_cmd(tmp_path, 2, train=train), cwd=repo_root, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  found = events(tmp_path, 'straggler')
+  assert [(e['process'], e['reason'], e['host']) for e in found] == [(1, 'device', 'slot1')], found
+  assert 'device computes' in found[0]['detail'] and not found[0]['evict']
+  assert events(tmp_path, 'finish') and not events(tmp_path, 'fault')
