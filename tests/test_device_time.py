@@ -61,7 +61,7 @@ def test_the_sampler_reads_a_real_cpu_trace(tmp_path):
 
 
 def test_a_single_process_job_does_not_sample(tmp_path):
-  assert dt.DeviceSampler.for_run(5, str(tmp_path), 0).every == 0
+  assert dt.DeviceSampler.for_run(5, 0).every == 0
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from typing import Any, Iterable, Optional
 
 import jax
@@ -102,8 +103,11 @@ class DeviceSampler:
     self.active = False
 
   @classmethod
-  def for_run(cls, every: int, workdir: str, process_index: int) -> 'DeviceSampler':
-    directory = os.path.join(workdir, 'timings', f'.device-trace-{process_index:05d}')
+  def for_run(cls, every: int, process_index: int) -> 'DeviceSampler':
+    # The host's own temporary directory, not the workdir: at thousands of
+    # processes the workdir is a shared filesystem, and each sample is a
+    # trace file per process, read once and deleted.
+    directory = os.path.join(tempfile.gettempdir(), f'mjax-device-trace-{os.getpid()}-{process_index:05d}')
     return cls(every, directory, enabled=jax.process_count() > 1)
 
   def due(self, step: int) -> bool:
