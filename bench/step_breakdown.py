@@ -7,8 +7,9 @@ after a warm-up), on one device:
   full step          program.step: forward, backward, LAMB, the norms it
                      reports, the parameter update (what training runs)
   forward+backward   the same loss and gradients, nothing else
-  LAMB update        tx.update + apply_updates on gradients of the params' shape
-  metrics            the gradient and update norms reported every step
+  LAMB update        what the step runs after the gradients (program.lamb.update:
+                     the mean gradient, clip, moments, trust ratio, the two norms it
+                     reports) and apply_updates
   data               one batch from the grain pipeline (it runs in background
                      threads during training: on few cores it competes with
                      the step for them)
@@ -65,8 +66,9 @@ def main(argv=None):
     state = program.init(jax.random.key(0))
     fb = jax.jit(lambda params, b: _grad_sums(loss_sums, params, b, cfg.train.grad_accum_steps))
     grads = jax.block_until_ready(fb(state.params, batch)[2])
-    lamb = jax.jit(lambda g, o, p: (lambda u, o2: (optax.apply_updates(p, u), o2))(*program.tx.update(g, o, p)))
-    norms = jax.jit(lambda g, u: (optax.tree.norm(g), optax.tree.norm(u)))
+    count = jnp.float32(cfg.train.global_batch_size * cfg.data.seq_len)
+    lamb = jax.jit(lambda g, o, p: (lambda u, o2, n: (optax.apply_updates(p, u), o2, n))(
+        *program.lamb.update(g, count, o, p)))
     step_state = [program.init(jax.random.key(0))]   # the step donates its state: a copy of its own
 
     def full():
@@ -77,7 +79,6 @@ def main(argv=None):
         'full step': full,
         'forward+backward': lambda: jax.block_until_ready(fb(state.params, batch)),
         'LAMB update': lambda: jax.block_until_ready(lamb(grads, state.opt_state, state.params)),
-        'metrics': lambda: jax.block_until_ready(norms(grads, grads)),
         'data': lambda: next(it),
     }
     for fn in parts.values():   # compile and warm up

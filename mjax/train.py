@@ -28,7 +28,7 @@ from mjax.errors import UserError
 from mjax.model import Transformer
 from mjax.model.transformer import LayerGroup, remat
 from mjax.model.loss import cross_entropy
-from mjax.optim import make_optimizer
+from mjax.optim import Lamb, make_optimizer
 from mjax.parallel import logical_rules, pipeline
 
 Batch = dict[str, jax.Array]
@@ -53,6 +53,7 @@ class Program:
   cfg: Config
   mesh: Mesh
   tx: optax.GradientTransformation
+  lamb: Lamb                                   # tx as the step runs it (optim.Lamb.update)
   state_shardings: TrainState
   batch_shardings: dict[str, NamedSharding]
   init: Callable[[jax.Array], TrainState]
@@ -185,7 +186,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return Program(
-      cfg=cfg, mesh=mesh, tx=tx,
+      cfg=cfg, mesh=mesh, tx=tx, lamb=lamb,
       state_shardings=state_shardings, batch_shardings=batch_shardings, rules=rules,
       init=jax.jit(init, out_shardings=state_shardings),
       # Donating the state lets XLA update params and moments in place: without

@@ -691,12 +691,13 @@ class Driver:
   def _pace_event(self, att: Attempt, note: dict) -> None:
     """The whole job slower than earlier in the attempt (or back to its
     pace): no process stands out, so nothing is evicted; the event says
-    when, for a person (or mjax-diagnose) to find which host."""
+    when; the device-time samples (mjax/ft/device_time.py) name which rank."""
     factor = note['pace_s'] / note['baseline_s']
     detail = (f'the job\'s steps take {note["pace_s"] * 1e3:,.0f} ms, x{factor:.2f} its pace earlier in this '
               f'attempt ({note["baseline_s"] * 1e3:,.0f} ms), and no process ends its steps later than the others: '
               'a process slow inside the step (a throttled device, a host stalled while its part of a '
-              'collective is due) holds them all; mjax-diagnose on each host, or its logs, says which'
+              'collective is due) holds them all; the sampled device times (FaultConfig.device_timing_every) '
+              'name it as a straggler within three samples, and mjax-diagnose on each host can confirm it'
               if note['slowed'] else
               f'the job is back to {note["pace_s"] * 1e3:,.0f} ms a step (x{factor:.2f} of its earlier pace)')
     self.events.emit('job_slowdown' if note['slowed'] else 'job_pace_recovered', attempt=att.number,
