@@ -85,6 +85,7 @@ import shutil
 import socket
 import sys
 import time
+import traceback
 from typing import Any, Optional
 
 import jax
@@ -156,6 +157,22 @@ def host_layout(tree: Any) -> str:
                      for index in x.sharding.addressable_devices_indices_map(x.shape).values()})
     parts.append([jax.tree_util.keystr(path), list(x.shape), str(x.dtype), blocks])
   return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def held_bytes(tree: Any) -> int:
+  """Bytes of the distinct blocks of `tree`'s arrays (or ShapeDtypeStructs
+  with shardings) that this process holds: what it writes to a host-local
+  tier, at the least."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, 'sharding', None)
+    if sharding is None:
+      total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+      continue
+    blocks = {tuple(tuple(i.indices(n)[:2]) for i, n in zip(index, x.shape))
+              for index in sharding.addressable_devices_indices_map(x.shape).values()}
+    total += sum(int(np.prod([b - a for a, b in block])) for block in blocks) * np.dtype(x.dtype).itemsize
+  return total
 
 
 def _prints_digest(prints: dict) -> str:
@@ -743,6 +760,8 @@ class _FullDiskLogFilter(logging.Filter):
   reports that once, naming the tier and the steps kept."""
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if f'{os.sep}orbax{os.sep}' not in record.pathname:
+      return True
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
       text += f' {record.exc_info[1]}'
@@ -758,8 +777,10 @@ def _quiet_failed_save_aftermath() -> None:
   closed loop raises RuntimeError('Event loop is closed') in a TensorStore
   thread, which Python reports as unraisable: one traceback per array (58 for
   `tiny`, ~330 lines in all before the message that matters). The log
-  filter drops the first kind; the hook drops exactly the second and hands
-  every other unraisable exception on.
+  filter drops Orbax's records that say the disk is full; the hook drops a
+  closed loop's refusal of a late callback (raised in asyncio's
+  call_soon_threadsafe, which nothing can act on once the loop is gone) and
+  hands every other unraisable exception on.
   """
   absl_logger = logging.getLogger('absl')
   if not any(isinstance(f, _FullDiskLogFilter) for f in absl_logger.filters):
@@ -770,7 +791,8 @@ def _quiet_failed_save_aftermath() -> None:
 
   def hook(unraisable):
     exc = unraisable.exc_value
-    if isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed':
+    if isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed' and \
+        any(f.name == 'call_soon_threadsafe' for f in traceback.extract_tb(exc.__traceback__)):
       return
     previous(unraisable)
 
@@ -813,25 +835,28 @@ class Checkpointer:
   def due(self, step: int) -> bool:
     return any(t.every and step % t.every == 0 for t in self.tiers)
 
-  def space_warnings(self, state_bytes: int) -> list[str]:
+  def space_warnings(self, state_bytes: int, held: Optional[int] = None) -> list[str]:
     """What each tier's free disk space will not hold, as warnings.
 
     A save that finds the disk full stops the run (exit 2, earlier steps
     intact), but only at the first save, possibly hours in: say it at
     start-up. A checkpoint is about the train state's bytes (a host-local
-    tier holds this process's share); Orbax writes a new step before it
+    tier holds what this process holds, `held`, and the other processes
+    on its machine theirs beside it); Orbax writes a new step before it
     deletes the oldest beyond `keep`, so `keep` + 1 steps must fit, less
     those already on disk. Warnings, not errors: compression and other
     runs' cleanup can make room, and what fails later fails safely.
 
     Args:
       state_bytes: the whole train state's bytes (parameters, moments, step).
+      held: the bytes of the blocks this process holds (`held_bytes`);
+        default state_bytes / process count.
     """
     out = []
     for t in self.tiers:
       if '://' in t.directory or not (self.is_main or t.host):
         continue
-      need = state_bytes / (jax.process_count() if t.host else 1)
+      need = (state_bytes / jax.process_count() if held is None else held) if t.host else state_bytes
       try:
         free = shutil.disk_usage(t.directory).free
         have = sum(1 for e in os.listdir(t.directory) if e.isdigit())
@@ -840,7 +865,8 @@ class Checkpointer:
       keep = self.cfg.keep if t.name == 'persistent' else self.cfg.fast_keep
       room = int(free // max(need, 1))
       key, gib = _tier_key(t.name), lambda b: f'{b / 2**30:,.2f} GiB'
-      where = f'CheckpointConfig.{key} = {t.directory!r} (the {t.name} tier)'
+      where = f'CheckpointConfig.{key} = {t.directory!r} (the {t.name} tier' + (
+          ', this process\'s part; the other processes on this machine write theirs beside it)' if t.host else ')')
       if room < 1:
         out.append(f'{where} has {gib(free)} free, less than one checkpoint of this train state '
                    f'(~{gib(need)}): its first save will fail and stop the run (exit status 2; earlier '

@@ -536,7 +536,7 @@ def _positive(section, *names, allow_zero=False):
             'must be >= 0' if allow_zero else 'must be a positive number')
 
 
-# XLA indexes array dimensions, token ids and positions with 32-bit integers.
+# Token ids, positions and per-head sizes are 32-bit integers in the model.
 _INT32_MAX = 2 ** 31 - 1
 
 
@@ -545,8 +545,8 @@ def _below_int32(section, *names):
     v = getattr(section, n)
     if v is not None and v > _INT32_MAX:
       _fail(f'{type(section).__name__}.{n}', v,
-            f'must be at most 2**31 - 1 = {_INT32_MAX:,}: array sizes, token ids and positions are '
-            '32-bit integers in the compiled program')
+            f'must be at most 2**31 - 1 = {_INT32_MAX:,}: the model computes token ids, positions and '
+            'per-head sizes as 32-bit integers, which a larger value overflows')
 
 
 def _divisors(n: int) -> str:

@@ -114,8 +114,8 @@ class Lamb(NamedTuple):
   tx: the optax chain. Its init gives the optimizer state (and so the
     checkpoint's layout); its update is the plain optax form of `update`.
   schedule: the learning rate by step.
-  update: (gradient sums, token count, state, params) -> (updates, state,
-    {'grad_norm', 'update_norm'}). The same chain, run part by part, so that
+  update: (gradient sums, token count > 0, state, params) -> (updates,
+    state, {'grad_norm', 'update_norm'}). The same chain, run part by part, so that
     the gradients' mean, its norm, the clip and the update's norm cost no
     pass over the model of their own: the division by the token count and
     the clip are one scalar folded into the moments' update, the gradient
@@ -147,7 +147,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, stacked: Any) -> Lamb:
   tx = optax.chain(*parts)
 
   def update(grad_sums, count, opt_state, params):
-    inv = 1.0 / count
+    inv = 1.0 / jnp.asarray(count, jnp.float32)   # count > 0: the train step clamps it to at least 1
     g_norm = optax.tree.norm(grad_sums) * inv
     scale = inv * _clip_factor(g_norm, cfg.clip_norm) if clip else inv
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grad_sums)

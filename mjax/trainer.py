@@ -45,9 +45,9 @@ from mjax import data as data_lib
 from mjax import distributed, protocol
 from mjax.config import Config, ConfigError
 from mjax.devices import memory_per_device, peak_flops
+from mjax.ft.device_time import DeviceSampler
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
-from mjax.ft.device_time import DeviceSampler
 from mjax.ft.phases import PhaseTimer
 from mjax.metrics import MetricsWriter
 from mjax.model.flops import flops_per_token
@@ -121,7 +121,8 @@ class Trainer:
     self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
     abstract = self.program.abstract_state(canonical=True)
     if self.ckpt is not None:
-      for warning in self.ckpt.space_warnings(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))):
+      state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+      for warning in self.ckpt.space_warnings(state_bytes, checkpoint_lib.held_bytes(abstract)):
         print(f'mjax: warning: {warning}', flush=True)
     restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract)
     with self.program.context():
@@ -196,7 +197,7 @@ class Trainer:
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid)
     meta = {'config': config_lib.to_dict(cfg)}
     step = start
-    with StopAgreement(heartbeat) as stop, profiler:
+    with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext():
       for step in range(start + 1, cfg.train.steps + 1):
         if injector is not None:
           injector.before_step(step)
@@ -207,6 +208,8 @@ class Trainer:
         with timer.phase('compute'):
           self.state, metrics = self.step_fn(self.state, batch)
           reporter.push(step, metrics)     # reads the previous step's metrics
+          sampler.wait(self.state)         # a sampled step's trace must hold its device work
+        device = sampler.collect()         # before a save, whose copies are not the step's
         if self.ckpt is not None and self.ckpt.due(step):
           # Only a state whose loss is known to be finite may become a
           # checkpoint (a NaN checkpoint would make every restart fail
@@ -215,9 +218,7 @@ class Trainer:
           reporter.flush()
           with timer.phase('checkpoint'):
             self._save(step, meta)
-        with timer.phase('compute'):       # a sampled step's trace waits for its device work
-          sampler.wait(self.state)
-        timer.end_step(step, sampler.collect())
+        timer.end_step(step, device)
         profiler.after(step, self.state)
         if stop.agreed(step):
           break

@@ -46,18 +46,31 @@ def test_the_sampler_reads_a_real_cpu_trace(tmp_path):
   sampler = dt.DeviceSampler(every=3, directory=str(tmp_path / 'trace'))
   f = jax.jit(lambda x: jnp.tanh(x @ x) @ x)
   x = f(jnp.ones((512, 512)))
-  assert not sampler.due(2) and sampler.due(3)
-  sampler.before(2)
+  # Half a period off the multiples of `every`, where checkpoints fall.
+  assert [s for s in range(1, 10) if sampler.due(s)] == [1, 4, 7]
+  sampler.before(3)
   sampler.wait(x)
   assert sampler.collect() is None                     # not a sampled step: nothing traced
-  sampler.before(3)
+  sampler.before(4)
   y = f(x)
   sampler.wait(y)
   got = sampler.collect()
   assert got['compute'] > 0 and got['collective'] == 0.0, got
   assert not os.path.exists(tmp_path / 'trace')       # deleted once read
-  sampler.before(6, profiling=True)                    # the user's own profile runs: skip
+  sampler.before(7, profiling=True)                    # the user's own profile runs: skip
   assert not sampler.active
+
+
+def test_a_loop_left_inside_a_sampled_step_stops_the_trace(tmp_path):
+  sampler = dt.DeviceSampler(every=2, directory=str(tmp_path / 'trace'))
+  with pytest.raises(ValueError):
+    with sampler:
+      sampler.before(1)
+      assert sampler.active
+      raise ValueError('a failed save, a NaN, a stop')
+  assert not sampler.active and not os.path.exists(tmp_path / 'trace')
+  jax.profiler.start_trace(str(tmp_path / 'next'))     # the next trace of this process can start
+  jax.profiler.stop_trace()
 
 
 def test_a_single_process_job_does_not_sample(tmp_path):
@@ -85,11 +98,11 @@ def test_a_throttled_rank_in_a_real_job_is_named(tmp_path, repo_root):
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   rows = st.load_rows(workdir)
   sampled = sorted({r['step'] for r in rows if 'device' in r})
-  assert sampled == [5, 10, 15, 20, 25, 30], sampled
+  assert sampled == [2, 7, 12, 17, 22, 27], sampled     # half a period off the round steps
   found = st.device_stragglers(rows)
   assert [s.process for s in found] == [1], [s.describe() for s in found]
   assert found[0].ratio > 1.2
   report = subprocess.run([os.path.join(BIN, 'mjax-report'), 'stragglers', workdir, '--out', str(tmp_path / 'r')],
                           env=env, cwd=repo_root, capture_output=True, text=True, timeout=120)
   assert report.returncode == 0, report.stderr
-  assert 'process 1' in report.stdout and 'device computes' in report.stdout
+  assert 'process 1' in report.stdout and 'wait' in report.stdout and 'inside the step' in report.stdout

@@ -1180,5 +1180,5 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
   assert run.returncode == 0, run.stderr[-3000:]
   found = events(tmp_path, 'straggler')
   assert [(e['process'], e['reason'], e['host']) for e in found] == [(1, 'device', 'slot1')], found
-  assert 'device computes' in found[0]['detail'] and not found[0]['evict']
+  assert 'the others wait' in found[0]['detail'] and not found[0]['evict']
   assert events(tmp_path, 'finish') and not events(tmp_path, 'fault')

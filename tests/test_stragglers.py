@@ -217,11 +217,13 @@ def test_report_stragglers_explains_a_missing_timings_folder(tmp_path, capsys):
 
 # --- device time of sampled steps: a rank slowed inside the step -------------------
 
-def with_device_samples(rows, every=10, slow=None, factor=1.5, seed=0):
+def with_device_samples(rows, every=10, slow=None, factor=1.5, seed=0, stall=0.0):
   """Adds what DeviceSampler records every `every` steps: each process's
   device time in compute kernels and in collectives. The step's compute is
-  the same 1 s everywhere but on `slow`, which takes `factor` x as long;
-  everyone else waits that difference out inside the step's collectives."""
+  the same 0.8 s everywhere but on `slow`, which takes `factor` x as long,
+  or whose device starts `stall` s late (its host stalled: its kernels take
+  no longer); everyone else waits that difference out inside the step's
+  collectives."""
   rng = np.random.default_rng(seed)
   out = []
   for r in rows:
@@ -233,6 +235,8 @@ def with_device_samples(rows, every=10, slow=None, factor=1.5, seed=0):
       if slow is not None:
         compute[slow] *= factor
       arrive = compute + 0.02
+      if slow is not None:
+        arrive[slow] += stall
       wait = np.max(arrive) - arrive + 0.05      # the collective itself, plus waiting for the last
       r['device'] = {'compute': float(compute[r['process']]), 'collective': float(wait[r['process']])}
     out.append(r)
@@ -247,7 +251,7 @@ def test_a_rank_slowed_inside_the_step_is_named_by_its_device_time():
   assert found.process == 2 and found.reason == 'device'
   assert 0.3 < found.slowdown < 0.7 and 1.4 < found.ratio < 1.6   # 0.4 s more, in a step of 0.85 s
   assert (found.first_step, found.last_step) == (40, 60)
-  assert 'device computes' in found.describe() and 'process 2' in found.describe()
+  assert 'the others wait' in found.describe() and 'process 2' in found.describe()
   # The report's table shows the device columns and the verdict.
   text = st.format_table(st.summary_table(rows))
   assert 'device compute' in text and 'straggler (+' in text.splitlines()[4] and 'device)' in text
@@ -299,3 +303,12 @@ def test_trace_shows_sampled_device_time_on_its_own_track(tmp_path):
   compute = next(e for e in trace['traceEvents'] if e.get('cat') == 'phase' and e['pid'] == 1
                  and e['args']['step'] == 20 and e['name'] == 'compute')
   assert by[(1, 20, 'device compute')]['ts'] == compute['ts']
+
+
+def test_a_rank_whose_host_stalled_is_named_by_its_short_wait():
+  # Its kernels take no longer (a GPU left idle by its host), but it arrives
+  # last at the collectives and waits there less than the others.
+  rows = with_device_samples(lockstep_rows(n=4, steps=60, seed=5), slow=1, factor=1.0, stall=0.4)
+  (found,) = st.find_stragglers(rows)
+  assert found.process == 1 and found.reason == 'device' and found.slowdown > 0.3
+  assert 0.9 < found.ratio < 1.1     # its compute time is the others'

@@ -4,12 +4,13 @@ apart: the slow rank that host timings cannot name (MegaScale §4.3).
 In a synchronous job a rank slowed inside the step (a throttled GPU, a host
 stopped while its device's part of a collective is due) holds every rank in
 that collective: every process's host sees the same step time, and none ends
-late. The device trace tells them apart. The slow rank's kernels take longer
-and it arrives last at each collective, so it waits little there; the
-healthy ranks finish their kernels on time and then wait for it inside the
-collective. Per rank, time in compute kernels against time in collectives
-names it (measured on two CPU processes, one stopped a third of the time:
-its compute 9.4 s against 6.8 s, its all-reduce wait 0.07 s against 2.7 s).
+late. The device trace tells them apart. The slow rank arrives last at each
+collective, so it waits little there, while the healthy ranks finish their
+kernels on time and then wait for it inside the collective; where the device
+itself is slow, its kernels also take longer. Per rank, time in compute
+kernels and time in collectives name it (measured on two CPU processes, one
+stopped a third of the time: its compute 9.4 s against 6.8 s, its all-reduce
+wait 0.07 s against 2.7 s; see mjax.ft.stragglers.device_compare).
 
 `DeviceSampler` traces one step every FaultConfig.device_timing_every steps
 with jax.profiler on every process (the same steps everywhere), reads the
@@ -33,8 +34,7 @@ import jax
 
 # Collective kernels and ops: NCCL's kernels on GPU, XLA's collective ops
 # (their async start/done halves included) on CPU and in HLO names.
-COLLECTIVE = re.compile(r'nccl|all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|'
-                        r'ragged-all-to-all|^send|^recv', re.I)
+COLLECTIVE = re.compile(r'nccl|all-reduce|all-gather|reduce-scatter|collective|all-to-all|^send|^recv', re.I)
 
 
 def find_trace(path: str) -> Optional[str]:
@@ -111,7 +111,10 @@ class DeviceSampler:
     return cls(every, directory, enabled=jax.process_count() > 1)
 
   def due(self, step: int) -> bool:
-    return bool(self.every) and step % self.every == 0
+    # Half a period off the multiples of `every`: checkpoints (save_every,
+    # 1000 by default) fall on round steps, and a save's device-to-host copy
+    # inside the trace would read as compute.
+    return bool(self.every) and step % self.every == self.every // 2
 
   def before(self, step: int, profiling: bool = False) -> None:
     if not self.due(step) or profiling:
@@ -133,12 +136,22 @@ class DeviceSampler:
     if not self.active:
       return None
     self.active = False
-    jax.profiler.stop_trace()
     try:
+      jax.profiler.stop_trace()
       path = find_trace(self.directory)
       ops = device_ops(path) if path else []
       return split(ops) if ops else None
-    except (OSError, ValueError, KeyError):   # an unreadable trace costs the sample, not the run
+    except Exception:   # noqa: BLE001 - a trace that cannot be written or read costs the sample, not the run
       return None
     finally:
       shutil.rmtree(self.directory, ignore_errors=True)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    # The loop left inside a sampled step (an error, a stop): the trace must
+    # not stay running, or the next trace in this process could not start.
+    if self.active:
+      self.collect()
+    return False

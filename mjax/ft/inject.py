@@ -80,6 +80,20 @@ class Injector:
       return None
     return cls(parse(spec), process_index, protocol.attempt())
 
+  def close(self) -> None:
+    """Stops a throttle: its child continues this process and exits."""
+    if self._throttle is not None:
+      self._throttle.terminate()
+      self._throttle.wait(timeout=10)
+      self._throttle = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+    return False
+
   def before_step(self, step: int) -> None:
     for f in self.faults:
       if f.kind == 'kill' and step == f.step:
@@ -106,7 +120,9 @@ class Injector:
 
 
 # A process cannot resume itself from SIGSTOP: a child stops and continues it,
-# and continues it for good when the parent is gone or the child is told to stop.
+# and continues it for good when told to stop (SIGTERM, `Injector.close`) or
+# when the parent is gone. (A child killed outright, SIGKILL, can leave the
+# parent stopped: test-only, so no more than that.)
 _THROTTLE = """
 import os, signal, sys, time
 pid, stopped = int(sys.argv[1]), float(sys.argv[2])

@@ -83,8 +83,8 @@ class Straggler:
       lateness and its excess step or phase time, in step times).
     reason: the signal with the largest median: 'late' (ends its steps
       after the others), 'step' (longer steps), a phase ('data', ...), or
-      'device' (its device computes longer in the sampled steps, see
-      `device_stragglers`).
+      'device' (the others waited for it inside the step in the sampled
+      steps, see `device_compare`).
     ratio: median over the window of its step time divided by the median
       of the other processes' at the same step (for 'device': of its device
       compute time).
@@ -110,10 +110,10 @@ class Straggler:
   def describe(self) -> str:
     """One line for logs and the driver's decision record."""
     if self.reason == DEVICE:
-      return (f'process {self.process} on {self.host}: its device computes {self.slowdown:+.0%} of a step longer '
-              f'than the others\' in the sampled steps {self.first_step}-{self.last_step} (compute time '
-              f'x{self.ratio:.2f}; slow in {self.slow_share:.0%} of the samples): the others wait for it inside '
-              f'the step\'s collectives')
+      return (f'process {self.process} on {self.host}: the others wait {self.slowdown:+.0%} of a step for it '
+              f'inside the step\'s collectives in the sampled steps {self.first_step}-{self.last_step} (its '
+              f'device compute time x{self.ratio:.2f} the others\'; slow in {self.slow_share:.0%} of the '
+              f'samples): a slow device, or a host that stalled while its device was due')
     why = {'late': 'ends its steps late', 'step': 'longer steps'}.get(self.reason, f'longer {self.reason} phase')
     return (f'process {self.process} on {self.host}: {self.slowdown:+.0%} of a step slower than the others '
             f'over steps {self.first_step}-{self.last_step}, mostly {why} (step time x{self.ratio:.2f}, '
@@ -439,10 +439,14 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
   """Per process, its device compute time in the latest sampled steps against the others'.
 
   A rank slowed inside the step holds the others in the step's collectives:
-  their compute kernels end on time and they wait, it computes longer and
-  waits little (see mjax.ft.device_time). Its extra compute time, in units
-  of the others' device step (compute + collectives) less that extra, which
-  they spent waiting, is its slowdown, as `compare` measures a phase.
+  their compute kernels end on time and they wait, while it arrives last
+  and waits little (see mjax.ft.device_time). Its kernels take longer where
+  the device itself is slow; where its host stalled (the device idle, then
+  late), they do not, but its wait in the collectives is still shorter. So
+  its extra time is the larger of its compute beyond the others' and its
+  collective time short of theirs; in units of the others' device step
+  (compute + collectives) less that extra, which they spent waiting, it is
+  its slowdown, as `compare` measures a phase.
 
   Returns:
     None with fewer than `samples` steps sampled by at least half the
@@ -460,16 +464,16 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
   processes = sorted({int(r['process']) for r in sampled})
   pi, si = {p: i for i, p in enumerate(processes)}, {s: j for j, s in enumerate(steps)}
   compute = np.full((len(processes), len(steps)), np.nan)
-  total = compute.copy()
+  collective = compute.copy()
   for r in sampled:
     j = si.get(int(r['step']))
     if j is not None:
       d = r['device']
       compute[pi[int(r['process'])], j] = float(d.get('compute', np.nan))
-      total[pi[int(r['process'])], j] = float(d.get('compute', np.nan)) + float(d.get('collective', 0.0))
+      collective[pi[int(r['process'])], j] = float(d.get('collective', 0.0))
   with np.errstate(invalid='ignore', divide='ignore'):
-    ref, ref_total = _loo_median(compute), _loo_median(total)
-    extra = compute - ref
+    ref, ref_total = _loo_median(compute), _loo_median(compute + collective)
+    extra = np.fmax(compute - ref, _loo_median(collective) - collective)
     rest = np.maximum(ref_total - np.clip(extra, 0, None), 0.1 * ref_total)
     return {'processes': np.array(processes), 'steps': np.array(steps), 'ratio': compute / ref,
             'slowdown': extra / rest}
@@ -477,9 +481,12 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
 
 def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: float = 0.8,
                       samples: int = DEVICE_SAMPLES) -> list[Straggler]:
-  """Processes whose device computes longer than the others' in each of the
-  latest `samples` sampled steps: median slowdown above `margin`, above
-  margin / 2 in at least `consistency` of them (all, for three samples)."""
+  """Processes the others waited for inside the step in the latest `samples`
+  sampled steps (see `device_compare`): median slowdown above `margin`,
+  above margin / 2 in at least `consistency` of them (all, for three)."""
+  if margin <= 0 or samples < 1 or not 0 < consistency <= 1:
+    raise ValueError(f'device_stragglers: margin {margin!r} must be > 0, samples {samples!r} >= 1 and '
+                     f'consistency {consistency!r} in (0, 1].')
   sig = device_compare(dedupe_rows(rows), samples)
   if sig is None:
     return []
@@ -515,7 +522,7 @@ def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
 
   Returns:
     The stragglers, slowest first: those the host timings show, and those
-    whose device computes longer in the sampled steps (`device_stragglers`),
+    the others wait for inside the step in the sampled steps (`device_stragglers`),
     a process found both ways once, by its larger slowdown.
   """
   if margin <= 0 or window < 1 or not 0 < consistency <= 1:

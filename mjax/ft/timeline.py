@@ -67,8 +67,9 @@ def chrome_trace(rows: Sequence[dict]) -> dict:
                      'args': {'name': f'process {p} ({r.get("host", "?")})'}})
       events.append({'ph': 'M', 'name': 'process_sort_index', 'pid': p, 'tid': 0, 'args': {'sort_index': p}})
       events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 0, 'args': {'name': 'phases'}})
-      events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 1,
-                     'args': {'name': 'device time (sampled steps)'}})
+      if any(int(x['process']) == p and 'device' in x for x in rows):
+        events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 1,
+                       'args': {'name': 'device time (sampled steps)'}})
     t = start
     for name, seconds in _row_phases(r):
       events.append({'ph': 'X', 'name': name, 'cat': 'phase', 'pid': p, 'tid': 0,
