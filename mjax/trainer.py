@@ -202,7 +202,7 @@ class Trainer:
         if injector is not None:
           injector.before_step(step)
         profiler.before(step)
-        sampler.before(step, profiling=profiler.active)
+        sampler.before(step, self.state, profiling=profiler.active)
         with timer.phase('data'):
           batch = program.to_global(next(self.train_iter))
         with timer.phase('compute'):

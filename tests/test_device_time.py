@@ -51,7 +51,7 @@ def test_the_sampler_reads_a_real_cpu_trace(tmp_path):
   sampler.before(3)
   sampler.wait(x)
   assert sampler.collect() is None                     # not a sampled step: nothing traced
-  sampler.before(4)
+  sampler.before(4, x)                                  # waits for x before tracing
   y = f(x)
   sampler.wait(y)
   got = sampler.collect()

@@ -116,9 +116,13 @@ class DeviceSampler:
     # inside the trace would read as compute.
     return bool(self.every) and step % self.every == self.every // 2
 
-  def before(self, step: int, profiling: bool = False) -> None:
+  def before(self, step: int, state: Any = None, profiling: bool = False) -> None:
+    """Starts the trace of a sampled step, once the previous step's device
+    work (`state`) is done, so that none of it lands in this step's trace."""
     if not self.due(step) or profiling:
       return
+    if state is not None:
+      jax.block_until_ready(state)
     shutil.rmtree(self.directory, ignore_errors=True)
     try:
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
