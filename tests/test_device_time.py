@@ -1,22 +1,17 @@
 """Device time of a sampled step, compute and collectives apart
-(mjax/ft/device_time.py): on a synthetic trace, on a real CPU trace, and in
-a real 2-process job where one rank is slowed inside the step."""
+(mjax/ft/device_time.py): on a synthetic trace and on a real CPU trace. A
+real 2-process job with one rank slowed inside the step is in test_ft.py
+(`test_a_rank_throttled_inside_the_step_is_named_by_the_driver`)."""
 
 import gzip
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from mjax.ft import device_time as dt
-from mjax.ft import stragglers as st
-
-PY = sys.executable
-BIN = os.path.dirname(sys.executable)
 
 
 def _trace(tmp_path, events, device='/device:GPU:0'):
@@ -75,34 +70,3 @@ def test_a_loop_left_inside_a_sampled_step_stops_the_trace(tmp_path):
 
 def test_a_single_process_job_does_not_sample(tmp_path):
   assert dt.DeviceSampler.for_run(5, 0).every == 0
-
-
-@pytest.mark.slow
-def test_a_throttled_rank_in_a_real_job_is_named(tmp_path, repo_root):
-  # Two processes of one device each; process 1 is stopped 40% of the time
-  # from step 3 on (SIGSTOP cycles of 0.1 s, as a throttled device would be
-  # slow inside the step). Its host timings match the others' (the
-  # collective releases both together); its sampled device compute does not.
-  workdir = str(tmp_path / 'run')
-  env = {k: v for k, v in os.environ.items() if not k.startswith(('MJAX_', 'SLURM_', 'XLA_FLAGS'))}
-  env.update(JAX_PLATFORMS='cpu', MJAX_FAULT='throttle:factor=0.4:process=1:step=3')
-  cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '1', '--',
-         os.path.join(BIN, 'mjax-train'), '--gin_file', 'configs/tiny.gin', '--workdir', workdir,
-         '--gin.ModelConfig.d_model=256', '--gin.ModelConfig.n_layers=2', '--gin.ModelConfig.full_attention_every=0',
-         '--gin.ModelConfig.sliding_window=16', '--gin.DataConfig.seq_len=128', '--gin.ModelConfig.dtype=float32',
-         '--gin.MeshConfig.data=2', '--gin.TrainConfig.steps=30', '--gin.TrainConfig.eval_every=0',
-         '--gin.TrainConfig.eval_batches=1', '--gin.TrainConfig.progress=False',
-         '--gin.TrainConfig.compilation_cache_dir=None', '--gin.CheckpointConfig.save_every=0',
-         '--gin.FaultConfig.device_timing_every=5']
-  run = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-  rows = st.load_rows(workdir)
-  sampled = sorted({r['step'] for r in rows if 'device' in r})
-  assert sampled == [2, 7, 12, 17, 22, 27], sampled     # half a period off the round steps
-  found = st.device_stragglers(rows)
-  assert [s.process for s in found] == [1], [s.describe() for s in found]
-  assert found[0].ratio > 1.2
-  report = subprocess.run([os.path.join(BIN, 'mjax-report'), 'stragglers', workdir, '--out', str(tmp_path / 'r')],
-                          env=env, cwd=repo_root, capture_output=True, text=True, timeout=120)
-  assert report.returncode == 0, report.stderr
-  assert 'process 1' in report.stdout and 'wait' in report.stdout and 'inside the step' in report.stdout

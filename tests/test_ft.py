@@ -678,7 +678,11 @@ def test_forged_heartbeats_are_rejected_and_logged(reference):
 @pytest.mark.slow
 def test_kill_9_of_a_random_process_resumes_bitwise(reference, tmp_path, repo_root):
   rng = random.Random()
-  proc = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=child_env(),
+  # Steps of at least 0.3 s in the first attempt: the random moment below
+  # (at most 1 s after step 3's checkpoint) falls before the last step, so
+  # the restart has steps left to resume (killed after it, the restart
+  # only finds the run finished). The delay changes no number.
+  proc = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=child_env(MJAX_FAULT='delay:seconds=0.3'),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   pids = wait_event(tmp_path, 'launch', proc)[0]['pids']
   ckpt = os.path.join(tmp_path, 'checkpoints', '3', 'meta')
@@ -1182,3 +1186,15 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
   assert [(e['process'], e['reason'], e['host']) for e in found] == [(1, 'device', 'slot1')], found
   assert 'the others wait' in found[0]['detail'] and not found[0]['evict']
   assert events(tmp_path, 'finish') and not events(tmp_path, 'fault')
+  # The rows behind it: samples half a period off the round steps, and the
+  # report's verdict from them.
+  from mjax.ft import stragglers
+  rows = stragglers.load_rows(str(tmp_path))
+  assert sorted({r['step'] for r in rows if 'device' in r}) == list(range(2, 41, 4))
+  (s,) = stragglers.device_stragglers(rows)
+  assert s.process == 1 and s.ratio > 1.2
+  report = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'mjax-report'), 'stragglers',
+                           str(tmp_path), '--out', str(tmp_path / 'report')], env=env, cwd=repo_root,
+                          capture_output=True, text=True, timeout=120)
+  assert report.returncode == 0, report.stderr
+  assert 'straggler: process 1' in report.stdout and 'device compute' in report.stdout
