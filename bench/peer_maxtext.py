@@ -20,8 +20,10 @@ found under ~/.pyenv/versions or on PATH, or given with `--python`): the
 `maxtext` wheel, then the dependency list it ships for DECOUPLE_GCLOUD=TRUE
 runs (dependencies/requirements/generated_requirements/decoupled-requirements.txt).
 
-Every round is one fresh process per stack, alternating mjax, MaxText, mjax,
-MaxText, ... so that slow drift of the machine hits both alike. Each process
+Every round is one fresh process per stack, mjax then MaxText in odd rounds
+and MaxText then mjax in even ones, so that slow drift of the machine, and
+an advantage of whichever runs first in a pair (measured on one host:
+larger than 5%), hit both alike: give an even --rounds. Each process
 runs `warmup` untimed steps (compilation included) and then `steps` timed ones:
   mjax     bench/train_bench.py in a subprocess (end-to-end time of the timed
            steps, data loading from the byte-level stdlib corpus included)
@@ -271,7 +273,9 @@ def main(argv=None):
 
   rows = []
   for rnd in range(1, args.rounds + 1):
-    for stack in ('mjax', 'MaxText'):
+    # Each stack goes first in every other round: on some hosts the first
+    # run of a pair is the faster one, by more than the changes measured here.
+    for stack in ('mjax', 'MaxText') if rnd % 2 else ('MaxText', 'mjax'):
       log(f'round {rnd}: {stack} ({args.warmup} + {args.steps} steps)')
       with OtherLoad() as load:
         if stack == 'mjax':
