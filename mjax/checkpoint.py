@@ -134,6 +134,7 @@ class _Tier:
   name: str
   directory: str
   every: int
+  keep: int                # steps kept: CheckpointConfig.keep, or fast_keep
   manager: ocp.CheckpointManager
   host: bool = False       # this process's own directory (CheckpointConfig.fast_scope = 'host')
 
@@ -153,10 +154,14 @@ def host_layout(tree: Any) -> str:
   mesh = next((x.sharding.mesh for _, x in leaves if isinstance(getattr(x, 'sharding', None), NamedSharding)), None)
   parts = [jax.process_count(), jax.process_index(), dict(mesh.shape) if mesh is not None else None]
   for path, x in leaves:
-    blocks = sorted({tuple(tuple(i.indices(n)[:2]) for i, n in zip(index, x.shape))
-                     for index in x.sharding.addressable_devices_indices_map(x.shape).values()})
-    parts.append([jax.tree_util.keystr(path), list(x.shape), str(x.dtype), blocks])
+    parts.append([jax.tree_util.keystr(path), list(x.shape), str(x.dtype), _held_blocks(x)])
   return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _held_blocks(x: Any) -> list:
+  """The distinct blocks of array `x` this process holds, as (start, stop) per dim."""
+  return sorted({tuple(tuple(i.indices(n)[:2]) for i, n in zip(index, x.shape))
+                 for index in x.sharding.addressable_devices_indices_map(x.shape).values()})
 
 
 def held_bytes(tree: Any) -> int:
@@ -165,12 +170,7 @@ def held_bytes(tree: Any) -> int:
   tier, at the least."""
   total = 0
   for x in jax.tree.leaves(tree):
-    sharding = getattr(x, 'sharding', None)
-    if sharding is None:
-      total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-      continue
-    blocks = {tuple(tuple(i.indices(n)[:2]) for i, n in zip(index, x.shape))
-              for index in sharding.addressable_devices_indices_map(x.shape).values()}
+    blocks = _held_blocks(x) if getattr(x, 'sharding', None) is not None else [tuple((0, n) for n in x.shape)]
     total += sum(int(np.prod([b - a for a, b in block])) for block in blocks) * np.dtype(x.dtype).itemsize
   return total
 
@@ -246,6 +246,7 @@ def _expand(path: str) -> str:
 
 
 _PROBE_BYTES = 1 << 20  # a full filesystem refuses a megabyte as surely as a checkpoint
+_NO_SPACE = 'No space left on device'   # strerror(ENOSPC): in what Orbax and TensorStore raise and log
 
 
 @contextlib.contextmanager
@@ -259,12 +260,12 @@ def _full_disk_is_bad_input(tier: Any, step: Optional[int]):
     yield
   except Exception as e:   # Orbax wraps the OSError (ValueError: RESOURCE_EXHAUSTED ...)
     text = str(e)
-    if getattr(e, 'errno', None) != errno.ENOSPC and 'No space left on device' not in text:
+    if getattr(e, 'errno', None) != errno.ENOSPC and _NO_SPACE not in text:
       raise
     raise ConfigError(
         f'the {tier.name} checkpoint tier ({tier.directory}) is full: a save '
         f'({"step " + str(step) + ", or the one before it still being written" if step is not None else "the last one"}) '
-        f'failed with "No space left on device". '
+        f'failed with "{_NO_SPACE}". '
         f'The steps saved before are intact (saved steps: {", ".join(map(str, sorted(tier.manager.all_steps(), reverse=True))) or "none"}); '
         f'free space there, lower CheckpointConfig.keep, or point CheckpointConfig.{_tier_key(tier.name)} at '
         f'a larger filesystem, then start again: the run resumes from the newest of them.') from None
@@ -765,7 +766,7 @@ class _FullDiskLogFilter(logging.Filter):
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
       text += f' {record.exc_info[1]}'
-    return 'No space left on device' not in text
+    return _NO_SPACE not in text
 
 
 def _quiet_failed_save_aftermath() -> None:
@@ -819,7 +820,8 @@ class Checkpointer:
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
       if name in host:
-        self.tiers.append(_Tier(name, directory, every, _host_manager(directory, cfg.async_save), host=True))
+        self.tiers.append(_Tier(name, directory, every, keep, _host_manager(directory, cfg.async_save),
+                                host=True))
         continue
       # Orbax names its multi-process barriers by step ('async_write_complete.4'):
       # two tiers saving the same step would meet in one barrier and fail
@@ -830,7 +832,7 @@ class Checkpointer:
           multiprocessing_options=ocp.options.MultiprocessingOptions(
               barrier_sync_key_prefix=f'mjax_{name}'))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
-      self.tiers.append(_Tier(name, directory, every, manager))
+      self.tiers.append(_Tier(name, directory, every, keep, manager))
 
   def due(self, step: int) -> bool:
     return any(t.every and step % t.every == 0 for t in self.tiers)
@@ -859,10 +861,10 @@ class Checkpointer:
       need = (state_bytes / jax.process_count() if held is None else held) if t.host else state_bytes
       try:
         free = shutil.disk_usage(t.directory).free
-        have = sum(1 for e in os.listdir(t.directory) if e.isdigit())
+        have = len(steps_in(t.directory))
       except OSError:
         continue
-      keep = self.cfg.keep if t.name == 'persistent' else self.cfg.fast_keep
+      keep = t.keep
       room = int(free // max(need, 1))
       key, gib = _tier_key(t.name), lambda b: f'{b / 2**30:,.2f} GiB'
       where = f'CheckpointConfig.{key} = {t.directory!r} (the {t.name} tier' + (
@@ -922,7 +924,7 @@ class Checkpointer:
     newest `fast_keep` steps that every process has."""
     tier.manager.wait_until_finished()
     distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}')
-    for old in sorted(tier.manager.all_steps(), reverse=True)[self.cfg.fast_keep:]:
+    for old in sorted(tier.manager.all_steps(), reverse=True)[tier.keep:]:
       tier.manager.delete(old)
 
   def _host_steps(self, tier: _Tier, layout: Optional[str]) -> list[tuple[int, str, str]]:

@@ -52,8 +52,7 @@ class Program:
   """Everything compiled for one config on one mesh."""
   cfg: Config
   mesh: Mesh
-  tx: optax.GradientTransformation
-  lamb: Lamb                                   # tx as the step runs it (optim.Lamb.update)
+  lamb: Lamb                                   # LAMB: its optax chain, and its update as the step runs it
   state_shardings: TrainState
   batch_shardings: dict[str, NamedSharding]
   init: Callable[[jax.Array], TrainState]
@@ -63,6 +62,11 @@ class Program:
   canonical_shardings: TrainState             # the layout checkpoints are written in
   to_canonical: Callable[[TrainState], TrainState]
   from_canonical: Callable[[TrainState], TrainState]
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    """The optimizer as an optax chain: its init makes the optimizer state."""
+    return self.lamb.tx
 
   def context(self):
     """Mesh + logical rules: needed whenever the model is traced."""
@@ -186,7 +190,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return Program(
-      cfg=cfg, mesh=mesh, tx=tx, lamb=lamb,
+      cfg=cfg, mesh=mesh, lamb=lamb,
       state_shardings=state_shardings, batch_shardings=batch_shardings, rules=rules,
       init=jax.jit(init, out_shardings=state_shardings),
       # Donating the state lets XLA update params and moments in place: without

@@ -455,13 +455,12 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
     has no sample.
   """
   sampled = [r for r in rows if isinstance(r.get('device'), dict)]
-  n_proc = len({int(r['process']) for r in sampled})
-  if n_proc < 2:
+  processes = sorted({int(r['process']) for r in sampled})
+  if len(processes) < 2:
     return None
-  steps = _latest_steps(sampled, samples, max(2, (n_proc + 1) // 2))
+  steps = _latest_steps(sampled, samples, max(2, (len(processes) + 1) // 2))
   if len(steps) < samples:
     return None
-  processes = sorted({int(r['process']) for r in sampled})
   pi, si = {p: i for i, p in enumerate(processes)}, {s: j for j, s in enumerate(steps)}
   compute = np.full((len(processes), len(steps)), np.nan)
   collective = compute.copy()
@@ -479,6 +478,19 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
             'slowdown': extra / rest}
 
 
+def _consistently_slow(slow: np.ndarray, margin: float, consistency: float,
+                       least: int) -> Optional[tuple[float, float]]:
+  """(median slowdown, share of its judged steps slower than margin / 2) of
+  one process over a window, when it is a straggler: at least `least`
+  judged steps, a median above `margin`, and that share at least
+  `consistency`. None otherwise."""
+  valid = ~np.isnan(slow)
+  if valid.sum() < max(1, least):
+    return None   # too few of its rows in the window to judge it
+  med, share = float(np.median(slow[valid])), float(np.mean(slow[valid] > margin / 2))
+  return (med, share) if med > margin and share >= consistency else None
+
+
 def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: float = 0.8,
                       samples: int = DEVICE_SAMPLES) -> list[Straggler]:
   """Processes the others waited for inside the step in the latest `samples`
@@ -493,12 +505,9 @@ def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: fl
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
   found = []
   for i, p in enumerate(sig['processes'].tolist()):
-    slow = sig['slowdown'][i]
-    valid = ~np.isnan(slow)
-    if valid.sum() < max(1, (samples + 1) // 2):
-      continue
-    med, share = float(np.median(slow[valid])), float(np.mean(slow[valid] > margin / 2))
-    if med > margin and share >= consistency:
+    verdict = _consistently_slow(sig['slowdown'][i], margin, consistency, (samples + 1) // 2)
+    if verdict is not None:
+      med, share = verdict
       found.append(Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
                              ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
                              slow_share=share, first_step=int(sig['steps'][0]),
@@ -548,13 +557,9 @@ def _host_stragglers(rows: Sequence[dict], margin: float, window: int, consisten
   hosts = {int(r['process']): r.get('host', '?') for r in recent}
   found = []
   for i, p in enumerate(sig['processes'].tolist()):
-    slow = sig['slowdown'][i]
-    valid = ~np.isnan(slow)
-    if valid.sum() < max(1, window // 2):
-      continue  # too few of its rows in the window to judge it
-    med = float(np.median(slow[valid]))
-    share = float(np.mean(slow[valid] > margin / 2))
-    if med > margin and share >= consistency:
+    verdict = _consistently_slow(sig['slowdown'][i], margin, consistency, window // 2)
+    if verdict is not None:
+      med, share = verdict
       by_signal = {k: float(_nanmedian(v[i])) for k, v in sig['signals'].items()}
       found.append(Straggler(
           process=p, host=hosts.get(p, '?'), slowdown=med,
@@ -624,6 +629,10 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
   flagged = {s.process: s for s in find_stragglers(rows, margin, window)}
   judged = len(processes) >= 2 and len(steps) >= window
+  samples = collections.defaultdict(list)
+  for r in rows:
+    if isinstance(r.get('device'), dict):
+      samples[int(r['process'])].append(r['device'])
   table = []
   for i, p in enumerate(processes.tolist()):
     have = ~np.isnan(values[i])
@@ -638,9 +647,8 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
     }
     if p in flagged:
       entry.update(slowdown=flagged[p].slowdown, reason=flagged[p].reason)
-    sampled = [r['device'] for r in rows if int(r['process']) == p and isinstance(r.get('device'), dict)]
-    if sampled:
-      entry['device'] = {k: float(np.median([d.get(k, np.nan) for d in sampled])) for k in ('compute', 'collective')}
+    if samples[p]:
+      entry['device'] = {k: float(np.median([d.get(k, np.nan) for d in samples[p]])) for k in ('compute', 'collective')}
     table.append(entry)
   return table
 

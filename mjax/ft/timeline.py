@@ -59,6 +59,7 @@ def chrome_trace(rows: Sequence[dict]) -> dict:
   origin = min(starts) if starts else 0.0
   events = []
   named = set()
+  sampled = {int(r['process']) for r in rows if isinstance(r.get('device'), dict)}
   for r, start in zip(rows, starts):
     p = int(r['process'])
     if p not in named:
@@ -67,7 +68,7 @@ def chrome_trace(rows: Sequence[dict]) -> dict:
                      'args': {'name': f'process {p} ({r.get("host", "?")})'}})
       events.append({'ph': 'M', 'name': 'process_sort_index', 'pid': p, 'tid': 0, 'args': {'sort_index': p}})
       events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 0, 'args': {'name': 'phases'}})
-      if any(int(x['process']) == p and 'device' in x for x in rows):
+      if p in sampled:
         events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 1,
                        'args': {'name': 'device time (sampled steps)'}})
     t = start
