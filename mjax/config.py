@@ -331,7 +331,7 @@ class FaultConfig:
   timing_every: int = 10                # steps between per-process timing flushes
   device_timing_every: int = 100        # trace one step's device time per process every this many
                                         # steps, naming a rank slowed inside the step (0: off;
-                                        # multi-process jobs only; see mjax/ft/device_time.py)
+                                        # jobs of several processes or GPUs; see mjax/ft/device_time.py)
   straggler_margin: float = 0.2         # slower than the median by this share...
   straggler_window: int = 20            # ...over this many steps: a straggler
   evict_stragglers: bool = False

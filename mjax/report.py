@@ -303,7 +303,7 @@ def stragglers(prog: str, argv: list[str]) -> int:
         f'straggler: > {margin:.0%} slower than the others over the last {window} steps\n')
   print(st.format_table(table, metric=args.phase))
   print()
-  if len(table) < 2:
+  if len(table) < 2 and not any(e.get('devices') for e in table):
     print('one process: nothing to compare it with, no straggler verdict.')
   elif n_steps < window:
     print(f'fewer than {window} steps: no straggler verdict yet.')
@@ -311,6 +311,8 @@ def stragglers(prog: str, argv: list[str]) -> int:
     print('no straggler.')
   for s in found:
     print('straggler: ' + s.describe())
+    if s.device is not None:
+      print('  ' + st.format_devices(next(e for e in table if e['process'] == s.process)))
   print(f'heat map: {png}\ntrace:    {trace} (open in ui.perfetto.dev or chrome://tracing)')
   return 0
 

@@ -276,6 +276,68 @@ def test_a_device_verdict_needs_three_samples_and_two_processes():
   assert st.find_stragglers(once) == []
 
 
+def with_gpu_samples(rows, gpus, slow=None, every=10, factor=1.5, seed=0):
+  """As `with_device_samples`, each process with `gpus` GPUs sampled one by
+  one ('devices'); `slow` is a (process, gpu) whose kernels take `factor` x
+  as long, which every other GPU of the job waits out in the collectives.
+  The process's own split is its slowest GPU's, as DeviceSampler records."""
+  rng = np.random.default_rng(seed)
+  n = 1 + max(x['process'] for x in rows)
+  draws = {}
+  out = []
+  for r in rows:
+    r = dict(r)
+    if r['step'] % every == 0:
+      if r['step'] not in draws:
+        compute = 0.8 * (1 + 0.03 * rng.standard_normal((n, gpus)))
+        if slow is not None:
+          compute[slow] *= factor
+        draws[r['step']] = (compute, compute.max() + 0.02 - compute + 0.05)
+      compute, wait = draws[r['step']]
+      p = r['process']
+      per = {str(g): {'compute': float(compute[p, g]), 'collective': float(wait[p, g])} for g in range(gpus)}
+      worst = max(per, key=lambda g: per[g]['compute'])
+      r['device'] = {**per[worst], 'devices': per}
+    out.append(r)
+  return out
+
+
+def test_one_slow_gpu_among_a_hosts_eight_is_named():
+  rows = with_gpu_samples(lockstep_rows(n=2, steps=60, seed=5), gpus=8, slow=(1, 5))
+  (found,) = st.find_stragglers(rows)
+  assert (found.process, found.device, found.reason) == (1, 5, 'device')
+  assert 0.4 < found.slowdown < 0.6 and 1.4 < found.ratio < 1.6
+  assert 'process 1 on' in found.describe() and '(its device 5):' in found.describe()
+  assert st.Straggler(**found.to_json()) == found                  # as the driver hands it over
+  text = st.format_table(st.summary_table(rows))
+  assert 'straggler (+' in text.splitlines()[3] and 'device 5)' in text.splitlines()[3]
+  # A single-process job of eight GPUs: its GPUs are the ranks.
+  one = [r for r in with_gpu_samples(lockstep_rows(n=2, steps=60, seed=6), gpus=8, slow=(0, 2))
+         if r['process'] == 0]
+  assert [(s.process, s.device) for s in st.find_stragglers(one)] == [(0, 2)]
+
+
+def test_report_names_the_slow_gpu_of_a_single_process_job(tmp_path, capsys):
+  rows = with_gpu_samples(lockstep_rows(n=2, steps=60, seed=6), gpus=4, slow=(0, 2))
+  _write(tmp_path, [r for r in rows if r['process'] == 0])
+  assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'out')]) == 0
+  out = capsys.readouterr().out
+  assert 'nothing to compare' not in out and 'straggler: process 0 on node-0 (its device 2):' in out
+  (by_device,) = [l for l in out.splitlines() if 'by device' in l]
+  cells = by_device.split(': ', 1)[1].split(', ')
+  assert [c.split()[0] for c in cells] == ['0', '1', '2*', '3']
+  compute = [float(c.split()[1].split('/')[0]) for c in cells]
+  assert compute[2] > 1.4 * max(compute[:2] + compute[3:])
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_gpu_samples_of_a_clean_run_flag_nobody(seed):
+  assert st.find_stragglers(with_gpu_samples(lockstep_rows(n=4, steps=60, seed=seed), gpus=8, seed=seed)) == []
+  one = [r for r in with_gpu_samples(lockstep_rows(n=2, steps=60, seed=seed), gpus=8, seed=seed)
+         if r['process'] == 0]
+  assert st.find_stragglers(one) == []
+
+
 def test_the_driver_tail_keeps_device_samples_far_behind_its_window(tmp_path):
   # The driver keeps the last ~50 rows a process; samples come every 100
   # steps, so they are kept apart, or no verdict could ever form.

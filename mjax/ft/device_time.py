@@ -16,7 +16,10 @@ wait 0.07 s against 2.7 s; see mjax.ft.stragglers.device_compare).
 with jax.profiler on every process (the same steps everywhere), reads the
 trace back, and hands {'compute': s, 'collective': s} to the process's
 timing row (`mjax.ft.phases`), where `mjax.ft.stragglers` compares the
-processes. The trace is deleted once read.
+ranks. A process with several GPUs also records each one's split
+('devices'): the ranks compared are then its devices, so that one slow GPU
+among a host's eight is named, in a single-process job too. The trace is
+deleted once read.
 """
 
 from __future__ import annotations
@@ -46,27 +49,65 @@ def find_trace(path: str) -> Optional[str]:
   return hits[-1] if hits else None
 
 
-def device_ops(path: str) -> list[dict]:
-  """The complete events of the device streams in a jax.profiler trace: GPU
-  (or TPU) kernels, or on CPU the XLA ops of the host threads that run them.
+# The lines (threads) of a GPU plane: CUPTI's kernels and copies, one line
+# per stream ("Stream #14(...)"); lines the profiler derives from them, which
+# overlap them ("XLA Ops": each kernel's HLO instruction; "XLA Modules": the
+# whole program; "Steps", ...). Taking all of them counts a step twice, and
+# the module's span as compute.
+_STREAM_LINE = re.compile(r'^Stream\b', re.I)
+_OPS_LINE = re.compile(r'^XLA Ops$', re.I)
+_DERIVED_LINE = re.compile(r'XLA Modules|Steps|Launch Stats|Framework|Source|TensorFlow|Async', re.I)
+_DEVICE = re.compile(r'/device:(?:GPU|TPU):(\d+)')
+
+
+def device_streams(path: str, lines: str = 'kernels') -> dict[Optional[int], list[dict]]:
+  """The complete events of each device in a jax.profiler trace, by the
+  device's ordinal on this host: GPU (or TPU) kernels, or on CPU (ordinal
+  None) the XLA ops of the host threads that run them, which all of a
+  process's CPU devices share.
 
   Each is a Chrome-trace event with at least 'name', 'ts' and 'dur' (µs).
+  `lines`: 'kernels' (the streams' kernels, for device time) or 'ops' (the
+  derived line of HLO instructions where the trace has one, for names that
+  map back to the program; see bench/trace_summary.py).
   """
+  if lines not in ('kernels', 'ops'):
+    raise ValueError(f"device_streams: lines {lines!r} must be 'kernels' or 'ops'.")
   with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
     trace = json.load(fh)
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
   pname = {e['pid']: e.get('args', {}).get('name', '') for e in events
            if e.get('ph') == 'M' and e.get('name') == 'process_name'}
-  device_pids = {p for p, n in pname.items() if re.search(r'/device:(GPU|TPU)', n)}
-  on_cpu = not device_pids
-  if on_cpu:  # the XLA ops run on host threads
-    device_pids = {p for p, n in pname.items() if 'host' in n.lower() or 'cpu' in n.lower()}
-  ops = [e for e in events if e.get('ph') == 'X' and e.get('pid') in device_pids and 'dur' in e]
-  if on_cpu:
+  tname = {(e['pid'], e.get('tid')): e.get('args', {}).get('name', '') for e in events
+           if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+  device_pids = {p: int(m.group(1)) for p, n in pname.items() if (m := _DEVICE.search(n))}
+  complete = [e for e in events if e.get('ph') == 'X' and 'dur' in e]
+  if not device_pids:  # CPU: the XLA ops run on host threads
+    host = {p for p, n in pname.items() if 'host' in n.lower() or 'cpu' in n.lower()}
     # The host threads also carry the runtime's and Python's own spans,
     # which enclose the ops; keep the XLA instructions (HLO names) alone.
-    ops = [e for e in ops if re.fullmatch(r'[\w.\-]+', e['name']) and 'Thunk' not in e['name']]
-  return ops
+    ops = [e for e in complete if e.get('pid') in host and re.fullmatch(r'[\w.\-]+', e['name'])
+           and 'Thunk' not in e['name']]
+    return {None: ops} if ops else {}
+  first, second = (_STREAM_LINE, _OPS_LINE) if lines == 'kernels' else (_OPS_LINE, _STREAM_LINE)
+  out: dict[Optional[int], list[dict]] = {}
+  for pid, ordinal in sorted(device_pids.items(), key=lambda kv: kv[1]):
+    mine = [e for e in complete if e.get('pid') == pid]
+    names = {e.get('tid'): tname.get((pid, e.get('tid')), '') for e in mine}
+    for pick in (lambda n: bool(first.search(n)), lambda n: bool(second.search(n)),
+                 lambda n: not _DERIVED_LINE.search(n)):
+      keep = {t for t, n in names.items() if pick(n)}
+      if keep:
+        break
+    ops = [e for e in mine if e.get('tid') in keep]
+    if ops:
+      out.setdefault(ordinal, []).extend(ops)
+  return out
+
+
+def device_ops(path: str, lines: str = 'kernels') -> list[dict]:
+  """The device events of `device_streams`, all devices together."""
+  return [e for ops in device_streams(path, lines).values() for e in ops]
 
 
 def busy_seconds(ops: Iterable[dict]) -> float:
@@ -89,11 +130,30 @@ def split(ops: list[dict]) -> dict:
   return {'compute': round(busy_seconds(comp), 6), 'collective': round(busy_seconds(coll), 6)}
 
 
+def split_devices(streams: dict[Optional[int], list[dict]]) -> Optional[dict]:
+  """A process's sample from its devices' events (`device_streams`).
+
+  {'compute', 'collective'} of its slowest device (the most compute time):
+  the one its collective partners wait for, if any. With several devices,
+  also 'devices': {ordinal: {'compute', 'collective'}} for every one of
+  them, so that one slow GPU among a host's eight is named, and a
+  single-process job has ranks to compare. None without events.
+  """
+  per = {d: split(ops) for d, ops in streams.items() if ops}
+  if not per:
+    return None
+  worst = max(per, key=lambda d: (per[d]['compute'], -1 if d is None else -d))
+  out = dict(per[worst])
+  if len(per) > 1:
+    out['devices'] = {str(d): v for d, v in sorted(per.items())}
+  return out
+
+
 class DeviceSampler:
   """Traces one step every `every` steps and returns its device split.
 
-  Off (every step a no-op) when `every` is 0, in a single-process job (no
-  other rank to compare with), and in the steps the user's own profile
+  Off (every step a no-op) when `every` is 0, where there is no other rank
+  to compare with (`has_ranks`: a single process on a CPU or one GPU), and in the steps the user's own profile
   (TrainConfig.profile_steps) traces: jax.profiler runs one trace at a time.
   """
 
@@ -108,7 +168,15 @@ class DeviceSampler:
     # processes the workdir is a shared filesystem, and each sample is a
     # trace file per process, read once and deleted.
     directory = os.path.join(tempfile.gettempdir(), f'mjax-device-trace-{os.getpid()}-{process_index:05d}')
-    return cls(every, directory, enabled=jax.process_count() > 1)
+    return cls(every, directory, enabled=cls.has_ranks(jax.process_count(), jax.local_device_count(),
+                                                       jax.default_backend()))
+
+  @staticmethod
+  def has_ranks(processes: int, local_devices: int, backend: str) -> bool:
+    """Whether a sample can name a slow rank: several processes, or one
+    with several GPUs (TPUs), whose traces keep each device's kernels apart.
+    A CPU trace does not: its devices' ops share the host's threads."""
+    return processes > 1 or (local_devices > 1 and backend != 'cpu')
 
   def due(self, step: int) -> bool:
     # Half a period off the multiples of `every`: checkpoints (save_every,
@@ -143,8 +211,7 @@ class DeviceSampler:
     try:
       jax.profiler.stop_trace()
       path = find_trace(self.directory)
-      ops = device_ops(path) if path else []
-      return split(ops) if ops else None
+      return split_devices(device_streams(path)) if path else None
     except Exception:   # noqa: BLE001 - a trace that cannot be written or read costs the sample, not the run
       return None
     finally:

@@ -51,6 +51,9 @@ Recovery, without a human:
      workdir by itself), on spare hosts (--spares) in place of blocked ones,
      else on fewer hosts with gradient accumulation keeping the global
      batch (mjax/ft/hosts.py); the attempt number goes to MJAX_ATTEMPT.
+     The `restart` event's checkpoint_step is the newest complete checkpoint
+     on disk; where the trainer finds it unreadable it resumes from the one
+     before, and its `startup` event names the step it really resumed.
   A numerical fault (NaN/Inf, loss spikes) also skips the data between the
   checkpoint and the bad step (TrainConfig.skip_batches), so that the restart
   does not replay the batches that led to it; checkpoints only ever hold

@@ -47,7 +47,8 @@ running each at its own pace drift apart, and their end times with them). A slow
 host timings in a synchronous job (its collective partners wait on the
 device, not on the host, and all are released together). For those, every
 FaultConfig.device_timing_every steps each process traces one step and its
-row carries "device": {"compute": s, "collective": s} (mjax/ft/device_time.py):
+row carries "device": {"compute": s, "collective": s} (mjax/ft/device_time.py;
+with several GPUs a process also carries each one's, and its GPUs are ranks):
 the slow rank computes longer and waits less in the collectives than the
 others, and `device_stragglers` compares the last DEVICE_SAMPLES such steps.
 """
@@ -95,6 +96,8 @@ class Straggler:
       margin / 2.
     first_step: first step of the window.
     last_step: last step of the window.
+    device: for 'device', the slow device's ordinal on its host where the
+      process sampled each of its devices (several GPUs), else None.
   """
   process: int
   host: str
@@ -106,11 +109,13 @@ class Straggler:
   slow_share: float
   first_step: int
   last_step: int
+  device: Optional[int] = None
 
   def describe(self) -> str:
     """One line for logs and the driver's decision record."""
     if self.reason == DEVICE:
-      return (f'process {self.process} on {self.host}: the others wait {self.slowdown:+.0%} of a step for it '
+      where = '' if self.device is None else f' (its device {self.device})'
+      return (f'process {self.process} on {self.host}{where}: the others wait {self.slowdown:+.0%} of a step for it '
               f'inside the step\'s collectives in the sampled steps {self.first_step}-{self.last_step} (its '
               f'device compute time x{self.ratio:.2f} the others\'; slow in {self.slow_share:.0%} of the '
               f'samples): a slow device, or a host that stalled while its device was due')
@@ -436,7 +441,7 @@ def _latest_steps(rows: Sequence[dict], window: int, quorum: int) -> list[int]:
 
 
 def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optional[dict]:
-  """Per process, its device compute time in the latest sampled steps against the others'.
+  """Per rank, its device compute time in the latest sampled steps against the others'.
 
   A rank slowed inside the step holds the others in the step's collectives:
   their compute kernels end on time and they wait, while it arrives last
@@ -448,34 +453,54 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
   (compute + collectives) less that extra, which they spent waiting, it is
   its slowdown, as `compare` measures a phase.
 
+  The ranks are the processes, or their devices where the samples hold each
+  device's split ('devices': a process with several GPUs), so that one slow
+  GPU among a host's eight stands against the other fifteen of a two-host
+  job, or against its seven peers in a single-process one.
+
   Returns:
     None with fewer than `samples` steps sampled by at least half the
-    processes (and two), else {'processes' [P], 'steps' [S], 'ratio' [P, S]
-    (compute / the others' median), 'slowdown' [P, S]}, NaN where a process
-    has no sample.
+    processes (and two of them, or one with several devices), or fewer than
+    two ranks; else {'processes' [R], 'devices' [R] (the device's ordinal on
+    its host, -1 for a process sampled as a whole), 'steps' [S], 'ratio'
+    [R, S] (compute / the others' median), 'slowdown' [R, S]}, NaN where a
+    rank has no sample.
   """
   sampled = [r for r in rows if isinstance(r.get('device'), dict)]
   processes = sorted({int(r['process']) for r in sampled})
-  if len(processes) < 2:
+  if not processes:
     return None
-  steps = _latest_steps(sampled, samples, max(2, (len(processes) + 1) // 2))
+
+  def parts(d):
+    # A process's own split where it has one, else each device's ('devices').
+    per = d.get('devices')
+    if isinstance(per, dict) and len(per) > 1:
+      return [(int(k), v) for k, v in per.items() if isinstance(v, dict)]
+    return [(-1, d)]
+
+  ranks = sorted({(int(r['process']), dev) for r in sampled for dev, _ in parts(r['device'])})
+  if len(ranks) < 2:
+    return None
+  steps = _latest_steps(sampled, samples, max(1 if len(processes) == 1 else 2, (len(processes) + 1) // 2))
   if len(steps) < samples:
     return None
-  pi, si = {p: i for i, p in enumerate(processes)}, {s: j for j, s in enumerate(steps)}
-  compute = np.full((len(processes), len(steps)), np.nan)
+  ri, si = {k: i for i, k in enumerate(ranks)}, {s: j for j, s in enumerate(steps)}
+  compute = np.full((len(ranks), len(steps)), np.nan)
   collective = compute.copy()
   for r in sampled:
     j = si.get(int(r['step']))
-    if j is not None:
-      d = r['device']
-      compute[pi[int(r['process'])], j] = float(d.get('compute', np.nan))
-      collective[pi[int(r['process'])], j] = float(d.get('collective', 0.0))
+    if j is None:
+      continue
+    for dev, d in parts(r['device']):
+      i = ri[(int(r['process']), dev)]
+      compute[i, j] = float(d.get('compute', np.nan))
+      collective[i, j] = float(d.get('collective', 0.0))
   with np.errstate(invalid='ignore', divide='ignore'):
     ref, ref_total = _loo_median(compute), _loo_median(compute + collective)
     extra = np.fmax(compute - ref, _loo_median(collective) - collective)
     rest = np.maximum(ref_total - np.clip(extra, 0, None), 0.1 * ref_total)
-    return {'processes': np.array(processes), 'steps': np.array(steps), 'ratio': compute / ref,
-            'slowdown': extra / rest}
+    return {'processes': np.array([p for p, _ in ranks]), 'devices': np.array([d for _, d in ranks]),
+            'steps': np.array(steps), 'ratio': compute / ref, 'slowdown': extra / rest}
 
 
 def _consistently_slow(slow: np.ndarray, margin: float, consistency: float,
@@ -503,16 +528,16 @@ def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: fl
   if sig is None:
     return []
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
-  found = []
-  for i, p in enumerate(sig['processes'].tolist()):
+  found: dict[int, Straggler] = {}
+  for i, (p, dev) in enumerate(zip(sig['processes'].tolist(), sig['devices'].tolist())):
     verdict = _consistently_slow(sig['slowdown'][i], margin, consistency, (samples + 1) // 2)
-    if verdict is not None:
-      med, share = verdict
-      found.append(Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
-                             ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
-                             slow_share=share, first_step=int(sig['steps'][0]),
-                             last_step=int(sig['steps'][-1])))
-  return found
+    if verdict is not None and (p not in found or verdict[0] > found[p].slowdown):
+      med, share = verdict   # a process once, by its slowest device
+      found[p] = Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
+                           ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
+                           slow_share=share, first_step=int(sig['steps'][0]),
+                           last_step=int(sig['steps'][-1]), device=None if dev < 0 else dev)
+  return sorted(found.values(), key=lambda s: -s.slowdown)
 
 
 def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
@@ -647,10 +672,30 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
     }
     if p in flagged:
       entry.update(slowdown=flagged[p].slowdown, reason=flagged[p].reason)
+      if flagged[p].device is not None:
+        entry['device_index'] = flagged[p].device
     if samples[p]:
       entry['device'] = {k: float(np.median([d.get(k, np.nan) for d in samples[p]])) for k in ('compute', 'collective')}
+      per = collections.defaultdict(list)
+      for d in samples[p]:
+        for ordinal, v in (d.get('devices') or {}).items():
+          per[int(ordinal)].append(v)
+      if per:   # each of its GPUs, where it has several
+        entry['devices'] = {g: {k: float(np.median([v.get(k, np.nan) for v in vs])) for k in ('compute', 'collective')}
+                            for g, vs in sorted(per.items())}
     table.append(entry)
   return table
+
+
+def format_devices(entry: dict) -> str:
+  """A `summary_table` entry's GPUs, one per column: median device compute
+  and collective time over the sampled steps, the flagged one marked."""
+  if not entry.get('devices'):
+    return ''
+  cells = [f'{g}{"*" if g == entry.get("device_index") else ""} {v["compute"] * 1e3:.1f}/{v["collective"] * 1e3:.1f}'
+           for g, v in entry['devices'].items()]
+  return (f'process {entry["process"]} by device (median compute/collective ms over the sampled steps'
+          f'{"; * the slow one" if "device_index" in entry else ""}): ' + ', '.join(cells))
 
 
 def format_table(table: Sequence[dict], metric: str = STEP) -> str:
@@ -668,7 +713,8 @@ def format_table(table: Sequence[dict], metric: str = STEP) -> str:
 
   lines = []
   for e in table:
-    verdict = e['verdict'] + (f' ({e["slowdown"]:+.0%}, {e["reason"]})' if 'slowdown' in e else '')
+    reason = e.get('reason', '') + (f' {e["device_index"]}' if 'device_index' in e else '')
+    verdict = e['verdict'] + (f' ({e["slowdown"]:+.0%}, {reason})' if 'slowdown' in e else '')
     lines.append([str(e['process']), e['host'], str(e['steps']), ms(e['median_s']), ms(e['p90_s']),
                   '-' if e['ratio'] != e['ratio'] else f'{e["ratio"]:.2f}', ms(e['lateness_s'])] +
                  [ms(e['phases'][ph]) for ph in phase_names] +
