@@ -102,7 +102,7 @@ def part_of(source: str) -> str:
 
 
 def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
-  ops = device_time.device_ops(path, lines='ops')   # HLO names, which map back to the program
+  ops = device_time.device_ops(path)
   if not ops:
     return f'no device events in {path}'
   busy = device_time.busy_seconds(ops) * 1e6

@@ -303,11 +303,16 @@ def stragglers(prog: str, argv: list[str]) -> int:
         f'straggler: > {margin:.0%} slower than the others over the last {window} steps\n')
   print(st.format_table(table, metric=args.phase))
   print()
-  if len(table) < 2 and not any(e.get('devices') for e in table):
+  judged_devices = st.device_compare(rows) is not None   # the sampled device times give a verdict
+  if found:
+    pass
+  elif judged_devices:
+    print('no straggler.')
+  elif len(table) < 2:
     print('one process: nothing to compare it with, no straggler verdict.')
   elif n_steps < window:
     print(f'fewer than {window} steps: no straggler verdict yet.')
-  elif not found:
+  else:
     print('no straggler.')
   for s in found:
     print('straggler: ' + s.describe())

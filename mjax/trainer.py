@@ -194,7 +194,7 @@ class Trainer:
     heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
-    sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid)
+    sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
     meta = {'config': config_lib.to_dict(cfg)}
     step = start
     with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext():

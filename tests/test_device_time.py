@@ -77,44 +77,55 @@ def test_ranks_are_processes_or_the_gpus_of_one():
   assert not dt.DeviceSampler.has_ranks(1, 8, 'cpu') and not dt.DeviceSampler.has_ranks(1, 1, 'gpu')
 
 
-def _gpu_trace(tmp_path, per_device):
-  """A trace as jax.profiler writes one on a GPU host: a process per device
-  plane, a thread per line. Each device has its kernels on two streams, and
-  the lines the profiler derives from them: its HLO ops, which repeat the
-  kernels, and the program's whole span."""
+def _device_trace(tmp_path, per_device, lines, kernel_line):
+  """A trace as jax.profiler writes one: a process per device plane, a
+  thread per line. Each device computes `compute_ms` then waits `wait_ms`
+  in an all-reduce; its kernel events are on `kernel_line`; the other
+  `lines` hold events that are not kernel time (the program's span, CUPTI's
+  counters)."""
   meta, events = [{'ph': 'M', 'name': 'process_name', 'pid': 0, 'args': {'name': '/host:CPU'}}], []
   for d, (compute_ms, wait_ms) in per_device.items():
     pid = 10 + d
-    meta.append({'ph': 'M', 'name': 'process_name', 'pid': pid, 'args': {'name': f'/device:GPU:{d}'}})
-    for tid, line in enumerate(['XLA Modules', 'XLA Ops', 'Stream #14(Compute)', 'Stream #20(NCCL)'], 1):
+    meta.append({'ph': 'M', 'name': 'process_name', 'pid': pid,
+                 'args': {'name': f'/device:{"TPU" if kernel_line == "XLA Ops" else "GPU"}:{d}'}})
+    for tid, line in enumerate([kernel_line, *lines], 1):
       meta.append({'ph': 'M', 'name': 'thread_name', 'pid': pid, 'tid': tid, 'args': {'name': line}})
     ev = lambda name, tid, ts, dur: {'ph': 'X', 'name': name, 'pid': pid, 'tid': tid, 'ts': ts, 'dur': dur}
     c, w = compute_ms * 1000, wait_ms * 1000
-    events += [ev('jit_train_step', 1, 0, c + w),
-               ev('dot.3', 2, 0, c), ev('all-reduce.1', 2, c, w),
-               ev('sm90_xmma_gemm_bf16', 3, 0, c), ev('ncclDevKernel_AllReduce_Sum_f32_RING_LL', 4, c, w)]
+    if c:
+      events += [ev('gemm_fusion', 1, 0, c), ev('ncclDevKernel_AllReduce_Sum_f32_RING_LL', 1, c, w)]
+    events += [ev(f'{line} event', tid, 0, c + w) for tid, line in enumerate(lines, 2)]
   events.append({'ph': 'X', 'name': 'PjitFunction(step)', 'pid': 0, 'tid': 1, 'ts': 0, 'dur': 900_000})
-  path = tmp_path / 'host.perfetto_trace.json.gz'
+  path = tmp_path / f'{len(per_device)}.perfetto_trace.json.gz'
   with gzip.open(path, 'wt') as fh:
     json.dump({'traceEvents': meta + events}, fh)
   return str(path)
 
 
-def test_each_gpu_of_a_process_is_split_from_its_stream_kernels(tmp_path):
-  # GPU 1 computes 300 ms where the others compute 200 and wait 100 for it.
-  path = _gpu_trace(tmp_path, {0: (200, 110), 1: (300, 10), 2: (200, 105)})
+@pytest.mark.parametrize('kernel_line, lines', [
+    ('Stream #14(Kernel,MemcpyH2D)', ['_counters_', 'CUPTI overhead']),    # GPU
+    ('XLA Ops', ['XLA Modules', 'Steps'])])                                  # TPU
+def test_each_device_of_a_process_is_split_from_its_kernels(tmp_path, kernel_line, lines):
+  # Device 1 computes 300 ms where the others compute 200 and wait 100 for
+  # it; device 3 shows only counters (no kernels in this step).
+  path = _device_trace(tmp_path, {0: (200, 110), 1: (300, 10), 2: (200, 105), 3: (0, 0)}, lines, kernel_line)
   streams = dt.device_streams(path)
   assert sorted(streams) == [0, 1, 2]
-  # The kernels alone: neither the program's span nor the ops that repeat them.
-  assert {e['name'] for e in streams[1]} == {'sm90_xmma_gemm_bf16', 'ncclDevKernel_AllReduce_Sum_f32_RING_LL'}
-  got = dt.split_devices(streams)
-  assert got['compute'] == 0.3 and got['collective'] == 0.01           # the process's slowest device
-  assert got['devices'] == {'0': {'compute': 0.2, 'collective': 0.11}, '1': {'compute': 0.3, 'collective': 0.01},
-                            '2': {'compute': 0.2, 'collective': 0.105}}
-  # HLO names for the op summary (bench/trace_summary.py): the derived ops line.
-  assert {e['name'] for e in dt.device_ops(path, lines='ops')} == {'dot.3', 'all-reduce.1'}
-  with pytest.raises(ValueError, match="'kernels' or 'ops'"):
-    dt.device_streams(path, lines='all')
+  # The kernels alone: neither the program's span nor the counters.
+  assert {e['name'] for e in streams[1]} == {'gemm_fusion', 'ncclDevKernel_AllReduce_Sum_f32_RING_LL'}
+  got = dt.split_devices(streams, stages={0: 0, 1: 0, 2: 1})
+  assert got['compute'] == 0.3 and got['collective'] == 0.01 and got['stage'] == 0   # its slowest device
+  assert got['devices'] == {'0': {'compute': 0.2, 'collective': 0.11, 'stage': 0},
+                            '1': {'compute': 0.3, 'collective': 0.01, 'stage': 0},
+                            '2': {'compute': 0.2, 'collective': 0.105, 'stage': 1}}
   # One GPU: its split alone, as a single device process always had.
-  assert dt.split_devices(dt.device_streams(_gpu_trace(tmp_path, {0: (200, 50)}))) == {
+  assert dt.split_devices(dt.device_streams(_device_trace(tmp_path, {0: (200, 50)}, lines, kernel_line))) == {
       'compute': 0.2, 'collective': 0.05}
+
+
+def test_pipeline_stages_of_the_local_devices():
+  from mjax.config import MeshConfig
+  from mjax.parallel.mesh import make_mesh
+  assert dt.local_stages(make_mesh(MeshConfig(data=8))) is None
+  stages = dt.local_stages(make_mesh(MeshConfig(data=2, pipeline=4)))
+  assert sorted(stages.values()) == [0, 0, 1, 1, 2, 2, 3, 3] and len(stages) == 8

@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from mjax import config as C
-from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib
+from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib, stragglers
 from mjax.metrics import read_metrics
 
 SECRET = 'ab' * 32
@@ -406,11 +406,24 @@ def test_straggler_flagged_then_evicted(tmp_path, monkeypatch):
   d.server.close()
 
 
+def test_the_only_host_is_not_evicted_as_a_straggler(tmp_path):
+  # A single-process job of several GPUs can name a slow GPU; evicting its
+  # host would end the job, so it is reported only.
+  d = make_driver(tmp_path, '--processes', '1', train=['--gin.FaultConfig.evict_stragglers=True'])
+  att = fake_attempt(d, ['slot0'])
+  slow = stragglers.Straggler(process=0, host='slot0', slowdown=0.5, reason='device', ratio=1.5, lateness=0.0,
+                              lateness_s=0.0, slow_share=1.0, first_step=10, last_step=30, device=3)
+  assert d._stragglers(att, set(), [slow]) is None
+  (ev,) = events(tmp_path, 'straggler')
+  assert not ev['evict'] and ev['device'] == 3 and 'not evicted: no host left' in ev['detail']
+  assert hosts_lib.BlockList(str(tmp_path)).hosts() == []
+  d.server.close()
+
+
 def test_a_job_slowed_as_a_whole_is_reported_though_no_process_stands_out(tmp_path, monkeypatch):
   # A process slowed inside the step holds every process in the collective:
   # all steps take 1.0 s, then all 2.0 s, every process ending together. No
   # straggler; the job's pace against its own start is what shows it.
-  from mjax.ft import stragglers
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   os.makedirs(tmp_path / 'timings')
   path = lambda p: tmp_path / 'timings' / f'process-{p:05d}.jsonl'
@@ -1192,7 +1205,6 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
   assert events(tmp_path, 'finish') and not events(tmp_path, 'fault')
   # The rows behind it: samples half a period off the round steps, and the
   # report's verdict from them.
-  from mjax.ft import stragglers
   rows = stragglers.load_rows(str(tmp_path))
   assert sorted({r['step'] for r in rows if 'device' in r}) == list(range(2, 41, 4))
   (s,) = stragglers.device_stragglers(rows)

@@ -276,10 +276,13 @@ def test_a_device_verdict_needs_three_samples_and_two_processes():
   assert st.find_stragglers(once) == []
 
 
-def with_gpu_samples(rows, gpus, slow=None, every=10, factor=1.5, seed=0):
+def with_gpu_samples(rows, gpus, slow=None, every=10, factor=1.5, seed=0, stall=None, stages=None):
   """As `with_device_samples`, each process with `gpus` GPUs sampled one by
   one ('devices'); `slow` is a (process, gpu) whose kernels take `factor` x
-  as long, which every other GPU of the job waits out in the collectives.
+  as long, which every other GPU of the job waits out in the collectives;
+  `stall` a process whose GPUs all start 0.4 s late (its host stalled).
+  `stages` (gpu -> pipeline stage) marks each GPU's stage; the last stage
+  computes 1.3 x (the head and the loss) in every step.
   The process's own split is its slowest GPU's, as DeviceSampler records."""
   rng = np.random.default_rng(seed)
   n = 1 + max(x['process'] for x in rows)
@@ -290,12 +293,21 @@ def with_gpu_samples(rows, gpus, slow=None, every=10, factor=1.5, seed=0):
     if r['step'] % every == 0:
       if r['step'] not in draws:
         compute = 0.8 * (1 + 0.03 * rng.standard_normal((n, gpus)))
+        if stages is not None:
+          last = max(stages(g) for g in range(gpus))
+          compute[:, [stages(g) == last for g in range(gpus)]] *= 1.3
         if slow is not None:
           compute[slow] *= factor
-        draws[r['step']] = (compute, compute.max() + 0.02 - compute + 0.05)
+        arrive = compute + 0.02
+        if stall is not None:
+          arrive[stall] += 0.4
+        draws[r['step']] = (compute, arrive.max() - arrive + 0.05)
       compute, wait = draws[r['step']]
       p = r['process']
       per = {str(g): {'compute': float(compute[p, g]), 'collective': float(wait[p, g])} for g in range(gpus)}
+      if stages is not None:
+        for g in range(gpus):
+          per[str(g)]['stage'] = stages(g)
       worst = max(per, key=lambda g: per[g]['compute'])
       r['device'] = {**per[worst], 'devices': per}
     out.append(r)
@@ -328,6 +340,32 @@ def test_report_names_the_slow_gpu_of_a_single_process_job(tmp_path, capsys):
   assert [c.split()[0] for c in cells] == ['0', '1', '2*', '3']
   compute = [float(c.split()[1].split('/')[0]) for c in cells]
   assert compute[2] > 1.4 * max(compute[:2] + compute[3:])
+  # Without the slow GPU: judged, and clean.
+  clean = tmp_path / 'clean'
+  _write(clean, [r for r in with_gpu_samples(lockstep_rows(n=2, steps=60, seed=6), gpus=4) if r['process'] == 0])
+  assert report.main(['stragglers', str(clean), '--out', str(clean / 'out')]) == 0
+  out = capsys.readouterr().out
+  assert 'no straggler.' in out and 'nothing to compare' not in out and ' ok' in out.splitlines()[4]
+
+
+def test_a_stalled_host_is_named_as_a_whole_not_by_one_of_its_gpus():
+  rows = with_gpu_samples(lockstep_rows(n=2, steps=60, seed=5), gpus=8, stall=1)
+  (found,) = st.find_stragglers(rows)
+  assert (found.process, found.device) == (1, None) and 'process 1 on node-0:' in found.describe()
+
+
+def test_gpus_are_compared_within_their_pipeline_stage():
+  # Four stages of two GPUs per host: the last stage's GPUs always compute
+  # longer, and are no stragglers; a slow GPU of stage 1 is.
+  stages = lambda g: g // 2
+  clean = with_gpu_samples(lockstep_rows(n=2, steps=60, seed=7), gpus=8, stages=stages)
+  assert st.find_stragglers(clean) == []
+  slow = with_gpu_samples(lockstep_rows(n=2, steps=60, seed=7), gpus=8, stages=stages, slow=(0, 3))
+  assert [(s.process, s.device) for s in st.find_stragglers(slow)] == [(0, 3)]
+  # One process, a stage per GPU: nothing of the same stage to compare with.
+  one = [r for r in with_gpu_samples(lockstep_rows(n=2, steps=60, seed=7), gpus=8, stages=lambda g: g, slow=(0, 3))
+         if r['process'] == 0]
+  assert st.find_stragglers(one) == []
 
 
 @pytest.mark.parametrize('seed', [0, 1])

@@ -24,6 +24,7 @@ deleted once read.
 
 from __future__ import annotations
 
+import collections
 import glob
 import gzip
 import json
@@ -34,6 +35,7 @@ import tempfile
 from typing import Any, Iterable, Optional
 
 import jax
+import numpy as np
 
 # Collective kernels and ops: NCCL's kernels on GPU, XLA's collective ops
 # (their async start/done halves included) on CPU and in HLO names.
@@ -49,30 +51,30 @@ def find_trace(path: str) -> Optional[str]:
   return hits[-1] if hits else None
 
 
-# The lines (threads) of a GPU plane: CUPTI's kernels and copies, one line
-# per stream ("Stream #14(...)"); lines the profiler derives from them, which
-# overlap them ("XLA Ops": each kernel's HLO instruction; "XLA Modules": the
-# whole program; "Steps", ...). Taking all of them counts a step twice, and
-# the module's span as compute.
+# The lines (threads) of a device plane. On GPU, CUPTI's kernels and copies,
+# one line per stream ("Stream #14(...)"), beside lines that hold no kernel
+# time ("_counters_", "CUPTI overhead"). On TPU, the runtime's "XLA Ops"
+# beside lines that enclose them ("XLA Modules": the whole program, "Steps").
+# Taking all of them would count the step twice, and the program's span as
+# compute. (A stream line that also caught a CUPTI overhead record is named
+# "CUPTI overhead" as a whole: its kernels are lost to this count; rare,
+# and the same on every device.)
 _STREAM_LINE = re.compile(r'^Stream\b', re.I)
 _OPS_LINE = re.compile(r'^XLA Ops$', re.I)
-_DERIVED_LINE = re.compile(r'XLA Modules|Steps|Launch Stats|Framework|Source|TensorFlow|Async', re.I)
+_NOT_KERNELS = re.compile(r'XLA Modules|Steps|Launch Stats|Framework|Source|TensorFlow|Async|counters|overhead',
+                          re.I)
 _DEVICE = re.compile(r'/device:(?:GPU|TPU):(\d+)')
 
 
-def device_streams(path: str, lines: str = 'kernels') -> dict[Optional[int], list[dict]]:
+def device_streams(path: str) -> dict[Optional[int], list[dict]]:
   """The complete events of each device in a jax.profiler trace, by the
-  device's ordinal on this host: GPU (or TPU) kernels, or on CPU (ordinal
-  None) the XLA ops of the host threads that run them, which all of a
-  process's CPU devices share.
-
-  Each is a Chrome-trace event with at least 'name', 'ts' and 'dur' (µs).
-  `lines`: 'kernels' (the streams' kernels, for device time) or 'ops' (the
-  derived line of HLO instructions where the trace has one, for names that
-  map back to the program; see bench/trace_summary.py).
+  device's ordinal in this process (the N of /device:GPU:N: CUDA's
+  numbering of the GPUs this process sees, which CUDA_VISIBLE_DEVICES
+  renumbers): GPU kernels (TPU ops), or on CPU (ordinal None) the XLA ops
+  of the host threads that run them, which all of a process's CPU devices
+  share. Each is a Chrome-trace event with at least 'name', 'ts' and 'dur'
+  (µs). Devices without a kernel in the trace are left out.
   """
-  if lines not in ('kernels', 'ops'):
-    raise ValueError(f"device_streams: lines {lines!r} must be 'kernels' or 'ops'.")
   with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
     trace = json.load(fh)
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
@@ -89,25 +91,27 @@ def device_streams(path: str, lines: str = 'kernels') -> dict[Optional[int], lis
     ops = [e for e in complete if e.get('pid') in host and re.fullmatch(r'[\w.\-]+', e['name'])
            and 'Thunk' not in e['name']]
     return {None: ops} if ops else {}
-  first, second = (_STREAM_LINE, _OPS_LINE) if lines == 'kernels' else (_OPS_LINE, _STREAM_LINE)
+  by_line: dict[tuple, list[dict]] = collections.defaultdict(list)
+  for e in complete:
+    if e.get('pid') in device_pids:
+      by_line[(e['pid'], e.get('tid'))].append(e)
+  # One rule for the whole trace, so that every device is counted alike:
+  # stream kernels where there are any, else the XLA ops line, else any
+  # line that does not merely enclose or annotate them.
+  names = {k: tname.get(k, '') for k in by_line}
+  for pick in (_STREAM_LINE.search, _OPS_LINE.search, lambda n: not _NOT_KERNELS.search(n)):
+    keep = [k for k, n in names.items() if pick(n)]
+    if keep:
+      break
   out: dict[Optional[int], list[dict]] = {}
-  for pid, ordinal in sorted(device_pids.items(), key=lambda kv: kv[1]):
-    mine = [e for e in complete if e.get('pid') == pid]
-    names = {e.get('tid'): tname.get((pid, e.get('tid')), '') for e in mine}
-    for pick in (lambda n: bool(first.search(n)), lambda n: bool(second.search(n)),
-                 lambda n: not _DERIVED_LINE.search(n)):
-      keep = {t for t, n in names.items() if pick(n)}
-      if keep:
-        break
-    ops = [e for e in mine if e.get('tid') in keep]
-    if ops:
-      out.setdefault(ordinal, []).extend(ops)
+  for pid, tid in sorted(keep, key=lambda k: (device_pids[k[0]], str(k[1]))):
+    out.setdefault(device_pids[pid], []).extend(by_line[(pid, tid)])
   return out
 
 
-def device_ops(path: str, lines: str = 'kernels') -> list[dict]:
+def device_ops(path: str) -> list[dict]:
   """The device events of `device_streams`, all devices together."""
-  return [e for ops in device_streams(path, lines).values() for e in ops]
+  return [e for ops in device_streams(path).values() for e in ops]
 
 
 def busy_seconds(ops: Iterable[dict]) -> float:
@@ -130,22 +134,45 @@ def split(ops: list[dict]) -> dict:
   return {'compute': round(busy_seconds(comp), 6), 'collective': round(busy_seconds(coll), 6)}
 
 
-def split_devices(streams: dict[Optional[int], list[dict]]) -> Optional[dict]:
+def split_devices(streams: dict[Optional[int], list[dict]],
+                  stages: Optional[dict[int, int]] = None) -> Optional[dict]:
   """A process's sample from its devices' events (`device_streams`).
 
   {'compute', 'collective'} of its slowest device (the most compute time):
   the one its collective partners wait for, if any. With several devices,
   also 'devices': {ordinal: {'compute', 'collective'}} for every one of
   them, so that one slow GPU among a host's eight is named, and a
-  single-process job has ranks to compare. None without events.
+  single-process job has ranks to compare. `stages` (ordinal -> pipeline
+  stage, in a pipelined mesh) adds each split's 'stage': stages do unequal
+  work (the last one also runs the head and the loss), so only devices of
+  one stage are compared. None without events.
   """
   per = {d: split(ops) for d, ops in streams.items() if ops}
   if not per:
     return None
+  if stages:
+    for d, v in per.items():
+      if d in stages:
+        v['stage'] = int(stages[d])
   worst = max(per, key=lambda d: (per[d]['compute'], -1 if d is None else -d))
   out = dict(per[worst])
   if len(per) > 1:
     out['devices'] = {str(d): v for d, v in sorted(per.items())}
+  return out
+
+
+def local_stages(mesh: Any) -> Optional[dict[int, int]]:
+  """Each of this process's devices' pipeline stage, by its ordinal in the
+  process's trace (`device_streams`); None without a pipeline axis > 1."""
+  if mesh is None or 'pipeline' not in mesh.axis_names or mesh.shape['pipeline'] == 1:
+    return None
+  axis = list(mesh.axis_names).index('pipeline')
+  me = jax.process_index()
+  out = {}
+  for idx, d in np.ndenumerate(mesh.devices):
+    if d.process_index == me:
+      ordinal = getattr(d, 'local_hardware_id', None)
+      out[d.id if ordinal is None else int(ordinal)] = int(idx[axis])
   return out
 
 
@@ -157,19 +184,24 @@ class DeviceSampler:
   (TrainConfig.profile_steps) traces: jax.profiler runs one trace at a time.
   """
 
-  def __init__(self, every: int, directory: str, enabled: bool = True):
+  def __init__(self, every: int, directory: str, enabled: bool = True,
+               stages: Optional[dict[int, int]] = None):
     self.every = every if enabled else 0
     self.directory = directory
+    self.stages = stages
     self.active = False
 
   @classmethod
-  def for_run(cls, every: int, process_index: int) -> 'DeviceSampler':
+  def for_run(cls, every: int, process_index: int, mesh: Any = None) -> 'DeviceSampler':
+    """The sampler of a training run; `mesh` (jax.sharding.Mesh) gives each
+    local device's pipeline stage, where the mesh has a 'pipeline' axis > 1."""
     # The host's own temporary directory, not the workdir: at thousands of
     # processes the workdir is a shared filesystem, and each sample is a
     # trace file per process, read once and deleted.
     directory = os.path.join(tempfile.gettempdir(), f'mjax-device-trace-{os.getpid()}-{process_index:05d}')
     return cls(every, directory, enabled=cls.has_ranks(jax.process_count(), jax.local_device_count(),
-                                                       jax.default_backend()))
+                                                       jax.default_backend()),
+               stages=local_stages(mesh))
 
   @staticmethod
   def has_ranks(processes: int, local_devices: int, backend: str) -> bool:
@@ -211,7 +243,7 @@ class DeviceSampler:
     try:
       jax.profiler.stop_trace()
       path = find_trace(self.directory)
-      return split_devices(device_streams(path)) if path else None
+      return split_devices(device_streams(path), self.stages) if path else None
     except Exception:   # noqa: BLE001 - a trace that cannot be written or read costs the sample, not the run
       return None
     finally:

@@ -716,11 +716,21 @@ class Driver:
       flagged.add(s.process)
       host = att.hosts[s.process]
       fields = {**s.to_json(), 'timing_host': s.host, 'host': host}   # host: the driver's name for it
-      self.events.emit('straggler', attempt=att.number, detail=s.describe(), evict=f.evict_stragglers,
-                       **fields)
-      if f.evict_stragglers:
+      # Evicting the last host would end the job; slow is better than stopped.
+      evict = f.evict_stragglers and self._can_run_without(host)
+      detail = s.describe() + ('' if evict or not f.evict_stragglers else
+                               f' (not evicted: no host left to run on without {host})')
+      self.events.emit('straggler', attempt=att.number, detail=detail, evict=evict, **fields)
+      if evict:
         return detect.Fault('straggler', [s.process], s.describe())
     return None
+
+  def _can_run_without(self, host: str) -> bool:
+    """Whether another healthy host (of the job, a spare, a connected agent) is left."""
+    pool = [*self.opts.hosts, *self.opts.spares]
+    if self.opts.discover and self.agents is not None:
+      pool += list(self.agents.connected())
+    return any(h != host and h not in self.blocked for h in pool)
 
   # --- recovering -------------------------------------------------------------
 

@@ -26,7 +26,9 @@ class PhaseTimer:
   `<workdir>/timings/process-<index>.jsonl`, one JSON object per step:
   {"step", "process", "host", "time" (unix, end of step), "phases": {...}},
   plus "device": {"compute", "collective"} in the steps whose device time
-  was sampled (FaultConfig.device_timing_every).
+  was sampled (FaultConfig.device_timing_every): its slowest device's, and
+  with several devices each one's under "devices" (see
+  mjax.ft.device_time.split_devices).
   `current` and `step` are what a heartbeat reports.
   """
 

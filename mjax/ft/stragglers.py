@@ -478,7 +478,8 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
       return [(int(k), v) for k, v in per.items() if isinstance(v, dict)]
     return [(-1, d)]
 
-  ranks = sorted({(int(r['process']), dev) for r in sampled for dev, _ in parts(r['device'])})
+  stage = {(int(r['process']), dev): d.get('stage') for r in sampled for dev, d in parts(r['device'])}
+  ranks = sorted(stage)
   if len(ranks) < 2:
     return None
   steps = _latest_steps(sampled, samples, max(1 if len(processes) == 1 else 2, (len(processes) + 1) // 2))
@@ -495,9 +496,14 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
       i = ri[(int(r['process']), dev)]
       compute[i, j] = float(d.get('compute', np.nan))
       collective[i, j] = float(d.get('collective', 0.0))
+  # Each rank against the others of its pipeline stage (all of them, unpipelined).
+  ref, ref_total, ref_coll = (np.full_like(compute, np.nan) for _ in range(3))
+  for g in set(stage.values()):
+    idx = [i for i, k in enumerate(ranks) if stage[k] == g]
+    ref[idx], ref_total[idx] = _loo_median(compute[idx]), _loo_median(compute[idx] + collective[idx])
+    ref_coll[idx] = _loo_median(collective[idx])
   with np.errstate(invalid='ignore', divide='ignore'):
-    ref, ref_total = _loo_median(compute), _loo_median(compute + collective)
-    extra = np.fmax(compute - ref, _loo_median(collective) - collective)
+    extra = np.fmax(compute - ref, ref_coll - collective)
     rest = np.maximum(ref_total - np.clip(extra, 0, None), 0.1 * ref_total)
     return {'processes': np.array([p for p, _ in ranks]), 'devices': np.array([d for _, d in ranks]),
             'steps': np.array(steps), 'ratio': compute / ref, 'slowdown': extra / rest}
@@ -528,15 +534,23 @@ def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: fl
   if sig is None:
     return []
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
+  procs, devs = sig['processes'].tolist(), sig['devices'].tolist()
+  verdicts = [_consistently_slow(sig['slowdown'][i], margin, consistency, (samples + 1) // 2)
+              for i in range(len(procs))]
   found: dict[int, Straggler] = {}
-  for i, (p, dev) in enumerate(zip(sig['processes'].tolist(), sig['devices'].tolist())):
-    verdict = _consistently_slow(sig['slowdown'][i], margin, consistency, (samples + 1) // 2)
-    if verdict is not None and (p not in found or verdict[0] > found[p].slowdown):
-      med, share = verdict   # a process once, by its slowest device
-      found[p] = Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
-                           ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
-                           slow_share=share, first_step=int(sig['steps'][0]),
-                           last_step=int(sig['steps'][-1]), device=None if dev < 0 else dev)
+  for i, (p, dev, verdict) in enumerate(zip(procs, devs, verdicts)):
+    if verdict is None or (p in found and verdict[0] <= found[p].slowdown):
+      continue   # a process once, by its slowest device
+    # A device is named where it stands out from its process's other
+    # devices; where most of them are slow too (a host that stalled, a
+    # node-wide throttle), the process is.
+    siblings = [verdicts[k] is not None for k in range(len(procs)) if procs[k] == p and k != i]
+    whole = dev < 0 or (bool(siblings) and sum(siblings) >= len(siblings) / 2)
+    med, share = verdict
+    found[p] = Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
+                         ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
+                         slow_share=share, first_step=int(sig['steps'][0]),
+                         last_step=int(sig['steps'][-1]), device=None if whole else dev)
   return sorted(found.values(), key=lambda s: -s.slowdown)
 
 
@@ -640,8 +654,11 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
     (median lag of its end of step behind the others'), phases ({phase:
     median s}), verdict ('straggler', 'ok', or 'n/a' when there is nothing
     to compare with or fewer than `window` steps) and, for stragglers,
-    slowdown and reason (the signal that gave it away: 'late', 'step' or a
-    phase).
+    slowdown and reason (the signal that gave it away: 'late', 'step', a
+    phase or 'device'), with device_index where a device was named. Where
+    it sampled device time: device ({'compute', 'collective'} medians, its
+    slowest device's in each sample), and with several devices, devices
+    ({ordinal: the same for that device}).
   """
   rows = dedupe_rows(rows)
   if not rows:
@@ -653,7 +670,7 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
   phase_vals = {ph: v for ph, v in seconds.items() if ph != STEP}
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
   flagged = {s.process: s for s in find_stragglers(rows, margin, window)}
-  judged = len(processes) >= 2 and len(steps) >= window
+  judged = (len(processes) >= 2 and len(steps) >= window) or device_compare(rows) is not None
   samples = collections.defaultdict(list)
   for r in rows:
     if isinstance(r.get('device'), dict):
@@ -730,6 +747,6 @@ def format_table(table: Sequence[dict], metric: str = STEP) -> str:
       '\n(times in ms; "x others": median step time / the other processes\' median at the same step, ' \
       'where a straggler can read below 1: the others wait for it inside the step\'s collectives, so their ' \
       'steps take longer; "late ms": median lag of its end of step behind the others\', what a verdict ' \
-      'rests on' + ('; "device": median over the sampled steps of its device\'s time in compute kernels and in '
-                    'collectives, where a rank slowed inside the step computes longer and the others wait)'
-                    if sampled else ')')
+      'rests on' + ('; "device": median over the sampled steps of its device\'s (its slowest one\'s) time in '
+                    'compute kernels and in collectives, where a rank slowed inside the step computes longer and '
+                    'the others wait)' if sampled else ')')
