@@ -460,8 +460,8 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
 
   Returns:
     None with fewer than `samples` steps sampled by at least half the
-    processes (and two of them, or one with several devices), or fewer than
-    two ranks; else {'processes' [R], 'devices' [R] (the device's ordinal on
+    processes (and two of them, or one with several devices), or no two
+    ranks of one pipeline stage; else {'processes' [R], 'devices' [R] (the device's ordinal on
     its host, -1 for a process sampled as a whole), 'steps' [S], 'ratio'
     [R, S] (compute / the others' median), 'slowdown' [R, S]}, NaN where a
     rank has no sample.
@@ -505,8 +505,11 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
   with np.errstate(invalid='ignore', divide='ignore'):
     extra = np.fmax(compute - ref, ref_coll - collective)
     rest = np.maximum(ref_total - np.clip(extra, 0, None), 0.1 * ref_total)
-    return {'processes': np.array([p for p, _ in ranks]), 'devices': np.array([d for _, d in ranks]),
-            'steps': np.array(steps), 'ratio': compute / ref, 'slowdown': extra / rest}
+    slowdown = extra / rest
+  if np.all(np.isnan(slowdown)):
+    return None   # no rank has another of its stage to compare with
+  return {'processes': np.array([p for p, _ in ranks]), 'devices': np.array([d for _, d in ranks]),
+          'steps': np.array(steps), 'ratio': compute / ref, 'slowdown': slowdown}
 
 
 def _consistently_slow(slow: np.ndarray, margin: float, consistency: float,
