@@ -354,6 +354,22 @@ def test_a_stalled_host_is_named_as_a_whole_not_by_one_of_its_gpus():
   assert (found.process, found.device) == (1, None) and 'process 1 on node-0:' in found.describe()
 
 
+def test_a_damaged_device_sample_costs_the_sample_not_the_report(tmp_path, capsys):
+  rows = with_gpu_samples(lockstep_rows(n=3, steps=60, seed=5), gpus=4, slow=(1, 2))
+  bad = [{'compute': 'x', 'collective': 0.1}, {'compute': 1.0, 'collective': 0.1, 'devices': {'a': {}}},
+         {'compute': 1.0, 'collective': 0.1, 'devices': {'0': {'compute': None, 'collective': 0.1}}},
+         {'compute': 1.0, 'collective': 0.1, 'devices': []}, [1, 2]]
+  hit = [r for r in rows if r['process'] == 0 and 'device' in r][:len(bad)]
+  for r, d in zip(hit, bad):
+    r['device'] = d
+  _write(tmp_path, rows)
+  loaded = st.load_rows(str(tmp_path))
+  assert [r['step'] for r in loaded if r['process'] == 0 and 'device' in r] == [60]
+  assert len([r for r in loaded if 'device' in r]) == len([r for r in rows if 'device' in r]) - len(bad)
+  assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'out')]) == 0
+  assert 'straggler: process 1' in capsys.readouterr().out
+
+
 def test_gpus_are_compared_within_their_pipeline_stage():
   # Four stages of two GPUs per host: the last stage's GPUs always compute
   # longer, and are no stragglers; a slow GPU of stage 1 is.

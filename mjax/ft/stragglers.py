@@ -246,8 +246,20 @@ def _parse_row(line: str) -> Optional[dict]:
     except ValueError:
       continue
     if isinstance(row, dict) and {'step', 'process', 'time', 'phases'} <= set(row):
+      if 'device' in row and not _valid_sample(row['device']):
+        del row['device']   # a damaged sample costs the sample, not the row
       return row
   return None
+
+
+def _valid_sample(d) -> bool:
+  """Whether a row's "device" has the shape DeviceSampler writes."""
+  def split(x):
+    return (isinstance(x, dict) and all(isinstance(x.get(k), (int, float)) for k in ('compute', 'collective'))
+            and isinstance(x.get('stage', 0), int))
+  per = d.get('devices', {}) if isinstance(d, dict) else None
+  return split(d) and isinstance(per, dict) and all(
+      isinstance(k, str) and k.isdigit() and split(v) for k, v in per.items())
 
 
 def dedupe_rows(rows: Iterable[dict]) -> list[dict]:
