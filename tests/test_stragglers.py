@@ -421,6 +421,17 @@ def test_trace_shows_sampled_device_time_on_its_own_track(tmp_path):
   assert by[(1, 20, 'device compute')]['ts'] == compute['ts']
 
 
+def test_trace_gives_each_gpu_of_a_process_its_own_device_track(tmp_path):
+  rows = with_gpu_samples(lockstep_rows(n=2, steps=20), gpus=4, slow=(1, 2))
+  trace = timeline.chrome_trace(rows)
+  names = {(e['pid'], e['tid']): e['args']['name'] for e in trace['traceEvents'] if e['name'] == 'thread_name'}
+  assert names[(1, 1)] == 'device time (sampled steps), slowest device'
+  assert [names[(1, 2 + k)] for k in range(4)] == [f'device {k} time (sampled steps)' for k in range(4)]
+  compute = {e['tid']: e['dur'] for e in trace['traceEvents']
+             if e.get('cat') == 'device' and e['pid'] == 1 and e['args']['step'] == 20 and e['name'] == 'device compute'}
+  assert compute[1] == compute[2 + 2] > 1.4 * max(compute[2 + k] for k in (0, 1, 3))
+
+
 def test_a_rank_whose_host_stalled_is_named_by_its_short_wait():
   # Its kernels take no longer (a GPU left idle by its host), but it arrives
   # last at the collectives and waits there less than the others.

@@ -27,13 +27,19 @@ def _row_phases(row: dict) -> list[tuple[str, float]]:
 def _device_events(row: dict, pid: int, start_s: float) -> list[dict]:
   """A sampled step's device time (mjax/ft/device_time.py) on its own track
   under the compute phase: compute kernels, then collectives. The sums, laid
-  end to end: which ran when inside the step is in the trace, not the row."""
-  out, t = [], start_s
-  for name in ('compute', 'collective'):
-    seconds = float(row['device'].get(name, 0.0))
-    out.append({'ph': 'X', 'name': f'device {name}', 'cat': 'device', 'pid': pid, 'tid': 1,
-                'ts': round(t * 1e6, 3), 'dur': round(seconds * 1e6, 3), 'args': {'step': int(row['step'])}})
-    t += seconds
+  end to end: which ran when inside the step is in the trace, not the row.
+  With several devices, each one's on a track of its own as well
+  (tid 2 + its ordinal), where one slow GPU's longer compute shows."""
+  out = []
+  tracks = [(1, row['device'])] + [(2 + int(k), v) for k, v in sorted(
+      (row['device'].get('devices') or {}).items(), key=lambda kv: int(kv[0]))]
+  for tid, split in tracks:
+    t = start_s
+    for name in ('compute', 'collective'):
+      seconds = float(split.get(name, 0.0))
+      out.append({'ph': 'X', 'name': f'device {name}', 'cat': 'device', 'pid': pid, 'tid': tid,
+                  'ts': round(t * 1e6, 3), 'dur': round(seconds * 1e6, 3), 'args': {'step': int(row['step'])}})
+      t += seconds
   return out
 
 
@@ -60,6 +66,10 @@ def chrome_trace(rows: Sequence[dict]) -> dict:
   events = []
   named = set()
   sampled = {int(r['process']) for r in rows if isinstance(r.get('device'), dict)}
+  gpus = {}   # process -> the ordinals of its devices sampled one by one
+  for r in rows:
+    if isinstance(r.get('device'), dict) and r['device'].get('devices'):
+      gpus.setdefault(int(r['process']), set()).update(int(k) for k in r['device']['devices'])
   for r, start in zip(rows, starts):
     p = int(r['process'])
     if p not in named:
@@ -70,7 +80,10 @@ def chrome_trace(rows: Sequence[dict]) -> dict:
       events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 0, 'args': {'name': 'phases'}})
       if p in sampled:
         events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 1,
-                       'args': {'name': 'device time (sampled steps)'}})
+                       'args': {'name': 'device time (sampled steps)' + (', slowest device' if p in gpus else '')}})
+      for k in sorted(gpus.get(p, ())):
+        events.append({'ph': 'M', 'name': 'thread_name', 'pid': p, 'tid': 2 + k,
+                       'args': {'name': f'device {k} time (sampled steps)'}})
     t = start
     for name, seconds in _row_phases(r):
       events.append({'ph': 'X', 'name': name, 'cat': 'phase', 'pid': p, 'tid': 0,
