@@ -37,7 +37,8 @@ from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, gin file, overrides[, 'profile'][, {env var: value}]). The remat sweep finds the best policy per size;
+# (name, gin file, overrides[, 'profile'][, 'optional'][, {env var: value}]). The remat sweep finds the best
+# policy per size; an 'optional' row is an experiment whose failure is reported but fails nothing;
 # 'none' for 1p3b is expected to run out of memory on an 80 GB card and shows
 # where the limit is.
 MFU_ROWS = [
@@ -56,6 +57,12 @@ MFU_ROWS = [
     ('1p3b remat=dots_attention unrolled', '1p3b.gin',
      ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False'], 'profile'),
     ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
+    # The best row with cuBLASLt, whose epilogues can take the bias and GeLU
+    # into the matrix product: 15% of the 523 ms step was elementwise work
+    # (RESULTS.md, 2026-11-23). Last, so that the deadline skips it first.
+    ('1p3b remat=dots_attention unrolled cublaslt', '1p3b.gin',
+     ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False',
+      "TrainConfig.xla_extra_flags='--xla_gpu_enable_cublaslt=true'"], 'optional'),
 ]
 SMOKE_MFU_ROWS = [
     ('tiny remat=none', 'tiny.gin', ['ModelConfig.remat_policy=none']),
@@ -310,8 +317,9 @@ def check_mfu(suite: Suite):
       best[size] = r
   suite.results['mfu_best'] = {k: dict(name=v['name'], mfu=v['mfu']) for k, v in best.items()}
   summary = '; '.join(f'{k}: {v["mfu"]:.1%} ({v["name"]})' for k, v in best.items())
+  optional = {r[0] for r in rows if 'optional' in r[3:]}
   failed = [r['name'] for r in results if r['status'] not in ('ok', 'out of memory')
-            and not r['status'].startswith('skipped')]
+            and not r['status'].startswith('skipped') and r['name'] not in optional]
   sizes = {r['name'].split()[0] for r in results if not r['status'].startswith('skipped')}
   failed += [f'{size} (no row fits)' for size in sorted(sizes - set(best))]
   return bool(done) and not failed, f'best {summary or "none"}' + (
