@@ -427,8 +427,8 @@ def test_trace_gives_each_gpu_of_a_process_its_own_device_track(tmp_path):
   names = {(e['pid'], e['tid']): e['args']['name'] for e in trace['traceEvents'] if e['name'] == 'thread_name'}
   assert names[(1, 1)] == 'device time (sampled steps), slowest device'
   assert [names[(1, 2 + k)] for k in range(4)] == [f'device {k} time (sampled steps)' for k in range(4)]
-  compute = {e['tid']: e['dur'] for e in trace['traceEvents']
-             if e.get('cat') == 'device' and e['pid'] == 1 and e['args']['step'] == 20 and e['name'] == 'device compute'}
+  compute = {e['tid']: e['dur'] for e in trace['traceEvents'] if e.get('cat') == 'device'
+             and e['pid'] == 1 and e['args']['step'] == 20 and e['name'] == 'device compute'}
   assert compute[1] == compute[2 + 2] > 1.4 * max(compute[2 + k] for k in (0, 1, 3))
 
 

@@ -473,10 +473,11 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
   Returns:
     None with fewer than `samples` steps sampled by at least half the
     processes (and two of them, or one with several devices), or no two
-    ranks of one pipeline stage; else {'processes' [R], 'devices' [R] (the device's ordinal on
-    its host, -1 for a process sampled as a whole), 'steps' [S], 'ratio'
-    [R, S] (compute / the others' median), 'slowdown' [R, S]}, NaN where a
-    rank has no sample.
+    ranks of one pipeline stage; else {'processes' [R], 'devices' [R] (the
+    device's ordinal in its process, -1 for a process sampled as a whole),
+    'steps' [S], 'ratio' [R, S] (compute / the others' median of its
+    stage), 'slowdown' [R, S]}, NaN where a rank has no sample or no other
+    rank of its stage.
   """
   sampled = [r for r in rows if isinstance(r.get('device'), dict)]
   processes = sorted({int(r['process']) for r in sampled})
