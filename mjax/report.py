@@ -277,12 +277,17 @@ def stragglers(prog: str, argv: list[str]) -> int:
     pass
   margin = args.margin if args.margin is not None else fault.get('straggler_margin', FaultConfig.straggler_margin)
   window = args.window if args.window is not None else fault.get('straggler_window', FaultConfig.straggler_window)
-  if margin <= 0 or window < 1:
-    raise UserError(f'--margin {margin} must be > 0 and --window {window} >= 1.')
+  if not isinstance(margin, (int, float)) or not isinstance(window, int):   # a hand-edited config.json
+    margin, window = FaultConfig.straggler_margin, FaultConfig.straggler_window
+  if not 0 < margin < float('inf') or window < 1:   # NaN fails the first test too
+    raise UserError(f'--margin {margin} must be a number > 0 and --window {window} >= 1.')
   try:
     rows = st.load_rows(args.workdir)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, NotADirectoryError) as e:
     raise UserError(str(e)) from None
+  if not rows:
+    raise UserError(f'{st.timings_dir(args.workdir)}: its timing files hold no complete row (empty, or '
+                    'damaged): a run writes a row per process every FaultConfig.timing_every steps.')
   known = st.phases_of(rows)
   if args.phase != st.STEP and args.phase not in known:
     raise UserError(f'--phase {args.phase!r}: this run\'s timings have the phases {", ".join(known)}; '
@@ -291,9 +296,13 @@ def stragglers(prog: str, argv: list[str]) -> int:
   table = st.summary_table(rows, margin=margin, window=window, metric=args.phase)
   found = st.find_stragglers(rows, margin=margin, window=window)
   out = args.out or os.path.join(args.workdir, 'stragglers')
-  png = timeline.plot_heatmap(rows, os.path.join(out, 'stragglers.png'), metric=args.phase,
-                              run=os.path.abspath(args.workdir), stragglers=[s.process for s in found])
-  trace = timeline.write_trace(rows, os.path.join(out, 'trace.json'))
+  try:
+    png = timeline.plot_heatmap(rows, os.path.join(out, 'stragglers.png'), metric=args.phase,
+                                run=os.path.abspath(args.workdir), stragglers=[s.process for s in found])
+    trace = timeline.write_trace(rows, os.path.join(out, 'trace.json'))
+  except OSError as e:
+    raise UserError(f'cannot write the heat map and trace into {out!r} ({e.strerror or e}): give --out a '
+                    'directory this user can write (a read-only run directory needs one).') from None
   if args.json:
     print(json.dumps({'margin': margin, 'window': window, 'metric': args.phase, 'processes': table,
                       'stragglers': [s.to_json() for s in found], 'heatmap': png, 'trace': trace}, indent=2))

@@ -215,6 +215,33 @@ def test_report_stragglers_explains_a_missing_timings_folder(tmp_path, capsys):
   assert capsys.readouterr().err.startswith('mjax-report stragglers: error: no timing files')
 
 
+def test_foreign_or_damaged_timing_rows_are_skipped_and_bad_options_named(tmp_path, capsys):
+  rows = lockstep_rows(n=2, steps=30, seed=1)
+  _write(tmp_path, rows)
+  with open(tmp_path / 'timings' / 'process-00001.jsonl', 'a') as fh:
+    for bad in ['{"step": "abc", "process": 1, "time": 1.0, "phases": {}}',
+                '{"step": 31, "process": 1, "time": 1.0, "phases": [1, 2]}',
+                '{"step": 1e400, "process": 1, "time": 1.0, "phases": {}}',
+                '{"step": 32, "process": 1, "time": NaN, "phases": {}}',
+                '{"step": 33, "process": 1, "time": 1.0, "phases": {"data": "x"}}',
+                '{"step": 34, "process": true, "time": 1.0, "phases": {}}', '[1, 2]']:
+      fh.write(bad + '\n')
+  os.makedirs(tmp_path / 'timings' / 'process-00005.jsonl')        # a directory by that name
+  assert st.load_rows(str(tmp_path)) == st.dedupe_rows(rows)
+  tail = st.TimingTail(str(tmp_path), keep=48, from_end=False)    # the driver's watch
+  assert len(tail.update()) == len(rows)
+  assert report.main(['stragglers', str(tmp_path), '--margin', 'nan']) == 2
+  assert '--margin nan must be a number > 0' in capsys.readouterr().err
+  (tmp_path / 'afile').write_text('x')
+  assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'afile')]) == 2
+  assert 'give --out a directory' in capsys.readouterr().err
+  empty = tmp_path / 'empty'
+  os.makedirs(empty / 'timings')
+  (empty / 'timings' / 'process-00000.jsonl').write_text('')
+  assert report.main(['stragglers', str(empty)]) == 2
+  assert 'hold no complete row' in capsys.readouterr().err
+
+
 # --- device time of sampled steps: a rank slowed inside the step -------------------
 
 def with_device_samples(rows, every=10, slow=None, factor=1.5, seed=0, stall=0.0):

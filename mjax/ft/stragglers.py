@@ -59,6 +59,7 @@ import collections
 import dataclasses
 import glob
 import json
+import math
 import os
 import warnings
 from typing import Iterable, Optional, Sequence
@@ -154,7 +155,7 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
   Raises:
     FileNotFoundError: when `workdir/timings` holds no process-*.jsonl file.
   """
-  paths = sorted(glob.glob(os.path.join(timings_dir(workdir), 'process-*.jsonl')))
+  paths = sorted(p for p in glob.glob(os.path.join(timings_dir(workdir), 'process-*.jsonl')) if os.path.isfile(p))
   if not paths:
     raise FileNotFoundError(
         f'no timing files in {timings_dir(workdir)!r}: every training process writes '
@@ -199,7 +200,7 @@ class TimingTail:
         self._offsets[path] = os.path.getsize(path)
 
   def _paths(self) -> list[str]:
-    return glob.glob(os.path.join(self.directory, 'process-*.jsonl'))
+    return [p for p in glob.glob(os.path.join(self.directory, 'process-*.jsonl')) if os.path.isfile(p)]
 
   def update(self) -> list[dict]:
     """The kept rows of every process, after reading what was appended."""
@@ -245,11 +246,24 @@ def _parse_row(line: str) -> Optional[dict]:
       row = json.loads(line[start:])
     except ValueError:
       continue
-    if isinstance(row, dict) and {'step', 'process', 'time', 'phases'} <= set(row):
+    if _valid_row(row):
       if 'device' in row and not _valid_sample(row['device']):
         del row['device']   # a damaged sample costs the sample, not the row
       return row
   return None
+
+
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _valid_row(row) -> bool:
+  """Whether a parsed line has the shape PhaseTimer writes: anything else
+  (a damaged or foreign line) would stop the report, or the driver's watch."""
+  return (isinstance(row, dict) and _number(row.get('step')) and _number(row.get('process'))
+          and isinstance(row['step'], int) and isinstance(row['process'], int) and 0 <= row['step'] < 2**53 and 0 <= row['process'] < 2**31 and _number(row.get('time'))
+          and isinstance(row.get('phases'), dict)
+          and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in row['phases'].items()))
 
 
 def _valid_sample(d) -> bool:
