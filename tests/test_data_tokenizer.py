@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import json
+import os
 
 import gin
 import numpy as np
@@ -168,3 +169,20 @@ def test_tokenizer_command_rejects_a_tiny_vocabulary(tmp_path, corpus_dir, capsy
                     '--output', str(tmp_path / 't.json')])
   assert exit_info.value.code == 2
   assert 'vocab_size 100 is too small' in capsys.readouterr().err
+
+
+def test_tokenizer_command_never_writes_over_a_file(tmp_path, corpus_dir, bpe_path, capsys):
+  before = bpe_path.read_bytes()
+  text = corpus_dir / 'mentions_eos.py'
+  for out, said in [(bpe_path, 'already exists'), (text, 'already exists'),
+                    (tmp_path / 'big.json', 'too large')]:
+    with pytest.raises(SystemExit) as exit_info:
+      tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '10000000000' if 'big' in str(out) else '300',
+                      '--output', str(out)])
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+  assert bpe_path.read_bytes() == before and text.read_text().startswith('x = ')
+  (tmp_path / 'afile').write_text('x')                          # a parent that is a file
+  with pytest.raises(SystemExit) as exit_info:
+    tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 'afile' / 't.json')])
+  assert exit_info.value.code == 2 and 'cannot write in' in capsys.readouterr().err
+  assert not list(tmp_path.glob('.tokenizer-*'))

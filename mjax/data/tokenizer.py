@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import os
+import tempfile
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -233,6 +234,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
   return _load_cached(path, mtime)
 
 
+MAX_BPE_VOCAB = 1 << 22   # ids a trained BPE may have
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerInfo:
   """Trains a byte-level BPE on `texts` and writes it as a tokenizer.json.
 
@@ -244,20 +248,51 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
   Returns:
     The identity of the written tokenizer.
   Raises:
-    DataError: vocab_size is below 257.
+    DataError: vocab_size is below 257 or above MAX_BPE_VOCAB, `output`
+      exists already, or cannot be written.
   """
   from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
   alphabet = pre_tokenizers.ByteLevel.alphabet()
   if vocab_size < len(alphabet) + 1:
     raise DataError(f'tokenizer {output}: vocab_size {vocab_size} is too small: a byte-level '
                     f'BPE needs at least {len(alphabet) + 1} ids ({len(alphabet)} bytes + EOS).')
+  if vocab_size > MAX_BPE_VOCAB:
+    raise DataError(f'tokenizer {output}: vocab_size {vocab_size} is too large: at most {MAX_BPE_VOCAB:,} '
+                    '(the trainer allocates per id; the largest vocabularies in use hold ~256k).')
+  output = os.path.abspath(os.path.expanduser(output))
+  # Never over an existing file: shards and checkpoints are tied to their
+  # tokenizer by its sha256, and the input may be the very file named.
+  if os.path.lexists(output):
+    raise DataError(f'tokenizer {output} already exists: mjax-tokenizer never writes over a file (runs and '
+                    'shards made with a tokenizer need it as it is); give a new path.')
+  parent = os.path.dirname(output)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    probe = tempfile.NamedTemporaryFile(dir=parent, prefix='.tokenizer-', suffix='.tmp', delete=False)
+  except OSError as e:
+    raise DataError(f'tokenizer {output}: cannot write in {parent} ({e.strerror or e}).') from None
+  probe.close()
   tok = HFTok(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS],
                                 initial_alphabet=alphabet, show_progress=False)
-  tok.train_from_iterator(texts, trainer)
-  output = os.path.abspath(os.path.expanduser(output))
-  os.makedirs(os.path.dirname(output), exist_ok=True)
-  tok.save(output)
+  try:
+    tok.train_from_iterator(texts, trainer)
+    tok.save(probe.name)
+    try:
+      os.link(probe.name, output)     # fails, rather than replaces, if the path appeared meanwhile
+    except FileExistsError:
+      raise
+    except OSError:                   # a filesystem without hard links
+      if os.path.lexists(output):
+        raise FileExistsError(output) from None
+      os.rename(probe.name, output)
+  except FileExistsError:
+    raise DataError(f'tokenizer {output} appeared while training; nothing written over it.') from None
+  except OSError as e:
+    raise DataError(f'tokenizer {output}: cannot write it ({e.strerror or e}).') from None
+  finally:
+    if os.path.lexists(probe.name):
+      os.unlink(probe.name)
   return load_tokenizer(output).info
