@@ -34,6 +34,7 @@ other activations are refused by name.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -42,10 +43,12 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mjax.config import Config, ModelConfig
 from mjax.errors import UserError
+from mjax.jsonfile import place_new
 
 PROG = 'mjax-export'
 FORMATS = ('hf',)
@@ -337,10 +340,54 @@ def read_config(path: str) -> dict:
   except (OSError, ValueError) as e:
     raise UserError(f'{path!r} is not a Hugging Face model directory: {file} cannot be read '
                     f'({type(e).__name__}: {e}).') from None
+  if not isinstance(conf, dict):
+    raise UserError(f'{file} holds a JSON {type(conf).__name__}, not the object of a Hugging Face config.')
   if conf.get('model_type') not in IMPORTABLE:
     raise UserError(f'{path!r}: model_type {conf.get("model_type")!r} cannot be imported; mjax imports '
                     f'{", ".join(IMPORTABLE)}.')
+  bad = {k: conf.get(k) for k in _SIZES if not (isinstance(conf.get(k), int) and not isinstance(conf.get(k), bool)
+                                                 and 0 < conf[k] < 2**31)}
+  if bad:
+    raise UserError(f'{file}: {", ".join(f"{k} = {v!r}" for k, v in bad.items())}: each of '
+                    f'{", ".join(_SIZES)} must be a positive integer.')
   return conf
+
+
+# The sizes every importable config.json states.
+_SIZES = ('vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size')
+
+
+def check_shapes(tensors: dict[str, np.ndarray], m: ModelConfig, neox: bool) -> None:
+  """Every weight tensor has the shape the config says (Hugging Face's (out, in) layout).
+
+  Raises:
+    UserError: naming the first tensor that is missing or of another shape.
+  """
+  d, f, hd, v = m.d_model, m.d_ff, m.dim_per_head, m.vocab_size
+  q, kv = m.n_heads * hd, m.kv_heads * hd
+  if neox:
+    want = {'gpt_neox.embed_in.weight': (v, d), 'gpt_neox.final_layer_norm.weight': (d,)}
+    per = {'attention.query_key_value.weight': (3 * q, d), 'attention.dense.weight': (d, q),
+           'mlp.dense_h_to_4h.weight': (f, d), 'mlp.dense_4h_to_h.weight': (d, f),
+           'input_layernorm.weight': (d,), 'post_attention_layernorm.weight': (d,)}
+    want.update({f'gpt_neox.layers.{i}.{k}': s for i in range(m.n_layers) for k, s in per.items()})
+    head = 'embed_out.weight' if 'embed_out.weight' in tensors else 'lm_head.weight'
+  else:
+    want = {'model.embed_tokens.weight': (v, d), 'model.norm.weight': (d,)}
+    per = {'self_attn.q_proj.weight': (q, d), 'self_attn.k_proj.weight': (kv, d), 'self_attn.v_proj.weight': (kv, d),
+           'self_attn.o_proj.weight': (d, q), 'mlp.gate_proj.weight': (f, d), 'mlp.up_proj.weight': (f, d),
+           'mlp.down_proj.weight': (d, f), 'input_layernorm.weight': (d,), 'post_attention_layernorm.weight': (d,)}
+    want.update({f'model.layers.{i}.{k}': s for i in range(m.n_layers) for k, s in per.items()})
+    head = 'lm_head.weight'
+  if not m.tie_embeddings and head in tensors:
+    want[head] = (v, d)
+  for name, shape in want.items():
+    if name not in tensors:
+      raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
+    if tuple(tensors[name].shape) != shape:
+      raise UserError(f'tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json (hidden_size '
+                      f'{d}, intermediate_size {f}, {m.n_heads} heads of {hd}, vocab_size {v}) makes it {shape}: '
+                      'the weights do not match their config.json.')
 
 
 def read_tensors(path: str) -> dict[str, np.ndarray]:
@@ -350,8 +397,14 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
   path = os.path.abspath(os.path.expanduser(path))
   index = os.path.join(path, 'model.safetensors.index.json')
   if os.path.isfile(index):
-    with open(index) as fh:
-      files = sorted(set(json.load(fh)['weight_map'].values()))
+    try:
+      with open(index) as fh:
+        files = sorted(set(json.load(fh)['weight_map'].values()))
+      if not all(isinstance(f, str) and f and os.path.basename(f) == f for f in files):
+        raise ValueError('its weight_map names files outside the model directory, or no file')
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise UserError(f'{index} is not an index of safetensors shards ({type(e).__name__}: {e}); it maps '
+                      '"weight_map": {tensor name: shard file name}.') from None
   elif os.path.isfile(os.path.join(path, 'model.safetensors')):
     files = ['model.safetensors']
   else:
@@ -363,6 +416,11 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
       loaded = load_file(os.path.join(path, f))
     except Exception as e:  # safetensors raises its own error types
       raise UserError(f'{os.path.join(path, f)} cannot be read ({type(e).__name__}: {e}).') from None
+    ints = sorted(k for k, v in loaded.items() if not jnp.issubdtype(v.dtype, jnp.floating))
+    if ints:
+      raise UserError(f'{os.path.join(path, f)}: tensor {ints[0]!r} is of type {loaded[ints[0]].dtype}, not '
+                      'floating point: mjax imports float32, float16 and bfloat16 weights (a quantized model '
+                      'must be dequantized first).')
     tensors.update({k: np.asarray(jax.device_get(v.astype(np.float32))) for k, v in loaded.items()})
   return tensors
 
@@ -411,9 +469,13 @@ def model_overrides(conf: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any
     if act not in ('gelu', 'gelu_new', 'gelu_pytorch_tanh', 'gelu_fast'):
       raise UserError(f'hidden_act {act!r} cannot be imported: mjax has GeLU (exact or tanh).')
     parallel = bool(conf.get('use_parallel_residual', True))
+    def norm(name):
+      if name not in tensors:
+        raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
+      return tensors[name]
     shared = parallel and all(
-        np.array_equal(tensors[f'gpt_neox.layers.{i}.input_layernorm.{w}'],
-                       tensors[f'gpt_neox.layers.{i}.post_attention_layernorm.{w}'])
+        np.array_equal(norm(f'gpt_neox.layers.{i}.input_layernorm.{w}'),
+                       norm(f'gpt_neox.layers.{i}.post_attention_layernorm.{w}'))
         for i in range(n) for w in ('weight', 'bias'))
     return dict(common, block='parallel' if parallel else 'sequential', mlp='gelu', norm='layernorm',
                 norm_eps=conf.get('layer_norm_eps', 1e-5), gelu_approximate=act != 'gelu',
@@ -539,12 +601,23 @@ def gin_bindings(path: str) -> list[str]:
   """The gin bindings that train from the Hugging Face model at `path`."""
   path = os.path.abspath(os.path.expanduser(path))
   conf = read_config(path)
-  model = model_overrides(conf, read_tensors(path))
+  tensors = read_tensors(path)
+  model = model_overrides(conf, tensors)
   lines = [f'ModelConfig.{k} = {v!r}' for k, v in model.items()]
-  seq = min(int(conf.get('max_position_embeddings', 2048)), 2048)
+  positions = conf.get('max_position_embeddings', 2048)
+  seq = min(positions if isinstance(positions, int) and positions > 0 else 2048, 2048)
   if model.get('sliding_window'):
     seq = max(seq, model['sliding_window'])
   lines.append(f'DataConfig.seq_len = {seq}')
+  # What training would refuse or crash on, said now: a config mjax cannot
+  # lay out, weights of other shapes than config.json says.
+  from mjax import config as config_lib
+  try:
+    cfg = config_lib.validate(Config(model=dataclasses.replace(ModelConfig(), **model),
+                                      data=config_lib.DataConfig(seq_len=seq)))
+  except (config_lib.ConfigError, TypeError, ValueError) as e:
+    raise UserError(f'{path!r}: its config.json describes a model mjax cannot build: {e}') from None
+  check_shapes(tensors, cfg.model, neox=conf['model_type'] == 'gpt_neox')
   tok = os.path.join(path, 'tokenizer.json')
   if os.path.isfile(tok):
     lines.append(f'DataConfig.tokenizer = {tok!r}')
@@ -565,14 +638,31 @@ def import_main(argv: Sequence[str]) -> str:
   """mjax-import MODEL OUT.gin; returns the path written."""
   args = import_parser().parse_args(list(argv))
   out = os.path.abspath(os.path.expanduser(args.out))
-  if os.path.exists(out):
+  if os.path.lexists(out):
     raise UserError(f'{out!r} exists; give a new path (nothing is overwritten).')
+  if not os.path.isdir(os.path.dirname(out)):
+    raise UserError(f'{out!r}: its directory {os.path.dirname(out)!r} does not exist; create it first.')
   lines = gin_bindings(args.model)
   text = ('# Written by mjax-import from ' + os.path.abspath(args.model) + '\n'
           f"# mjax-train --gin_file {args.out} --workdir runs/finetune\n"
           "include 'base.gin'\n" + '\n'.join(lines) + '\n')
-  with open(out + '.tmp', 'w') as fh:
-    fh.write(text)
-  os.replace(out + '.tmp', out)
+  # A fresh temporary file beside OUT (never a fixed name someone may have
+  # put a link at), then linked in: a path that appeared meanwhile is kept.
+  try:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix='.mjax-import-', suffix='.gin')
+  except OSError as e:
+    raise UserError(f'{out!r}: cannot write in {os.path.dirname(out)!r} ({e.strerror or e}).') from None
+  try:
+    with os.fdopen(fd, 'w') as fh:
+      fh.write(text)
+    os.chmod(tmp, 0o644)
+    place_new(tmp, out)
+  except FileExistsError:
+    raise UserError(f'{out!r} appeared meanwhile; nothing written over it.') from None
+  except OSError as e:
+    raise UserError(f'{out!r}: cannot write it ({e.strerror or e}).') from None
+  finally:
+    if os.path.lexists(tmp):
+      os.unlink(tmp)
   print(f'mjax-import: {out}: {len(lines)} bindings; the weights load at the start of a fresh run', file=sys.stderr)
   return out

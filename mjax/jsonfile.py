@@ -23,3 +23,19 @@ def write_atomic(path: str, obj: Any, **dump_kw) -> None:
   with open(tmp, 'w') as fh:
     json.dump(obj, fh, **dump_kw)
   os.replace(tmp, path)
+
+
+def place_new(tmp: str, path: str) -> None:
+  """Moves the finished file `tmp` (on the same filesystem) to `path`, which
+  must not exist: FileExistsError, never a replaced file, if it appeared
+  meanwhile (a user's file, or a link someone put there)."""
+  try:
+    os.link(tmp, path)            # fails where `path` exists, unlike a rename
+  except FileExistsError:
+    raise
+  except OSError:                 # a filesystem without hard links
+    if os.path.lexists(path):
+      raise FileExistsError(path) from None
+    os.rename(tmp, path)
+    return
+  os.unlink(tmp)

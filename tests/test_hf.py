@@ -3,6 +3,7 @@ fp32 logits are mjax's."""
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -254,6 +255,72 @@ def test_a_config_that_would_drop_weights_is_refused(tmp_path):
                         num_devices=1)
     with pytest.raises(UserError, match=needle):
       export.import_params(path, cfg.model)
+
+
+def _edit_config(path, **changes):
+  with open(os.path.join(path, 'config.json')) as fh:
+    conf = json.load(fh)
+  conf.update(changes)
+  with open(os.path.join(path, 'config.json'), 'w') as fh:
+    json.dump(conf, fh)
+
+
+def test_import_refuses_a_config_json_that_does_not_describe_its_weights(tmp_path):
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  path, _ = _hf_model('gpt_neox', tmp_path)
+  pristine = str(tmp_path / 'pristine')
+  shutil.copytree(path, pristine)
+
+  def case(name, **changes):
+    p = str(tmp_path / name)
+    shutil.copytree(pristine, p)
+    _edit_config(p, **changes)
+    return p
+  for p, said in [
+      (case('wide', hidden_size=128), "tensor 'gpt_neox.embed_in.weight' has shape (300, 64)"),
+      (case('heads', num_attention_heads=3), 'describes a model mjax cannot build'),
+      (case('text', num_hidden_layers='2'), "num_hidden_layers = '2'"),
+      (case('none', hidden_size=None), 'hidden_size = None'),
+      (case('tiny_vocab', vocab_size=100), "'gpt_neox.embed_in.weight' has shape (300, 64)")]:
+    with pytest.raises(UserError, match=re.escape(said)):
+      export.gin_bindings(p)
+  listed = str(tmp_path / 'listed')
+  shutil.copytree(pristine, listed)
+  with open(os.path.join(listed, 'config.json'), 'w') as fh:
+    json.dump([1, 2], fh)
+  with pytest.raises(UserError, match='holds a JSON list'):
+    export.gin_bindings(listed)
+  # Weights one row short, or integers (a quantized model), with a true config.
+  for name, edit, said in [('short', lambda t: t[:-1], 'has shape (191, 64)'),
+                           ('ints', lambda t: t.astype(np.int32), 'not floating point')]:
+    p = str(tmp_path / name)
+    shutil.copytree(pristine, p)
+    tensors = load_file(os.path.join(p, 'model.safetensors'))
+    key = 'gpt_neox.layers.1.attention.query_key_value.weight'
+    tensors[key] = np.ascontiguousarray(edit(tensors[key]))
+    save_file(tensors, os.path.join(p, 'model.safetensors'))
+    with pytest.raises(UserError, match=re.escape(said)):
+      export.gin_bindings(p)
+  with open(os.path.join(pristine, 'model.safetensors.index.json'), 'w') as fh:
+    fh.write('{"weight_map": 5}')
+  with pytest.raises(UserError, match='is not an index of safetensors shards'):
+    export.gin_bindings(pristine)
+
+
+def test_import_writes_nothing_through_a_link_or_into_a_missing_directory(tmp_path, capsys):
+  from mjax import cli
+  path, _ = _hf_model('llama', tmp_path)
+  precious = tmp_path / 'precious.txt'
+  precious.write_text('precious')
+  os.symlink(precious, tmp_path / 'o.gin.tmp')
+  cli.import_main([path, str(tmp_path / 'o.gin')])
+  assert precious.read_text() == 'precious' and 'init_from_hf' in (tmp_path / 'o.gin').read_text()
+  assert not os.path.islink(tmp_path / 'o.gin') and oct(os.stat(tmp_path / 'o.gin').st_mode)[-3:] == '644'
+  with pytest.raises(SystemExit) as exit_info:
+    cli.import_main([path, str(tmp_path / 'nodir' / 'o.gin')])
+  assert exit_info.value.code == 2 and 'does not exist; create it first' in capsys.readouterr().err
+  assert not list(tmp_path.glob('.mjax-import-*'))
 
 
 def test_import_refuses_what_mjax_cannot_compute(tmp_path):

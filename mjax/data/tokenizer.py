@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 
 from mjax.data.errors import DataError
+from mjax.jsonfile import place_new
 
 BYTES = 'bytes'
 EOS_ID = 256          # byte tokenizer: separates documents
@@ -280,14 +281,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
   try:
     tok.train_from_iterator(texts, trainer)
     tok.save(probe.name)
-    try:
-      os.link(probe.name, output)     # fails, rather than replaces, if the path appeared meanwhile
-    except FileExistsError:
-      raise
-    except OSError:                   # a filesystem without hard links
-      if os.path.lexists(output):
-        raise FileExistsError(output) from None
-      os.rename(probe.name, output)
+    os.chmod(probe.name, 0o644)
+    place_new(probe.name, output)
   except FileExistsError:
     raise DataError(f'tokenizer {output} appeared while training; nothing written over it.') from None
   except OSError as e:
