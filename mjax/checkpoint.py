@@ -95,7 +95,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mjax import distributed
+from mjax import distributed, jsonfile
 from mjax.config import CheckpointConfig, ConfigError
 from mjax.errors import UserError
 
@@ -218,12 +218,49 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
   return dirs
 
 
+OWNER_FILE = '.mjax-run.json'   # in each tier directory: the workdir of the run whose steps it holds
+
+
+def owner(directory: str) -> Optional[str]:
+  """The workdir of the run that saves into `directory`, or None (not
+  claimed yet, or unreadable; remote directories are not claimed)."""
+  if '://' in directory:
+    return None
+  try:
+    with open(os.path.join(directory, OWNER_FILE)) as fh:
+      found = json.load(fh).get('workdir')
+  except (OSError, ValueError, AttributeError):
+    return None
+  return found if isinstance(found, str) else None
+
+
+def _inside(directory: str, workdir: str) -> bool:
+  """Whether `directory` lies in the workdir (the default persistent tier):
+  a copied or moved workdir takes its checkpoints along, and they are its own."""
+  if '://' in directory:
+    return False
+  w = os.path.abspath(workdir)
+  return os.path.commonpath([os.path.abspath(directory), w]) == w
+
+
+def foreign(directory: str, workdir: str) -> Optional[str]:
+  """The other run's workdir where `directory` (outside the workdir)
+  belongs to another run than `workdir`'s, else None."""
+  if _inside(directory, workdir):
+    return None
+  found = owner(directory)
+  return found if found is not None and found != os.path.abspath(workdir) else None
+
+
 def saved_steps(cfg: CheckpointConfig, workdir: str) -> list[tuple[int, str, str]]:
   """(step, tier, path) of every complete checkpoint, newest first (the
   persistent tier first at equal steps). Orbax writes a step under a
-  temporary name and renames it when complete, so the names say it all."""
+  temporary name and renames it when complete, so the names say it all.
+  A tier directory that another run claims (`check_owner`) holds none of
+  this run's steps."""
   found = [(step, tier, os.path.join(directory, str(step)))
-           for tier, directory in tier_directories(cfg, workdir).items() for step in steps_in(directory)]
+           for tier, directory in tier_directories(cfg, workdir).items()
+           if not foreign(directory, workdir) for step in steps_in(directory)]
   return sorted(found, key=lambda x: (x[0], x[1] == 'persistent'), reverse=True)
 
 
@@ -318,6 +355,39 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
           f'{next(iter(bad.values()))}. Checkpoints need a writable directory with room for '
           f'the train state; fix that there, or point CheckpointConfig.{key} at another '
           f'directory' + (' (or set fast_every = 0).' if name == 'fast' else '.'))
+
+
+def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) -> None:
+  """Claims each tier directory for this run, or raises ConfigError, in
+  every process alike, where another run (another workdir) saves there:
+  two runs in one directory resume from and delete each other's steps.
+  A directory nobody claimed yet (a new one, or one from before claims)
+  becomes this run's."""
+  me = os.path.abspath(workdir)
+  mine = {}
+  for name, d in dirs.items():
+    if '://' in d or _inside(d, me):
+      continue
+    other = foreign(d, me)
+    if other is not None:
+      mine[name] = other
+    elif owner(d) is None:
+      try:
+        jsonfile.write_atomic(os.path.join(d, OWNER_FILE), {'workdir': me})
+      except OSError:
+        pass   # check_writable has said what is wrong with it
+  reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
+      'ckpt/probe/owner', json.dumps(mine) if mine else None, timeout_s).items()}
+  for name, directory in dirs.items():
+    other = next((v[name] for _, v in sorted(reports.items()) if name in v), None)
+    if other is not None:
+      key = _tier_key(name)
+      raise ConfigError(
+          f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of another run, '
+          f'workdir {other!r} ({os.path.join(directory, OWNER_FILE)}): two runs there would resume from '
+          f'and delete each other\'s steps. Give this run a directory of its own (e.g. one named after '
+          f'the run){" or leave it unset (the default is one per workdir)" if name == "fast" else ""}; if '
+          f'this is that run moved to a new workdir, delete {OWNER_FILE} there.')
 
 
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
@@ -816,6 +886,7 @@ class Checkpointer:
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
     check_writable(dirs)
+    check_owner(dirs, workdir)
     check_shared({name: d for name, d in dirs.items() if name not in host})
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)

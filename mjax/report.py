@@ -212,7 +212,7 @@ def checkpoint(prog: str, argv: list[str]) -> int:
   p.add_argument('--verify', action='store_true', help='read every step and check its checksums')
   args = p.parse_args(argv)
   from mjax.config import CheckpointConfig
-  from mjax.checkpoint import tier_directories, verify_step
+  from mjax.checkpoint import foreign, tier_directories, verify_step
   try:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
       ck = CheckpointConfig(**json.load(fh)['checkpoint'])
@@ -221,6 +221,10 @@ def checkpoint(prog: str, argv: list[str]) -> int:
                     f'of an mjax-train run.') from None
   rows, bad = [], 0
   for tier, directory in tier_directories(ck, args.workdir).items():
+    other = foreign(directory, args.workdir)
+    if other is not None:
+      rows.append((tier, '-', "another run's", f'saved by the run in {other}: not this run\'s', directory))
+      continue
     names = os.listdir(directory) if os.path.isdir(directory) else []
     steps = sorted((int(n) for n in names if n.isdigit()), reverse=True)
     aside = sorted(n for n in names if n.startswith('damaged-'))

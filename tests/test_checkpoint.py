@@ -15,7 +15,7 @@ import pytest
 
 from mjax import config as C
 from mjax import train, trainer
-from mjax.checkpoint import Checkpointer
+from mjax.checkpoint import Checkpointer, saved_steps
 from mjax.parallel import make_mesh
 from mjax.metrics import read_metrics
 
@@ -139,6 +139,16 @@ def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
   assert out.start_step == 5
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
+  # Another run pointed at the same fast directory would resume from this
+  # run's steps and delete them: refused, with both runs named, and none of
+  # them listed as the other run's.
+  other = str(tmp_path / 'other')
+  before = sorted(os.listdir(fast))
+  with pytest.raises(C.ConfigError, match=f"holds the checkpoints of another run, workdir '{workdir}'"):
+    trainer.run(cfg8('TrainConfig.steps = 5', *tiers), other)
+  assert sorted(os.listdir(fast)) == before
+  assert [t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, other)] == []
+  assert {t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)} == {'fast', 'persistent'}
 
 
 def test_partial_save_is_ignored(uninterrupted, tmp_path):
@@ -497,7 +507,6 @@ def test_a_host_local_fast_tier_resumes_bitwise_and_only_on_its_own_layout(unint
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit()) == [3, 5]
   shutil.rmtree(os.path.join(workdir, 'checkpoints', '5'))
   # Offline tools see no host-local copies: one process's copy is no checkpoint.
-  from mjax.checkpoint import saved_steps
   assert [(s, t) for s, t, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)] == [(3, 'persistent')]
 
   other = cfg8(*tiers, 'MeshConfig.data = 2', 'MeshConfig.fsdp = 4')
@@ -514,6 +523,15 @@ def test_a_host_local_fast_tier_resumes_bitwise_and_only_on_its_own_layout(unint
   assert out.start_step == 5
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
+  # Another run pointed at the same fast directory would resume from this
+  # run's steps and delete them: refused, with both runs named, and none of
+  # them listed as the other run's.
+  other = str(tmp_path / 'other')
+  before = sorted(os.listdir(fast))
+  with pytest.raises(C.ConfigError, match=f"holds the checkpoints of another run, workdir '{workdir}'"):
+    trainer.run(cfg8('TrainConfig.steps = 5', *tiers), other)
+  assert sorted(os.listdir(fast)) == before
+  assert [t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, other)] == []
   assert_bitwise(out_state.opt_state, full_state.opt_state)
 
 
