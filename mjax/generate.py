@@ -79,6 +79,8 @@ class Sampling:
       raise UserError(f'--top_k {self.top_k}: must be >= 0 (0 keeps every token).')
     if not 0 < self.top_p <= 1:
       raise UserError(f'--top_p {self.top_p}: must be in (0, 1] (1 keeps every token).')
+    if not -2**63 <= self.seed < 2**63:   # what jax.random.key takes
+      raise UserError(f'--seed {self.seed}: must be a 64-bit integer (|seed| < 2**63).')
 
 
 def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int) -> jax.Array:
@@ -142,7 +144,7 @@ def _check_cache_fits(cfg: ModelConfig, batch: int, max_len: int) -> None:
   placed on the devices); otherwise say what to lower, before allocating."""
   need, have = cache_bytes(cfg, batch, max_len), host_memory_bytes()
   if have is not None and need > have:
-    raise UserError(f'{PROG}: the KV cache for {batch} row(s) of up to {max_len:,} tokens needs '
+    raise UserError(f'the KV cache for {batch} row(s) of up to {max_len:,} tokens needs '
                     f'{need / 2**30:,.1f} GiB, more than this host\'s {have / 2**30:,.1f} GiB of memory: '
                     f'lower --max_new_tokens (or the prompts\' length).')
 
@@ -434,7 +436,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
     try:
       encoded.append(np.concatenate([[info.eos_id], tokenizer.encode(p)]).astype(np.int32))
     except UnicodeError as e:
-      raise UserError(f'{PROG}: prompt {i + 1} ({p[:40]!r}) is not valid text ({type(e).__name__}: {e}); '
+      raise UserError(f'prompt {i + 1} ({p[:40]!r}) is not valid text ({type(e).__name__}: {e}); '
                       'give prompts as UTF-8.') from None
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)

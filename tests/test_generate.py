@@ -110,7 +110,8 @@ def test_greedy_and_filters():
 
 
 @pytest.mark.parametrize('bad,needle', [(dict(temperature=-1), '--temperature -1'),
-                                        (dict(top_p=0.0), '--top_p 0.0'), (dict(top_k=-2), '--top_k -2')])
+                                        (dict(top_p=0.0), '--top_p 0.0'), (dict(top_k=-2), '--top_k -2'),
+                                        (dict(seed=2**63), f'--seed {2**63}')])
 def test_bad_sampling_settings_are_named(bad, needle):
   with pytest.raises(UserError, match=needle):
     Sampling(**bad).check()
