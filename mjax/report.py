@@ -188,10 +188,27 @@ def memory(prog: str, argv: list[str]) -> int:
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=None)
   from mjax.parallel.memory import estimate_memory, format_estimate
   try:
-    mesh = {k.strip(): int(v) for k, v in (item.split('=') for item in args.mesh.split(',') if item.strip())}
+    pairs = [(k.strip(), int(v)) for k, v in (item.split('=') for item in args.mesh.split(',') if item.strip())]
   except ValueError:
     raise UserError(f'--mesh {args.mesh!r}: expected AXIS=SIZE pairs separated by commas, '
                     'e.g. data=16,tensor=8') from None
+  mesh = dict(pairs)
+  if len(mesh) < len(pairs) or any(v < 1 for v in mesh.values()):
+    raise UserError(f'--mesh {args.mesh!r}: each axis once, each size a positive integer, e.g. data=16,tensor=8.')
+  if args.micro_batch < 0:
+    raise UserError(f'--micro_batch {args.micro_batch}: must be >= 0 (0: the whole replica batch).')
+  # The layout rules training applies (heads over tensor, layers over pipeline, ...).
+  import math
+  from mjax import config as config_lib
+  from mjax.config import MeshConfig
+  unknown = sorted(set(mesh) - set(MeshConfig.AXES))
+  if unknown:
+    raise UserError(f'--mesh {args.mesh!r}: unknown axes {unknown}; allowed: {", ".join(MeshConfig.AXES)}.')
+  try:
+    config_lib.validate(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **{
+        a: mesh.get(a, 1) for a in MeshConfig.AXES})), num_devices=math.prod(mesh.values()))
+  except config_lib.ConfigError as e:
+    raise UserError(f'--mesh {args.mesh!r} does not fit this config: {e}') from None
   flash = {'auto': None, 'flash': True, 'materialized': False}[args.attention]
   try:
     est = estimate_memory(cfg, mesh, args.micro_batch or None, flash=flash, schedule=args.schedule,

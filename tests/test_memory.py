@@ -129,3 +129,17 @@ def test_bad_inputs_raise():
     estimate_memory(small(), {'data': 3})
   with pytest.raises(ValueError, match='micro-batch'):
     estimate_memory(small(), {'data': 2}, micro_batch=3)
+
+
+@pytest.mark.parametrize('mesh,said', [
+    ('data=0', 'each size a positive integer'), ('data=-1,fsdp=-1', 'each size a positive integer'),
+    ('data=2,data=4', 'each axis once'), ('pipeline=3', 'must split evenly into pipeline'),
+    ('tensor=7', 'divisible by the tensor-parallel size 7'), ('dat=2', "unknown axes ['dat']")])
+def test_report_memory_names_a_mesh_the_config_cannot_take(mesh, said, capsys):
+  from mjax import report
+  assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', mesh]) == 2
+  assert said in capsys.readouterr().err
+  assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', 'data=8', '--micro_batch', '-1']) == 2
+  assert '--micro_batch -1' in capsys.readouterr().err
+  assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', 'data=4,tensor=2']) == 0
+  assert 'total' in capsys.readouterr().out
