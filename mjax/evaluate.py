@@ -134,6 +134,8 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
   n = args.batches or cfg.train.eval_batches
+  if args.split == 'heldout':
+    n = _whole_heldout_batches(cfg, n, asked=args.batches is not None)
   batches = make_batches(cfg, args.split, n)   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
   say(f'{PROG}: step {picked.step} from {picked.path} '
@@ -360,6 +362,21 @@ def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
 
 
 # --- batches and the loss ---------------------------------------------------------
+
+def _whole_heldout_batches(cfg: Config, n: int, asked: bool) -> int:
+  """`n`, or the whole batches the held-out split holds where that is fewer:
+  past them its windows would repeat, and a token counted twice would bias
+  the mean this reports as exact."""
+  info = data_lib.describe(cfg.data)
+  windows = sum(s['heldout_windows'] for s in info.get('mixture', [info]))
+  whole = max(1, windows // cfg.train.global_batch_size)
+  if n > whole:
+    say(f'{PROG}: the held-out split holds {windows:,} windows of {cfg.data.seq_len} tokens: {whole} whole '
+        f'batch(es) of {cfg.train.global_batch_size}; evaluating those, not the {n} '
+        f'{"asked for" if asked else "of TrainConfig.eval_batches"} (beyond them its windows repeat).')
+    return whole
+  return n
+
 
 def make_batches(cfg: Config, split: str, n: int) -> Iterable[dict[str, np.ndarray]]:
   """This process's rows of the first `n` global batches of `split`: held-out

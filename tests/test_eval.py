@@ -130,3 +130,15 @@ def test_cli_missing_step_exits_2_naming_the_saved_steps(run, repo_root):
   errors = [line for line in proc.stderr.splitlines() if line.startswith('mjax-eval: error:')]
   assert len(errors) == 1, proc.stderr
   assert '--step 999' in errors[0] and 'saved steps' in errors[0] and ': 6, 3' in errors[0]
+
+
+def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
+  # The mean over "every counted token" stays exact: past the split's whole
+  # batches its windows wrap around, and would count twice.
+  from mjax import data as data_lib
+  cfg = C.load_config(['tiny.gin'], SMALL, num_devices=8)
+  windows = data_lib.describe(cfg.data)['heldout_windows']
+  whole = windows // cfg.train.global_batch_size
+  assert evaluate._whole_heldout_batches(cfg, 10**6, asked=True) == whole
+  assert f'holds {windows:,} windows' in capsys.readouterr().err and whole > 2
+  assert evaluate._whole_heldout_batches(cfg, 2, asked=True) == 2
