@@ -256,19 +256,18 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
   from mjax.data import load_tokenizer  # noqa: PLC0415
   m = cfg.model
   arch = architecture(m, drop_window)
-  out = os.path.abspath(os.path.expanduser(out))
-  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-    raise UserError(f'{out!r} exists and is not an empty directory; give a new path (nothing is '
-                    f'overwritten).')
+  out = check_out(out)
   info = load_tokenizer(cfg.data.tokenizer).info
   if info.vocab_size > m.vocab_size:
     raise UserError(f'the tokenizer has {info.vocab_size} ids but ModelConfig.vocab_size is {m.vocab_size}.')
   parent = os.path.dirname(out)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix='.mjax-export-', dir=parent)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix='.mjax-export-', dir=parent)
+  except OSError as e:
+    raise UserError(f'{out!r}: cannot write in {parent!r} ({e.strerror or e}).') from None
   umask = os.umask(0)
   os.umask(umask)
-  os.chmod(tmp, 0o777 & ~umask)   # mkdtemp makes it private; the model is for others to read too
   try:
     conf = hf_config(m, arch, cfg.data.seq_len, info.eos_id, drop_window)
     with open(os.path.join(tmp, 'config.json'), 'w') as fh:
@@ -277,13 +276,35 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
       json.dump({'bos_token_id': info.eos_id, 'eos_token_id': info.eos_id}, fh, indent=2)
     save_file(hf_tensors(params, m, arch), os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
     write_tokenizer(tmp, cfg.data.tokenizer, info.eos_id)
+    # mkdtemp and the writers make some of it private; the model is for others to read too.
+    for name in os.listdir(tmp):
+      os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    os.chmod(tmp, 0o777 & ~umask)
     if os.path.isdir(out):
       os.rmdir(out)
     os.rename(tmp, out)
+  except OSError as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise UserError(f'{out!r}: the export could not be written ({e.strerror or e}); nothing is left of it, '
+                    'and nothing there was changed.') from None
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return conf
+
+
+def check_out(out: str) -> str:
+  """The absolute export directory, refused where it exists and holds files,
+  is a file, or is a link (what it points at would be replaced)."""
+  out = os.path.abspath(os.path.expanduser(out))
+  if os.path.islink(out):
+    raise UserError(f'{out!r} is a symbolic link; give the path of a new directory (nothing is overwritten).')
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise UserError(f'{out!r} exists and is not an empty directory; give a new path (nothing is '
+                    f'overwritten).')
+  if os.path.ismount(out):
+    raise UserError(f'{out!r} is a mount point; give a new directory inside it.')
+  return out
 
 
 # --- the command -------------------------------------------------------------------
@@ -316,6 +337,7 @@ def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:
                                                  'dcn_data', 'dcn_fsdp', 'dcn_tensor', 'dcn_pipeline')]
   cfg = flags.load(files, [*saved, *bindings, *one_device], num_devices=1)
   architecture(cfg.model, args.drop_sliding_window)     # refuse before reading anything
+  check_out(args.out)
   program = make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()[:1]))
   picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg))
   conf = export_hf(jax.device_get(program.canonical_params(params)), cfg, args.out, args.drop_sliding_window)

@@ -110,7 +110,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
     raise OSError('disk full')
 
   monkeypatch.setattr(export, 'write_tokenizer', fail)
-  with pytest.raises(OSError, match='disk full'):
+  with pytest.raises(UserError, match=r'could not be written \(disk full\); nothing is left of it'):
     export.export_hf(params, cfg, str(tmp_path / 'out'))
   assert os.listdir(tmp_path) == []
   monkeypatch.undo()
@@ -119,6 +119,19 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
   with pytest.raises(UserError, match='not an empty directory'):
     export.export_hf(params, cfg, str(tmp_path / 'busy'))
   assert (tmp_path / 'busy' / 'keep.txt').read_text() == 'mine'
+  # Links (dangling, or to an empty directory) and a parent that is a file.
+  (tmp_path / 'empty').mkdir()
+  for name, target in [('dangling', tmp_path / 'nowhere'), ('to_empty', tmp_path / 'empty')]:
+    os.symlink(target, tmp_path / name)
+    with pytest.raises(UserError, match='is a symbolic link'):
+      export.export_hf(params, cfg, str(tmp_path / name))
+  with pytest.raises(UserError, match='cannot write in'):
+    export.export_hf(params, cfg, str(tmp_path / 'busy' / 'keep.txt' / 'out'))
+  # Every file as readable as the umask allows, as the directory is.
+  export.export_hf(params, cfg, str(tmp_path / 'ok'))
+  umask = os.umask(0)
+  os.umask(umask)
+  assert {os.stat(tmp_path / 'ok' / n).st_mode & 0o777 for n in os.listdir(tmp_path / 'ok')} == {0o666 & ~umask}
 
 
 def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
