@@ -36,6 +36,9 @@ def entry_point(prog: str):
       except UserError as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_USER_ERROR)
+      except KeyboardInterrupt:   # Ctrl-C in a tool (mjax-train handles its own)
+        print(f'{prog}: interrupted', file=sys.stderr, flush=True)
+        sys.exit(protocol.EXIT_INTERRUPTED)
     return run
   return wrap
 

@@ -231,8 +231,23 @@ def test_empty_corpus_and_bad_manifests(shard_copy):
 
 
 def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):
-  with pytest.raises(data.DataError, match='not an empty directory'):
+  with pytest.raises(data.DataError, match='not an empty directory; choose a new one.$'):
     data.prepare_shards(str(corpus_dir), str(shard_dir))
+  (tmp_path / 'half').mkdir()
+  (tmp_path / 'half' / 'train-00000.bin').write_bytes(b'\0' * 8)      # an interrupted run's
+  with pytest.raises(data.DataError, match='what an interrupted mjax-prepare leaves'):
+    data.prepare_shards(str(corpus_dir), str(tmp_path / 'half'))
+
+
+def test_a_tool_interrupted_says_so_and_exits_130(capsys):
+  from mjax import cli
+
+  def interrupted(_):
+    raise KeyboardInterrupt
+  wrapped = cli.entry_point('mjax-x')(interrupted)
+  with pytest.raises(SystemExit) as exit_info:
+    wrapped([])
+  assert exit_info.value.code == 130 and capsys.readouterr().err == 'mjax-x: interrupted\n'
 
 
 def test_prepare_splits_a_single_file_by_position(tmp_path):

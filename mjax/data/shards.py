@@ -195,8 +195,10 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                     f'0 and 1, got {heldout_fraction}.')
   output = os.path.abspath(os.path.expanduser(output))
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-    raise DataError(f'shard directory {output}: already exists and is not an empty directory; '
-                    'choose a new one.')
+    leftover = os.path.isdir(output) and not os.path.exists(os.path.join(output, 'manifest.json'))
+    raise DataError(f'shard directory {output}: already exists and is not an empty directory; choose a new '
+                    'one' + (' (it holds no manifest.json: what an interrupted mjax-prepare leaves; remove it '
+                             'and run again)' if leftover else '') + '.')
   tok = load_tokenizer(tokenizer)
   root, files = corpus_lib.find_source_files(source, file_pattern)
   os.makedirs(output, exist_ok=True)
