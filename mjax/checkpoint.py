@@ -80,6 +80,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -484,6 +485,7 @@ def verify_step(path: str) -> tuple[str, str]:
     (verdict, detail): 'ok', 'damaged' (detail names the arrays),
     'unreadable' (the error) or 'unchecked' (saved without checksums).
   """
+  quiet_failed_io_aftermath()   # a damaged step's failed reads, said once
   try:
     with open(os.path.join(path, 'meta', 'metadata')) as fh:
       meta = json.load(fh)
@@ -500,7 +502,7 @@ def verify_step(path: str) -> tuple[str, str]:
         lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
     reader.close()
   except Exception as e:  # any reason the step cannot be read is the verdict
-    return 'unreadable', _why(e)
+    return 'unreadable', read_error(e)
   if not saved:
     return 'unchecked', 'saved without checksums'
   # Read without the train state's classes, the tree's names differ from the
@@ -780,7 +782,7 @@ def _restore_key(n: int, key: str) -> str:
   return f'ckpt/{key}' if n == 0 else f'ckpt/again{n}/{key}'
 
 
-def _why(e: BaseException) -> str:
+def read_error(e: BaseException) -> str:
   """One line on why a read failed. TensorStore's own error is mostly the
   store's spec (pages of JSON, 'See full TensorStore details'); the error it
   wraps names the array, the file and what is wrong with it (e.g.
@@ -794,7 +796,14 @@ def _why(e: BaseException) -> str:
     first = str(x).splitlines()[0] if str(x) else ''
     if first and 'TensorStore details' not in first:
       return f'{type(x).__name__}: {first}'[:500]
-  return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:500]
+  # Only the store's spec: its kvstore paths name the step's directory and,
+  # last, the array ('opt_state.1.mu.layers.block_0.attn.query.kernel/').
+  text = str(e)
+  paths = re.findall(r"'path': '([^']*)'", text)
+  head = text.splitlines()[0].split(' See full TensorStore details')[0] if text else ''
+  if paths:
+    head += f' (array {paths[-1].rstrip("/")!r} in {paths[0]})'
+  return f'{type(e).__name__}: {head}'[:500]
 
 
 def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, path: str,
@@ -839,7 +848,7 @@ class _FullDiskLogFilter(logging.Filter):
     return _NO_SPACE not in text
 
 
-def _quiet_failed_save_aftermath() -> None:
+def quiet_failed_io_aftermath() -> None:
   """Keeps a save that found the disk full to one message.
 
   Orbax logs the failed write from each of its save threads, with a
@@ -865,6 +874,12 @@ def _quiet_failed_save_aftermath() -> None:
     if isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed' and \
         any(f.name == 'call_soon_threadsafe' for f in traceback.extract_tb(exc.__traceback__)):
       return
+    # A read that failed leaves its sibling reads' coroutines to be closed
+    # by the collector, each reporting the failure again: the read's error
+    # itself has been said (_why).
+    if str(exc).startswith('Encountered error while reading array index') and \
+        isinstance(exc.__cause__, GeneratorExit):
+      return
     previous(unraisable)
 
   hook.mjax_closed_loop_filter = True
@@ -881,7 +896,7 @@ class Checkpointer:
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
     self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
     self.is_main = jax.process_index() == 0
-    _quiet_failed_save_aftermath()
+    quiet_failed_io_aftermath()
     dirs = tier_directories(cfg, workdir)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
@@ -1082,7 +1097,7 @@ class Checkpointer:
     try:
       restored, error = read_step(manager, step, abstract_state, path, plan, host), None
     except Exception as e:  # any unreadable checkpoint: report, fall back
-      restored, error = None, _why(e)
+      restored, error = None, read_error(e)
     # Every process learns whether every read went well before any
     # collective (the broadcast, the checksums): a process whose read failed
     # must not leave the others waiting in one.
@@ -1099,7 +1114,7 @@ class Checkpointer:
       elif restored.meta.get(DATA_SHA256, data_digest(restored.data)) != data_digest(restored.data):
         damaged, error = True, 'the data position does not match the checksum saved with it'
     except Exception as e:
-      error = _why(e)
+      error = read_error(e)
     verdicts = distributed.report_exceptions(key, None if error is None else f'{"D" if damaged else "0"} {error}')
     return (None if verdicts else restored), verdicts
 

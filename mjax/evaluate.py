@@ -43,8 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, flags
-from mjax.checkpoint import (FINGERPRINTS, first_mismatch, is_step_dir, saved_steps, steps_in,
-                             tier_directories)
+from mjax.checkpoint import (FINGERPRINTS, first_mismatch, is_step_dir, quiet_failed_io_aftermath, read_error,
+                             saved_steps, steps_in, tier_directories)
 from mjax.config import Config
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
@@ -278,6 +278,7 @@ def restore(program: Program, choice: Choice) -> tuple[Candidate, Any, bool, lis
     UserError: no candidate can be read, or the config describes another model.
   """
   skipped: list[dict] = []
+  quiet_failed_io_aftermath()   # a damaged step's failed reads, said once
   for i, cand in enumerate(choice.candidates):
     params, verified, error = None, False, None
     try:
@@ -285,7 +286,7 @@ def restore(program: Program, choice: Choice) -> tuple[Candidate, Any, bool, lis
     except OtherModel as e:
       error = _OTHER_MODEL + str(e)
     except Exception as e:  # any reason a step cannot be used: report it, try the next
-      error = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
+      error = read_error(e)[:300]
     # A step one process cannot read is skipped by all: they must evaluate the same one.
     verdicts = distributed.report_exceptions(f'eval/restore/{i}', error)
     if not verdicts:

@@ -644,8 +644,8 @@ def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
   from mjax import checkpoint as ck
   seen = []
   monkeypatch.setattr(sys, 'unraisablehook', lambda u: seen.append(u.exc_value))
-  ck._quiet_failed_save_aftermath()
-  ck._quiet_failed_save_aftermath()          # twice: still one filter, one hook
+  ck.quiet_failed_io_aftermath()
+  ck.quiet_failed_io_aftermath()          # twice: still one filter, one hook
   loop = asyncio.new_event_loop()
   loop.close()
   try:
@@ -666,3 +666,13 @@ def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
   from_others = logging.LogRecord('absl', logging.ERROR, __file__, 1, 'save failed', None, full)
   other_error = logging.LogRecord('absl', logging.ERROR, orbax_file, 1, 'permission denied', None, None)
   assert not absl.filter(from_orbax) and absl.filter(from_others) and absl.filter(other_error)
+
+
+def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
+  from mjax.checkpoint import read_error
+  spec = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore details: "
+          "<bound method spec of TensorStore({\n  'base': {'kvstore': {'base': {'driver': 'file', "
+          "'path': '/run/checkpoints/4/state/'},\n 'path': 'opt_state.1.mu.layers.block_0.attn.query.kernel/'}}})>")
+  assert read_error(Exception(spec)) == (
+      "Exception: Encountered error while reading array index: (slice(0, 2, 1),). (array "
+      "'opt_state.1.mu.layers.block_0.attn.query.kernel' in /run/checkpoints/4/state/)")
