@@ -240,8 +240,8 @@ def _inside(directory: str, workdir: str) -> bool:
   a copied or moved workdir takes its checkpoints along, and they are its own."""
   if '://' in directory:
     return False
-  w = os.path.abspath(workdir)
-  return os.path.commonpath([os.path.abspath(directory), w]) == w
+  w = os.path.realpath(workdir)
+  return os.path.commonpath([os.path.realpath(directory), w]) == w
 
 
 def foreign(directory: str, workdir: str) -> Optional[str]:
@@ -250,7 +250,9 @@ def foreign(directory: str, workdir: str) -> Optional[str]:
   if _inside(directory, workdir):
     return None
   found = owner(directory)
-  return found if found is not None and found != os.path.abspath(workdir) else None
+  # Real paths: a workdir spelled through a link (~, $PWD where /home is
+  # one) is the same run.
+  return found if found is not None and os.path.realpath(found) != os.path.realpath(workdir) else None
 
 
 def saved_steps(cfg: CheckpointConfig, workdir: str) -> list[tuple[int, str, str]]:
@@ -364,7 +366,7 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
   two runs in one directory resume from and delete each other's steps.
   A directory nobody claimed yet (a new one, or one from before claims)
   becomes this run's."""
-  me = os.path.abspath(workdir)
+  me = os.path.realpath(workdir)
   mine = {}
   for name, d in dirs.items():
     if '://' in d or _inside(d, me):
@@ -801,8 +803,10 @@ def read_error(e: BaseException) -> str:
   text = str(e)
   paths = re.findall(r"'path': '([^']*)'", text)
   head = text.splitlines()[0].split(' See full TensorStore details')[0] if text else ''
-  if paths:
+  if len(paths) > 1:
     head += f' (array {paths[-1].rstrip("/")!r} in {paths[0]})'
+  elif paths:
+    head += f' (in {paths[0]})'
   return f'{type(e).__name__}: {head}'[:500]
 
 

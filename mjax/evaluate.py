@@ -134,8 +134,10 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
   n = args.batches or cfg.train.eval_batches
-  if args.split == 'heldout':
-    n = _whole_heldout_batches(cfg, n, asked=args.batches is not None)
+  if args.split == 'heldout' and args.batches is not None:
+    # Only a count asked for: the default is the trainer's own eval, which
+    # this must equal.
+    n = _whole_heldout_batches(cfg, n)
   batches = make_batches(cfg, args.split, n)   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
   say(f'{PROG}: step {picked.step} from {picked.path} '
@@ -364,17 +366,22 @@ def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
 
 # --- batches and the loss ---------------------------------------------------------
 
-def _whole_heldout_batches(cfg: Config, n: int, asked: bool) -> int:
+def _whole_heldout_batches(cfg: Config, n: int) -> int:
   """`n`, or the whole batches the held-out split holds where that is fewer:
   past them its windows would repeat, and a token counted twice would bias
-  the mean this reports as exact."""
+  the mean this reports as exact. A mixture takes each source's share of a
+  batch, so its smallest source, for its share, sets the count."""
   info = data_lib.describe(cfg.data)
-  windows = sum(s['heldout_windows'] for s in info.get('mixture', [info]))
-  whole = max(1, windows // cfg.train.global_batch_size)
+  gbs = cfg.train.global_batch_size
+  if 'mixture' in info:
+    total = sum(s['weight'] for s in info['mixture'])
+    whole = min(int(s['heldout_windows'] // (gbs * s['weight'] / total)) for s in info['mixture'])
+  else:
+    whole = info['heldout_windows'] // gbs
+  whole = max(1, whole)
   if n > whole:
-    say(f'{PROG}: the held-out split holds {windows:,} windows of {cfg.data.seq_len} tokens: {whole} whole '
-        f'batch(es) of {cfg.train.global_batch_size}; evaluating those, not the {n} '
-        f'{"asked for" if asked else "of TrainConfig.eval_batches"} (beyond them its windows repeat).')
+    say(f'{PROG}: the held-out split holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '
+        f'evaluating those, not the {n} asked for (beyond them its windows repeat).')
     return whole
   return n
 

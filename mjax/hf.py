@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -412,6 +413,9 @@ def check_shapes(tensors: dict[str, np.ndarray], m: ModelConfig, neox: bool) -> 
                       'the weights do not match their config.json.')
 
 
+_BUFFER = re.compile(r'\.attention\.(bias|masked_bias)$|rotary_emb\.inv_freq$')
+
+
 def read_tensors(path: str) -> dict[str, np.ndarray]:
   """Every tensor of model.safetensors (or of its shards, model.safetensors.index.json), as numpy."""
   # The flax loader reads bfloat16 (most released checkpoints); numpy has no such dtype.
@@ -438,6 +442,9 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
       loaded = load_file(os.path.join(path, f))
     except Exception as e:  # safetensors raises its own error types
       raise UserError(f'{os.path.join(path, f)} cannot be read ({type(e).__name__}: {e}).') from None
+    # Buffers older GPT-NeoX checkpoints (Pythia) carry beside the weights:
+    # the causal mask (bool), its fill value and the rotary frequencies.
+    loaded = {k: v for k, v in loaded.items() if not _BUFFER.search(k)}
     ints = sorted(k for k, v in loaded.items() if not jnp.issubdtype(v.dtype, jnp.floating))
     if ints:
       raise UserError(f'{os.path.join(path, f)}: tensor {ints[0]!r} is of type {loaded[ints[0]].dtype}, not '
@@ -677,7 +684,9 @@ def import_main(argv: Sequence[str]) -> str:
   try:
     with os.fdopen(fd, 'w') as fh:
       fh.write(text)
-    os.chmod(tmp, 0o644)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)   # mkstemp makes it private
     place_new(tmp, out)
   except FileExistsError:
     raise UserError(f'{out!r} appeared meanwhile; nothing written over it.') from None

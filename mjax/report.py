@@ -197,18 +197,21 @@ def memory(prog: str, argv: list[str]) -> int:
     raise UserError(f'--mesh {args.mesh!r}: each axis once, each size a positive integer, e.g. data=16,tensor=8.')
   if args.micro_batch < 0:
     raise UserError(f'--micro_batch {args.micro_batch}: must be >= 0 (0: the whole replica batch).')
-  # The layout rules training applies (heads over tensor, layers over pipeline, ...).
-  import math
-  from mjax import config as config_lib
+  # The splits the estimate assumes (heads and the MLP over tensor, layer
+  # groups over pipeline x virtual stages), named as training names them.
   from mjax.config import MeshConfig
   unknown = sorted(set(mesh) - set(MeshConfig.AXES))
   if unknown:
     raise UserError(f'--mesh {args.mesh!r}: unknown axes {unknown}; allowed: {", ".join(MeshConfig.AXES)}.')
-  try:
-    config_lib.validate(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **{
-        a: mesh.get(a, 1) for a in MeshConfig.AXES})), num_devices=math.prod(mesh.values()))
-  except config_lib.ConfigError as e:
-    raise UserError(f'--mesh {args.mesh!r} does not fit this config: {e}') from None
+  m, tp, pp = cfg.model, mesh.get('tensor', 1), mesh.get('pipeline', 1)
+  for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff)):
+    if v % tp:
+      raise UserError(f'--mesh {args.mesh!r} does not fit this config: ModelConfig.{key} = {v} must be '
+                      f'divisible by the tensor-parallel size {tp}.')
+  chunks, groups = pp * (args.virtual_stages or cfg.mesh.virtual_stages), m.n_layers // m.layer_period
+  if pp > 1 and groups % chunks:
+    raise UserError(f'--mesh {args.mesh!r} does not fit this config: its {groups} layer groups (of '
+                    f'{m.layer_period} layers) must split evenly into pipeline x virtual_stages = {chunks} chunks.')
   flash = {'auto': None, 'flash': True, 'materialized': False}[args.attention]
   try:
     est = estimate_memory(cfg, mesh, args.micro_batch or None, flash=flash, schedule=args.schedule,
@@ -293,13 +296,17 @@ def stragglers(prog: str, argv: list[str]) -> int:
   fault = {}
   try:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
-      fault = json.load(fh).get('fault', {}) or {}
+      fault = json.load(fh).get('fault', {})
   except (OSError, ValueError, AttributeError):
     pass
-  margin = args.margin if args.margin is not None else fault.get('straggler_margin', FaultConfig.straggler_margin)
-  window = args.window if args.window is not None else fault.get('straggler_window', FaultConfig.straggler_window)
-  if not isinstance(margin, (int, float)) or not isinstance(window, int):   # a hand-edited config.json
-    margin, window = FaultConfig.straggler_margin, FaultConfig.straggler_window
+  fault = fault if isinstance(fault, dict) else {}   # a hand-edited config.json: its values are ignored
+
+  def saved(key, kind, default):
+    v = fault.get(key, default)
+    return v if isinstance(v, kind) and not isinstance(v, bool) else default
+  margin = args.margin if args.margin is not None else saved('straggler_margin', (int, float),
+                                                              FaultConfig.straggler_margin)
+  window = args.window if args.window is not None else saved('straggler_window', int, FaultConfig.straggler_window)
   if not 0 < margin < float('inf') or window < 1:   # NaN fails the first test too
     raise UserError(f'--margin {margin} must be a number > 0 and --window {window} >= 1.')
   try:

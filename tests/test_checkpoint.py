@@ -676,3 +676,17 @@ def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
   assert read_error(Exception(spec)) == (
       "Exception: Encountered error while reading array index: (slice(0, 2, 1),). (array "
       "'opt_state.1.mu.layers.block_0.attn.query.kernel' in /run/checkpoints/4/state/)")
+
+
+def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):
+  from mjax.checkpoint import check_owner, foreign, OWNER_FILE
+  (tmp_path / 'real' / 'run').mkdir(parents=True)
+  os.symlink(tmp_path / 'real', tmp_path / 'link')
+  tier = str(tmp_path / 'fast')
+  check_owner({'fast': tier}, str(tmp_path / 'link' / 'run'))        # claimed through the link
+  assert json.load(open(os.path.join(tier, OWNER_FILE)))['workdir'] == str(tmp_path / 'real' / 'run')
+  assert foreign(tier, str(tmp_path / 'real' / 'run')) is None
+  check_owner({'fast': tier}, str(tmp_path / 'real' / 'run'))         # the same run: no error
+  assert foreign(tier, str(tmp_path / 'other')) == str(tmp_path / 'real' / 'run')
+  with pytest.raises(C.ConfigError, match='holds the checkpoints of another run'):
+    check_owner({'fast': tier}, str(tmp_path / 'other'))

@@ -139,6 +139,6 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
   cfg = C.load_config(['tiny.gin'], SMALL, num_devices=8)
   windows = data_lib.describe(cfg.data)['heldout_windows']
   whole = windows // cfg.train.global_batch_size
-  assert evaluate._whole_heldout_batches(cfg, 10**6, asked=True) == whole
-  assert f'holds {windows:,} windows' in capsys.readouterr().err and whole > 2
-  assert evaluate._whole_heldout_batches(cfg, 2, asked=True) == 2
+  assert evaluate._whole_heldout_batches(cfg, 10**6) == whole
+  assert f'holds {whole} whole batch(es)' in capsys.readouterr().err and whole > 2
+  assert evaluate._whole_heldout_batches(cfg, 2) == 2

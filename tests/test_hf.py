@@ -315,6 +315,16 @@ def test_import_refuses_a_config_json_that_does_not_describe_its_weights(tmp_pat
     save_file(tensors, os.path.join(p, 'model.safetensors'))
     with pytest.raises(UserError, match=re.escape(said)):
       export.gin_bindings(p)
+  # Pythia's buffers beside the weights (a bool causal mask, its fill value,
+  # the rotary frequencies) are no weights: imported as before.
+  p = str(tmp_path / 'buffers')
+  shutil.copytree(pristine, p)
+  tensors = load_file(os.path.join(p, 'model.safetensors'))
+  tensors.update({'gpt_neox.layers.0.attention.bias': np.tril(np.ones((1, 1, 8, 8), bool)),
+                  'gpt_neox.layers.0.attention.masked_bias': np.array(-1e9, np.float32),
+                  'gpt_neox.layers.0.attention.rotary_emb.inv_freq': np.ones(4, np.float32)})
+  save_file(tensors, os.path.join(p, 'model.safetensors'))
+  assert export.gin_bindings(p) == export.gin_bindings(pristine)[:-1] + [f'CheckpointConfig.init_from_hf = {p!r}']
   with open(os.path.join(pristine, 'model.safetensors.index.json'), 'w') as fh:
     fh.write('{"weight_map": 5}')
   with pytest.raises(UserError, match='is not an index of safetensors shards'):

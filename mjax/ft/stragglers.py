@@ -61,6 +61,7 @@ import glob
 import json
 import math
 import os
+import re
 import warnings
 from typing import Iterable, Optional, Sequence
 
@@ -262,18 +263,18 @@ def _valid_row(row) -> bool:
   (a damaged or foreign line) would stop the report, or the driver's watch."""
   return (isinstance(row, dict) and _number(row.get('step')) and _number(row.get('process'))
           and isinstance(row['step'], int) and isinstance(row['process'], int) and 0 <= row['step'] < 2**53 and 0 <= row['process'] < 2**31 and _number(row.get('time'))
-          and isinstance(row.get('phases'), dict)
+          and isinstance(row.get('phases'), dict) and isinstance(row.get('host', ''), str)
           and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in row['phases'].items()))
 
 
 def _valid_sample(d) -> bool:
   """Whether a row's "device" has the shape DeviceSampler writes."""
   def split(x):
-    return (isinstance(x, dict) and all(isinstance(x.get(k), (int, float)) for k in ('compute', 'collective'))
+    return (isinstance(x, dict) and all(_number(x.get(k)) for k in ('compute', 'collective'))
             and isinstance(x.get('stage', 0), int))
   per = d.get('devices', {}) if isinstance(d, dict) else None
   return split(d) and isinstance(per, dict) and all(
-      isinstance(k, str) and k.isdigit() and split(v) for k, v in per.items())
+      isinstance(k, str) and re.fullmatch(r'[0-9]{1,6}', k) and split(v) for k, v in per.items())
 
 
 def dedupe_rows(rows: Iterable[dict]) -> list[dict]:
