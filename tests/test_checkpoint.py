@@ -121,6 +121,18 @@ def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path, caplog)
   assert 'checkpoints/4 (step 4) is unreadable' in caplog.text
 
 
+def _another_run_is_refused(tmp_path, tiers, workdir, fast):
+  """Another run pointed at the same fast directory would resume from this
+  run's steps and delete them: refused, with this run named, and none of
+  its steps listed as the other run's."""
+  other = str(tmp_path / 'other')
+  before = sorted(os.listdir(fast))
+  with pytest.raises(C.ConfigError, match=f"holds the checkpoints of another run, workdir '{workdir}'"):
+    trainer.run(cfg8('TrainConfig.steps = 5', *tiers), other)
+  assert sorted(os.listdir(fast)) == before
+  assert [t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, other)] == []
+
+
 def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
   """Fast tier every 2 steps (2 kept), persistent every 3, both at the end: a
   restart picks the newest step across the tiers and continues bitwise."""
@@ -139,15 +151,7 @@ def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
   assert out.start_step == 5
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
-  # Another run pointed at the same fast directory would resume from this
-  # run's steps and delete them: refused, with both runs named, and none of
-  # them listed as the other run's.
-  other = str(tmp_path / 'other')
-  before = sorted(os.listdir(fast))
-  with pytest.raises(C.ConfigError, match=f"holds the checkpoints of another run, workdir '{workdir}'"):
-    trainer.run(cfg8('TrainConfig.steps = 5', *tiers), other)
-  assert sorted(os.listdir(fast)) == before
-  assert [t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, other)] == []
+  _another_run_is_refused(tmp_path, tiers, workdir, fast)
   assert {t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)} == {'fast', 'persistent'}
 
 
@@ -523,15 +527,7 @@ def test_a_host_local_fast_tier_resumes_bitwise_and_only_on_its_own_layout(unint
   assert out.start_step == 5
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
-  # Another run pointed at the same fast directory would resume from this
-  # run's steps and delete them: refused, with both runs named, and none of
-  # them listed as the other run's.
-  other = str(tmp_path / 'other')
-  before = sorted(os.listdir(fast))
-  with pytest.raises(C.ConfigError, match=f"holds the checkpoints of another run, workdir '{workdir}'"):
-    trainer.run(cfg8('TrainConfig.steps = 5', *tiers), other)
-  assert sorted(os.listdir(fast)) == before
-  assert [t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, other)] == []
+  _another_run_is_refused(tmp_path, tiers, workdir, fast)
   assert_bitwise(out_state.opt_state, full_state.opt_state)
 
 
