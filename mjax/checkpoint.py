@@ -880,7 +880,7 @@ def quiet_failed_io_aftermath() -> None:
       return
     # A read that failed leaves its sibling reads' coroutines to be closed
     # by the collector, each reporting the failure again: the read's error
-    # itself has been said (_why).
+    # itself has been said (read_error).
     if str(exc).startswith('Encountered error while reading array index') and \
         isinstance(exc.__cause__, GeneratorExit):
       return

@@ -49,7 +49,7 @@ import numpy as np
 
 from mjax.config import Config, ModelConfig
 from mjax.errors import UserError
-from mjax.jsonfile import place_new
+from mjax.jsonfile import current_umask, place_new
 
 PROG = 'mjax-export'
 FORMATS = ('hf',)
@@ -267,8 +267,7 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
     tmp = tempfile.mkdtemp(prefix='.mjax-export-', dir=parent)
   except OSError as e:
     raise UserError(f'{out!r}: cannot write in {parent!r} ({e.strerror or e}).') from None
-  umask = os.umask(0)
-  os.umask(umask)
+  umask = current_umask()
   try:
     conf = hf_config(m, arch, cfg.data.seq_len, info.eos_id, drop_window)
     with open(os.path.join(tmp, 'config.json'), 'w') as fh:
@@ -405,12 +404,17 @@ def check_shapes(tensors: dict[str, np.ndarray], m: ModelConfig, neox: bool) -> 
   if not m.tie_embeddings and head in tensors:
     want[head] = (v, d)
   for name, shape in want.items():
-    if name not in tensors:
-      raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
-    if tuple(tensors[name].shape) != shape:
+    if tuple(_tensor(tensors, name).shape) != shape:
       raise UserError(f'tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json (hidden_size '
                       f'{d}, intermediate_size {f}, {m.n_heads} heads of {hd}, vocab_size {v}) makes it {shape}: '
                       'the weights do not match their config.json.')
+
+
+def _tensor(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+  """tensors[name], or the UserError that says the weights do not match their config."""
+  if name not in tensors:
+    raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
+  return tensors[name]
 
 
 _BUFFER = re.compile(r'\.attention\.(bias|masked_bias)$|rotary_emb\.inv_freq$')
@@ -498,13 +502,9 @@ def model_overrides(conf: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any
     if act not in ('gelu', 'gelu_new', 'gelu_pytorch_tanh', 'gelu_fast'):
       raise UserError(f'hidden_act {act!r} cannot be imported: mjax has GeLU (exact or tanh).')
     parallel = bool(conf.get('use_parallel_residual', True))
-    def norm(name):
-      if name not in tensors:
-        raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
-      return tensors[name]
     shared = parallel and all(
-        np.array_equal(norm(f'gpt_neox.layers.{i}.input_layernorm.{w}'),
-                       norm(f'gpt_neox.layers.{i}.post_attention_layernorm.{w}'))
+        np.array_equal(_tensor(tensors, f'gpt_neox.layers.{i}.input_layernorm.{w}'),
+                       _tensor(tensors, f'gpt_neox.layers.{i}.post_attention_layernorm.{w}'))
         for i in range(n) for w in ('weight', 'bias'))
     return dict(common, block='parallel' if parallel else 'sequential', mlp='gelu', norm='layernorm',
                 norm_eps=conf.get('layer_norm_eps', 1e-5), gelu_approximate=act != 'gelu',
@@ -530,9 +530,7 @@ def mjax_params(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict:
   neox = any(k.startswith('gpt_neox.') for k in tensors)
 
   def get(name):
-    if name not in tensors:
-      raise UserError(f'the Hugging Face model has no tensor {name!r}: its weights do not match its config.json.')
-    return tensors[name]
+    return _tensor(tensors, name)
 
   def bias(name, shape):
     # A model with some biases (Llama's attention_bias without mlp_bias) loads
@@ -684,9 +682,6 @@ def import_main(argv: Sequence[str]) -> str:
   try:
     with os.fdopen(fd, 'w') as fh:
       fh.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)   # mkstemp makes it private
     place_new(tmp, out)
   except FileExistsError:
     raise UserError(f'{out!r} appeared meanwhile; nothing written over it.') from None

@@ -1,4 +1,5 @@
-"""Small JSON files that no reader ever sees half of.
+"""Small JSON files that no reader ever sees half of, and new files placed
+whole (`place_new`).
 
 Caches and records shared between processes (the measured peak, the
 diagnostics' baselines, the blocked hosts) are rewritten whole: written to
@@ -25,10 +26,20 @@ def write_atomic(path: str, obj: Any, **dump_kw) -> None:
   os.replace(tmp, path)
 
 
+def current_umask() -> int:
+  """This process's umask (reading it means setting it: set it back at once)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def place_new(tmp: str, path: str) -> None:
   """Moves the finished file `tmp` (on the same filesystem) to `path`, which
   must not exist: FileExistsError, never a replaced file, if it appeared
-  meanwhile (a user's file, or a link someone put there)."""
+  meanwhile (a user's file, or a link someone put there). The temporary
+  file was private (mkstemp); the placed one is as readable as any file
+  this user creates."""
+  os.chmod(tmp, 0o666 & ~current_umask())
   try:
     os.link(tmp, path)            # fails where `path` exists, unlike a rename
   except FileExistsError:

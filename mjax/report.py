@@ -340,10 +340,9 @@ def stragglers(prog: str, argv: list[str]) -> int:
         f'straggler: > {margin:.0%} slower than the others over the last {window} steps\n')
   print(st.format_table(table, metric=args.phase))
   print()
-  judged_devices = st.device_compare(rows) is not None   # the sampled device times give a verdict
   if found:
     pass
-  elif judged_devices:
+  elif table[0]['verdict'] != 'n/a':   # judged (on host timings or sampled device times), clean
     print('no straggler.')
   elif len(table) < 2:
     print('one process: nothing to compare it with, no straggler verdict.')

@@ -281,9 +281,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
   try:
     tok.train_from_iterator(texts, trainer)
     tok.save(probe.name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(probe.name, 0o666 & ~umask)   # NamedTemporaryFile makes it private
     place_new(probe.name, output)
   except FileExistsError:
     raise DataError(f'tokenizer {output} appeared while training; nothing written over it.') from None

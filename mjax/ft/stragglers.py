@@ -258,12 +258,16 @@ def _number(x) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _count(x, below: int) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < below
+
+
 def _valid_row(row) -> bool:
   """Whether a parsed line has the shape PhaseTimer writes: anything else
   (a damaged or foreign line) would stop the report, or the driver's watch."""
-  return (isinstance(row, dict) and _number(row.get('step')) and _number(row.get('process'))
-          and isinstance(row['step'], int) and isinstance(row['process'], int) and 0 <= row['step'] < 2**53 and 0 <= row['process'] < 2**31 and _number(row.get('time'))
-          and isinstance(row.get('phases'), dict) and isinstance(row.get('host', ''), str)
+  return (isinstance(row, dict) and _count(row.get('step'), 2**53) and _count(row.get('process'), 2**31)
+          and _number(row.get('time')) and isinstance(row.get('host', ''), str)
+          and isinstance(row.get('phases'), dict)
           and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in row['phases'].items()))
 
 
@@ -723,16 +727,20 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
       if flagged[p].device is not None:
         entry['device_index'] = flagged[p].device
     if samples[p]:
-      entry['device'] = {k: float(np.median([d.get(k, np.nan) for d in samples[p]])) for k in ('compute', 'collective')}
+      entry['device'] = _median_split(samples[p])
       per = collections.defaultdict(list)
       for d in samples[p]:
         for ordinal, v in (d.get('devices') or {}).items():
           per[int(ordinal)].append(v)
       if per:   # each of its GPUs, where it has several
-        entry['devices'] = {g: {k: float(np.median([v.get(k, np.nan) for v in vs])) for k in ('compute', 'collective')}
-                            for g, vs in sorted(per.items())}
+        entry['devices'] = {g: _median_split(vs) for g, vs in sorted(per.items())}
     table.append(entry)
   return table
+
+
+def _median_split(splits: Sequence[dict]) -> dict:
+  """{'compute', 'collective'}: the medians over sampled steps' splits."""
+  return {k: float(np.median([d.get(k, np.nan) for d in splits])) for k in ('compute', 'collective')}
 
 
 def format_devices(entry: dict) -> str:
