@@ -222,17 +222,49 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
 OWNER_FILE = '.mjax-run.json'   # in each tier directory: the workdir of the run whose steps it holds
 
 
-def owner(directory: str) -> Optional[str]:
-  """The workdir of the run that saves into `directory`, or None (not
-  claimed yet, or unreadable; remote directories are not claimed)."""
-  if '://' in directory:
-    return None
+def _claim(directory: str) -> Optional[str]:
+  """The workdir written in `directory`'s claim (OWNER_FILE), or None."""
   try:
     with open(os.path.join(directory, OWNER_FILE)) as fh:
       found = json.load(fh).get('workdir')
   except (OSError, ValueError, AttributeError):
     return None
   return found if isinstance(found, str) else None
+
+
+def _is_workdir(path: str) -> bool:
+  """Whether `path` is an mjax run's workdir (it holds the run's config.json)."""
+  try:
+    with open(os.path.join(path, 'config.json')) as fh:
+      cfg = json.load(fh)
+  except (OSError, ValueError):
+    return False
+  return isinstance(cfg, dict) and {'model', 'checkpoint'} <= cfg.keys()
+
+
+def _enclosing_workdir(directory: str, below: Optional[str] = None) -> Optional[str]:
+  """The workdir of the run whose directory holds `directory` (itself or its
+  nearest ancestor with an mjax config.json), or None; with `below`, only
+  a workdir inside `below`."""
+  path, stop = os.path.realpath(directory), below and os.path.realpath(below)
+  while path != stop:
+    if _is_workdir(path):
+      return path
+    parent = os.path.dirname(path)
+    if parent == path:
+      return None
+    path = parent
+  return None
+
+
+def owner(directory: str) -> Optional[str]:
+  """The workdir of the run that saves into `directory`, or None (nobody's
+  yet; remote directories are not claimed). A directory's claim says it;
+  an unclaimed one inside a run's workdir (its default tier, saved before
+  default tiers were claimed too) is that run's."""
+  if '://' in directory:
+    return None
+  return _claim(directory) or _enclosing_workdir(directory)
 
 
 def _inside(directory: str, workdir: str) -> bool:
@@ -245,10 +277,11 @@ def _inside(directory: str, workdir: str) -> bool:
 
 
 def foreign(directory: str, workdir: str) -> Optional[str]:
-  """The other run's workdir where `directory` (outside the workdir)
-  belongs to another run than `workdir`'s, else None."""
+  """The other run's workdir where `directory` belongs to another run than
+  `workdir`'s, else None. A directory inside the workdir is its own, unless
+  it is inside another run's workdir within this one."""
   if _inside(directory, workdir):
-    return None
+    return _enclosing_workdir(directory, below=workdir)
   found = owner(directory)
   # Real paths: a workdir spelled through a link (~, $PWD where /home is
   # one) is the same run.
@@ -270,7 +303,9 @@ def saved_steps(cfg: CheckpointConfig, workdir: str) -> list[tuple[int, str, str
 def steps_in(directory: str) -> list[int]:
   """The complete steps saved in one checkpoint directory, newest first."""
   d = epath.Path(directory)
-  return sorted((int(p.name) for p in d.iterdir() if p.name.isdigit()), reverse=True) if d.is_dir() else []
+  # A file named like a step is not one (Orbax's steps are directories).
+  return sorted((int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()),
+                reverse=True) if d.is_dir() else []
 
 
 def is_step_dir(path: str) -> bool:
@@ -369,12 +404,14 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
   me = os.path.realpath(workdir)
   mine = {}
   for name, d in dirs.items():
-    if '://' in d or _inside(d, me):
+    if '://' in d:
       continue
     other = foreign(d, me)
     if other is not None:
       mine[name] = other
-    elif owner(d) is None:
+    # Claimed even inside the workdir, where it is always this run's (a
+    # moved workdir takes it over): another run pointed at it is refused.
+    elif _claim(d) is None or (_inside(d, me) and os.path.realpath(_claim(d)) != me):
       try:
         jsonfile.write_atomic(os.path.join(d, OWNER_FILE), {'workdir': me})
       except OSError:
@@ -385,12 +422,15 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
     other = next((v[name] for _, v in sorted(reports.items()) if name in v), None)
     if other is not None:
       key = _tier_key(name)
+      where = (f'its claim {os.path.join(directory, OWNER_FILE)!r} says so' if _claim(directory)
+               else 'it lies in that run\'s workdir')
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of another run, '
-          f'workdir {other!r} ({os.path.join(directory, OWNER_FILE)}): two runs there would resume from '
-          f'and delete each other\'s steps. Give this run a directory of its own (e.g. one named after '
-          f'the run){" or leave it unset (the default is one per workdir)" if name == "fast" else ""}; if '
-          f'this is that run moved to a new workdir, delete {OWNER_FILE} there.')
+          f'workdir {other!r} ({where}): two runs there would resume from and delete each other\'s steps. '
+          f'Give this run a directory of its own (e.g. one named after the run) or leave '
+          f'CheckpointConfig.{key} unset (the default is one per workdir)' +
+          (f'; if this is that run moved to a new workdir, delete {OWNER_FILE} there.' if _claim(directory)
+           else '.'))
 
 
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:

@@ -213,18 +213,28 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   from mjax.data import train_bpe
   import itertools
-  from mjax.data.corpus import document_file, find_source_files, read_documents
+  from mjax.data.corpus import document_file, find_source_files, not_text, read_documents
   root, files = find_source_files(args.input, args.file_pattern)
+  dropped = []
 
   def texts():
     # One file at a time (all the documents of a JSON Lines file together):
-    # the trainer counts words as it goes, so the corpus never has to fit in memory.
+    # the trainer counts words as it goes, so the corpus never has to fit in
+    # memory. Files that are not text are left out, as training leaves them.
     for _, names in itertools.groupby(files, key=document_file):
-      for doc in read_documents(root, list(names)):
+      names = list(names)
+      for name, doc in zip(names, read_documents(root, names)):
+        why = not_text(doc)
+        if why:
+          dropped.append(f'{name} ({why})')
+          continue
         yield doc.decode('utf-8', errors='replace')
 
   info = train_bpe(texts(), args.vocab_size, args.output)
-  print(json.dumps({'files': len(files), **info.to_json()}, indent=2))
+  if dropped:
+    print(f'{prog}: left out {len(dropped)} of {len(files)} files that are not text: '
+          f'{", ".join(dropped[:5])}{" and more" if len(dropped) > 5 else ""}', file=sys.stderr)
+  print(json.dumps({'files': len(files) - len(dropped), **info.to_json()}, indent=2))
 
 
 @entry_point('mjax-diagnose')

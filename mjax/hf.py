@@ -304,7 +304,29 @@ def check_out(out: str) -> str:
                     f'overwritten).')
   if os.path.ismount(out):
     raise UserError(f'{out!r} is a mount point; give a new directory inside it.')
+  from mjax.checkpoint import OWNER_FILE, is_step_dir  # noqa: PLC0415
+  # A run's checkpoint directory holds its steps only: a numbered export
+  # there reads as a damaged step (the run then refuses to resume), and an
+  # export inside a step goes when Orbax deletes that step.
+  for d in _ancestors(out):
+    if os.path.isfile(os.path.join(d, OWNER_FILE)) or is_step_dir(d):
+      what = 'a saved step' if is_step_dir(d) else 'a checkpoint directory'
+      raise UserError(f'{out!r} is inside {d!r}, {what} of a training run, which holds its steps and '
+                      f'nothing else (the run would read a new entry as a damaged step, or delete it with '
+                      f'an old step); give a path outside it.')
   return out
+
+
+def _ancestors(path: str) -> list[str]:
+  """`path`'s existing parent directories, nearest first (real paths)."""
+  found, d = [], os.path.realpath(os.path.dirname(path))
+  while True:
+    if os.path.isdir(d):
+      found.append(d)
+    parent = os.path.dirname(d)
+    if parent == d:
+      return found
+    d = parent
 
 
 # --- the command -------------------------------------------------------------------
@@ -670,8 +692,15 @@ def import_main(argv: Sequence[str]) -> str:
   if not os.path.isdir(os.path.dirname(out)):
     raise UserError(f'{out!r}: its directory {os.path.dirname(out)!r} does not exist; create it first.')
   lines = gin_bindings(args.model)
+  # Without the model's own tokenizer the run would read text as mjax's
+  # byte ids, which mean nothing to the imported embedding: said loudly.
+  untokenized = not any(line.startswith('DataConfig.tokenizer') for line in lines)
+  warning = (f'{os.path.abspath(args.model)!r} has no tokenizer.json, so {args.out} leaves '
+             f"DataConfig.tokenizer at mjax's byte tokenizer: its ids mean nothing to this model's "
+             f"embedding. Set DataConfig.tokenizer to the model's tokenizer.json before training.")
   text = ('# Written by mjax-import from ' + os.path.abspath(args.model) + '\n'
-          f"# mjax-train --gin_file {args.out} --workdir runs/finetune\n"
+          f"# mjax-train --gin_file {args.out} --workdir runs/finetune\n" +
+          (f'# WARNING: {warning}\n' if untokenized else '') +
           "include 'base.gin'\n" + '\n'.join(lines) + '\n')
   # A fresh temporary file beside OUT (never a fixed name someone may have
   # put a link at), then linked in: a path that appeared meanwhile is kept.
@@ -691,4 +720,6 @@ def import_main(argv: Sequence[str]) -> str:
     if os.path.lexists(tmp):
       os.unlink(tmp)
   print(f'mjax-import: {out}: {len(lines)} bindings; the weights load at the start of a fresh run', file=sys.stderr)
+  if untokenized:
+    print(f'mjax-import: warning: {warning}', file=sys.stderr)
   return out

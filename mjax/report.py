@@ -246,7 +246,8 @@ def checkpoint(prog: str, argv: list[str]) -> int:
       rows.append((tier, '-', "another run's", f'saved by the run in {other}: not this run\'s', directory))
       continue
     names = os.listdir(directory) if os.path.isdir(directory) else []
-    steps = sorted((int(n) for n in names if n.isdigit()), reverse=True)
+    steps = sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))),
+                   reverse=True)
     aside = sorted(n for n in names if n.startswith('damaged-'))
     for step in steps:
       path = os.path.join(directory, str(step))

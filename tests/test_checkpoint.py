@@ -297,15 +297,18 @@ def test_checkpoints_of_another_model_in_a_shared_checkpoint_directory_are_refus
   # another model's steps: each step's own config says so. Before, the steps
   # read as unreadable, the run started from scratch, and its saves made
   # Orbax delete them.
+  import shutil
   workdir, _ = uninterrupted
-  ckdir = os.path.join(workdir, 'checkpoints')
-  steps = sorted(os.listdir(ckdir))
+  ckdir = str(tmp_path / 'shared')   # a copy: the run's own directory is refused as another run's
+  shutil.copytree(os.path.join(workdir, 'checkpoints'), ckdir,
+                  ignore=shutil.ignore_patterns('.mjax-run.json'))
+  steps = sorted(n for n in os.listdir(ckdir) if n.isdigit())
   other = cfg8(f'TrainConfig.steps = {N}', 'ModelConfig.d_model = 256', 'ModelConfig.d_ff = 512',
                f"CheckpointConfig.directory = '{ckdir}'")
-  with pytest.raises(C.ConfigError, match=r"checkpoints/\d+' in the persistent checkpoint tier is a checkpoint of "
+  with pytest.raises(C.ConfigError, match=r"shared/\d+' in the persistent checkpoint tier is a checkpoint of "
                                            r'another model \(ModelConfig.d_model = 128 there, 256 now'):
     trainer.run(other, str(tmp_path / 'new'))
-  assert sorted(os.listdir(ckdir)) == steps
+  assert sorted(n for n in os.listdir(ckdir) if n.isdigit()) == steps
 
 
 def test_a_numbered_directory_that_is_no_checkpoint_is_refused_and_kept(uninterrupted, tmp_path):
@@ -349,8 +352,12 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
   shutil.move(str(tmp_path / 'forged'), os.path.join(ckdir, '4', 'state'))
   # The offline check finds it too.
   from mjax import report
+  with open(os.path.join(ckdir, '9'), 'w') as fh:    # a file named like a step is no step
+    fh.write('notes')
   assert report.main(['checkpoint', workdir, '--verify']) == 1
   table = capsys.readouterr().out
+  assert not re.search(r'persistent\s+9\s', table), table
+  os.remove(os.path.join(ckdir, '9'))
   assert re.search(r"persistent\s+4\s+damaged\s+\['params'\]\['layers'\]\['block_0'\]\['mlp'\]\['wi'\]"
                    r"\['kernel'\]", table), table
   assert re.search(r'persistent\s+2\s+ok\s+\d+ arrays match', table), table
@@ -672,6 +679,40 @@ def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
   assert read_error(Exception(spec)) == (
       "Exception: Encountered error while reading array index: (slice(0, 2, 1),). (array "
       "'opt_state.1.mu.layers.block_0.attn.query.kernel' in /run/checkpoints/4/state/)")
+
+
+def test_a_runs_own_checkpoint_directory_is_refused_to_another_run(tmp_path):
+  # The default tier (WORKDIR/checkpoints) is claimed too: another run
+  # pointed at it would resume from and delete the first run's steps.
+  from mjax.checkpoint import check_owner, foreign, OWNER_FILE, saved_steps
+  a, b = tmp_path / 'a', tmp_path / 'b'
+  for w in (a, b):
+    (w / 'checkpoints').mkdir(parents=True)
+    (w / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
+  (a / 'checkpoints' / '7').mkdir()
+  check_owner({'persistent': str(a / 'checkpoints')}, str(a))
+  assert json.load(open(a / 'checkpoints' / OWNER_FILE))['workdir'] == str(a)
+  with pytest.raises(C.ConfigError, match=rf"holds the checkpoints of another run, workdir '{a}' "
+                                          rf"\(its claim .* says so\).*delete {OWNER_FILE} there"):
+    check_owner({'persistent': str(a / 'checkpoints')}, str(b))
+  assert saved_steps(C.CheckpointConfig(directory=str(a / 'checkpoints')), str(b)) == []
+  # A workdir from before default tiers were claimed: its config.json says whose.
+  os.unlink(a / 'checkpoints' / OWNER_FILE)
+  with pytest.raises(C.ConfigError, match=r"\(it lies in that run's workdir\).*one per workdir\)\.$"):
+    check_owner({'persistent': str(a / 'checkpoints' / 'sub')}, str(b))
+  check_owner({'persistent': str(a / 'checkpoints')}, str(a))
+  # A moved workdir takes its checkpoints along ...
+  os.rename(a, tmp_path / 'moved')
+  moved = tmp_path / 'moved'
+  check_owner({'persistent': str(moved / 'checkpoints')}, str(moved))
+  assert json.load(open(moved / 'checkpoints' / OWNER_FILE))['workdir'] == str(moved)
+  assert [s for s, _, _ in saved_steps(C.CheckpointConfig(), str(moved))] == [7]
+  # ... but a run whose workdir holds another run's workdir does not take that one's.
+  (tmp_path / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
+  assert foreign(str(moved / 'checkpoints'), str(tmp_path)) == str(moved)
+  with pytest.raises(C.ConfigError, match='holds the checkpoints of another run'):
+    check_owner({'persistent': str(moved / 'checkpoints')}, str(tmp_path))
+  assert json.load(open(moved / 'checkpoints' / OWNER_FILE))['workdir'] == str(moved)
 
 
 def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):

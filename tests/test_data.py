@@ -248,6 +248,22 @@ def test_files_that_are_not_text_are_left_out_by_name_and_a_binary_source_is_ref
   assert 'tool.txt (NUL bytes)' in caplog.text and 'latin1.txt (20% of it not UTF-8)' in caplog.text
   with pytest.raises(DataError, match=r'no text to train on: tool.txt \(NUL bytes\) is not text'):
     corpus_lib.load_text(str(src / 'tool.txt'), '*', 'bytes', 0.0)
+  # Empty files are documents, but a source of nothing else is refused, as
+  # text and as shards (before, it made a corpus of one end-of-document token).
+  from mjax.data.shards import prepare_shards
+  blank = tmp_path / 'blank'
+  blank.mkdir()
+  (blank / 'empty.txt').write_text('')
+  (blank / 'spaces.txt').write_text(' \n\t\n')
+  (blank / 'tool.txt').write_bytes(b'\0' * 10)
+  for many in ('*.txt', 'empty.txt'):
+    with pytest.raises(DataError, match=r'no text to train on: its \d text file\(s\) \(.*\) hold nothing but whitespace'):
+      corpus_lib.load_text(str(blank), many, 'bytes', 0.5)
+  for i in range(8):                # enough files for a split by file
+    (blank / f'e{i}.txt').write_text('')
+  with pytest.raises(DataError, match='none of its 11 files holds text|hold nothing but whitespace'):
+    prepare_shards(str(blank), str(tmp_path / 'shards'), file_pattern='*.txt', heldout_fraction=0.2)
+  assert not (tmp_path / 'shards').exists()         # nothing left behind to remove first
 
 
 def test_json_lines_documents_are_split_and_tokenized_one_by_one(tmp_path):

@@ -186,3 +186,26 @@ def test_tokenizer_command_never_writes_over_a_file(tmp_path, corpus_dir, bpe_pa
     tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 'afile' / 't.json')])
   assert exit_info.value.code == 2 and 'cannot write in' in capsys.readouterr().err
   assert not list(tmp_path.glob('.tokenizer-*'))
+
+
+def test_tokenizer_command_learns_from_text_files_only(tmp_path, capsys):
+  """A binary among the inputs is left out (as training leaves it); inputs
+  with no text at all are refused, and nothing is written."""
+  src = tmp_path / 'src'
+  src.mkdir()
+  (src / 'blob.txt').write_bytes(b'\0\x01\x02' * 2000)
+  (src / 'empty.txt').write_text(' \n')
+  with pytest.raises(SystemExit) as exit_info:
+    tokenizer_main(['--input', str(src), '--vocab_size', '300', '--file_pattern', '*.txt',
+                    '--output', str(tmp_path / 't.json')])
+  assert exit_info.value.code == 2 and 'no text to train on' in capsys.readouterr().err
+  assert not (tmp_path / 't.json').exists() and not list(tmp_path.glob('.tokenizer-*'))
+  (src / 'words.txt').write_text('the cat sat on the mat. ' * 200)
+  tokenizer_main(['--input', str(src), '--vocab_size', '300', '--file_pattern', '*.txt',
+                   '--output', str(tmp_path / 't.json')])
+  out = capsys.readouterr()
+  assert 'left out 1 of 3 files that are not text: blob.txt (NUL bytes)' in out.err
+  assert json.loads(out.out)['files'] == 2
+  from tokenizers import Tokenizer
+  vocab = Tokenizer.from_file(str(tmp_path / 't.json')).get_vocab()
+  assert not any('\u0100\u0101' in t for t in vocab)   # no merge learnt from NUL, \x01

@@ -127,6 +127,15 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
       export.export_hf(params, cfg, str(tmp_path / name))
   with pytest.raises(UserError, match='cannot write in'):
     export.export_hf(params, cfg, str(tmp_path / 'busy' / 'keep.txt' / 'out'))
+  # Not among a run's steps, nor inside one: the run would read it as a
+  # damaged step, or delete it with the step.
+  from mjax.checkpoint import OWNER_FILE
+  (tmp_path / 'run' / 'checkpoints' / '40' / 'state').mkdir(parents=True)
+  (tmp_path / 'run' / 'checkpoints' / OWNER_FILE).write_text('{"workdir": "run"}')
+  for inside in ('50', '40/hf', 'hf/a'):
+    with pytest.raises(UserError, match=r"is inside .*checkpoint.*of a training run"):
+      export.export_hf(params, cfg, str(tmp_path / 'run' / 'checkpoints' / inside))
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['.mjax-run.json', '40']
   # Every file as readable as the umask allows, as the directory is.
   export.export_hf(params, cfg, str(tmp_path / 'ok'))
   umask = os.umask(0)
@@ -228,9 +237,16 @@ def test_import_journey_through_the_trainer(tmp_path, capsys):
   path, model = _hf_model('gpt_neox', tmp_path)
   gin = str(tmp_path / 'ft.gin')
   cli.import_main([path, gin])
+  # The test model has no tokenizer.json: said, in the gin file too.
+  said = "has no tokenizer.json, so " + gin + " leaves DataConfig.tokenizer at mjax's byte tokenizer"
+  assert said in capsys.readouterr().err and said in open(gin).read()
   with pytest.raises(SystemExit) as e:
     cli.import_main([path, gin])    # never overwritten
   assert e.value.code == 2 and 'exists' in capsys.readouterr().err
+  export.write_tokenizer(path, 'bytes', 256)   # with one, the gin names it and nothing is said
+  cli.import_main([path, str(tmp_path / 'tok.gin')])
+  assert 'warning' not in capsys.readouterr().err
+  assert f"DataConfig.tokenizer = '{path}/tokenizer.json'" in open(tmp_path / 'tok.gin').read()
   extra = ['ModelConfig.dtype = "float32"', 'MeshConfig.data = 8', 'DataConfig.seq_len = 32',
            'TrainConfig.global_batch_size = 8', 'TrainConfig.progress = False', 'ModelConfig.vocab_size = 300']
   cfg = C.load_config([gin], extra, num_devices=8)

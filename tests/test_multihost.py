@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -249,24 +250,32 @@ def _final_state(workdir, directory=None):
   return ck.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta))
 
 
+@pytest.fixture(scope='module')
+def two_process_run(tmp_path_factory):
+  """(directory, stdout) of one 2-process run of TRAIN, with a fast tier as
+  well, which both processes must see (they do: one machine). Both tiers
+  save steps 2 and 4: their multi-process barriers must not meet (Orbax
+  names them by step). Shared: it is also the uninterrupted reference of
+  the resumed runs below."""
+  tmp = tmp_path_factory.mktemp('two')
+  out = _train_two(tmp / 'multi', '--gin.CheckpointConfig.fast_every=2', '--gin.CheckpointConfig.save_every=2',
+                   f'--gin.CheckpointConfig.fast_directory={tmp / "fast"}')
+  return tmp, out
+
+
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, repo_root):
-  multi, single = str(tmp_path / 'multi'), str(tmp_path / 'single')
-  # With a fast tier as well, which both processes must see (they do: one
-  # machine). Both tiers save steps 2 and 4: their multi-process barriers
-  # must not meet (Orbax names them by step).
-  cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--',
-         os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', multi, '--gin.CheckpointConfig.fast_every=2',
-         '--gin.CheckpointConfig.save_every=2', f'--gin.CheckpointConfig.fast_directory={tmp_path / "fast"}']
-  run = subprocess.run(cmd, env=_clean_env(), cwd=repo_root, capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_two_processes_match_one(two_process_run, tmp_path, repo_root):
+  shared, stdout = two_process_run
+  multi, single = str(shared / 'multi'), str(tmp_path / 'single')
+  run = types.SimpleNamespace(stdout=stdout)
   # One job over 8 devices, reported once, by process 0.
   assert 'on 8 cpu device(s)' in run.stdout and '[1] mjax:' not in run.stdout
   startup = json.loads(next(l for l in run.stdout.splitlines() if 'mjax: startup' in l).split('startup ', 1)[1])
   assert startup['distributed_init_s'] > 0 and startup['launch_to_first_step_s'] > startup['run_to_first_step_s']
   assert startup['resumed_step'] == 0    # a fresh run; a restart reports the step it resumed from
 
-  ref = subprocess.run([os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', single],
+  ref = subprocess.run([os.path.join(BIN, 'mjax-train'), *TRAIN, '--workdir', single,
+                        f'--gin.OptimConfig.decay_steps={STEPS}'],
                        env=_clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'),
                        cwd=repo_root, capture_output=True, text=True, timeout=300)
   assert ref.returncode == 0, ref.stderr[-3000:]
@@ -280,11 +289,11 @@ def test_two_processes_match_one(tmp_path, repo_root):
   np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-5)
   assert len(_losses(multi)) == STEPS
   # Every save of both tiers committed.
-  for tier in (os.path.join(multi, 'checkpoints'), str(tmp_path / 'fast')):
+  for tier in (os.path.join(multi, 'checkpoints'), str(shared / 'fast')):
     assert {'2', '4'} <= set(os.listdir(tier)), (tier, os.listdir(tier))
   got, want = _final_state(multi), _final_state(single)
   # Both tiers saved the same final step, bit for bit.
-  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(_final_state(multi, str(tmp_path / 'fast')))):
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(_final_state(multi, str(shared / 'fast')))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert int(got['step']) == int(want['step']) == STEPS
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
@@ -326,7 +335,8 @@ def test_a_checkpoint_tier_some_process_cannot_see_is_refused(tmp_path, repo_roo
   assert f"fast_directory = '{tmp_path / 'fast' / '0'}'" in out and 'fast_every = 0' in out
   assert "fast_scope = 'host'" in out
   assert 'Traceback' not in out
-  assert not (tmp_path / 'run' / 'checkpoints').exists() or not os.listdir(tmp_path / 'run' / 'checkpoints')
+  assert not (tmp_path / 'run' / 'checkpoints').exists() or \
+      not [n for n in os.listdir(tmp_path / 'run' / 'checkpoints') if n.isdigit()]
 
 
 def test_a_warm_compilation_cache_serves_every_process(tmp_path, repo_root):
@@ -443,14 +453,13 @@ def _steps(directory):
 
 
 @pytest.mark.slow
-def test_a_host_local_fast_tier_resumes_bitwise_and_falls_back_when_one_copy_is_missing(tmp_path):
+def test_a_host_local_fast_tier_resumes_bitwise_and_falls_back_when_one_copy_is_missing(two_process_run, tmp_path):
   """fast_scope = 'host' with a directory per process that the other cannot
   see (each host's /dev/shm): (a) the newest step, kept only there, resumes
   bitwise equal to an uninterrupted run; (b) with one process's copy of the
   newest step gone, both processes agree on the persistent tier's older
   step, without a hang, and end bitwise equal as well."""
-  reference = tmp_path / 'reference'
-  _train_two(reference)
+  reference = two_process_run[0] / 'multi'
   workdir, fast = tmp_path / 'run', tmp_path / 'fast'
   host = ['--gin.CheckpointConfig.save_every=1', '--gin.CheckpointConfig.fast_every=1',
           f'--gin.CheckpointConfig.fast_directory={fast / "$MJAX_PROCESS_ID"}',

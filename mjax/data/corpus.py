@@ -278,22 +278,29 @@ def not_text(data: bytes) -> Optional[str]:
 def keep_text(source: str, files: list[str], docs: list[bytes],
               require_some: bool = True) -> tuple[list[str], list[bytes]]:
   """The files (and contents) that are text. The others are left out with
-  one warning naming them; DataError when none is left (unless not
-  `require_some`: one batch of a larger source may hold no text)."""
+  one warning naming them; DataError when none is left, or what is left is
+  only whitespace (unless not `require_some`: one batch of a larger source
+  may hold no text)."""
   verdicts = [not_text(d) for d in docs]
   dropped = [(f, why) for f, why in zip(files, verdicts) if why]
-  if not dropped:
-    return files, docs
   names = ', '.join(f'{f} ({why})' for f, why in dropped[:5])
   names += f' and {len(dropped) - 5} more' if len(dropped) > 5 else ''
-  if len(dropped) == len(files) and require_some:
+  if dropped and len(dropped) == len(files) and require_some:
     raise DataError(f'data source {source}: no text to train on: {names} '
                     f'{"is" if len(files) == 1 else "are"} not text. Text is UTF-8 without NUL '
                     f'bytes (at most {MAX_INVALID_SHARE:.0%} of the bytes invalid); give text files '
                     f'(DataConfig.file_pattern selects them) or shards made by mjax-prepare.')
-  log.warning('data source %s: left out %d of %d files that are not text: %s', source, len(dropped),
-              len(files), names)
   kept = [(f, d) for f, d, why in zip(files, docs, verdicts) if not why]
+  if require_some and not any(d.strip() for _, d in kept):
+    # Empty files are kept (an empty __init__.py is a document), but a
+    # source of nothing else would train on end-of-document tokens alone.
+    blank = [f for f, _ in kept]
+    raise DataError(f'data source {source}: no text to train on: its {len(blank)} text file(s) '
+                    f'({", ".join(blank[:5])}{" ..." if len(blank) > 5 else ""}) hold nothing but '
+                    f'whitespace; give files with text in them (DataConfig.file_pattern selects them).')
+  if dropped:
+    log.warning('data source %s: left out %d of %d files that are not text: %s', source, len(dropped),
+                len(files), names)
   return [f for f, _ in kept], [d for _, d in kept]
 
 

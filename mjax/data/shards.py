@@ -111,6 +111,16 @@ class _ShardWriter:
     self._hash = hashlib.sha256()
     self._fh = open(os.path.join(self._root, name), 'wb')
 
+  def discard(self) -> None:
+    """Removes every shard file this writer made."""
+    if self._fh is not None:
+      self._fh.close()
+      self._fh = None
+      self.entries.append(self._entry)
+    for e in self.entries:
+      os.remove(os.path.join(self._root, e['file']))
+    self.entries = []
+
   def _close(self):
     self._fh.close()
     self._fh = None
@@ -201,33 +211,43 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                              'and run again)' if leftover else '') + '.')
   tok = load_tokenizer(tokenizer)
   root, files = corpus_lib.find_source_files(source, file_pattern)
+  created = not os.path.exists(output)
   os.makedirs(output, exist_ok=True)
   dtype = token_dtype(tok.info.vocab_size)
   writers = {s: _ShardWriter(output, s, dtype, tok.info.eos_id, shard_tokens) for s in SPLITS}
-
-  held = corpus_lib.split_flags(files, heldout_fraction)
-  if held is None:
-    # A by-position cut needs the whole stream's length: small sources only
-    # end up here (one file, or a few whose hashes agree), so load it whole.
-    c = corpus_lib.load_text(source, file_pattern, tokenizer, heldout_fraction)
-    writers['train'].add(c.train_tokens)
-    writers['heldout'].add(c.heldout_tokens)
-    split = 'position'
-  else:
-    flag = dict(zip(files, held))
-    kept = 0
-    for batch in _batches(root, files):
-      batch, docs = corpus_lib.keep_text(root, batch, corpus_lib.read_documents(root, batch),
-                                         require_some=False)
-      kept += len(batch)
-      for s, want in (('train', False), ('heldout', True)):
-        chosen = [d for f, d in zip(batch, docs) if flag[f] == want]
-        if chosen:
-          writers[s].add(tok.encode_documents(chosen))
-    if not kept:
-      raise DataError(f'data source {root}: no text to train on: none of its {len(files)} files is '
-                      f'text (UTF-8 without NUL bytes); DataConfig.file_pattern selects the files.')
-    split = 'file'
+  try:
+    held = corpus_lib.split_flags(files, heldout_fraction)
+    if held is None:
+      # A by-position cut needs the whole stream's length: small sources only
+      # end up here (one file, or a few whose hashes agree), so load it whole.
+      c = corpus_lib.load_text(source, file_pattern, tokenizer, heldout_fraction)
+      writers['train'].add(c.train_tokens)
+      writers['heldout'].add(c.heldout_tokens)
+      split = 'position'
+    else:
+      flag = dict(zip(files, held))
+      kept = 0
+      for batch in _batches(root, files):
+        batch, docs = corpus_lib.keep_text(root, batch, corpus_lib.read_documents(root, batch),
+                                           require_some=False)
+        kept += sum(bool(d.strip()) for d in docs)
+        for s, want in (('train', False), ('heldout', True)):
+          chosen = [d for f, d in zip(batch, docs) if flag[f] == want]
+          if chosen:
+            writers[s].add(tok.encode_documents(chosen))
+      if not kept:
+        raise DataError(f'data source {root}: no text to train on: none of its {len(files)} files holds '
+                        f'text (UTF-8 without NUL bytes, more than whitespace); DataConfig.file_pattern '
+                        f'selects the files.')
+      split = 'file'
+  except DataError:
+    # Bad input found midway (no text after all): what this call wrote goes,
+    # so that the same command runs again once the input is fixed.
+    for w in writers.values():
+      w.discard()
+    if created:
+      os.rmdir(output)
+    raise
 
   shards = writers['train'].finish() + writers['heldout'].finish()
   manifest = {

@@ -250,7 +250,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
     The identity of the written tokenizer.
   Raises:
     DataError: vocab_size is below 257 or above MAX_BPE_VOCAB, `output`
-      exists already, or cannot be written.
+      exists already, or cannot be written, or `texts` hold no text.
   """
   from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
   alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -278,8 +278,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS],
                                 initial_alphabet=alphabet, show_progress=False)
+  said = [0]
+
+  def counted():
+    for text in texts:
+      said[0] += bool(text.strip())
+      yield text
   try:
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(counted(), trainer)
+    if not said[0]:
+      raise DataError(f'tokenizer {output}: no text to train on: the input holds no text (empty or '
+                      f'whitespace-only documents, or files that are not text); nothing was written.')
     tok.save(probe.name)
     place_new(probe.name, output)
   except FileExistsError:
