@@ -609,6 +609,33 @@ def test_sigterm_to_the_driver_preempts_the_job(tmp_path, monkeypatch):
   assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and not events(tmp_path, 'fault')
 
 
+def test_sigterm_to_the_whole_process_group_ends_the_driver(tmp_path):
+  """What scancel and timeout send: SIGTERM to the driver, its trainers and
+  its straggler analysis at once. The driver pre-empts the job and exits;
+  before, it hung for good stopping the analysis child it had just lost."""
+  (tmp_path / 'trainer.py').write_text(FAKE_TRAINER)
+  workdir = tmp_path / 'run'
+  script = ('import sys\nfrom mjax.ft import driver\n'
+            f'opts = driver.parse_args(["--processes", "1", "--workdir", {str(workdir)!r}, "--quiet", '
+            f'"--grace_s", "1", "--", *{QUICK!r}])\n'
+            'd = driver.Driver(opts)\n'
+            f'd.trainer = [sys.executable, {str(tmp_path / "trainer.py")!r}]\n'
+            'sys.exit(d.run())\n')
+  proc = subprocess.Popen([sys.executable, '-c', script], env=child_env(FAKE_MODE='long'), start_new_session=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    wait_event(workdir, 'running', proc, timeout=120)
+    time.sleep(3)   # the analysis child is up, waiting for its next round (every 5 s)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+  assert proc.returncode == driver.EXIT_OK, out[-3000:]
+  assert len(events(workdir, 'preempted')) == 1 and 'Traceback' not in out, out[-3000:]
+
+
 # --- the real driver ----------------------------------------------------------------
 
 def launch_cmd(workdir, processes, *extra, train=()):

@@ -1024,15 +1024,21 @@ class _StragglerWatch:
     tail = stragglers.TimingTail(workdir, keep=2 * fault_cfg.straggler_window + 8, from_end=from_end)
     ctx = mp.get_context('spawn')   # a fresh interpreter: nothing of the driver's threads or sockets
     self._conn, child_conn = ctx.Pipe(duplex=False)
-    self._stop = ctx.Event()
+    # Stopped by closing a pipe, not by an Event: a child killed while it
+    # waited on an Event (a SIGTERM to the whole process group, as scancel
+    # and timeout send) leaves the Event's condition waiting for a wake-up
+    # that never comes, and the driver hung in set(). A closed pipe also
+    # ends the child when the driver itself dies.
+    stop_conn, self._stop = ctx.Pipe(duplex=False)
     self.last_seconds = 0.0      # how long the latest analysis took
     self.pace_notes: list = []   # the job's slowdowns and recoveries (see _straggler_loop)
     self.analyses = 0            # analyses received so far
     self._proc = ctx.Process(target=_straggler_loop, name='mjax-stragglers', daemon=True,
                              args=(tail, sorted(processes), fault_cfg.straggler_margin,
-                                   fault_cfg.straggler_window, every_s, self._stop, child_conn))
+                                   fault_cfg.straggler_window, every_s, stop_conn, child_conn))
     self._proc.start()
     child_conn.close()
+    stop_conn.close()
 
   def take(self) -> list:
     """The stragglers found since the last call; the job-pace notes go to `pace_notes`."""
@@ -1051,7 +1057,7 @@ class _StragglerWatch:
     return out
 
   def close(self) -> None:
-    self._stop.set()
+    self._stop.close()
     self._proc.join(timeout=5.0)
     if self._proc.is_alive():
       self._proc.kill()
@@ -1066,10 +1072,14 @@ def _straggler_loop(tail, processes: list, margin: float, window: int, every_s: 
   attempt is the baseline, and a pace slower than it by 2 x margin is a
   slowdown of the whole job, reported once until the pace is back within
   margin of the baseline."""
+  import signal
   from mjax.ft import stragglers
+  # Ctrl-C reaches the whole process group: the driver stops this child
+  # (closing `stop`), with no traceback of its own.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   keep = set(processes)
   baseline, slowed = None, False
-  while not stop.wait(every_s):
+  while not stop.poll(every_s):   # True once the driver closed its end (or died)
     t0 = time.monotonic()
     rows = [r for r in tail.update() if int(r['process']) in keep]
     found = stragglers.find_stragglers(rows, margin, window)
