@@ -375,6 +375,21 @@ def _tier_key(name: str) -> str:
   return 'fast_directory' if name == 'fast' else 'directory'
 
 
+def check_apart(dirs: dict[str, str]) -> None:
+  """Raises ConfigError where two tiers would save into one directory, or
+  one inside the other: each tier keeps and deletes its own steps by name,
+  so it would delete the other's, or half-written ones."""
+  local = {name: os.path.realpath(d) for name, d in dirs.items() if '://' not in d}
+  for (a, da), (b, db) in itertools.combinations(sorted(local.items()), 2):
+    if os.path.commonpath([da, db]) in (da, db):
+      how = 'the same directory' if da == db else 'one inside the other'
+      raise ConfigError(
+          f'CheckpointConfig.{_tier_key(a)} = {dirs[a]!r} and CheckpointConfig.{_tier_key(b)} = {dirs[b]!r} '
+          f'(the {a} and {b} tiers) are {how}: each tier deletes the steps it no longer keeps, so they '
+          f'would delete each other\'s. Give the fast tier a directory of its own (leave '
+          f'CheckpointConfig.fast_directory unset for one in /dev/shm), or set fast_every = 0.')
+
+
 def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError, in every process alike, unless every process can
   write each tier directory: a read-only or full filesystem is found before
@@ -943,6 +958,7 @@ class Checkpointer:
     quiet_failed_io_aftermath()
     dirs = tier_directories(cfg, workdir)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
+    check_apart(dirs)
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
     check_writable(dirs)
     check_owner(dirs, workdir)

@@ -715,6 +715,22 @@ def test_a_runs_own_checkpoint_directory_is_refused_to_another_run(tmp_path):
   assert json.load(open(moved / 'checkpoints' / OWNER_FILE))['workdir'] == str(moved)
 
 
+def test_two_tiers_in_one_directory_are_refused(tmp_path):
+  # Each tier deletes the steps it no longer keeps: in one directory (or
+  # one inside the other) they deleted each other's, and the run hung.
+  from mjax.checkpoint import Checkpointer
+  workdir = str(tmp_path / 'run')
+  for fast, how in [(f'{workdir}/checkpoints', 'the same directory'),
+                    (f'{workdir}/checkpoints/fast', 'one inside the other'),
+                    (str(tmp_path), 'one inside the other')]:
+    for scope in ('shared', 'host'):
+      cfg = C.CheckpointConfig(fast_every=1, fast_directory=fast, fast_scope=scope)
+      with pytest.raises(C.ConfigError, match=f'the fast and persistent tiers\\) are {how}'):
+        Checkpointer(cfg, workdir)
+  assert not os.path.exists(workdir)
+  Checkpointer(C.CheckpointConfig(fast_every=1, fast_directory=str(tmp_path / 'checkpoints-fast')), workdir)
+
+
 def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):
   from mjax.checkpoint import check_owner, foreign, OWNER_FILE
   (tmp_path / 'real' / 'run').mkdir(parents=True)
