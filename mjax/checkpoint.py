@@ -626,12 +626,23 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   now = dataclasses.asdict(cfg.model)
   advice = ('Either train this model in a new --workdir (and checkpoint directory), or start it from a '
             'checkpoint of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
+  record = os.path.join(workdir, 'config.json')
+  if os.path.lexists(record) and not _is_workdir(workdir) or \
+      os.path.lexists(os.path.join(workdir, 'config.gin')) and not os.path.lexists(record):
+    theirs = 'config.json' if os.path.lexists(record) else 'config.gin'
+    raise ConfigError(
+        f'--workdir {workdir!r} holds a {theirs} that no mjax run wrote (an mjax workdir has both '
+        f'config.json and config.gin, its config.json with the run\'s model and checkpoint '
+        f'settings): a run there would write over it with its own. Give a new or empty directory, or '
+        f'the workdir of an mjax run to resume (a gin file of your own is best kept outside the workdir).')
   try:
-    with open(os.path.join(workdir, 'config.json')) as fh:
+    with open(record) as fh:
       before = json.load(fh).get('model', {})
   except (OSError, ValueError, AttributeError):
     before = None   # a new workdir, or one without a readable record
-  tiers = tier_directories(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else {}
+  # With checkpoints off too: the run would still write over config.json,
+  # and the checkpoints there could not be resumed afterwards.
+  tiers = tier_directories(cfg.checkpoint, workdir)
   local = {name: d for name, d in tiers.items() if '://' not in d and os.path.isdir(d)}
   steps = {name: steps_in(d) for name, d in local.items()}
   if before is not None and any(steps.values()):

@@ -284,12 +284,34 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
   with pytest.raises(C.ConfigError, match=r'holds checkpoints of another model \(ModelConfig.d_model = 128 '
                                            r'there, 256 now, .*ModelConfig.d_ff = 256 there, 512 now\).*new --workdir'):
     trainer.run(bigger, workdir)
+  # With checkpoints off too: it would still write over config.json, and
+  # the checkpoints there could not be resumed afterwards.
+  with pytest.raises(C.ConfigError, match='holds checkpoints of another model'):
+    check_same_model(cfg8('ModelConfig.d_model = 256', 'CheckpointConfig.enabled = False'), workdir)
   # Spelled differently, the same shapes: 4 kv heads and None (= n_heads) are one model.
   check_same_model(cfg8('ModelConfig.n_kv_heads = 4', 'ModelConfig.head_dim = 32'), workdir)
   assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
   # The same model with other training settings resumes as before.
   check_same_model(cfg8(f'TrainConfig.steps = {2 * N}', 'OptimConfig.learning_rate = 1e-4',
                         "ModelConfig.remat_policy = 'full'"), workdir)
+
+
+def test_a_directory_with_files_of_another_tool_is_no_workdir(tmp_path):
+  # A Hugging Face model directory (its own config.json), or a gin file of
+  # the user's own as config.gin: a run there would write over them.
+  from mjax.checkpoint import check_same_model
+  hf, mine = tmp_path / 'hf', tmp_path / 'mine'
+  hf.mkdir()
+  mine.mkdir()
+  (hf / 'config.json').write_text('{"model_type": "llama", "hidden_size": 64}')
+  (mine / 'config.gin').write_text("include 'tiny.gin'\n")
+  for d, name in ((hf, 'config.json'), (mine, 'config.gin')):
+    with pytest.raises(C.ConfigError, match=f'holds a {name} that no mjax run wrote'):
+      check_same_model(cfg8(), str(d))
+  assert (hf / 'config.json').read_text().startswith('{"model_type"') and \
+      (mine / 'config.gin').read_text() == "include 'tiny.gin'\n"
+  C.write(cfg8(), str(mine))         # what a run writes: its workdir
+  check_same_model(cfg8(), str(mine))
 
 
 def test_checkpoints_of_another_model_in_a_shared_checkpoint_directory_are_refused(uninterrupted, tmp_path):
