@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from mjax import flags, protocol
@@ -237,23 +238,21 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   print(json.dumps({'files': len(files) - len(dropped), **info.to_json()}, indent=2))
 
 
-@entry_point('mjax-diagnose')
-def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
-  """mjax-diagnose: short health checks of this host's devices.
+class RefusingParser(argparse.ArgumentParser):
+  """An ArgumentParser whose usage errors raise UserError instead of exiting
+  (arguments checked on behalf of another command)."""
 
-    mjax-diagnose [--json] [--min_fraction F] [--memory_fraction F] [--checks matmul,memory,...]
-                  [--repeats N] [--check_timeout_s S] [--no_baseline] [--cache_dir DIR]
+  def error(self, message):
+    raise UserError(message)
 
-  Exit status 0 when every check passes (or is only suspect: too slow on a
-  loaded host, listed under "suspect"), 1 when any fails or overruns its
-  deadline (the host should not take part in a job), 2 for a usage error.
-  Under a multi-process launch (see mjax/distributed.py) every process of
-  the job must run it: the cross-process collectives are checked too.
-  """
-  prog = 'mjax-diagnose'
+
+def parse_diagnose_args(argv: Sequence[str], parser_class=argparse.ArgumentParser) -> argparse.Namespace:
+  """mjax-diagnose's arguments, checked (UserError, or the parser's own
+  usage error); `args.checks` becomes the list of checks. mjax-launch checks
+  its --diagnose_args with it before any host is judged by them."""
   from mjax.ft import diagnose
-  p = argparse.ArgumentParser(
-      prog=prog, description='Health checks of this host: matmul throughput per device, device memory, '
+  p = parser_class(
+      prog='mjax-diagnose', description='Health checks of this host: matmul throughput per device, device memory, '
       'all-reduce / all-gather bus bandwidth (and across processes in a multi-process job). '
       'Exit 0: all pass; 1: a check failed or timed out.')
   p.add_argument('--json', action='store_true',
@@ -277,13 +276,42 @@ def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
                  f'(<cache_dir>/{diagnose.BASELINE_FILE})')
   p.add_argument('--cache_dir', default='~/.cache/mjax',
                  help='where the baseline is kept and mjax-train caches a CPU\'s peak (default ~/.cache/mjax)')
-  args = p.parse_args(sys.argv[1:] if argv is None else argv)
-  checks = [c.strip() for c in args.checks.split(',') if c.strip()]
+  args = p.parse_args(list(argv))
   if not 0 < args.min_fraction <= 1 or not 0 < args.memory_fraction < 1:
     raise UserError(f'--min_fraction {args.min_fraction} must be in (0, 1] and --memory_fraction '
                     f'{args.memory_fraction} in (0, 1).')
   if args.repeats < 0 or not args.check_timeout_s > 0:
     raise UserError(f'--repeats {args.repeats} must be >= 0 and --check_timeout_s {args.check_timeout_s} > 0.')
+  args.checks = [c.strip() for c in args.checks.split(',') if c.strip()]
+  unknown = sorted(set(args.checks) - set(diagnose.CHECKS))
+  if unknown or not args.checks:
+    raise UserError(f'--checks {",".join(args.checks)!r}: ' + (f'unknown check(s) {", ".join(unknown)}' if unknown
+                    else 'no check named') + f'; give a comma-separated subset of {",".join(diagnose.CHECKS)}.')
+  if args.cpu_memory_mib < 1 or (args.collective_mib is not None and args.collective_mib < 1):
+    raise UserError(f'--cpu_memory_mib {args.cpu_memory_mib} and --collective_mib {args.collective_mib} must be '
+                    f'at least 1.')
+  if not args.check_timeout_s < threading.TIMEOUT_MAX:
+    raise UserError(f'--check_timeout_s {args.check_timeout_s} is too large (at most {threading.TIMEOUT_MAX:.0f}).')
+  return args
+
+
+@entry_point('mjax-diagnose')
+def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
+  """mjax-diagnose: short health checks of this host's devices.
+
+    mjax-diagnose [--json] [--min_fraction F] [--memory_fraction F] [--checks matmul,memory,...]
+                  [--repeats N] [--check_timeout_s S] [--no_baseline] [--cache_dir DIR]
+
+  Exit status 0 when every check passes (or is only suspect: too slow on a
+  loaded host, listed under "suspect"), 1 when any fails or overruns its
+  deadline (the host should not take part in a job), 2 for a usage error.
+  Under a multi-process launch (see mjax/distributed.py) every process of
+  the job must run it: the cross-process collectives are checked too.
+  """
+  prog = 'mjax-diagnose'
+  from mjax.ft import diagnose
+  args = parse_diagnose_args(sys.argv[1:] if argv is None else argv)
+  checks = args.checks
   try:
     diagnose.injected_failures()  # a typo in the test-only variable is a usage error, found before any work
   except ValueError as e:

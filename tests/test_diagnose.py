@@ -118,6 +118,16 @@ def test_cli_passes_and_rejects_unknown_injected_names(monkeypatch, capsys):
     diagnose_main(['--checks', 'memory', '--cpu_memory_mib', '8', '--no_baseline'])
   out = capsys.readouterr().out
   assert e.value.code == 1 and 'FAIL: memory' in out and 'failing devices: 0-7' in out
+  # No check at all would always pass; a deadline past what a wait takes crashed.
+  for argv, said in [(['--checks', ''], "--checks '': no check named"),
+                     (['--checks', ',,'], "--checks '': no check named"),
+                     (['--checks', 'memory,matmull'], 'unknown check(s) matmull'),
+                     (['--check_timeout_s', '1e12'], 'is too large'),
+                     (['--check_timeout_s', 'nan'], 'must be >= 0 and --check_timeout_s nan > 0'),
+                     (['--cpu_memory_mib', '0'], 'must be at least 1')]:
+    with pytest.raises(SystemExit) as e:
+      diagnose_main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err, argv
 
 
 def test_two_processes_also_check_the_collectives_across_them(repo_root, tmp_path):

@@ -263,7 +263,7 @@ def test_elastic_keeps_global_batch():
     hosts_lib.elastic_bindings(tp, 2, 1, 1)
 
 
-def test_launch_flags_are_checked():
+def test_launch_flags_are_checked(capsys):
   with pytest.raises(SystemExit):
     driver.parse_args(['--processes', '2', '--workdir', 'w', '--hosts', 'a', '--', '--gin_file', 'x'])
   with pytest.raises(SystemExit):
@@ -272,6 +272,23 @@ def test_launch_flags_are_checked():
                          'slot1:MJAX_DIAGNOSE_FAIL=matmul', '--', '--gin_file', 'tiny.gin'])
   assert o.hosts == ['slot0', 'slot1'] and o.spares == ['s']
   assert o.host_env == {'slot1': {'MJAX_DIAGNOSE_FAIL': 'matmul'}}
+  # Refused before anything starts: a typo in the diagnostic's arguments
+  # failed every diagnosis and blocked healthy hosts for good.
+  base = ['--processes', '2', '--workdir', 'w']
+  for flags, said in [(['--diagnose_args=--checks matmull'], 'unknown check(s) matmull'),
+                      (['--diagnose_args=--checks='], 'no check named'),
+                      (['--diagnose_args=--min_fractoin 0.3'], 'unrecognized arguments: --min_fractoin'),
+                      (['--diagnose_args', '"open'], 'No closing quotation'),
+                      (['--grace_s', 'nan'], '--grace_s nan: give a finite number'),
+                      (['--diagnose_timeout_s', '0'], 'above 0'),
+                      (['--agent_wait_s', '-5'], 'at least 0'),
+                      (['--preempt_exit_status', '256'], 'an exit status is 0 to 255'),
+                      (['--hosts', 'a,'], "has an empty name"),
+                      (['--host_env', 'nosuch:X=1'], "no host 'nosuch' in this job"),
+                      (['--workdir', ''], '--workdir is empty')]:
+    with pytest.raises(SystemExit) as e:
+      driver.parse_args([*base, *flags, '--', '--gin_file', 'tiny.gin'])
+    assert e.value.code == 2 and said in capsys.readouterr().err, flags
 
 
 # --- the driver's decisions, without training processes ------------------------------

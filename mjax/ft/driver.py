@@ -185,6 +185,22 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.error('give the mjax-train arguments after --, e.g. -- --gin_file configs/tiny.gin')
   split = argv.index('--')
   args, train_args = p.parse_args(argv[:split]), argv[split + 1:]
+  if not args.workdir.strip():
+    p.error('--workdir is empty (an unset variable?): give the run directory')
+  for name, least in (('grace_s', 0.0), ('agent_wait_s', 0.0), ('diagnose_timeout_s', None)):
+    value = getattr(args, name)
+    if not (math.isfinite(value) and (value > 0 if least is None else value >= least)):
+      p.error(f'--{name} {value}: give a finite number of seconds, ' + ('above 0' if least is None else 'at least 0'))
+  if not 0 <= args.preempt_exit_status <= 255:
+    p.error(f'--preempt_exit_status {args.preempt_exit_status}: an exit status is 0 to 255')
+  # The diagnostic's arguments are checked now: a typo there would fail
+  # every diagnosis, and so block healthy hosts for good.
+  from mjax import cli
+  try:
+    diagnose_args = shlex.split(args.diagnose_args)
+    cli.parse_diagnose_args(diagnose_args, cli.RefusingParser)
+  except (ValueError, UserError) as e:
+    p.error(f'--diagnose_args {args.diagnose_args!r}: {e}')
   if any(a == '--workdir' or a.startswith('--workdir=') for a in train_args):
     p.error('give --workdir to mjax-launch, before --: the driver passes it on to every process')
   slurm_nodes = None
@@ -214,12 +230,16 @@ def parse_args(argv: Sequence[str]) -> Options:
             f'process; list extra hosts with --spares')
   if len(set(hosts + spares)) != len(hosts + spares):
     p.error('a host appears twice in --hosts / --spares')
+  if '' in hosts:
+    p.error(f'--hosts {args.hosts!r} has an empty name: give comma-separated host names')
   host_env: dict = {}
   for item in args.host_env:
     host, colon, kv = item.partition(':')
     name, eq, value = kv.partition('=')
     if not colon or not eq or not name:
       p.error(f'--host_env {item!r}: expected HOST:NAME=VALUE, e.g. slot1:MJAX_DIAGNOSE_FAIL=matmul')
+    if not discover and host not in hosts + spares:
+      p.error(f'--host_env {item!r}: no host {host!r} in this job (hosts: {", ".join(hosts + spares)})')
     host_env.setdefault(host, {})[name] = value
   bind = args.bind
   if args.executor in ('slurm', 'agent') and bind == p.get_default('bind'):
@@ -233,7 +253,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.error(f'--executor agent needs --bind HOST:PORT with a fixed port (not {bind!r}): every '
             f'mjax-agent is started with --driver HOST:PORT before the driver listens')
   return Options(args.processes, args.devices, args.workdir, train_args, hosts, spares, bind,
-                 host_env, args.grace_s, diagnose_args=shlex.split(args.diagnose_args),
+                 host_env, args.grace_s, diagnose_args=diagnose_args,
                  diagnose_timeout_s=args.diagnose_timeout_s, quiet=args.quiet, executor=args.executor,
                  discover=discover, agent_wait_s=args.agent_wait_s,
                  preempt_exit_status=args.preempt_exit_status)
@@ -311,7 +331,12 @@ class Driver:
     # The trainers validate exactly the same way; failing here spares a launch.
     self.cfg = flags.load(self.gin_files, bindings, num_devices=total)
     self.fault_cfg = self.cfg.fault
-    os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
+    try:
+      os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
+    except OSError as e:
+      raise UserError(f'--workdir {opts.workdir!r} cannot be made or written ({e.strerror or e}): the driver '
+                      f'keeps events.jsonl and logs/ there, and the run its config and checkpoints; give a '
+                      f'directory you can write, or a new path.') from None
     self.trainer = opts.trainer or _script('mjax-train') or [
         sys.executable, '-c', 'import sys; from mjax.cli import train_main; sys.argv[0] = "mjax-train"; train_main()']
     self.diagnose_cmd = opts.diagnose or _script('mjax-diagnose')
@@ -322,7 +347,11 @@ class Driver:
     # the driver: it is theirs to share. Otherwise the driver makes one.
     self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
     window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
-    self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
+    try:
+      self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
+    except OSError as e:
+      raise UserError(f'--bind {opts.bind}: cannot listen for heartbeats there (UDP): {e}; give an address '
+                      f'of this machine (host:port, port 0 for any free one).') from None
     self.agents: Optional[agent_lib.AgentServer] = None
     if opts.executor == 'agent':
       # One connection per host: a common soft limit of 1,024 descriptors
