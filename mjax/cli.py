@@ -80,6 +80,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   if args.print_config:
     print(_resolved_config(args, bindings), flush=True)
     return
+  if args.workdir is not None and (not args.workdir.strip() or '://' in args.workdir):
+    raise UserError(f'--workdir {args.workdir!r}: ' + ('empty (an unset variable?)' if not args.workdir.strip() else
+                    'a URL; the workdir is a local or mounted directory (checkpoints can go to a bucket '
+                    'with CheckpointConfig.directory)') + '. Give the run directory, or leave --workdir out '
+                    'for runs/<config>.')
   workdir = args.workdir or os.path.join('runs', flags.run_name(args))
   _exit_on_ctrl_c(prog)
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set

@@ -220,7 +220,7 @@ class MeshConfig:
   # schedule itself; activations bounded by the stage count (at most
   # 2 x virtual_stages x pipeline chunk inputs per stage) whatever the
   # micro-batch count, for one extra forward per chunk (mjax/parallel/pipeline.py).
-  pipeline_schedule: str = 'circular'
+  pipeline_schedule: Literal['circular', '1f1b'] = 'circular'
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')
 
@@ -439,17 +439,56 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
     logging.disable(logging.ERROR)
     try:
       gin.parse_config_file(path)
+    except RecursionError:
+      raise ConfigError(f'in gin file {path}: its includes never end (a file includes itself, directly or '
+                        f'through another); remove the include that closes the loop.') from None
     except Exception as e:
       raise ConfigError(f'in gin file {path}: {_explain_gin_error("", e)}') from None
     finally:
       logging.disable(logging.NOTSET)
   for b in bindings:
     _parse_one_binding(b)
+  _check_nothing_unused()
   try:
     cfg = Config()
   except Exception as e:
     raise ConfigError(f'could not build the config: {e}') from None
   return validate(cfg, num_devices=num_devices)
+
+
+def _check_nothing_unused() -> None:
+  """Raises ConfigError for a binding gin accepts but mjax never reads: a
+  macro nothing refers to (`steps = 30` for `TrainConfig.steps = 30`) or a
+  scoped binding (mjax builds its config without scopes). Either would
+  leave the run on the value it was meant to change, without a word."""
+  config = gin.config._CONFIG   # gin has no public view of what was bound
+  used: set = set()
+
+  def refs(value):
+    if isinstance(value, gin.config.ConfigurableReference) and value._selector == 'gin.macro':
+      used.add(value._scopes[-1])
+    elif isinstance(value, (list, tuple, set)):
+      for v in value:
+        refs(v)
+    elif isinstance(value, dict):
+      for v in value.values():
+        refs(v)
+  for params in config.values():
+    refs(list(params.values()))
+  keys = [f'{c}.{f.name}' for c, cls in _CLASSES.items() for f in dataclasses.fields(cls)]
+  for scope, selector in config:
+    if selector == 'gin.macro' and scope not in used:
+      close = ([f'{scope}.<field>'] if scope in _CLASSES else
+               [k for k in keys if k.endswith('.' + scope)] or difflib.get_close_matches(scope, keys, n=1))
+      raise ConfigError(
+          f'invalid config binding {scope!r} = {config[(scope, selector)]["value"]!r}: it defines a gin macro '
+          f'that nothing refers to (%{scope}), so it changes nothing. Bindings name a class and a field, '
+          f'e.g. {close[0] if close else "TrainConfig.steps"} = ...')
+    if scope and selector != 'gin.macro':
+      name = selector.rpartition('.')[2]
+      raise ConfigError(
+          f'invalid config binding {scope}/{name}.{", ".join(config[(scope, selector)])}: a scoped binding, '
+          f'which mjax never reads (it builds its config without gin scopes); write {name}.<field> = ... .')
 
 
 def override_to_binding(key: str, value: str) -> str:
@@ -490,8 +529,14 @@ def _type_ok(value, tp) -> tuple[bool, object]:
   if tp is int:
     return isinstance(value, int) and not isinstance(value, bool), value
   if tp is float:
+    # 1e999 parses as inf: no setting of mjax means infinity (it ended in
+    # an OverflowError deep in the start-up, or a nan loss).
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return True, float(value)
+      try:
+        number = float(value)
+      except OverflowError:   # an int beyond any float
+        return False, value
+      return (True, number) if math.isfinite(number) else (False, value)
     return False, value
   if tp is str:
     return isinstance(value, str), value
@@ -506,7 +551,7 @@ def _describe(tp) -> str:
     return 'one of ' + ', '.join(repr(a) for a in typing.get_args(tp))
   if tp is type(None):
     return 'None'
-  return 'a float' if tp is float else f'an {tp.__name__}' if tp is int else f'a {tp.__name__}'
+  return 'a finite float' if tp is float else f'an {tp.__name__}' if tp is int else f'a {tp.__name__}'
 
 
 def _check_types(section):
@@ -550,8 +595,14 @@ def _below_int32(section, *names):
 
 
 def _divisors(n: int) -> str:
-  ds = [d for d in range(1, n + 1) if n % d == 0]
-  return ', '.join(map(str, ds[:12])) + (', ...' if len(ds) > 12 else '')
+  """The first dozen divisors of `n`, in order (up to its square root and their
+  cofactors: a d_model of 2**31 - 1 took minutes by trial of every number)."""
+  root = math.isqrt(n)
+  limit = min(root, 1 << 20)
+  small = [d for d in range(1, limit + 1) if n % d == 0]
+  large = [n // d for d in reversed(small) if n // d != d] if limit == root else []
+  ds = small + large
+  return ', '.join(map(str, ds[:12])) + (', ...' if len(ds) > 12 or limit < root else '')
 
 
 def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:

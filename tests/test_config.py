@@ -73,6 +73,15 @@ def test_resolved_config_round_trips(tmp_path):
     ('DataConfig.seq_len = 0', ['DataConfig.seq_len = 0']),
     ('ModelConfig.d_model = 100000000000', ['ModelConfig.d_model = 100000000000', '2**31 - 1']),
     ('DataConfig.seq_len = 4294967296', ['DataConfig.seq_len = 4294967296', '32-bit']),
+    # Bindings gin accepts and mjax would never read.
+    ('steps = 30', ["'steps' = 30", 'gin macro that nothing refers to', 'e.g. TrainConfig.steps']),
+    ('ModelConfig = 3', ["'ModelConfig' = 3", 'e.g. ModelConfig.<field>']),
+    ('big/ModelConfig.d_model = 8', ['big/ModelConfig.d_model', 'scoped binding']),
+    ('OptimConfig.learning_rate = 1e999', ['OptimConfig.learning_rate = inf', 'a finite float']),
+    ('FaultConfig.collective_timeout_s = -1e400', ['collective_timeout_s = -inf', 'a finite float']),
+    ('MeshConfig.pipeline_schedule = "bogus"', ["'bogus'", "'circular', '1f1b'"]),
+    # A prime model width: its divisors, found at once.
+    ('ModelConfig.d_model = 2147483647', ['d_model = 2147483647', 'divisors: 1, 2147483647)']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
@@ -81,6 +90,17 @@ def test_bad_values_name_key_value_and_allowed(binding, needles):
   for n in needles:
     assert n in msg, (n, msg)
   assert '\n' not in msg  # one paragraph
+
+
+def test_a_macro_a_gin_file_refers_to_is_used(tmp_path):
+  f = tmp_path / 'm.gin'
+  f.write_text("include 'tiny.gin'\nWIDTH = 192\nFF = %WIDTH\nModelConfig.d_model = %WIDTH\nModelConfig.d_ff = %FF\n")
+  cfg = C.load_config([str(f)], ['WIDTH = 128'])
+  assert (cfg.model.d_model, cfg.model.d_ff) == (128, 128)
+  loop = tmp_path / 'loop.gin'
+  loop.write_text("include 'loop.gin'\n")
+  with pytest.raises(C.ConfigError, match="loop.gin: its includes never end"):
+    C.load_config([str(loop)], [])
 
 
 def test_missing_gin_file_lists_bundled_configs():
@@ -125,3 +145,14 @@ def test_train_print_config_validates_and_starts_nothing(repo_root, tmp_path, ca
   with pytest.raises(SystemExit) as e:
     cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', '--gin.MeshConfig.data=3'])
   assert e.value.code == 2 and 'MeshConfig' in capsys.readouterr().err
+
+
+def test_train_refuses_an_empty_or_remote_workdir(tmp_path, monkeypatch, capsys):
+  # An unset shell variable made it train into runs/<config> of the current directory.
+  from mjax.cli import train_main
+  monkeypatch.chdir(tmp_path)
+  for workdir, said in (('', "--workdir '': empty"), ('gs://bucket/run', 'a URL')):
+    with pytest.raises(SystemExit) as e:
+      train_main(['--gin_file', 'tiny.gin', '--workdir', workdir])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+  assert os.listdir(tmp_path) == []

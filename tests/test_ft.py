@@ -285,7 +285,8 @@ def test_launch_flags_are_checked(capsys):
                       (['--preempt_exit_status', '256'], 'an exit status is 0 to 255'),
                       (['--hosts', 'a,'], "has an empty name"),
                       (['--host_env', 'nosuch:X=1'], "no host 'nosuch' in this job"),
-                      (['--workdir', ''], '--workdir is empty')]:
+                      (['--workdir', ''], "--workdir '': empty"),
+                      (['--workdir', 'gs://b/run'], 'a URL')]:
     with pytest.raises(SystemExit) as e:
       driver.parse_args([*base, *flags, '--', '--gin_file', 'tiny.gin'])
     assert e.value.code == 2 and said in capsys.readouterr().err, flags

@@ -185,8 +185,9 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.error('give the mjax-train arguments after --, e.g. -- --gin_file configs/tiny.gin')
   split = argv.index('--')
   args, train_args = p.parse_args(argv[:split]), argv[split + 1:]
-  if not args.workdir.strip():
-    p.error('--workdir is empty (an unset variable?): give the run directory')
+  if not args.workdir.strip() or '://' in args.workdir:
+    p.error(f'--workdir {args.workdir!r}: ' + ('empty (an unset variable?)' if not args.workdir.strip() else
+            'a URL; the workdir is a local or mounted directory') + ': give the run directory')
   for name, least in (('grace_s', 0.0), ('agent_wait_s', 0.0), ('diagnose_timeout_s', None)):
     value = getattr(args, name)
     if not (math.isfinite(value) and (value > 0 if least is None else value >= least)):
