@@ -356,6 +356,10 @@ def test_agent_and_driver_refuse_a_missing_secret_or_port(tmp_path, monkeypatch)
   p = subprocess.run([os.path.join(BIN, 'mjax-agent'), '--driver', '127.0.0.1:9'], env=env, capture_output=True,
                      text=True, timeout=60)
   assert p.returncode == 2 and protocol.SECRET_ENV in p.stderr
+  for flag in ('--connect_timeout_s', '--grace_s'):   # nan waited for nothing, then said "within nans"
+    with pytest.raises(SystemExit) as e:
+      agent_lib.agent_main(['--driver', '127.0.0.1:9', flag, 'nan'])
+    assert e.value.code == 2
   with pytest.raises(SystemExit):
     driver.parse_args(['--executor', 'agent', '--processes', '2', '--workdir', str(tmp_path), '--', '--gin_file',
                        'tiny.gin'])

@@ -81,6 +81,7 @@ import errno
 import itertools
 import json
 import logging
+import math
 import os
 import secrets
 import select
@@ -954,6 +955,10 @@ def agent_main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument('--grace_s', type=float, default=5.0,
                  help='seconds between SIGTERM and SIGKILL when the agent stops its processes (default 5)')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  for name in ('connect_timeout_s', 'grace_s'):
+    value = getattr(args, name)
+    if not (math.isfinite(value) and value >= 0):
+      p.error(f'--{name} {value}: give a finite number of seconds, at least 0')
   try:
     hb.parse_address(args.driver)
   except ValueError as e:
