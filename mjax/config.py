@@ -835,9 +835,15 @@ def to_gin(cfg: Config) -> str:
 
 
 def write(cfg: Config, workdir: str) -> None:
+  """config.json, then config.gin, each replaced whole: the workdir check
+  (checkpoint.check_same_model) reads config.json as the mark of a run, so a
+  process killed midway never leaves a half one, nor a config.gin alone."""
+  from mjax import jsonfile
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.gin'), 'w') as fh:
+  jsonfile.write_atomic(os.path.join(workdir, 'config.json'), to_dict(cfg), indent=2, sort_keys=True)
+  path = os.path.join(workdir, 'config.gin')
+  tmp = f'{path}.{os.getpid()}.tmp'
+  with open(tmp, 'w') as fh:
     fh.write('# Resolved config of this run (every value, defaults included).\n')
     fh.write(to_gin(cfg))
-  with open(os.path.join(workdir, 'config.json'), 'w') as fh:
-    json.dump(to_dict(cfg), fh, indent=2, sort_keys=True)
+  os.replace(tmp, path)

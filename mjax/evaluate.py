@@ -43,8 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, flags
-from mjax.checkpoint import (FINGERPRINTS, first_mismatch, is_step_dir, quiet_failed_io_aftermath, read_error,
-                             saved_steps, steps_in, tier_directories)
+from mjax.checkpoint import (FINGERPRINTS, first_mismatch, foreign, is_step_dir, quiet_failed_io_aftermath,
+                             read_error, saved_steps, steps_in, tier_directories)
 from mjax.config import Config
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
@@ -244,9 +244,14 @@ def _list_steps(steps: Sequence[int]) -> str:
 
 
 def _list_tiers(cfg: Config, workdir: str, found: Sequence[Candidate]) -> str:
-  """Saved steps per tier, e.g. 'persistent tier (/run/checkpoints): 8, 4; fast tier (/dev/shm/..): none'."""
-  return '; '.join(f'{tier} tier ({d}): {_list_steps([c.step for c in found if c.tier == tier])}'
-                   for tier, d in tier_directories(cfg.checkpoint, workdir).items())
+  """Saved steps per tier, e.g. 'persistent tier (/run/checkpoints): 8, 4; fast tier (/dev/shm/..): none'.
+  A tier of another run's (checkpoint.foreign) is said to be, with how to read it anyway."""
+  def steps(tier: str, d: str) -> str:
+    other = foreign(d, workdir)
+    if other is not None:
+      return f"another run's (workdir {other}), not this one's; read it with --checkpoint {d}"
+    return _list_steps([c.step for c in found if c.tier == tier])
+  return '; '.join(f'{tier} tier ({d}): {steps(tier, d)}' for tier, d in tier_directories(cfg.checkpoint, workdir).items())
 
 
 def _missing(where: str, step: Optional[int], available: str) -> str:

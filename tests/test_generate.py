@@ -209,10 +209,15 @@ def test_a_pipelined_run_generates_data_parallel_on_the_same_devices(run, tmp_pa
   (piped / 'config.gin').write_text(open(os.path.join(run, 'config.gin')).read() + '\n'.join([
       '', 'MeshConfig.data = 4', 'MeshConfig.pipeline = 2', 'MeshConfig.virtual_stages = 1',
       'MeshConfig.microbatches = 4', "MeshConfig.pipeline_schedule = '1f1b'", '']))
+  # The checkpoints, reached through a link, are the run's, not this
+  # directory's: said, and read when named.
   os.symlink(os.path.join(run, 'checkpoints'), piped / 'checkpoints')
   argv = ['--temperature', '0', '--max_new_tokens', '12', '--prompt', 'def ', '--format', 'jsonl']
+  with pytest.raises(UserError, match=rf"persistent tier \({piped}/checkpoints\): another run's \(workdir {run}\), "
+                                      rf"not this one's; read it with --checkpoint {piped}/checkpoints"):
+    mjax_generate('--workdir', str(piped), *argv)
   capsys.readouterr()
-  got = mjax_generate('--workdir', str(piped), *argv)
+  got = mjax_generate('--workdir', str(piped), '--checkpoint', str(piped / 'checkpoints'), *argv)
   assert 'the run is pipelined (pipeline 2, virtual_stages 1); generating on data 8' in capsys.readouterr().err
   assert got == mjax_generate('--workdir', run, *argv)
 
