@@ -324,26 +324,59 @@ _PROBE_BYTES = 1 << 20  # a full filesystem refuses a megabyte as surely as a ch
 _NO_SPACE = 'No space left on device'   # strerror(ENOSPC): in what Orbax and TensorStore raise and log
 
 
+# What a save meets when its directory stops taking files midway (errno,
+# and strerror: Orbax and TensorStore wrap the OSError in other exceptions).
+_UNWRITABLE = {errno.ENOSPC: _NO_SPACE, errno.EDQUOT: 'Disk quota exceeded',
+               errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
+               errno.EPERM: 'Operation not permitted'}
+
+
+def _unwritable(exc: BaseException) -> Optional[str]:
+  """The strerror of `exc` (or of an exception it wraps) when it says the
+  directory takes no more files, else None."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    code = getattr(exc, 'errno', None)
+    if code in _UNWRITABLE:
+      return _UNWRITABLE[code]
+    text = str(exc)
+    found = next((said for said in _UNWRITABLE.values() if said in text), None)
+    if found:
+      return found
+    exc = exc.__cause__ or exc.__context__
+  return None
+
+
 @contextlib.contextmanager
 def _full_disk_is_bad_input(tier: Any, step: Optional[int]):
-  """A save that fails for want of space (now, or an earlier asynchronous
-  one surfacing here) is bad input, not a crash: a restart would fail the
-  same way, so it exits 2 with one message. Orbax writes each step into a
-  temporary directory and commits it by a rename, so the steps already
-  saved are untouched."""
+  """A save that fails because its directory takes no more files (full,
+  over quota, remounted read-only, permissions taken away; now, or an
+  earlier asynchronous save surfacing here) is bad input, not a crash: a
+  restart would fail the same way, so it exits 2 with one message. Orbax
+  writes each step into a temporary directory and commits it by a rename,
+  so the steps already saved are untouched."""
   try:
     yield
   except Exception as e:   # Orbax wraps the OSError (ValueError: RESOURCE_EXHAUSTED ...)
-    text = str(e)
-    if getattr(e, 'errno', None) != errno.ENOSPC and _NO_SPACE not in text:
+    said = _unwritable(e)
+    if said is None:
       raise
+    # From the disk: Orbax has already struck the steps beyond `keep` from
+    # its own list, though they are deleted only after a save commits.
+    try:
+      kept = ', '.join(map(str, steps_in(tier.directory))) or 'none'
+    except OSError:
+      kept = 'not readable now'
+    full = said in (_NO_SPACE, 'Disk quota exceeded')
     raise ConfigError(
-        f'the {tier.name} checkpoint tier ({tier.directory}) is full: a save '
-        f'({"step " + str(step) + ", or the one before it still being written" if step is not None else "the last one"}) '
-        f'failed with "{_NO_SPACE}". '
-        f'The steps saved before are intact (saved steps: {", ".join(map(str, sorted(tier.manager.all_steps(), reverse=True))) or "none"}); '
-        f'free space there, lower CheckpointConfig.keep, or point CheckpointConfig.{_tier_key(tier.name)} at '
-        f'a larger filesystem, then start again: the run resumes from the newest of them.') from None
+        f'the {tier.name} checkpoint tier ({tier.directory}) ' + ('is full' if full else 'takes no more files') +
+        f': a save ({"step " + str(step) + ", or the one before it still being written" if step is not None else "the last one"}) '
+        f'failed with "{said}". The steps saved before are intact (saved steps: {kept}); ' +
+        ('free space there (older steps can go: a restart resumes from the newest), ' if full else
+         'make it writable again, ') +
+        f'or point CheckpointConfig.{_tier_key(tier.name)} at another filesystem, then start again: the run '
+        f'resumes from the newest of them.') from None
 
 
 def write_problem(directory: str) -> Optional[str]:
@@ -983,11 +1016,17 @@ class Checkpointer:
       # Orbax names its multi-process barriers by step ('async_write_complete.4'):
       # two tiers saving the same step would meet in one barrier and fail
       # ("already ongoing"). A prefix per tier keeps their barriers apart.
+      # Directories made in the save call, not in Orbax's background: there,
+      # a directory that takes no more files (read-only, permissions gone)
+      # left its threads waiting 20 minutes for a "directory made" signal
+      # and the process unable to exit; here it is one error (see
+      # _full_disk_is_bad_input).
       options = ocp.CheckpointManagerOptions(
           max_to_keep=keep, create=True, cleanup_tmp_directories=True,
           enable_async_checkpointing=cfg.async_save,
           multiprocessing_options=ocp.options.MultiprocessingOptions(
-              barrier_sync_key_prefix=f'mjax_{name}'))
+              barrier_sync_key_prefix=f'mjax_{name}'),
+          async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
       self.tiers.append(_Tier(name, directory, every, keep, manager))
 

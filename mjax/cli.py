@@ -24,30 +24,74 @@ from mjax import flags, protocol
 from mjax.errors import UserError
 
 
+class Terminated(BaseException):
+  """SIGTERM in a tool: unwinds like Ctrl-C (clean-ups run), exit status 143."""
+
+
+def _stop_signals(prog: str, watchdogs: list) -> dict:
+  """Ctrl-C and SIGTERM raise in the main thread, so that the tool's
+  clean-ups run (temporary files, a half-made output). Python drops an
+  exception raised inside a garbage-collector callback (JAX registers one),
+  and the tool then ran on to the end: a watchdog (put in `watchdogs`, for
+  the caller to cancel once the exception arrived) leaves after 10 s if
+  it is still running. Returns the handlers replaced."""
+  def handler(signum, frame):
+    status, what = ((protocol.EXIT_INTERRUPTED, 'interrupted') if signum == signal.SIGINT
+                    else (protocol.EXIT_TERMINATED, 'terminated'))
+
+    def leave():
+      print(f'{prog}: {what}', file=sys.stderr, flush=True)
+      os._exit(status)
+    watchdog = threading.Timer(10.0, leave)
+    watchdog.daemon = True
+    watchdog.start()
+    watchdogs.append(watchdog)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+  old = {}
+  if threading.current_thread() is threading.main_thread():
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+      if signal.getsignal(sig) is default:   # an ignored signal (a background job's Ctrl-C) stays so
+        old[sig] = signal.signal(sig, handler)
+  return old
+
+
 def entry_point(prog: str):
   """The one place bad input becomes an exit status: a UserError (config,
   data, distributed set-up, checkpoint path) is printed as one paragraph and
   the process exits 2 (protocol.EXIT_USER_ERROR), which the fault-tolerance
-  driver never restarts."""
+  driver never restarts. Ctrl-C and SIGTERM end a tool with one line,
+  status 130 or 143 (mjax-train handles its own)."""
   def wrap(main):
     @functools.wraps(main)
     def run(argv: Optional[Sequence[str]] = None):
+      watchdogs: list = []
+      old = _stop_signals(prog, watchdogs)
       try:
         return main(argv)
       except UserError as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_USER_ERROR)
-      except KeyboardInterrupt:   # Ctrl-C in a tool (mjax-train handles its own)
+      except KeyboardInterrupt:
         print(f'{prog}: interrupted', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_INTERRUPTED)
+      except Terminated:
+        print(f'{prog}: terminated', file=sys.stderr, flush=True)
+        sys.exit(protocol.EXIT_TERMINATED)
+      finally:
+        for sig, handler in old.items():
+          signal.signal(sig, handler)
+        for watchdog in watchdogs:
+          watchdog.cancel()
     return run
   return wrap
 
 
-def _interrupted(prog: str) -> None:
-  print(f'{prog}: interrupted; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
+def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:
+  what, status = (('interrupted', protocol.EXIT_INTERRUPTED) if signum == signal.SIGINT else
+                  ('terminated (SIGTERM)', protocol.EXIT_TERMINATED))
+  print(f'{prog}: {what}; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
   sys.stdout.flush()
-  os._exit(protocol.EXIT_INTERRUPTED)
+  os._exit(status)
 
 
 def _exit_on_ctrl_c(prog: str) -> None:
@@ -62,7 +106,8 @@ def _exit_on_ctrl_c(prog: str) -> None:
   os._exit also skips unwinding through XLA's running threads, which can
   crash at interpreter exit.
   """
-  signal.signal(signal.SIGINT, lambda signum, frame: _interrupted(prog))
+  for sig in (signal.SIGINT, signal.SIGTERM):   # the loop's StopAgreement puts these back when it ends
+    signal.signal(sig, lambda signum, frame: _interrupted(prog, signum))
 
 
 @entry_point('mjax-train')

@@ -35,6 +35,8 @@ EXIT_DRIVER_LOST = 4   # no word from the driver for heartbeat_timeout_s: saved 
 EXIT_HOST_LOST = 255   # the driver's verdict, never a trainer's: the process's host agent went away
                        # (mjax/ft/agent.py), so the process is as good as gone
 EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell convention 128 + SIGINT)
+EXIT_TERMINATED = 143   # SIGTERM outside the loop's own stop handling (start-up, compilation, the
+                        # final evaluation): nothing to save there (shell convention 128 + SIGTERM)
 
 # --- environment the driver sets for each training process ----------------------
 DRIVER_ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'   # host:port of the driver's heartbeat server

@@ -235,7 +235,9 @@ class Trainer:
       if heartbeat is not None:            # tells the driver we are wrapping up
         heartbeat.close()
 
-    if stop.stopped:
+    # A stop agreed after the last step stops nothing: the run is complete,
+    # and finishing it (the final evaluation) is what a restart would skip.
+    if stop.stopped and step < cfg.train.steps:
       reporter.close()
       why = f'received {stop.name}' if stop.signal is not None else f'stopping: {stop.name}'
       self.say(f'mjax: {why} after step {step}: checkpoint saved, exiting cleanly')

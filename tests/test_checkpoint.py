@@ -222,6 +222,24 @@ def test_kill_9_after_checkpoint_resumes_bitwise(one_device_reference, tmp_path,
   assert_bitwise(final_state(tmp_path, N), final_state(reference, N))
 
 
+def test_a_stop_on_the_last_step_finishes_the_run(uninterrupted, tmp_path, monkeypatch):
+  # SIGTERM during the last step: the run is complete, so it finishes as one
+  # (final evaluation, not a pre-emption), bitwise the uninterrupted run.
+  # Before, it stopped as pre-empted, and a restart found nothing to do:
+  # the final evaluation was never made.
+  full_dir, full_state = uninterrupted
+  monkeypatch.setenv('MJAX_FAULT', f'term:step={N}')
+  summary, state = fit(cfg8(f'TrainConfig.steps = {N}'), str(tmp_path))
+  assert not summary.preempted and summary.final_step == N and np.isfinite(summary.eval_loss)
+  assert any(r.get('step') == N and 'eval_loss' in r for r in read_metrics(str(tmp_path)))
+  assert losses(tmp_path) == losses(full_dir)
+  assert_bitwise(state.params, full_state.params)
+  # One step earlier, it is a pre-emption, as before.
+  monkeypatch.setenv('MJAX_FAULT', f'term:step={N - 1}')
+  summary, _ = fit(cfg8(f'TrainConfig.steps = {N}'), str(tmp_path / 'early'))
+  assert summary.preempted and summary.final_step == N - 1
+
+
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_root):
   cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}')
@@ -591,20 +609,36 @@ def test_1f1b_pipeline_resume_is_bitwise_and_either_schedule_reads_the_checkpoin
     assert got[step] == pytest.approx(want[step], rel=1e-4)
 
 
-def test_a_full_disk_during_a_save_is_bad_input_naming_the_tier_and_the_steps_kept():
+def test_a_full_disk_during_a_save_is_bad_input_naming_the_tier_and_the_steps_kept(tmp_path):
   # Orbax surfaces ENOSPC as a ValueError (RESOURCE_EXHAUSTED), now or at the
-  # next save for an asynchronous one; it becomes one exit-2 message.
+  # next save for an asynchronous one; it becomes one exit-2 message. The
+  # steps kept are those on disk: Orbax strikes the ones beyond `keep` from
+  # its own list before the save that would replace them commits.
   import types
   from mjax.checkpoint import _full_disk_is_bad_input
-  tier = types.SimpleNamespace(name='persistent', directory='/ck',
-                               manager=types.SimpleNamespace(all_steps=lambda: [2, 4]))
-  with pytest.raises(C.ConfigError, match=r'persistent checkpoint tier \(/ck\) is full: a save \(step 6, or the one before .*'
-                                           r'saved steps: 4, 2\).*CheckpointConfig.directory'):
+  for step in (2, 4):
+    (tmp_path / str(step)).mkdir()
+  tier = types.SimpleNamespace(name='persistent', directory=str(tmp_path),
+                               manager=types.SimpleNamespace(all_steps=lambda: []))
+  with pytest.raises(C.ConfigError, match=r'persistent checkpoint tier \(.*\) is full: a save \(step 6, or the one before .*'
+                                           r'saved steps: 4, 2\); free space there.*CheckpointConfig.directory'):
     with _full_disk_is_bad_input(tier, 6):
       raise ValueError('RESOURCE_EXHAUSTED: write failed: [errno 28] No space left on device')
   with pytest.raises(C.ConfigError, match='is full'):
     with _full_disk_is_bad_input(tier, None):
       raise OSError(28, 'No space left on device')
+  # A directory remounted read-only, or whose permissions were taken away,
+  # midway: the same, not a traceback (wrapped, as Orbax raises it).
+  for code, said in ((30, 'Read-only file system'), (13, 'Permission denied')):
+    try:
+      raise OSError(code, said)
+    except OSError as inner:
+      wrapped = RuntimeError('save failed')
+      wrapped.__cause__ = inner
+    with pytest.raises(C.ConfigError, match=rf'takes no more files: a save \(step 6.*failed with "{said}".*'
+                                             r'saved steps: 4, 2\); make it writable again'):
+      with _full_disk_is_bad_input(tier, 6):
+        raise wrapped
   with pytest.raises(ValueError, match='something else'):   # other failures stay what they are
     with _full_disk_is_bad_input(tier, 6):
       raise ValueError('something else')
@@ -660,6 +694,41 @@ def test_a_disk_that_fills_during_training_is_said_once_with_no_tracebacks(tmp_p
   assert 'less than one checkpoint of this train state' in run.stdout
   assert 'the persistent checkpoint tier' in run.stderr and 'is full' in run.stderr
   assert 'Traceback' not in out and 'Event loop is closed' not in out, out[-3000:]
+
+
+def test_a_checkpoint_filesystem_remounted_read_only_midway_ends_the_run_at_once(tmp_path, repo_root):
+  # Before, the failed save left Orbax's background threads waiting up to
+  # 20 minutes for a directory that was never made, the process unable to
+  # exit, and a page of tracebacks; now one message, exit 2, the steps kept.
+  fs = _tmpfs(tmp_path / 'fs', 'size=64m')
+  if fs is None:
+    pytest.skip('mounting a tmpfs needs root')
+  cmd = [os.path.join(os.path.dirname(sys.executable), 'mjax-train'), '--gin_file', 'configs/tiny.gin',
+         '--workdir', str(tmp_path / 'run'), f'--gin.CheckpointConfig.directory={fs / "ck"}',
+         '--gin.TrainConfig.steps=400', '--gin.CheckpointConfig.save_every=2', '--gin.TrainConfig.progress=False',
+         '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2']
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('MJAX_', 'XLA_FLAGS'))}
+  proc = subprocess.Popen(cmd, env={**env, 'JAX_PLATFORMS': 'cpu'}, cwd=repo_root, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 240
+    while not (fs / 'ck' / '4').is_dir():
+      assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+      time.sleep(0.1)
+    # A remount waits for no file to be open for writing in it.
+    while subprocess.run(['mount', '-o', 'remount,ro', str(fs)], capture_output=True).returncode:
+      assert time.time() < deadline
+      time.sleep(0.05)
+    out = proc.communicate(timeout=60)[0]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+    subprocess.run(['umount', str(fs)], capture_output=True)
+  assert proc.returncode == 2, out[-3000:]
+  assert 'the persistent checkpoint tier' in out and 'takes no more files' in out and \
+      'failed with "Read-only file system"' in out, out[-3000:]
+  assert re.search(r'saved steps: (\d+, )*4, 2\)', out) and 'Traceback' not in out, out[-3000:]
 
 
 def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):

@@ -156,3 +156,28 @@ def test_train_refuses_an_empty_or_remote_workdir(tmp_path, monkeypatch, capsys)
       train_main(['--gin_file', 'tiny.gin', '--workdir', workdir])
     assert e.value.code == 2 and said in capsys.readouterr().err
   assert os.listdir(tmp_path) == []
+
+
+def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys):
+  # Ctrl-C and SIGTERM unwind the tool (its clean-ups run) and end it with
+  # one line and a documented status; before, SIGTERM killed a tool without
+  # a word or its clean-ups (a half shard directory, a temporary file).
+  import signal
+  import time
+  from mjax import cli, protocol
+  for sig, status, said in ((signal.SIGTERM, protocol.EXIT_TERMINATED, 'terminated'),
+                            (signal.SIGINT, protocol.EXIT_INTERRUPTED, 'interrupted')):
+    cleaned = []
+
+    @cli.entry_point('mjax-tool')
+    def main(argv):
+      try:
+        signal.raise_signal(sig)
+        time.sleep(30)
+      finally:
+        cleaned.append(True)
+    before = signal.getsignal(sig)
+    with pytest.raises(SystemExit) as e:
+      main([])
+    assert e.value.code == status and cleaned == [True] and f'mjax-tool: {said}' in capsys.readouterr().err
+    assert signal.getsignal(sig) is before

@@ -10,6 +10,7 @@
     MJAX_FAULT="delay:seconds=0.5"          every step takes 0.5 s longer (time to act in)
     MJAX_FAULT="nan:step=8"                 report a NaN loss at step 8
     MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
+    MJAX_FAULT="term:step=5"                SIGTERM itself before step 5 (a pre-emption, on cue)
 
 Several faults are separated by ';'. `process` defaults to every process.
 A fault fires in the first attempt only, unless `attempt=N` names another
@@ -30,7 +31,7 @@ from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'exit')
+KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'exit', 'term')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,8 @@ class Injector:
         os.kill(os.getpid(), signal.SIGKILL)
       if f.kind == 'exit' and step == f.step:
         os._exit(f.code)
+      if f.kind == 'term' and step == f.step:
+        signal.raise_signal(signal.SIGTERM)
       if f.kind == 'hang' and step == f.step:
         while True:  # a stuck collective: alive, heartbeating, no progress
           time.sleep(3600)
