@@ -235,8 +235,29 @@ def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):
     data.prepare_shards(str(corpus_dir), str(shard_dir))
   (tmp_path / 'half').mkdir()
   (tmp_path / 'half' / 'train-00000.bin').write_bytes(b'\0' * 8)      # an interrupted run's
-  with pytest.raises(data.DataError, match='what an interrupted mjax-prepare leaves'):
+  with pytest.raises(data.DataError, match='what an mjax-prepare killed midway leaves'):
     data.prepare_shards(str(corpus_dir), str(tmp_path / 'half'))
+
+
+def test_an_interrupted_prepare_leaves_nothing(tmp_path, corpus_dir, monkeypatch):
+  # Ctrl-C or SIGTERM (which the tools turn into an exception) midway: the
+  # shards written so far go, and the same command then runs as it is.
+  from mjax.data import shards
+  calls = []
+  real = shards._ShardWriter.add
+
+  def add(self, tokens):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    real(self, tokens)
+  monkeypatch.setattr(shards._ShardWriter, 'add', add)
+  with pytest.raises(KeyboardInterrupt):
+    data.prepare_shards(str(corpus_dir), str(tmp_path / 'out'), shard_tokens=200, heldout_fraction=0.2)
+  assert len(calls) == 2 and not (tmp_path / 'out').exists()
+  monkeypatch.undo()
+  data.prepare_shards(str(corpus_dir), str(tmp_path / 'out'), shard_tokens=200, heldout_fraction=0.2)
+  assert (tmp_path / 'out' / 'manifest.json').exists()
 
 
 def test_a_tool_interrupted_says_so_and_exits_130(capsys):

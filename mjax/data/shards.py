@@ -207,7 +207,7 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
     leftover = os.path.isdir(output) and not os.path.exists(os.path.join(output, 'manifest.json'))
     raise DataError(f'shard directory {output}: already exists and is not an empty directory; choose a new '
-                    'one' + (' (it holds no manifest.json: what an interrupted mjax-prepare leaves; remove it '
+                    'one' + (' (it holds no manifest.json: what an mjax-prepare killed midway leaves; remove it '
                              'and run again)' if leftover else '') + '.')
   tok = load_tokenizer(tokenizer)
   root, files = corpus_lib.find_source_files(source, file_pattern)
@@ -240,9 +240,10 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                         f'text (UTF-8 without NUL bytes, more than whitespace); DataConfig.file_pattern '
                         f'selects the files.')
       split = 'file'
-  except DataError:
-    # Bad input found midway (no text after all): what this call wrote goes,
-    # so that the same command runs again once the input is fixed.
+  except BaseException:
+    # Bad input found midway (no text after all), an error or an interrupt
+    # (Ctrl-C, SIGTERM): what this call wrote goes, so that the same command
+    # runs again as it is.
     for w in writers.values():
       w.discard()
     if created:
