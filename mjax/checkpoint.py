@@ -568,6 +568,10 @@ def first_mismatch(expected: dict, state: Any, partial: bool = False) -> Optiona
   return None
 
 
+def _no_item_metadata_warning(record: logging.LogRecord) -> bool:
+  return not record.getMessage().startswith('Metadata file does not exist')
+
+
 def verify_step(path: str) -> tuple[str, str]:
   """Reads one saved step without a mesh and checks it against its checksums.
 
@@ -585,12 +589,18 @@ def verify_step(path: str) -> tuple[str, str]:
       with open(os.path.join(path, 'data', 'metadata')) as fh:
         data = json.load(fh)
     # Host arrays, whatever devices and mesh saved them: this runs on a login
-    # node as well as next to a job that holds the GPUs.
+    # node as well as next to a job that holds the GPUs. Read as an item, the
+    # state has no step metadata of its own, which Orbax warns of every time.
     reader = ocp.PyTreeCheckpointer()
-    tree = reader.metadata(os.path.join(path, 'state')).item_metadata.tree
-    state = reader.restore(os.path.join(path, 'state'), restore_args=jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
-    reader.close()
+    absl_log = logging.getLogger('absl')
+    absl_log.addFilter(_no_item_metadata_warning)
+    try:
+      tree = reader.metadata(os.path.join(path, 'state')).item_metadata.tree
+      state = reader.restore(os.path.join(path, 'state'), restore_args=jax.tree.map(
+          lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    finally:
+      absl_log.removeFilter(_no_item_metadata_warning)
+      reader.close()
   except Exception as e:  # any reason the step cannot be read is the verdict
     return 'unreadable', read_error(e)
   if not saved:

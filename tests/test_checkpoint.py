@@ -394,9 +394,11 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
   from mjax import report
   with open(os.path.join(ckdir, '9'), 'w') as fh:    # a file named like a step is no step
     fh.write('notes')
-  assert report.main(['checkpoint', workdir, '--verify']) == 1
+  with caplog.at_level('WARNING'):
+    assert report.main(['checkpoint', workdir, '--verify']) == 1
   table = capsys.readouterr().out
   assert not re.search(r'persistent\s+9\s', table), table
+  assert 'Metadata file does not exist' not in caplog.text     # Orbax's warning per step, not said
   os.remove(os.path.join(ckdir, '9'))
   assert re.search(r"persistent\s+4\s+damaged\s+\['params'\]\['layers'\]\['block_0'\]\['mlp'\]\['wi'\]"
                    r"\['kernel'\]", table), table
