@@ -288,63 +288,6 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   print(json.dumps({'files': len(files) - len(dropped), **info.to_json()}, indent=2))
 
 
-class RefusingParser(argparse.ArgumentParser):
-  """An ArgumentParser whose usage errors raise UserError instead of exiting
-  (arguments checked on behalf of another command)."""
-
-  def error(self, message):
-    raise UserError(message)
-
-
-def parse_diagnose_args(argv: Sequence[str], parser_class=argparse.ArgumentParser) -> argparse.Namespace:
-  """mjax-diagnose's arguments, checked (UserError, or the parser's own
-  usage error); `args.checks` becomes the list of checks. mjax-launch checks
-  its --diagnose_args with it before any host is judged by them."""
-  from mjax.ft import diagnose
-  p = parser_class(
-      prog='mjax-diagnose', description='Health checks of this host: matmul throughput per device, device memory, '
-      'all-reduce / all-gather bus bandwidth (and across processes in a multi-process job). '
-      'Exit 0: all pass; 1: a check failed or timed out.')
-  p.add_argument('--json', action='store_true',
-                 help='print {"host", "process", "passed", "suspect", "timed_out", "checks": [...]} as JSON')
-  p.add_argument('--min_fraction', type=float, default=0.5,
-                 help='least acceptable share of the expected matmul throughput and link bandwidth: the '
-                 'host\'s own baseline where it has one, else the data sheet (default 0.5)')
-  p.add_argument('--memory_fraction', type=float, default=0.5,
-                 help='share of each accelerator\'s memory to allocate and verify (default 0.5)')
-  p.add_argument('--cpu_memory_mib', type=int, default=128, help='MiB to allocate per CPU device (default 128)')
-  p.add_argument('--collective_mib', type=int, default=None,
-                 help='collective message size in MiB (default 256 on accelerators, 8 on CPU)')
-  p.add_argument('--checks', default=','.join(diagnose.CHECKS),
-                 help=f'comma-separated subset of {",".join(diagnose.CHECKS)} (default: all)')
-  p.add_argument('--repeats', type=int, default=2,
-                 help='further tries of a local timed check that is only too slow; the best counts (default 2)')
-  p.add_argument('--check_timeout_s', type=float, default=120.0,
-                 help='deadline of each check; one that overruns fails and the rest are not run (default 120)')
-  p.add_argument('--no_baseline', action='store_true',
-                 help=f'neither compare with nor update the host\'s own best figures '
-                 f'(<cache_dir>/{diagnose.BASELINE_FILE})')
-  p.add_argument('--cache_dir', default='~/.cache/mjax',
-                 help='where the baseline is kept and mjax-train caches a CPU\'s peak (default ~/.cache/mjax)')
-  args = p.parse_args(list(argv))
-  if not 0 < args.min_fraction <= 1 or not 0 < args.memory_fraction < 1:
-    raise UserError(f'--min_fraction {args.min_fraction} must be in (0, 1] and --memory_fraction '
-                    f'{args.memory_fraction} in (0, 1).')
-  if args.repeats < 0 or not args.check_timeout_s > 0:
-    raise UserError(f'--repeats {args.repeats} must be >= 0 and --check_timeout_s {args.check_timeout_s} > 0.')
-  args.checks = [c.strip() for c in args.checks.split(',') if c.strip()]
-  unknown = sorted(set(args.checks) - set(diagnose.CHECKS))
-  if unknown or not args.checks:
-    raise UserError(f'--checks {",".join(args.checks)!r}: ' + (f'unknown check(s) {", ".join(unknown)}' if unknown
-                    else 'no check named') + f'; give a comma-separated subset of {",".join(diagnose.CHECKS)}.')
-  if args.cpu_memory_mib < 1 or (args.collective_mib is not None and args.collective_mib < 1):
-    raise UserError(f'--cpu_memory_mib {args.cpu_memory_mib} and --collective_mib {args.collective_mib} must be '
-                    f'at least 1.')
-  if not args.check_timeout_s < threading.TIMEOUT_MAX:
-    raise UserError(f'--check_timeout_s {args.check_timeout_s} is too large (at most {threading.TIMEOUT_MAX:.0f}).')
-  return args
-
-
 @entry_point('mjax-diagnose')
 def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
   """mjax-diagnose: short health checks of this host's devices.
@@ -360,7 +303,7 @@ def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
   """
   prog = 'mjax-diagnose'
   from mjax.ft import diagnose
-  args = parse_diagnose_args(sys.argv[1:] if argv is None else argv)
+  args = diagnose.parse_args(sys.argv[1:] if argv is None else argv)
   checks = args.checks
   try:
     diagnose.injected_failures()  # a typo in the test-only variable is a usage error, found before any work

@@ -838,12 +838,11 @@ def write(cfg: Config, workdir: str) -> None:
   """config.json, then config.gin, each replaced whole: the workdir check
   (checkpoint.check_same_model) reads config.json as the mark of a run, so a
   process killed midway never leaves a half one, nor a config.gin alone."""
-  from mjax import jsonfile
   os.makedirs(workdir, exist_ok=True)
-  jsonfile.write_atomic(os.path.join(workdir, 'config.json'), to_dict(cfg), indent=2, sort_keys=True)
-  path = os.path.join(workdir, 'config.gin')
-  tmp = f'{path}.{os.getpid()}.tmp'
-  with open(tmp, 'w') as fh:
-    fh.write('# Resolved config of this run (every value, defaults included).\n')
-    fh.write(to_gin(cfg))
-  os.replace(tmp, path)
+  for name, text in (('config.json', json.dumps(to_dict(cfg), indent=2, sort_keys=True)),
+                     ('config.gin', '# Resolved config of this run (every value, defaults included).\n' + to_gin(cfg))):
+    path = os.path.join(workdir, name)
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'w') as fh:
+      fh.write(text)
+    os.replace(tmp, path)

@@ -10,6 +10,16 @@ is a crash, which the driver does restart.
 This module imports nothing from mjax: every layer may raise these.
 """
 
+import argparse
+
 
 class UserError(ValueError):
   """Bad input; the message names the bad value and what is allowed."""
+
+
+class RefusingParser(argparse.ArgumentParser):
+  """An ArgumentParser whose usage errors raise UserError instead of exiting
+  (arguments checked on behalf of another command)."""
+
+  def error(self, message):
+    raise UserError(message)

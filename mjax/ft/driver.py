@@ -196,10 +196,11 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.error(f'--preempt_exit_status {args.preempt_exit_status}: an exit status is 0 to 255')
   # The diagnostic's arguments are checked now: a typo there would fail
   # every diagnosis, and so block healthy hosts for good.
-  from mjax import cli
+  from mjax.errors import RefusingParser
+  from mjax.ft import diagnose
   try:
     diagnose_args = shlex.split(args.diagnose_args)
-    cli.parse_diagnose_args(diagnose_args, cli.RefusingParser)
+    diagnose.parse_args(diagnose_args, RefusingParser)
   except (ValueError, UserError) as e:
     p.error(f'--diagnose_args {args.diagnose_args!r}: {e}')
   if any(a == '--workdir' or a.startswith('--workdir=') for a in train_args):
