@@ -446,9 +446,12 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
       raise ConfigError(f'in gin file {path}: {_explain_gin_error("", e)}') from None
     finally:
       logging.disable(logging.NOTSET)
+  macros = set()   # defined on the command line, where a macro is almost surely a slip
   for b in bindings:
+    before = set(gin.config._CONFIG)
     _parse_one_binding(b)
-  _check_nothing_unused()
+    macros |= {scope for scope, selector in set(gin.config._CONFIG) - before if selector == 'gin.macro'}
+  _check_nothing_unused(macros)
   try:
     cfg = Config()
   except Exception as e:
@@ -456,17 +459,19 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
   return validate(cfg, num_devices=num_devices)
 
 
-def _check_nothing_unused() -> None:
+def _check_nothing_unused(command_line_macros: set) -> None:
   """Raises ConfigError for a binding gin accepts but mjax never reads: a
-  macro nothing refers to (`steps = 30` for `TrainConfig.steps = 30`) or a
-  scoped binding (mjax builds its config without scopes). Either would
-  leave the run on the value it was meant to change, without a word."""
+  macro given on the command line that nothing refers to (`--gin.steps=30`
+  for `--gin.TrainConfig.steps=30`), or a scoped binding of mjax's classes
+  (mjax builds its config without scopes). Either would leave the run on
+  the value it was meant to change, without a word. Macros of gin files
+  are theirs to define: one left unused by a later override is normal."""
   config = gin.config._CONFIG   # gin has no public view of what was bound
   used: set = set()
 
   def refs(value):
     if isinstance(value, gin.config.ConfigurableReference) and value._selector == 'gin.macro':
-      used.add(value._scopes[-1])
+      used.add('/'.join(value._scopes))
     elif isinstance(value, (list, tuple, set)):
       for v in value:
         refs(v)
@@ -477,14 +482,14 @@ def _check_nothing_unused() -> None:
     refs(list(params.values()))
   keys = [f'{c}.{f.name}' for c, cls in _CLASSES.items() for f in dataclasses.fields(cls)]
   for scope, selector in config:
-    if selector == 'gin.macro' and scope not in used:
+    if selector == 'gin.macro' and scope in command_line_macros and scope not in used:
       close = ([f'{scope}.<field>'] if scope in _CLASSES else
                [k for k in keys if k.endswith('.' + scope)] or difflib.get_close_matches(scope, keys, n=1))
       raise ConfigError(
           f'invalid config binding {scope!r} = {config[(scope, selector)]["value"]!r}: it defines a gin macro '
           f'that nothing refers to (%{scope}), so it changes nothing. Bindings name a class and a field, '
           f'e.g. {close[0] if close else "TrainConfig.steps"} = ...')
-    if scope and selector != 'gin.macro':
+    if scope and selector != 'gin.macro' and selector.rpartition('.')[2] in _CLASSES:
       name = selector.rpartition('.')[2]
       raise ConfigError(
           f'invalid config binding {scope}/{name}.{", ".join(config[(scope, selector)])}: a scoped binding, '

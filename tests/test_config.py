@@ -92,11 +92,18 @@ def test_bad_values_name_key_value_and_allowed(binding, needles):
   assert '\n' not in msg  # one paragraph
 
 
-def test_a_macro_a_gin_file_refers_to_is_used(tmp_path):
+def test_macros_work_as_in_gin(tmp_path):
   f = tmp_path / 'm.gin'
-  f.write_text("include 'tiny.gin'\nWIDTH = 192\nFF = %WIDTH\nModelConfig.d_model = %WIDTH\nModelConfig.d_ff = %FF\n")
+  f.write_text("include 'tiny.gin'\nWIDTH = 192\nFF = %WIDTH\nUNUSED = 3\nModelConfig.d_model = %WIDTH\n"
+               "ModelConfig.d_ff = %FF\ns/STEPS = 7\nTrainConfig.steps = %s/STEPS\n")
   cfg = C.load_config([str(f)], ['WIDTH = 128'])
-  assert (cfg.model.d_model, cfg.model.d_ff) == (128, 128)
+  assert (cfg.model.d_model, cfg.model.d_ff, cfg.train.steps) == (128, 128, 7)
+  # A field a file sets through a macro, overridden by a later file or on
+  # the command line: the file's macro is then unused, as gin allows.
+  later = tmp_path / 'later.gin'
+  later.write_text('ModelConfig.d_model = 512\n')
+  assert C.load_config([str(f), str(later)], []).model.d_model == 512
+  assert C.load_config([str(f)], ['ModelConfig.d_model = 256']).model.d_model == 256
   loop = tmp_path / 'loop.gin'
   loop.write_text("include 'loop.gin'\n")
   with pytest.raises(C.ConfigError, match="loop.gin: its includes never end"):
