@@ -209,7 +209,9 @@ def _host_manager(directory: str, async_save: bool) -> ocp.CheckpointManager:
 def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
   """Where each enabled tier writes. The default fast tier lives in /dev/shm
   under a name derived from the workdir, so two runs never share it."""
-  dirs = {'persistent': os.path.abspath(os.path.expanduser(cfg.directory or os.path.join(workdir, 'checkpoints')))}
+  # _expand: ~, $VARS, and a bucket (gs://, s3://) left as it is, not
+  # taken for a local path.
+  dirs = {'persistent': _expand(cfg.directory) if cfg.directory else os.path.abspath(os.path.join(workdir, 'checkpoints'))}
   if cfg.fast_every:
     fast = cfg.fast_directory
     if fast is None:
@@ -410,12 +412,18 @@ def _tier_key(name: str) -> str:
 
 def check_apart(dirs: dict[str, str]) -> None:
   """Raises ConfigError where two tiers would save into one directory, or
-  one inside the other: each tier keeps and deletes its own steps by name,
-  so it would delete the other's, or half-written ones."""
+  one lies inside a step of the other: each tier lists the numbered entries
+  of its directory as its steps, and keeps and deletes them by name, so it
+  would delete the other's steps, or half-written ones. (One tier in a
+  subdirectory of the other, named otherwise, is apart.)"""
   local = {name: os.path.realpath(d) for name, d in dirs.items() if '://' not in d}
   for (a, da), (b, db) in itertools.combinations(sorted(local.items()), 2):
-    if os.path.commonpath([da, db]) in (da, db):
-      how = 'the same directory' if da == db else 'one inside the other'
+    outer, inner = (da, db) if len(da) <= len(db) else (db, da)
+    if os.path.commonpath([da, db]) != outer:
+      continue
+    first = os.path.relpath(inner, outer).split(os.sep)[0]
+    if da == db or first.isdigit():
+      how = 'the same directory' if da == db else f'one inside a step ({first}) of the other'
       raise ConfigError(
           f'CheckpointConfig.{_tier_key(a)} = {dirs[a]!r} and CheckpointConfig.{_tier_key(b)} = {dirs[b]!r} '
           f'(the {a} and {b} tiers) are {how}: each tier deletes the steps it no longer keeps, so they '
@@ -696,6 +704,13 @@ def check_same_model(cfg: Any, workdir: str) -> None:
           f'resumed with this config, and starting over there would overwrite that run\'s config '
           f'and metrics. {advice}')
   for name, d in local.items():
+    # A file named like a step is none (Orbax's steps are directories), but
+    # Orbax's save of that step would delete it to make room.
+    files = sorted(n for n in os.listdir(d) if n.isdigit() and not os.path.isdir(os.path.join(d, n)))
+    if files:
+      raise ConfigError(
+          f'{os.path.join(d, files[0])!r} in the {name} checkpoint tier is a file named like a step: the save '
+          f'of step {int(files[0])} would delete it. Move it out of {d!r}, then start again.')
     for step in steps[name]:
       path = os.path.join(d, str(step))
       try:
@@ -949,8 +964,9 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
 
 class _FullDiskLogFilter(logging.Filter):
   """Drops Orbax's own error logs (with their tracebacks, one per thread of
-  the save) of a write that found the disk full: `_full_disk_is_bad_input`
-  reports that once, naming the tier and the steps kept."""
+  the save) of a write that found the disk full or unwritable:
+  `_full_disk_is_bad_input` reports that once, naming the tier and the
+  steps kept."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if f'{os.sep}orbax{os.sep}' not in record.pathname:
@@ -958,7 +974,7 @@ class _FullDiskLogFilter(logging.Filter):
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
       text += f' {record.exc_info[1]}'
-    return _NO_SPACE not in text
+    return not any(said in text for said in _UNWRITABLE.values())
 
 
 def quiet_failed_io_aftermath() -> None:
@@ -1012,8 +1028,8 @@ class Checkpointer:
     quiet_failed_io_aftermath()
     dirs = tier_directories(cfg, workdir)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
-    check_apart(dirs)
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
+    check_apart(dirs)
     check_writable(dirs)
     check_owner(dirs, workdir)
     check_shared({name: d for name, d in dirs.items() if name not in host})

@@ -24,35 +24,73 @@ from mjax import flags, protocol
 from mjax.errors import UserError
 
 
-class Terminated(BaseException):
-  """SIGTERM in a tool: unwinds like Ctrl-C (clean-ups run), exit status 143."""
+class Terminated(KeyboardInterrupt):
+  """SIGTERM in a tool: unwinds like Ctrl-C (clean-ups run, and code that
+  lets KeyboardInterrupt through, as asyncio does, lets this through too);
+  exit status 143."""
 
 
-def _stop_signals(prog: str, watchdogs: list) -> dict:
-  """Ctrl-C and SIGTERM raise in the main thread, so that the tool's
-  clean-ups run (temporary files, a half-made output). Python drops an
-  exception raised inside a garbage-collector callback (JAX registers one),
-  and the tool then ran on to the end: a watchdog (put in `watchdogs`, for
-  the caller to cancel once the exception arrived) leaves after 10 s if
-  it is still running. Returns the handlers replaced."""
-  def handler(signum, frame):
-    status, what = ((protocol.EXIT_INTERRUPTED, 'interrupted') if signum == signal.SIGINT
-                    else (protocol.EXIT_TERMINATED, 'terminated'))
+# The stop handlers installed here, with what _SignalWatch does for each:
+# ('now', leave) ends the process at once; ('grace', leave) gives the main
+# thread GRACE_S to unwind, then ends it.
+_OURS: dict = {}
+GRACE_S = 10.0
 
-    def leave():
-      print(f'{prog}: {what}', file=sys.stderr, flush=True)
-      os._exit(status)
-    watchdog = threading.Timer(10.0, leave)
-    watchdog.daemon = True
-    watchdog.start()
-    watchdogs.append(watchdog)
-    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
-  old = {}
-  if threading.current_thread() is threading.main_thread():
-    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-      if signal.getsignal(sig) is default:   # an ignored signal (a background job's Ctrl-C) stays so
-        old[sig] = signal.signal(sig, handler)
-  return old
+
+def _leave_tool(prog: str, signum: int) -> None:
+  status, what = ((protocol.EXIT_INTERRUPTED, 'interrupted') if signum == signal.SIGINT
+                  else (protocol.EXIT_TERMINATED, 'terminated'))
+  print(f'{prog}: {what}', file=sys.stderr, flush=True)
+  os._exit(status)
+
+
+class _SignalWatch:
+  """Acts on Ctrl-C and SIGTERM from a thread of its own, at once. Python
+  runs a signal handler only when the main thread is back in the
+  interpreter: not during a compilation, a collective or a stuck read, so a
+  handler alone would have made `kill` wait for those (by default SIGTERM
+  kills at once). Python's C-level handler writes the signal's number to a
+  pipe (signal.set_wakeup_fd); this thread reads it and, while one of the
+  handlers in _OURS is the signal's handler (not the training loop's
+  StopAgreement, which stops after the step), does what _OURS says. A tool's
+  main thread meanwhile unwinds through its clean-ups (its handler raises),
+  and an exception Python drops in a garbage-collector callback (JAX
+  registers one) cannot leave the tool running on."""
+
+  def __init__(self):
+    self._r, self._w = os.pipe()
+    os.set_blocking(self._w, False)
+    self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+    self.timers: list = []
+    self._thread = threading.Thread(target=self._run, name='mjax-signal-watch', daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while True:
+      try:
+        data = os.read(self._r, 64)
+      except OSError:
+        return
+      if not data:
+        return
+      for signum in data:
+        mode, leave = _OURS.get(signal.getsignal(signum), (None, None))
+        if mode == 'now':
+          leave(signum)
+        elif mode == 'grace' and not self.timers:
+          timer = threading.Timer(GRACE_S, leave, args=(signum,))
+          timer.daemon = True
+          timer.start()
+          self.timers.append(timer)
+
+  def close(self) -> None:
+    """Stops watching (an in-process caller goes on: nothing may end it later)."""
+    signal.set_wakeup_fd(self._old_fd)
+    os.close(self._w)
+    self._thread.join(timeout=1.0)
+    os.close(self._r)
+    for timer in self.timers:
+      timer.cancel()
 
 
 def entry_point(prog: str):
@@ -60,28 +98,38 @@ def entry_point(prog: str):
   data, distributed set-up, checkpoint path) is printed as one paragraph and
   the process exits 2 (protocol.EXIT_USER_ERROR), which the fault-tolerance
   driver never restarts. Ctrl-C and SIGTERM end a tool with one line,
-  status 130 or 143 (mjax-train handles its own)."""
+  status 130 or 143, after its clean-ups (mjax-train handles its own)."""
   def wrap(main):
+    def handler(signum, frame):
+      raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+    _OURS[handler] = ('grace', functools.partial(_leave_tool, prog))
+
     @functools.wraps(main)
     def run(argv: Optional[Sequence[str]] = None):
-      watchdogs: list = []
-      old = _stop_signals(prog, watchdogs)
+      in_main = threading.current_thread() is threading.main_thread()
+      old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+      for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if old.get(sig) is default:   # an ignored signal (a background job's Ctrl-C) stays so
+          signal.signal(sig, handler)
+      watch = _SignalWatch() if in_main else None
       try:
         return main(argv)
       except UserError as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_USER_ERROR)
-      except KeyboardInterrupt:
-        print(f'{prog}: interrupted', file=sys.stderr, flush=True)
-        sys.exit(protocol.EXIT_INTERRUPTED)
       except Terminated:
         print(f'{prog}: terminated', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_TERMINATED)
+      except KeyboardInterrupt:
+        print(f'{prog}: interrupted', file=sys.stderr, flush=True)
+        sys.exit(protocol.EXIT_INTERRUPTED)
       finally:
-        for sig, handler in old.items():
-          signal.signal(sig, handler)
-        for watchdog in watchdogs:
-          watchdog.cancel()
+        for sig, was in old.items():
+          signal.signal(sig, was)
+        # A console run keeps its watch (and a started grace) until the
+        # process ends: a shutdown stuck after the signal still ends.
+        if watch is not None and argv is not None:
+          watch.close()
     return run
   return wrap
 
@@ -95,9 +143,11 @@ def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:
 
 
 def _exit_on_ctrl_c(prog: str) -> None:
-  """Ctrl-C outside the training loop (start-up, compilation, the last save;
-  the loop's own handler stops it cleanly on the first one, and passes a
-  second one here): nothing more to save, leave at once with status 130.
+  """Ctrl-C and SIGTERM outside the training loop (start-up, compilation,
+  the final evaluation; the loop's own handler stops it cleanly on the
+  first one, and passes a second one here): nothing more to save, leave at
+  once with status 130 or 143, from _SignalWatch's thread even while the
+  main thread is inside XLA.
 
   Done in the handler, not through KeyboardInterrupt: Python raises that
   wherever the main thread happens to be, and one raised inside a garbage
@@ -106,8 +156,11 @@ def _exit_on_ctrl_c(prog: str) -> None:
   os._exit also skips unwinding through XLA's running threads, which can
   crash at interpreter exit.
   """
+  def handler(signum, frame):
+    _interrupted(prog, signum)
+  _OURS[handler] = ('now', functools.partial(_interrupted, prog))
   for sig in (signal.SIGINT, signal.SIGTERM):   # the loop's StopAgreement puts these back when it ends
-    signal.signal(sig, lambda signum, frame: _interrupted(prog, signum))
+    signal.signal(sig, handler)
 
 
 @entry_point('mjax-train')

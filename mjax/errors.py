@@ -19,7 +19,11 @@ class UserError(ValueError):
 
 class RefusingParser(argparse.ArgumentParser):
   """An ArgumentParser whose usage errors raise UserError instead of exiting
-  (arguments checked on behalf of another command)."""
+  (arguments checked on behalf of another command); -h is one of them."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault('add_help', False)
+    super().__init__(*args, **kwargs)
 
   def error(self, message):
     raise UserError(message)

@@ -369,6 +369,13 @@ def test_a_numbered_directory_that_is_no_checkpoint_is_refused_and_kept(uninterr
   with open(os.path.join(junk, '_CHECKPOINT_METADATA'), 'w') as fh:
     fh.write('{}')                                 # nor does what a cut-off deletion leaves
   check_same_model(cfg8(f'TrainConfig.steps = {2 * N}'), workdir)
+  # A file named like a step: no step, but the save of that step deletes it.
+  with open(os.path.join(workdir, 'checkpoints', '300'), 'w') as fh:
+    fh.write('precious')
+  with pytest.raises(C.ConfigError, match=r"checkpoints/300' in the persistent checkpoint tier is a file named like "
+                                           r'a step: the save of step 300 would delete it'):
+    check_same_model(cfg8(f'TrainConfig.steps = {2 * N}'), workdir)
+  assert open(os.path.join(workdir, 'checkpoints', '300')).read() == 'precious'
 
 
 def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterrupted, tmp_path, caplog, capsys):
@@ -813,15 +820,17 @@ def test_two_tiers_in_one_directory_are_refused(tmp_path):
   # one inside the other) they deleted each other's, and the run hung.
   from mjax.checkpoint import Checkpointer
   workdir = str(tmp_path / 'run')
-  for fast, how in [(f'{workdir}/checkpoints', 'the same directory'),
-                    (f'{workdir}/checkpoints/fast', 'one inside the other'),
-                    (str(tmp_path), 'one inside the other')]:
-    for scope in ('shared', 'host'):
-      cfg = C.CheckpointConfig(fast_every=1, fast_directory=fast, fast_scope=scope)
-      with pytest.raises(C.ConfigError, match=f'the fast and persistent tiers\\) are {how}'):
-        Checkpointer(cfg, workdir)
+  for fast, scope, how in [(f'{workdir}/checkpoints', 'shared', 'the same directory'),
+                           (f'{workdir}/checkpoints/12', 'shared', r'one inside a step \(12\) of the other'),
+                           (f'{workdir}/checkpoints/12/fast', 'host', r'one inside a step \(12\) of the other')]:
+    cfg = C.CheckpointConfig(fast_every=1, fast_directory=fast, fast_scope=scope)
+    with pytest.raises(C.ConfigError, match=f'the fast and persistent tiers\\) are {how}'):
+      Checkpointer(cfg, workdir)
   assert not os.path.exists(workdir)
-  Checkpointer(C.CheckpointConfig(fast_every=1, fast_directory=str(tmp_path / 'checkpoints-fast')), workdir)
+  # Apart: side by side, or one in a subdirectory of the other not named like a step.
+  for fast, scope in [(str(tmp_path / 'checkpoints-fast'), 'shared'), (f'{workdir}/checkpoints/fast', 'shared'),
+                      (f'{workdir}/checkpoints', 'host')]:
+    Checkpointer(C.CheckpointConfig(fast_every=1, fast_directory=fast, fast_scope=scope), workdir).close()
 
 
 def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):

@@ -188,3 +188,19 @@ def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys):
       main([])
     assert e.value.code == status and cleaned == [True] and f'mjax-tool: {said}' in capsys.readouterr().err
     assert signal.getsignal(sig) is before
+
+
+def test_a_tool_that_loses_the_interrupt_still_ends():
+  # Python drops an exception raised inside a garbage-collector callback
+  # (JAX registers one): the tool ran on to the end. The signal watch ends
+  # it after the grace, with the same line and status.
+  import signal
+  code = ('import sys, time\nfrom mjax import cli\ncli.GRACE_S = 1.0\n'
+          '@cli.entry_point("mjax-tool")\ndef main(argv):\n  print("ready", flush=True)\n'
+          '  while True:\n    try:\n      time.sleep(60)\n    except KeyboardInterrupt:\n      pass\nmain()\n')
+  for sig, status, said in ((signal.SIGTERM, 143, 'terminated'), (signal.SIGINT, 130, 'interrupted')):
+    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == 'ready\n'
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == status and f'mjax-tool: {said}' in err, err

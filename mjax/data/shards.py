@@ -42,6 +42,7 @@ Every failure raises DataError naming the file, the expected and the found.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -111,15 +112,13 @@ class _ShardWriter:
     self._hash = hashlib.sha256()
     self._fh = open(os.path.join(self._root, name), 'wb')
 
-  def discard(self) -> None:
-    """Removes every shard file this writer made."""
+  def close_quietly(self) -> None:
+    """Closes the shard being written, if any, after a failure (its file is
+    the caller's to remove)."""
     if self._fh is not None:
-      self._fh.close()
+      with contextlib.suppress(OSError):
+        self._fh.close()
       self._fh = None
-      self.entries.append(self._entry)
-    for e in self.entries:
-      os.remove(os.path.join(self._root, e['file']))
-    self.entries = []
 
   def _close(self):
     self._fh.close()
@@ -240,27 +239,30 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                         f'text (UTF-8 without NUL bytes, more than whitespace); DataConfig.file_pattern '
                         f'selects the files.')
       split = 'file'
+    shards = writers['train'].finish() + writers['heldout'].finish()
+    manifest = {
+        'format': FORMAT, 'version': VERSION, 'tokenizer': tok.info.to_json(),
+        'dtype': dtype.name, 'eos_id': tok.info.eos_id, 'input': root,
+        'file_pattern': corpus_lib.file_pattern_of(source, file_pattern),
+        'heldout_fraction': float(heldout_fraction), 'split': split, 'shards': shards,
+    }
+    tmp = os.path.join(output, MANIFEST + '.tmp')
+    with open(tmp, 'w') as fh:
+      json.dump(manifest, fh, indent=1)
+    os.replace(tmp, os.path.join(output, MANIFEST))
   except BaseException:
     # Bad input found midway (no text after all), an error or an interrupt
     # (Ctrl-C, SIGTERM): what this call wrote goes, so that the same command
-    # runs again as it is.
+    # runs again as it is. The directory was new or empty: all in it is ours.
     for w in writers.values():
-      w.discard()
+      w.close_quietly()
+    for name in os.listdir(output):
+      with contextlib.suppress(OSError):
+        os.remove(os.path.join(output, name))
     if created:
-      os.rmdir(output)
+      with contextlib.suppress(OSError):
+        os.rmdir(output)
     raise
-
-  shards = writers['train'].finish() + writers['heldout'].finish()
-  manifest = {
-      'format': FORMAT, 'version': VERSION, 'tokenizer': tok.info.to_json(),
-      'dtype': dtype.name, 'eos_id': tok.info.eos_id, 'input': root,
-      'file_pattern': corpus_lib.file_pattern_of(source, file_pattern),
-      'heldout_fraction': float(heldout_fraction), 'split': split, 'shards': shards,
-  }
-  tmp = os.path.join(output, MANIFEST + '.tmp')
-  with open(tmp, 'w') as fh:
-    json.dump(manifest, fh, indent=1)
-  os.replace(tmp, os.path.join(output, MANIFEST))
   if log:
     for s in SPLITS:
       entries = [e for e in shards if e['split'] == s]
