@@ -279,6 +279,7 @@ def test_launch_flags_are_checked(capsys):
                       (['--diagnose_args=--checks='], 'no check named'),
                       (['--diagnose_args=--min_fractoin 0.3'], 'unrecognized arguments: --min_fractoin'),
                       (['--diagnose_args', '"open'], 'No closing quotation'),
+                      (['--diagnose_args=-h'], 'unrecognized arguments: -h'),
                       (['--grace_s', 'nan'], '--grace_s nan: give a finite number'),
                       (['--diagnose_timeout_s', '0'], 'above 0'),
                       (['--agent_wait_s', '-5'], 'at least 0'),
