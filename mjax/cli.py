@@ -55,7 +55,9 @@ class _SignalWatch:
   StopAgreement, which stops after the step), does what _OURS says. A tool's
   main thread meanwhile unwinds through its clean-ups (its handler raises),
   and an exception Python drops in a garbage-collector callback (JAX
-  registers one) cannot leave the tool running on."""
+  registers one) cannot leave the tool running on. (A child forked without
+  exec would write its signals into the same pipe; mjax forks none: its
+  subprocesses exec, and the pipe does not survive that.)"""
 
   def __init__(self):
     self._r, self._w = os.pipe()
