@@ -461,8 +461,9 @@ def test_kill_9_of_the_driver_the_agents_stay_and_a_new_driver_resumes_bitwise(t
   import test_ft as F
   port = launch.free_port()
   # Time to act: the trainers notice the lost driver (heartbeat timeout 3 s)
-  # well before the last of the 12 steps (a stop agreed on it finishes the run).
-  agents(port, 'a0', 'a1', env={protocol.INJECT_ENV: 'delay:seconds=1.5:attempt=0'})
+  # well before the last of the 12 steps (a stop agreed on it finishes the
+  # run), and save before the agents' deadline for them (2 x 3 s + grace).
+  agents(port, 'a0', 'a1', env={protocol.INJECT_ENV: 'delay:seconds=1.0:attempt=0'})
   cmd = lambda workdir: [os.path.join(BIN, 'mjax-launch'), '--executor', 'agent', '--bind', f'127.0.0.1:{port}',
                          '--processes', '2', '--hosts', 'a0,a1', '--workdir', str(workdir), *F.LAUNCH,
                          '--', *F.TRAIN]
