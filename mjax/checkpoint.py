@@ -465,9 +465,12 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
     other = foreign(d, me)
     if other is not None:
       mine[name] = other
+      continue
     # Claimed even inside the workdir, where it is always this run's (a
-    # moved workdir takes it over): another run pointed at it is refused.
-    elif _claim(d) is None or (_inside(d, me) and os.path.realpath(_claim(d)) != me):
+    # moved workdir takes over another path's claim): another run pointed
+    # at it is refused. Outside, a claim of another path made it foreign.
+    claim = _claim(d)
+    if claim is None or os.path.realpath(claim) != me:
       try:
         jsonfile.write_atomic(os.path.join(d, OWNER_FILE), {'workdir': me})
       except OSError:

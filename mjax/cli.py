@@ -37,9 +37,14 @@ _OURS: dict = {}
 GRACE_S = 10.0
 
 
+def _stop_status(signum: int) -> tuple[int, str]:
+  """(exit status, word) of a stop by Ctrl-C or SIGTERM."""
+  return ((protocol.EXIT_INTERRUPTED, 'interrupted') if signum == signal.SIGINT
+          else (protocol.EXIT_TERMINATED, 'terminated'))
+
+
 def _leave_tool(prog: str, signum: int) -> None:
-  status, what = ((protocol.EXIT_INTERRUPTED, 'interrupted') if signum == signal.SIGINT
-                  else (protocol.EXIT_TERMINATED, 'terminated'))
+  status, what = _stop_status(signum)
   print(f'{prog}: {what}', file=sys.stderr, flush=True)
   os._exit(status)
 
@@ -137,8 +142,8 @@ def entry_point(prog: str):
 
 
 def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:
-  what, status = (('interrupted', protocol.EXIT_INTERRUPTED) if signum == signal.SIGINT else
-                  ('terminated (SIGTERM)', protocol.EXIT_TERMINATED))
+  status, what = _stop_status(signum)
+  what += ' (SIGTERM)' if signum == signal.SIGTERM else ''
   print(f'{prog}: {what}; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(status)

@@ -232,7 +232,7 @@ def checkpoint(prog: str, argv: list[str]) -> int:
   p.add_argument('--verify', action='store_true', help='read every step and check its checksums')
   args = p.parse_args(argv)
   from mjax.config import CheckpointConfig
-  from mjax.checkpoint import foreign, tier_directories, verify_step
+  from mjax.checkpoint import foreign, steps_in, tier_directories, verify_step
   try:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
       ck = CheckpointConfig(**json.load(fh)['checkpoint'])
@@ -246,10 +246,8 @@ def checkpoint(prog: str, argv: list[str]) -> int:
       rows.append((tier, '-', "another run's", f'saved by the run in {other}: not this run\'s', directory))
       continue
     names = os.listdir(directory) if os.path.isdir(directory) else []
-    steps = sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))),
-                   reverse=True)
     aside = sorted(n for n in names if n.startswith('damaged-'))
-    for step in steps:
+    for step in steps_in(directory):
       path = os.path.join(directory, str(step))
       verdict, detail = verify_step(path) if args.verify else ('-', '')
       bad += verdict in ('damaged', 'unreadable')
