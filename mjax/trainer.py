@@ -228,9 +228,12 @@ class Trainer:
             reporter.eval_loss(step, evaluate(program, self.state.params, self.eval_batches))
       reporter.flush()
       reporter.close_bar()
-      self._save(step, meta, force=True)   # skipped when this step is already saved
-      if self.ckpt is not None:
-        self.ckpt.close()                  # every save durable before we report or exit
+      # In the checkpoint phase, as the heartbeats tell: an agent whose driver
+      # is gone lets a save finish (mjax/ft/agent.py).
+      with timer.phase('checkpoint'):
+        self._save(step, meta, force=True)   # skipped when this step is already saved
+        if self.ckpt is not None:
+          self.ckpt.close()                  # every save durable before we report or exit
       timer.close()
       if heartbeat is not None:            # tells the driver we are wrapping up
         heartbeat.close()

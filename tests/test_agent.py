@@ -46,6 +46,9 @@ for step in range(1, steps + 1):
   client.report_step(step, 1.0, 0.01)
   if client.driver_lost():
     print('driver lost', flush=True)
+    Timer.current = 'checkpoint'   # the last save, this long
+    time.sleep(float(os.environ.get('AGENT_TEST_SAVE_S', '0')))
+    print('saved', flush=True)
     client.close()
     sys.exit(4)   # protocol.EXIT_DRIVER_LOST
   time.sleep(0.1)
@@ -349,6 +352,44 @@ def test_an_agent_whose_driver_dies_stops_its_trainer_and_serves_the_next_driver
     assert procs['h0'].wait(10) == 0
   finally:
     server.close()
+
+
+def test_an_agent_whose_driver_is_gone_lets_a_long_last_save_finish_and_kills_a_stuck_one(tmp_path, agents):
+  """Trainers whose driver is gone save before they exit. A save that
+  outlasts the agent's deadline for orphans (2 x heartbeat timeout + grace =
+  3 s here) is let finish while its heartbeats say it is saving; one that
+  outlasts progress_timeout_s (5 s) is killed, as the driver would have."""
+  port = launch.free_port()
+  agents(port, 'h0', mode='slow', env={'AGENT_TEST_SAVE_S': '3.5'})
+  agents(port, 'h1', mode='slow', env={'AGENT_TEST_SAVE_S': '600'})
+  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 1.0, progress_timeout_s=5.0)
+  assert sorted(server.wait_for(['h0', 'h1'], 30)) == ['h0', 'h1']
+  env = launch.local_env(0, 1, '127.0.0.1:1')
+  env.update({protocol.DRIVER_ADDRESS_ENV: 'ignored:1', protocol.SECRET_ENV: SECRET, protocol.ATTEMPT_ENV: '0'})
+  handles = {h: agent_lib.AgentExecutor(server, h).start([sys.executable, '-c', TRAINER], env,
+                                                         str(tmp_path / f'{h}.log'))
+             for h in ('h0', 'h1')}
+  seen, deadline = set(), time.time() + 30
+  while time.time() < deadline and len(seen) < 2:
+    seen |= {p['host'] for p in server.take_beats()}
+    time.sleep(0.05)
+  assert seen == {'h0', 'h1'}
+  server.close()     # the driver dies: no farewell
+  deadline = time.time() + 30
+  while time.time() < deadline and any(_alive(h.pid) for h in handles.values()):
+    time.sleep(0.1)
+  assert not any(_alive(h.pid) for h in handles.values()), 'a trainer outlived its driver by 30 s'
+  logs = {h: (tmp_path / f'{h}.log').read_text() for h in handles}
+  assert 'driver lost' in logs['h0'] and 'saved' in logs['h0'], logs['h0']
+  assert 'driver lost' in logs['h1'] and 'saved' not in logs['h1'], logs['h1']
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+    return True
+  except ProcessLookupError:
+    return False
 
 
 def test_agent_and_driver_refuse_a_missing_secret_or_port(tmp_path, monkeypatch):

@@ -27,7 +27,8 @@ number: a message from another job, an altered one, a replay from an earlier
 connection or out of order closes the connection. The handshake:
 
   agent  -> driver   hello   {host, address, pid, nonce A}
-  driver -> agent    welcome {session "D:A", heartbeat interval and timeout}
+  driver -> agent    welcome {session "D:A", heartbeat interval and timeout,
+                              progress timeout}
   agent  -> driver   ready   (the first message carrying the session)
 
 An agent counts as connected only after `ready`, so a replayed hello
@@ -295,7 +296,7 @@ class AgentServer:
   """
 
   def __init__(self, host: str, port: int, secret_hex: str, interval_s: float, timeout_s: float,
-               on_event: Optional[Callable[..., None]] = None):
+               on_event: Optional[Callable[..., None]] = None, progress_timeout_s: float = 120.0):
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     self._listener = socket.socket(info[0], socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -304,6 +305,7 @@ class AgentServer:
     self.port = self._listener.getsockname()[1]
     self.secret = secret_hex
     self.interval_s, self.timeout_s = interval_s, timeout_s
+    self.progress_timeout_s = progress_timeout_s
     self._on_event = on_event or (lambda kind, **kw: None)
     self._lock = threading.Lock()
     self._links: dict[str, AgentLink] = {}       # host -> its ready agent
@@ -541,8 +543,8 @@ class AgentServer:
             raise ChannelError('the first message is not a hello')
           hello = msg
           channel.session = f'{secrets.token_hex(16)}:{msg["nonce"]}'
-          channel.send({'kind': 'welcome', 'interval_s': self.interval_s, 'timeout_s': self.timeout_s},
-                       wait=False)
+          channel.send({'kind': 'welcome', 'interval_s': self.interval_s, 'timeout_s': self.timeout_s,
+                        'progress_timeout_s': self.progress_timeout_s}, wait=False)
           self._pending[sock] = (channel, since, hello)
         elif msg.get('kind') == 'ready' and msg.get('session') == channel.session:
           self._register(sock, channel, hello)
@@ -701,7 +703,7 @@ class Agent:
     self.beats = hb.HeartbeatServer(heartbeat_bind, secret_hex, 60.0)
     self.procs: dict[int, subprocess.Popen] = {}
     self.latest: dict[int, dict] = {}       # process -> merged payload since the last relay
-    self.interval_s, self.timeout_s = 2.0, 20.0
+    self.interval_s, self.timeout_s, self.progress_timeout_s = 2.0, 20.0, 120.0
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
     self._exit = False
@@ -731,6 +733,7 @@ class Agent:
         ch.session = welcome['session']
         self.interval_s = float(welcome.get('interval_s', self.interval_s))
         self.timeout_s = float(welcome.get('timeout_s', self.timeout_s))
+        self.progress_timeout_s = float(welcome.get('progress_timeout_s', self.progress_timeout_s))
         ch.send({'kind': 'ready'})
         sock.settimeout(10.0)
         print(f'mjax-agent: {self.host}: connected to the driver at {self.driver[0]}:{self.driver[1]}',
@@ -813,16 +816,35 @@ class Agent:
 
   def _orphaned(self, heard: float) -> None:
     """The driver is gone: the trainers hear no acknowledgement and stop by
-    themselves within heartbeat_timeout_s; whatever still runs a timeout
-    after that is killed. Heartbeats keep being received (and not
-    acknowledged) meanwhile."""
+    themselves within heartbeat_timeout_s, saving first; whatever still runs
+    a timeout after that is killed, unless it is saving. A large model's
+    last save can take minutes, and killing it would throw away all the
+    work since the checkpoint before: a save whose heartbeats keep coming
+    gets what the driver would give it, progress_timeout_s. Heartbeats keep
+    being received (and not acknowledged) meanwhile."""
     self.beats.acking = False
     deadline = heard + 2 * self.timeout_s + self.grace_s
-    while self._alive() and time.monotonic() < deadline and self._signal is None:
-      self.beats.receive(0.1)
+    saves: dict[int, list[float]] = {}   # process -> [its save began, last heard saving]
+    while self._alive() and self._signal is None:
+      for payload, _, _ in self.beats.receive(0.1):
+        if payload is not None:
+          self._note_save(saves, payload, time.monotonic())
       self._reap(report=False)
+      now = time.monotonic()
+      saving = any(now - last < self.timeout_s and now - began < self.progress_timeout_s
+                   for began, last in saves.values())
+      if now >= deadline and not saving:
+        break
     self._stop_all(0.0)
     self.latest.clear()
+
+  @staticmethod
+  def _note_save(saves: dict, payload: dict, now: float) -> None:
+    process = int(payload['process'])   # an int: the verifier checked it
+    if payload.get('phase') == 'checkpoint' and not payload.get('final'):
+      saves.setdefault(process, [now, now])[1] = now
+    else:
+      saves.pop(process, None)
 
   def _alive(self) -> bool:
     return any(p.poll() is None for p in self.procs.values())

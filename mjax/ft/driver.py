@@ -370,7 +370,8 @@ class Driver:
       port = int(self.server.address.rpartition(':')[2])
       try:
         self.agents = agent_lib.AgentServer(host, port, self.secret, self.fault_cfg.heartbeat_interval_s,
-                                            self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit)
+                                            self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit,
+                                            progress_timeout_s=self.fault_cfg.progress_timeout_s)
       except OSError as e:
         self.server.close()
         raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None
