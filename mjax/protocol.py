@@ -38,6 +38,13 @@ EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell con
 EXIT_TERMINATED = 143   # SIGTERM outside the loop's own stop handling (start-up, compilation, the
                         # final evaluation): nothing to save there (shell convention 128 + SIGTERM)
 
+# --- stopping on a signal or a lost driver -----------------------------------------
+# The processes of a job stop after the same step: the first one asked proposes
+# the step it has reached plus this many (mjax.trainer.StopAgreement). An agent
+# whose driver is gone counts on it too: its trainers need up to this many
+# steps more, after they notice, before their last save (mjax/ft/agent.py).
+STOP_MARGIN_STEPS = 3
+
 # --- environment the driver sets for each training process ----------------------
 DRIVER_ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'   # host:port of the driver's heartbeat server
 SECRET_ENV = 'MJAX_JOB_SECRET'               # per-job HMAC secret of the heartbeats (hex)

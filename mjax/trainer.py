@@ -553,7 +553,7 @@ class StopAgreement:
   # within a step or two of each other, and the others learn the agreed step
   # within a coordination-service round trip (milliseconds), so none can have
   # passed it yet.
-  MARGIN = 3
+  MARGIN = protocol.STOP_MARGIN_STEPS
   KEY = 'mjax/stop/after_step'
   DONE = 'done'            # written on the way out: wakes every watcher, stops nobody
   DRIVER_LOST = 'driver_lost'

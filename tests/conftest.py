@@ -21,6 +21,14 @@ def repo_root() -> str:
   return REPO
 
 
+@pytest.fixture(scope='session')
+def ft_reference(tmp_path_factory, repo_root):
+  """The uninterrupted 2-process run of tests/test_ft.py's job under
+  mjax-launch, for every test that ends a recovered run bitwise equal to it."""
+  import test_ft
+  return test_ft.run_reference(tmp_path_factory.mktemp('ref'), repo_root)
+
+
 @pytest.fixture(scope='module', autouse=True)
 def fresh_gin():
   """Clears gin's bindings after each test module: config dataclasses are gin

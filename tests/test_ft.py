@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mjax import config as C
+from mjax import config as C, protocol
 from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib, stragglers
 from mjax.metrics import read_metrics
 
@@ -710,11 +710,13 @@ def assert_bitwise(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory, repo_root):
-  """An uninterrupted 2-process run; forged heartbeats are sent to it meanwhile."""
-  workdir = tmp_path_factory.mktemp('ref')
-  proc = subprocess.Popen(launch_cmd(workdir, 2), cwd=repo_root, env=child_env(),
+def run_reference(workdir, repo_root):
+  """An uninterrupted 2-process run; forged heartbeats are sent to it
+  meanwhile. Shared by every test that compares a recovered run with it
+  (conftest's `ft_reference`), under the driver's local executor or agents."""
+  env = child_env()
+  env.pop(protocol.SECRET_ENV, None)    # the driver's own, so that the forgery below is one
+  proc = subprocess.Popen(launch_cmd(workdir, 2), cwd=repo_root, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   start = wait_event(workdir, 'start', proc)[0]
   host, port = hb.parse_address(start['heartbeat_address'])
@@ -724,6 +726,11 @@ def reference(tmp_path_factory, repo_root):
   out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
   return workdir
+
+
+@pytest.fixture(scope='module')
+def reference(ft_reference):
+  return ft_reference
 
 
 @pytest.mark.slow

@@ -703,6 +703,7 @@ class Agent:
     self.beats = hb.HeartbeatServer(heartbeat_bind, secret_hex, 60.0)
     self.procs: dict[int, subprocess.Popen] = {}
     self.latest: dict[int, dict] = {}       # process -> merged payload since the last relay
+    self.step_s: dict[int, float] = {}      # process -> its last step's seconds
     self.interval_s, self.timeout_s, self.progress_timeout_s = 2.0, 20.0, 120.0
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
@@ -815,28 +816,41 @@ class Agent:
       self._orphaned(lost_at)
 
   def _orphaned(self, heard: float) -> None:
-    """The driver is gone: the trainers hear no acknowledgement and stop by
-    themselves within heartbeat_timeout_s, saving first; whatever still runs
-    a timeout after that is killed, unless it is saving. A large model's
-    last save can take minutes, and killing it would throw away all the
-    work since the checkpoint before: a save whose heartbeats keep coming
-    gets what the driver would give it, progress_timeout_s. Heartbeats keep
-    being received (and not acknowledged) meanwhile."""
+    """The driver is gone: the trainers hear no acknowledgement for
+    heartbeat_timeout_s, agree to stop protocol.STOP_MARGIN_STEPS steps
+    later, save and exit. Whatever still runs a timeout after that is
+    killed, unless it is saving: a large model's last save can take
+    minutes, and killing it would throw away all the work since the
+    checkpoint before, so a save whose heartbeats keep coming gets what the
+    driver would give it, progress_timeout_s. Heartbeats keep being
+    received (and not acknowledged) meanwhile."""
     self.beats.acking = False
-    deadline = heard + 2 * self.timeout_s + self.grace_s
     saves: dict[int, list[float]] = {}   # process -> [its save began, last heard saving]
     while self._alive() and self._signal is None:
       for payload, _, _ in self.beats.receive(0.1):
         if payload is not None:
+          self._note_step(payload)
           self._note_save(saves, payload, time.monotonic())
       self._reap(report=False)
       now = time.monotonic()
+      # Steps are counted in the slowest trainer's last step time: at scale a
+      # step can take longer than the heartbeat timeout.
+      slack = (protocol.STOP_MARGIN_STEPS + 1) * max(self.step_s.values(), default=0.0)
       saving = any(now - last < self.timeout_s and now - began < self.progress_timeout_s
                    for began, last in saves.values())
-      if now >= deadline and not saving:
+      if now >= heard + 2 * self.timeout_s + self.grace_s + slack and not saving:
         break
     self._stop_all(0.0)
     self.latest.clear()
+    self.step_s.clear()
+
+  def _note_step(self, payload: dict) -> None:
+    try:
+      seconds = float(payload.get('step_time') or 0.0)
+    except (TypeError, ValueError):
+      return
+    if math.isfinite(seconds) and seconds >= 0:
+      self.step_s[int(payload['process'])] = seconds
 
   @staticmethod
   def _note_save(saves: dict, payload: dict, now: float) -> None:
@@ -927,6 +941,7 @@ class Agent:
       process = int(payload['process'])
     except (KeyError, TypeError, ValueError):
       return
+    self._note_step(payload)
     prev = self.latest.get(process)
     self.latest[process] = hb.merge_beats(prev if prev is not None and prev.get('pid') == payload.get('pid')
                                           else None, payload)
