@@ -120,6 +120,12 @@ class CheckpointNotFound(UserError):
   """CheckpointConfig.restore_from names no readable checkpoint."""
 
 
+class NoUsableCheckpoint(UserError):
+  """The run has checkpoints and none of them can be read: starting over
+  would make its saves delete them (Orbax keeps the newest `keep` it
+  saved), so a person decides."""
+
+
 @dataclasses.dataclass
 class Restored:
   step: int
@@ -643,7 +649,7 @@ def verify_step(path: str) -> tuple[str, str]:
 # hyper-parameters, mesh) may change between a run and its resumption.
 STATE_SHAPE_KEYS = ('vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                     'block', 'mlp', 'norm', 'use_bias', 'tie_embeddings', 'full_attention_every',
-                    'scan_layers', 'param_dtype')
+                    'parallel_norms', 'scan_layers', 'param_dtype')
 
 
 CHECKPOINT_ITEMS = ('state', 'data', 'meta')
@@ -1193,7 +1199,7 @@ class Checkpointer:
     n = next(_RESTORE_ROUNDS)
     tiers = {t.name: t for t in self.tiers}
     layout = host_layout(abstract_state) if any(t.host for t in self.tiers) else None
-    restored = None
+    restored, failures, damaged_steps = None, [], []
     for i, (step, name) in enumerate(self._candidates(_restore_key(n, 'steps'), layout)):
       tier = tiers[name]
       path = os.path.join(tier.directory, str(step))
@@ -1211,10 +1217,24 @@ class Checkpointer:
                   'damaged' if damaged else 'unreadable', f' ({mine})' if mine else f' in process(es) {failed}')
       # Saved afresh when training passes this step again (see `save`).
       self._unusable.add((name, step))
+      failures.append(f'{path}: {"damaged" if damaged else "unreadable"} '
+                      f'({mine or "in process(es) " + str(failed)})')
       if len(verdicts) == jax.process_count() and damaged:
         # Bits that changed since the save: never usable again. (An unreadable
         # step may be a passing I/O fault: it stays where it is.)
-        self._move_aside(tier, step, path)
+        damaged_steps.append((tier, step, path))
+    if restored is None and failures:
+      raise NoUsableCheckpoint(
+          f'none of the {len(failures)} checkpoint(s) of this run can be used: ' + '; '.join(failures)
+          + '. Nothing was changed: starting from scratch instead would make the new saves delete these '
+          'steps. If the storage was only unreachable, run again; if the steps are damaged for good, '
+          '`mjax-report checkpoint --verify DIR` names what is wrong, and a new --workdir (or the '
+          'checkpoint directory moved aside) starts over.')
+    # Moved aside only once an older step has been read and checked: a fault
+    # in the devices that compute the checksums would otherwise make every
+    # good step look damaged, and move them all.
+    for tier, step, path in damaged_steps:
+      self._move_aside(tier, step, path)
     for tier in self.tiers:
       if tier.host:   # newer copies are of a timeline the job has left
         for step in tier.manager.all_steps():

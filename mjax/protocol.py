@@ -59,7 +59,7 @@ SKIP_BATCHES_KEY = 'TrainConfig.skip_batches'
 # --- facts ------------------------------------------------------------------------
 FACTS_DIR = 'protocol'
 STARTUP = 'startup'          # {part: seconds} to the first completed step
-NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan'}
+NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan', 'what': 'loss' (or grad_norm, update_norm)}
 USER_ERROR = 'user_error'    # the message of the bad input that ended the process (exit status 2)
 
 

@@ -55,12 +55,18 @@ from mjax.parallel import make_mesh, pipeline
 from mjax.train import Program, evaluate, make_program, setup_compilation_cache
 
 
-class NonFiniteLoss(FloatingPointError):
-  """The loss became NaN/Inf: exit status 3, the driver rolls back to the last
-  checkpoint (which holds a finite state) and skips the data that led here."""
+# Step metrics that must be finite for the state after the step to be.
+NONFINITE_CHECKED = ('loss', 'grad_norm', 'update_norm')
 
-  def __init__(self, step: int, loss: float):
-    super().__init__(f'loss is {loss} at step {step}')
+
+class NonFiniteLoss(FloatingPointError):
+  """The loss became NaN/Inf, or the gradient or update norm did (then the
+  loss is still finite, but the updated state is not): exit status 3, the
+  driver rolls back to the last checkpoint (which holds a finite state) and
+  skips the data that led here."""
+
+  def __init__(self, step: int, value: float, what: str = 'loss'):
+    super().__init__(f'{what} is {value} at step {step}')
     self.step = step
 
 
@@ -414,16 +420,20 @@ class StepReporter:
     tps = t.tokens_per_step / dt
     rec = {k: float(v) for k, v in m.items()}
     if self.injector is not None:
-      rec['loss'] = self.injector.after_step(step, rec['loss'])
+      self.injector.after_step(step, rec)
     rec.update(step_time=dt, tokens_per_sec=tps, mfu=t.flops_per_token * tps / t.peak)
     self.times.append(dt)
     self.losses.append(rec['loss'])
     if self.heartbeat is not None:
       self.heartbeat.report_step(step, rec['loss'], dt)
-    if not np.isfinite(rec['loss']):
+    # An overflowing gradient leaves this step's loss finite (it is the loss
+    # before the update) but makes the clip factor 0 and the update 0 x inf
+    # = NaN: the state after this step must not become a checkpoint either.
+    bad = next((k for k in NONFINITE_CHECKED if k in rec and not np.isfinite(rec[k])), None)
+    if bad is not None:
       if self.facts is not None:
-        self.facts.record(protocol.NONFINITE, {'step': step, 'loss': str(rec['loss'])})
-      raise NonFiniteLoss(step, rec['loss'])
+        self.facts.record(protocol.NONFINITE, {'step': step, 'loss': str(rec['loss']), 'what': bad})
+      raise NonFiniteLoss(step, rec[bad], bad)
     if step % self.log_every == 0 or step == self.last_step:
       self.writer.write(step, rec)
     self.bar.set_postfix(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:,.0f}', mfu=f'{rec["mfu"]:.1%}', refresh=False)

@@ -240,6 +240,17 @@ def test_a_stop_on_the_last_step_finishes_the_run(uninterrupted, tmp_path, monke
   assert summary.preempted and summary.final_step == N - 1
 
 
+def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_path, monkeypatch):
+  # The gradient overflowed at step 4, a save step: its loss is finite (the
+  # loss before the update), but the clip factor is 0 and the update 0 x inf
+  # = NaN. Before, that state became checkpoint 4, and every rollback
+  # resumed it and failed again.
+  monkeypatch.setenv('MJAX_FAULT', 'overflow:step=4')
+  with pytest.raises(trainer.NonFiniteLoss, match='grad_norm is inf at step 4'):
+    fit(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2'), str(tmp_path))
+  assert sorted(n for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == ['2']
+
+
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_root):
   cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}')
@@ -475,6 +486,42 @@ def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, damage, where):
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
   assert_bitwise(out_state.opt_state, full_state.opt_state)
+
+
+def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninterrupted, tmp_path):
+  """Every step damaged or unreadable (a bad device computing the checksums,
+  a config change that changes the tree): before, the run moved them all
+  aside or started from scratch, and its saves made Orbax delete them. It
+  now stops with one message naming each step, and no file changes."""
+  import hashlib
+  from mjax.checkpoint import NoUsableCheckpoint
+  workdir = str(tmp_path / 'run')
+  trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  ckdir = os.path.join(workdir, 'checkpoints')
+  for step, damage in (('4', 'flip'), ('2', 'truncate')):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ckdir, step, 'state')) for f in fs]
+    target = max(files, key=os.path.getsize)
+    with open(target, 'r+b') as fh:
+      if damage == 'truncate':
+        fh.truncate(os.path.getsize(target) // 2)
+      else:
+        fh.seek(os.path.getsize(target) // 2)
+        byte = fh.read(1)[0]
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte ^ 0x08]))
+  snapshot = lambda: {os.path.relpath(os.path.join(d, f), ckdir): hashlib.sha1(open(os.path.join(d, f), 'rb').read()).hexdigest()
+                      for d, _, fs in os.walk(ckdir) for f in fs}
+  before = snapshot()
+  with pytest.raises(NoUsableCheckpoint, match=r'none of the 2 checkpoint\(s\) of this run can be used: '
+                                               r'\S+/checkpoints/4: damaged .*/checkpoints/2: (damaged|unreadable)'):
+    trainer.run(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
+  assert snapshot() == before
+
+
+def test_a_change_of_parallel_norms_is_refused_by_name(uninterrupted):
+  from mjax.checkpoint import check_same_model
+  with pytest.raises(C.ConfigError, match="ModelConfig.parallel_norms = 'shared' there, 'separate' now"):
+    check_same_model(cfg8("ModelConfig.parallel_norms = 'separate'"), uninterrupted[0])
 
 
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):

@@ -9,6 +9,8 @@
                                             throttled device, so the others wait in collectives
     MJAX_FAULT="delay:seconds=0.5"          every step takes 0.5 s longer (time to act in)
     MJAX_FAULT="nan:step=8"                 report a NaN loss at step 8
+    MJAX_FAULT="overflow:step=8"            report an infinite gradient norm at step 8, its
+                                            loss finite (a gradient that overflowed)
     MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
     MJAX_FAULT="term:step=5"                SIGTERM itself before step 5 (a pre-emption, on cue)
 
@@ -31,7 +33,7 @@ from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'exit', 'term')
+KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'exit', 'term')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +112,18 @@ class Injector:
         self._throttle = _start_throttle(f.factor)
     self._t = time.perf_counter()
 
-  def after_step(self, step: int, loss: float) -> float:
-    """Returns the loss to report (NaN when a nan fault fires)."""
+  def after_step(self, step: int, metrics: dict) -> None:
+    """Changes the step's metrics as reported (a NaN loss, an infinite
+    gradient norm) when such a fault fires."""
     for f in self.faults:
       if f.kind == 'slow' and self._t is not None:
         time.sleep((f.factor - 1.0) * (time.perf_counter() - self._t))
       if f.kind == 'delay':
         time.sleep(f.seconds)
       if f.kind == 'nan' and step == f.step:
-        return float('nan')
-    return loss
+        metrics['loss'] = float('nan')
+      if f.kind == 'overflow' and step == f.step:
+        metrics['grad_norm'] = float('inf')
 
 
 # A process cannot resume itself from SIGSTOP: a child stops and continues it,
