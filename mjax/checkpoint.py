@@ -221,7 +221,8 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
   if cfg.fast_every:
     fast = cfg.fast_directory
     if fast is None:
-      tag = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
+      # The real path: a workdir spelled through a link is the same run.
+      tag = hashlib.sha1(os.path.realpath(workdir).encode()).hexdigest()[:12]
       fast = os.path.join('/dev/shm', 'mjax', tag)
     dirs['fast'] = _expand(fast)
   return dirs
@@ -712,6 +713,27 @@ def check_same_model(cfg: Any, workdir: str) -> None:
           f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
           f'resumed with this config, and starting over there would overwrite that run\'s config '
           f'and metrics. {advice}')
+  fast = local.get('fast')
+  if not os.path.lexists(record) and fast is not None and not _inside(fast, workdir) and \
+      not steps.get('persistent') and '://' not in tiers['persistent']:
+    # A workdir with no run in it whose fast tier, outside it and claimed by
+    # this path (another's is check_owner's), holds steps while the
+    # persistent tier holds none: an earlier run's at this path, whose
+    # workdir was deleted or moved (the default fast tier is named after the
+    # workdir's path and outlives it in /dev/shm). A new run would resume
+    # that run's state as its own. A host-local tier keeps its steps, and
+    # its claims, in a directory per process.
+    dirs = [fast] + [os.path.join(fast, n) for n in sorted(os.listdir(fast)) if n.startswith('process-')]
+    if not any(foreign(d, workdir) for d in dirs):
+      held = sorted({s for d in dirs for s in steps_in(d)}, reverse=True)
+      if held:
+        raise ConfigError(
+            f'CheckpointConfig.fast_directory = {fast!r} (the fast tier'
+            + (', named after the workdir\'s path' if cfg.checkpoint.fast_directory is None else '')
+            + f') holds step(s) {", ".join(map(str, held[:5]))} of an earlier run at --workdir {workdir!r}, '
+            f'which holds no run now (no config.json) and whose persistent tier holds no steps: that '
+            f'workdir was deleted or moved, and a new run here would resume its state as its own. Delete '
+            f'{fast!r} if that run is over, or resume it from its own workdir.')
   for name, d in local.items():
     # A file named like a step is none (Orbax's steps are directories), but
     # Orbax's save of that step would delete it to make room.

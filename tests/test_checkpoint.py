@@ -524,6 +524,23 @@ def test_a_change_of_parallel_norms_is_refused_by_name(uninterrupted):
     check_same_model(cfg8("ModelConfig.parallel_norms = 'separate'"), uninterrupted[0])
 
 
+def test_a_fast_tier_left_by_a_deleted_workdir_is_refused(tmp_path):
+  # The fast tier outside the workdir (by default in /dev/shm, named after
+  # the workdir's path) outlives a deleted workdir: a new run at that path
+  # resumed the old run's state as its own. With the workdir there, the
+  # same steps are the run's own and resume as always.
+  import shutil
+  workdir, fast = tmp_path / 'run', tmp_path / 'fast'
+  cfg = cfg8('TrainConfig.steps = 2', 'CheckpointConfig.fast_every = 1', 'CheckpointConfig.save_every = 100',
+             f"CheckpointConfig.fast_directory = '{fast}'")
+  trainer.run(cfg, str(workdir))
+  shutil.rmtree(workdir)
+  with pytest.raises(C.ConfigError, match=r"holds step\(s\) 2, 1 of an earlier run at --workdir .* was "
+                                           r"deleted or moved"):
+    trainer.run(cfg, str(workdir))
+  assert sorted(os.listdir(fast)) == ['.mjax-run.json', '1', '2'] and not (workdir / 'config.json').exists()
+
+
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
   workdir, _ = uninterrupted
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
