@@ -22,7 +22,7 @@ from mjax import launch, protocol
 # A regression here tends to hang (a process never stopped, an agent never
 # answering): fail instead.
 pytestmark = pytest.mark.timeout(300)
-from mjax.ft import agent as agent_lib, driver, heartbeat as hb
+from mjax.ft import agent as agent_lib, detect, driver, heartbeat as hb
 
 SECRET = 'cd' * 32
 BIN = os.path.dirname(sys.executable)
@@ -143,6 +143,70 @@ def test_channel_passes_messages_in_order_and_refuses_everything_else():
   with pytest.raises(agent_lib.ChannelError, match='longer than'):
     list(fresh.feed(b'x' * (agent_lib.MAX_LINE + 1)))
   assert next(driver_end.feed(line))['seq'] == 3   # the connection itself was not confused by the above
+
+
+@contextlib.contextmanager
+def _high_descriptor_pair(least=1100):
+  """A socketpair whose first end has a descriptor above select()'s 1,024."""
+  import resource
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  fd = least
+  while True:   # a free descriptor: dup2 onto a used one would close it
+    try:
+      os.fstat(fd)
+      fd += 1
+    except OSError:
+      break
+  if soft <= fd + 1:
+    if hard != resource.RLIM_INFINITY and hard <= fd + 1:
+      pytest.skip(f'RLIMIT_NOFILE hard limit {hard}: no descriptor above 1,024')
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 64, hard))
+  a, b = socket.socketpair()
+  try:
+    os.dup2(a.fileno(), fd)
+    a.close()
+    a = socket.socket(fileno=fd)
+    yield a, b
+  finally:
+    a.close()
+    b.close()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_send_to_a_slow_peer_waits_on_descriptors_above_1024(monkeypatch):
+  """A driver past ~1,000 agents has descriptors select() refuses (ValueError):
+  a send that must wait for its peer to read works there, and one that
+  fails costs the driver nothing."""
+  with _high_descriptor_pair() as (a, b):
+    a.setblocking(False)
+    queued = 0
+    with contextlib.suppress(BlockingIOError):
+      while True:   # the peer reads nothing yet: the buffers fill up
+        queued += a.send(b'x' * 65536)
+    got = bytearray()
+
+    def read_late():
+      time.sleep(0.2)
+      b.settimeout(10)
+      while not got.endswith(b'\n') or len(got) <= queued:
+        got.extend(b.recv(1 << 20))
+    import threading
+    reader = threading.Thread(target=read_late)
+    reader.start()
+    agent_lib.Channel(a, SECRET, 'driver', 'agent').send({'kind': 'ack', 'supervised': True})
+    reader.join()
+    (msg,) = agent_lib.Channel(b, SECRET, 'agent', 'driver').feed(bytes(got[queued:]))
+    assert msg['kind'] == 'ack'
+
+    # Nobody reads any more: the send gives up, and the link swallows it.
+    monkeypatch.setattr(agent_lib, 'SEND_TIMEOUT_S', 0.2)
+    with contextlib.suppress(BlockingIOError):
+      while True:
+        a.send(b'x' * 65536)
+    link = agent_lib.AgentLink('h1', '127.0.0.1', 1, agent_lib.Channel(a, SECRET, 'driver', 'agent'), 0.0)
+    link.send({'kind': 'ack', 'supervised': True})
+    a.close()
+    link.send({'kind': 'ack', 'supervised': True})
 
 
 def _handshake(port, host='h9', nonce='n1'):
@@ -451,6 +515,87 @@ def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):
     # Meanwhile the agent kept relaying (its own heartbeat): it is still connected.
     assert server.link('h0') is not None
     assert server.run('nobody', ['true'], {}, 1.0)[0] == agent_lib.EXIT_HOST_LOST
+
+
+class FakeAgent:
+  """An agent by hand, no process: it relays empty beats, and answers each
+  `run` with answer(host, argv) -> (code, report), or drops the connection
+  where that is None (the network blips while the host is diagnosed)."""
+
+  def __init__(self, port, host, answer, nonce='n1'):
+    import threading
+    self.host, self.answer = host, answer
+    self.sock, self.ch, _ = _handshake(port, host=host, nonce=nonce)
+    self.sock.settimeout(0.05)
+    threading.Thread(target=self._serve, daemon=True).start()
+
+  def _serve(self):
+    next_beat = 0.0
+    with contextlib.suppress(OSError):
+      while True:
+        if time.monotonic() >= next_beat:
+          self.ch.send({'kind': 'beats', 'payloads': []})
+          next_beat = time.monotonic() + 0.1
+        try:
+          data = self.sock.recv(1 << 16)
+        except socket.timeout:
+          continue
+        if not data:
+          return
+        for msg in self.ch.feed(data):
+          if msg['kind'] == 'port':
+            self.ch.send({'kind': 'port', 'id': msg['id'], 'port': launch.free_port()})
+          elif msg['kind'] == 'run':
+            reply = self.answer(self.host, msg['argv'])
+            if reply is None:
+              self.sock.close()
+              return
+            self.ch.send({'kind': 'ran', 'id': msg['id'], 'code': reply[0], 'out': json.dumps(reply[1]), 'err': ''})
+
+
+def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_blocked(tmp_path, monkeypatch):
+  """A network blip must not block a healthy host for good: where its agent's
+  link drops while its diagnostic, or a link check with it, runs, there is
+  no verdict; the host sits out until its agent is back and passes."""
+  monkeypatch.setenv(protocol.SECRET_ENV, SECRET)
+  port = launch.free_port()
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
+  passing = (0, {'passed': True, 'checks': [{'name': 'memory', 'passed': True}]})
+  fakes = []
+  try:
+    # a1's agent drops while a1 is diagnosed; a0 passes.
+    fakes += [FakeAgent(port, 'a0', lambda host, argv: passing),
+              FakeAgent(port, 'a1', lambda host, argv: None)]
+    assert d.agents.wait_for(['a0', 'a1'], 10) == ['a0', 'a1']
+    att = driver.Attempt(0, ['a0', 'a1'], {0: None, 1: None}, [], {}, None, [], 0.0)
+    d._diagnose(att, detect.Fault('exit', [1], 'exited abnormally'))
+    assert d.blocked.hosts() == [] and d._undiagnosed == {'a1'}
+    a1 = [e for e in events(tmp_path, 'diagnosis') if e['host'] == 'a1']
+    assert a1[-1]['passed'] is None and 'went away' in a1[-1]['detail'], a1
+    # Its agent is back: it is diagnosed before it runs anything, and passes.
+    fakes.append(FakeAgent(port, 'a1', lambda host, argv: passing, nonce='n2'))
+    assert d._plan() == ['a0', 'a1'] and d._undiagnosed == set()
+    late = events(tmp_path, 'diagnosis')[-1]
+    assert (late['host'], late['passed'], late.get('late')) == ('a1', True, True), late
+
+    # Both pass their own checks; a0's agent drops during the link check of
+    # a1 with it, whose collective then fails on a1's side too.
+    def link_check_drops(host, argv):
+      if '--no_baseline' not in argv:
+        return passing
+      return None if host == 'a0' else (1, {'passed': False, 'checks': [{'name': 'allreduce_global', 'passed': False}]})
+    for f in fakes[:1] + fakes[2:]:
+      f.answer = link_check_drops
+    d._diagnose(att, detect.Fault('exit', [1], 'exited abnormally'))
+    (check,) = events(tmp_path, 'link_check')
+    assert check['passed'] is None and 'a0 went away' in check['detail'], check
+    assert d.blocked.hosts() == [] and d._undiagnosed == {'a0'} and not events(tmp_path, 'host_blocked')
+  finally:
+    for f in fakes:
+      f.sock.close()
+    d.agents.close()
+    d.server.close()
+    d.events.close()
 
 
 # --- real trainers through agents ----------------------------------------------------

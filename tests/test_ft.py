@@ -949,6 +949,30 @@ def test_heartbeat_server_turns_every_datagram_into_a_verdict():
     server.close()
 
 
+def test_heartbeat_server_reads_a_full_socket_in_bounded_batches(monkeypatch):
+  """A flood keeps the socket full: each `receive` returns after a batch,
+  so that the driver's loop goes on to its checks; the rest waits for the
+  next call."""
+  monkeypatch.setattr(hb, 'RECEIVE_BATCH', 50)
+  server = hb.HeartbeatServer('127.0.0.1:0', SECRET, window_s=30)
+  sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  try:
+    address = hb.parse_address(server.address)
+    for i in range(120):
+      sock.sendto(b'junk %d' % i, address)
+    first = server.receive(1.0)
+    assert len(first) == 50 and all(p is None for p, _, _ in first)
+    rest, deadline = [], time.time() + 5
+    while len(first) + len(rest) < 120 and time.time() < deadline:
+      batch = server.receive(0.2)
+      assert len(batch) <= 50
+      rest += batch
+    assert len(first) + len(rest) == 120
+  finally:
+    sock.close()
+    server.close()
+
+
 class Flood:
   """Hostile datagrams at the current driver's heartbeat port, from a thread,
   paced so that the real heartbeats still get through."""
@@ -1209,6 +1233,45 @@ def test_numerical_faults_check_no_links(tmp_path, monkeypatch):
   att = fake_attempt(d, ['slot0', 'slot1'])
   d._diagnose(att, detect.Fault('nonfinite_loss', [1], 'nan'))
   assert events(tmp_path, 'link_check') == [] and len(events(tmp_path, 'diagnosis')) == 2
+
+
+class StuckProcess:
+  """A local process SIGKILL does not end (stuck in the kernel): Popen's
+  interface, and never a status."""
+  pid, returncode = None, None
+
+  def poll(self):
+    return None
+
+  def send_signal(self, sig):
+    pass
+
+  def wait(self, timeout=None):
+    time.sleep(timeout)
+    raise subprocess.TimeoutExpired('stuck', timeout)
+
+
+class NoKill:
+  def kill(self, handle):
+    pass
+
+
+def test_processes_that_outlive_sigkill_cost_one_wait_and_count_as_lost_hosts(tmp_path, monkeypatch):
+  monkeypatch.setattr(driver, 'KILL_WAIT_S', 0.5)
+  d = make_driver(tmp_path, '--grace_s', '0')
+  try:
+    att = fake_attempt(d, ['slot0', 'slot1', 'slot2'])
+    att.handles = {i: StuckProcess() for i in range(3)}
+    att.executors = [NoKill()] * 3
+    t0 = time.monotonic()
+    d._stop(att, 'exit')
+    assert time.monotonic() - t0 < 1.0   # one KILL_WAIT_S for all three
+  finally:
+    d.server.close()
+    d.events.close()
+  (stopped,) = events(tmp_path, 'stopped')
+  assert stopped['killed'] == [0, 1, 2] and stopped['exit'] == {'0': 'host lost', '1': 'host lost', '2': 'host lost'}
+  assert driver.Driver._describe_status(None) == 'not exited'
 
 
 @pytest.mark.slow

@@ -57,6 +57,8 @@ Failure behaviour:
     the driver's usual recovery follows, and the host sits out (not
     blocked: a network blip must not cost a healthy host for good) until
     its agent is back and passes its diagnostics; a spare takes its place.
+    So does a host whose agent goes while its diagnostic, or a link check
+    with it, runs: that run is no verdict.
   - Hostile or broken peers: before it authenticates a connection may send
     one small hello and has HANDSHAKE_S to finish; at most MAX_PENDING wait
     at once. The server's thread never blocks on one agent (a peer that
@@ -162,7 +164,7 @@ class Channel:
           raise BlockingIOError('the peer is not reading')
         if left <= 0:
           raise TimeoutError(f'the peer read nothing for {SEND_TIMEOUT_S:.0f}s')
-        select.select([], [self.sock], [], left)
+        _wait_writable(self.sock, left)
     finally:
       self._lock.release()
 
@@ -207,6 +209,18 @@ class Channel:
       self.sock.close()
     except OSError:
       pass
+
+
+def _wait_writable(sock, timeout: float) -> None:
+  """Waits at most `timeout` seconds for room in `sock`'s send buffer. poll,
+  not select: select() refuses descriptors from 1,024 on, and a driver
+  serving more hosts than that has them."""
+  fd = sock.fileno()
+  if fd < 0:   # closed meanwhile (the server's thread dropped the connection)
+    raise OSError(errno.EBADF, 'the connection is closed')
+  poller = select.poll()
+  poller.register(fd, select.POLLOUT)
+  poller.poll(math.ceil(max(0.0, timeout) * 1000))
 
 
 # Set on purpose by the driver (mjax/launch.py): sent whatever the driver's
@@ -283,7 +297,7 @@ class AgentLink:
       return
     try:
       self.channel.send(msg)
-    except OSError:
+    except (OSError, ValueError):   # ValueError: a socket closed under the send
       pass   # noticed by the server's loop, which marks the host lost
 
 

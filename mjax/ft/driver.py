@@ -530,14 +530,25 @@ class Driver:
       # may just be late); a spare takes its place where there is one.
       pool = [h for h in [*o.hosts, *o.spares] if h not in self.blocked and self.agents.link(h) is not None]
     # A host whose agent was away when the hosts were diagnosed is checked
-    # now that it is back, before it runs anything.
-    for h in [h for h in pool if h in self._undiagnosed][:max(0, o.processes)]:
-      passed, _, detail = self._diagnose_host(h)
-      self.events.emit('diagnosis', host=h, passed=passed, detail=detail, late=True)
-      self._undiagnosed.discard(h)
-      if not passed:
-        self._block(h, f'diagnostic failed: {detail}')
-    hosts = [h for h in pool if h not in self.blocked][:o.processes]
+    # now that it is back, before it runs anything: those this attempt would
+    # take, all at once (as in _diagnose), until every host it takes has
+    # passed. One whose agent goes again meanwhile sits the attempt out.
+    away: set[str] = set()
+    while True:
+      hosts = [h for h in pool if h not in self.blocked and h not in away][:o.processes]
+      late = [h for h in hosts if h in self._undiagnosed]
+      if not late:
+        break
+      with concurrent.futures.ThreadPoolExecutor(max_workers=len(late)) as workers:
+        results = list(workers.map(self._diagnose_host, late))
+      for h, (passed, _, detail) in zip(late, results):
+        self.events.emit('diagnosis', host=h, passed=passed, detail=detail, late=True)
+        if passed is None:
+          away.add(h)
+          continue
+        self._undiagnosed.discard(h)
+        if not passed:
+          self._block(h, f'diagnostic failed: {detail}')
     missing = sorted(set(o.hosts) - set(self.blocked.hosts()) - set(self.agents.connected()))
     self.events.emit('agents', connected=self.agents.connected(), chosen=hosts, missing=missing)
     return hosts
@@ -676,7 +687,9 @@ class Driver:
     return protocol.read_facts(self.workdir, process, att.number)
 
   @staticmethod
-  def _describe_status(code: int) -> str:
+  def _describe_status(code: Optional[int]) -> str:
+    if code is None:   # no status: still there after SIGKILL
+      return 'not exited'
     if code < 0:
       try:
         return signal.Signals(-code).name
@@ -809,14 +822,23 @@ class Driver:
     the processes killed."""
     from mjax import launch
     killed = launch.terminate(att.handles, wait_s, lambda i, h: att.executors[i].kill(h), patient)
+    # One deadline for them all: k stuck processes cost KILL_WAIT_S, not k times it.
+    deadline = time.monotonic() + KILL_WAIT_S
     for h in att.handles.values():
       try:
-        h.wait(timeout=KILL_WAIT_S)
+        h.wait(timeout=max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         # Not gone a minute after SIGKILL (a process stuck in the kernel, a
         # wedged device): the host cannot be trusted with the next attempt.
+        # A local process keeps no status (returncode None): it is marked
+        # the same way, for the events.
         if hasattr(h, '_exited'):
           h._exited(protocol.EXIT_HOST_LOST, host_lost=True)
+        else:
+          try:
+            h.host_lost = True
+          except AttributeError:
+            pass
     return killed
 
   def _exit_statuses(self, att: Attempt) -> dict:
@@ -901,8 +923,13 @@ class Driver:
     if self.agents is not None and self.agents.link(host) is None:
       return None, None, 'no agent connected: diagnosed when it is back'
     for attempt in range(1, DIAGNOSE_TRIES + 1):
+      link = self._agent_link(host)
       code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
                                                        self._diagnose_env(host), self.opts.diagnose_timeout_s)
+      if self._agent_went(host, link, code):
+        # The link dropped while it ran: no verdict on the host (a network
+        # blip must not block it for good); it is diagnosed when it is back.
+        return None, None, f'its agent went away during the diagnostic ({err.strip()[:300] or "no detail"})'
       passed, report, detail = self._verdict(code, out, err)
       # A failed check is a verdict, and a diagnostic that hangs points at
       # the host; one that crashed before it could report says nothing
@@ -913,6 +940,19 @@ class Driver:
     if not passed and attempt > 1:
       detail = f'{detail} (crashed {attempt} times)'
     return passed, report, detail
+
+  def _agent_link(self, host: str):
+    """The agent's link to `host` now (None without agents, or none connected)."""
+    return self.agents.link(host) if self.agents is not None else None
+
+  def _agent_went(self, host: str, link, code: int) -> bool:
+    """Whether a run on `host` that began on `link` ended because that agent
+    went away: status EXIT_HOST_LOST (what the agent server answers then)
+    and the link lost or replaced since (a diagnostic that itself exits 255
+    on a live link is a verdict)."""
+    if self.agents is None or code != protocol.EXIT_HOST_LOST:
+      return False
+    return link is None or link.lost or self.agents.link(host) is not link
 
   @staticmethod
   def _verdict(code: int, out: str, err: str) -> tuple[bool, Optional[dict], str]:
@@ -972,10 +1012,15 @@ class Driver:
       for (suspect, ref), (passed_, detail) in zip(pairs, results):
         self.events.emit('link_check', host=suspect, partner=ref, passed=passed_, detail=detail,
                          seconds=round(time.monotonic() - t0, 3))
-        if not passed_:
+        if passed_ is None:
+          # An agent of the pair went away: no verdict on the link, none
+          # blocked. A host whose agent is gone sits out until it is back
+          # and passes its diagnostic (_plan).
+          self._undiagnosed |= {h for h in (suspect, ref) if self._agent_link(h) is None}
+        elif not passed_:
           self._block(suspect, f'collective with {ref} failed: {detail}')
 
-  def _link_pair(self, suspect: str, ref: str) -> tuple[bool, str]:
+  def _link_pair(self, suspect: str, ref: str) -> tuple[Optional[bool], str]:
     """mjax-diagnose --checks allreduce as one JAX job of two processes,
     the named host first (process 0, so its coordinator is tested too).
 
@@ -984,19 +1029,24 @@ class Driver:
     trains bitwise as before), while one failed start of a two-process job
     has causes that are not the link's: the port `free_port` chose taken by
     another program before the coordinator bound it, a start-up slowed past
-    a deadline on a loaded host. A bad link fails both times."""
+    a deadline on a loaded host. A bad link fails both times. None: an
+    agent of the pair went away, no verdict."""
     first = None
     for _ in range(LINK_TRIES):
       passed, detail = self._link_job(suspect, ref)
+      if passed is None:
+        return None, detail
       if passed:
         return True, 'passed' if first is None else f'passed when tried again (first try: {first})'
       first = first or detail
     return False, detail if LINK_TRIES == 1 else f'{detail} (failed {LINK_TRIES} times)'
 
-  def _link_job(self, suspect: str, ref: str) -> tuple[bool, str]:
-    """One two-process mjax-diagnose job (see `_link_pair`)."""
+  def _link_job(self, suspect: str, ref: str) -> tuple[Optional[bool], str]:
+    """One two-process mjax-diagnose job (see `_link_pair`); passed None:
+    an agent of the pair went away while it ran."""
     from mjax import launch
     hosts = [suspect, ref]
+    links = [self._agent_link(h) for h in hosts]
     executors = [self.executor_factory(h) for h in hosts]
     coordinator = executors[0].coordinator(launch.free_port())
     # Whether the collective works (right result, within its deadline), not
@@ -1007,7 +1057,13 @@ class Driver:
       runs = [pool.submit(ex.run, argv, self._diagnose_env(h, launch.local_env(i, 2, coordinator, self.opts.devices)),
                           self.opts.diagnose_timeout_s)
               for i, (h, ex) in enumerate(zip(hosts, executors))]
-      verdicts = [self._verdict(*r.result()) for r in runs]
+      results = [r.result() for r in runs]
+    gone = [h for h, link, (code, _, _) in zip(hosts, links, results) if self._agent_went(h, link, code)]
+    if gone:
+      # Not the link's fault: the other side of a two-process job whose
+      # partner is gone fails too, waiting on a collective that never comes.
+      return None, f'the agent on {", ".join(gone)} went away during the check: no verdict'
+    verdicts = [self._verdict(*r) for r in results]
     bad = [f'{h}: {v[2]}' for h, v in zip(hosts, verdicts) if not v[0]]
     return (not bad), ('passed' if not bad else '; '.join(bad))
 

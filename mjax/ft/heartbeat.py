@@ -76,6 +76,8 @@ LOG_LINES = 5             # warning/error records carried by each heartbeat
 LOG_CHARS = 400           # each one cut to this length
 MAX_LOSSES = 256          # [step, loss] pairs per heartbeat (the newest kept)
 RECEIVE_BUFFER = 32 << 20  # bytes asked for the driver's socket
+RECEIVE_BATCH = 4096      # datagrams one `receive` takes at most (the rest wait in the socket)
+RECEIVE_DRAIN_S = 0.05    # time one `receive` spends reading, at least (more with a longer timeout)
 
 
 _HEX_MAC = re.compile(r'[0-9a-f]{64}')
@@ -439,10 +441,19 @@ class HeartbeatServer:
     self.acking = True
 
   def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
-    """[(payload, None, sender) or (None, reason, sender)], waiting at most `timeout`."""
+    """[(payload, None, sender) or (None, reason, sender)], waiting at most
+    `timeout` for the first; then at most RECEIVE_BATCH datagrams, read for
+    about max(timeout, RECEIVE_DRAIN_S). A sender that keeps the socket full
+    must not keep the caller's loop from its other work (the driver's checks
+    run between two calls); what is left is read by the next call."""
     out = []
     ready, _, _ = select.select([self.sock], [], [], timeout)
-    while ready:
+    if not ready:
+      return out
+    deadline = time.monotonic() + max(timeout, RECEIVE_DRAIN_S)
+    for _ in range(RECEIVE_BATCH):
+      if out and time.monotonic() > deadline:
+        break
       try:
         data, sender = self.sock.recvfrom(MAX_DATAGRAM + 1)
       except (BlockingIOError, InterruptedError):
