@@ -1387,7 +1387,10 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
                                   item_names=('state', 'data', 'meta'))
   try:
     if step is None:
-      step = manager.latest_step()
+      # Process 0's newest, in every process: the run it comes from may
+      # commit a new step while the processes look, and all must read one.
+      step = json.loads(distributed.broadcast_str(_restore_key(next(_RESTORE_ROUNDS), 'explicit/step'),
+                                                  json.dumps(manager.latest_step())))
       if step is None:
         raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no checkpoint in it; give '
                                  f'a run\'s checkpoints/ directory or one of its step folders.')

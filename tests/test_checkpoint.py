@@ -541,6 +541,29 @@ def test_a_fast_tier_left_by_a_deleted_workdir_is_refused(tmp_path):
   assert sorted(os.listdir(fast)) == ['.mjax-run.json', '1', '2'] and not (workdir / 'config.json').exists()
 
 
+def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupted, tmp_path):
+  """CheckpointConfig.restore_from: a checkpoint directory (its newest step)
+  continues exactly, data position included; a step folder with
+  restore_data = False takes the state only; a wrong path is refused; the
+  source is only read."""
+  full_dir, full_state = uninterrupted
+  src = tmp_path / 'src'
+  trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), str(src))
+  listing = sorted(os.listdir(src / 'checkpoints'))
+  out, state = fit(cfg8(f'TrainConfig.steps = {N}', f"CheckpointConfig.restore_from = '{src / 'checkpoints'}'"),
+                   tmp_path / 'b')
+  assert out.start_step == 4
+  assert losses(tmp_path / 'b') == {k: v for k, v in losses(full_dir).items() if k > 4}
+  assert_bitwise(state.params, full_state.params)
+  out, _ = fit(cfg8('TrainConfig.steps = 3', f"CheckpointConfig.restore_from = '{src / 'checkpoints' / '2'}'",
+                    'CheckpointConfig.restore_data = False'), tmp_path / 'c')
+  assert out.start_step == 2 and losses(tmp_path / 'c').keys() == {3}
+  assert losses(tmp_path / 'c')[3] != losses(full_dir)[3]     # the data from its start: another batch
+  with pytest.raises(C.ConfigError, match='must be an existing checkpoint directory'):
+    cfg8(f"CheckpointConfig.restore_from = '{src / 'nothing'}'")
+  assert sorted(os.listdir(src / 'checkpoints')) == listing
+
+
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
   workdir, _ = uninterrupted
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}

@@ -1306,3 +1306,46 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
                           capture_output=True, text=True, timeout=120)
   assert report.returncode == 0, report.stderr
   assert 'straggler: process 1' in report.stdout and 'device compute' in report.stdout
+
+
+def test_slurm_kills_of_one_attempt_list_the_steps_once_and_a_slurmctld_error_ends_nothing(tmp_path,
+                                                                                           monkeypatch):
+  """After a hang every process is killed: one squeue serves them all (one
+  per process is a thousand calls to slurmctld on a 1,000-node job), each
+  step is cancelled, and a step started since is listed afresh. A squeue or
+  scancel that fails (missing, timed out) costs a message, not the driver."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  calls = tmp_path / 'calls'
+  (bin_dir / 'squeue').write_text(f'#!/bin/sh\necho squeue >> {calls}\ncat {tmp_path / "steps"}\n')
+  (bin_dir / 'scancel').write_text(f'#!/bin/sh\necho "scancel $*" >> {calls}\n')
+  for f in ('squeue', 'scancel'):
+    os.chmod(bin_dir / f, 0o755)
+  (tmp_path / 'steps').write_text('7.0 mjax-a1-n0\n7.1 mjax-a1-n1\n7.2 mjax-a1-n2\n7.3 other\n')
+  monkeypatch.setenv('PATH', f'{bin_dir}{os.pathsep}{os.environ["PATH"]}')
+  monkeypatch.setenv('SLURM_JOB_ID', '7')
+  monkeypatch.setattr(executor.SlurmExecutor, '_steps', (-1e9, {}))
+
+  def handle(host, attempt=1):
+    h = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)
+    h.step_name = f'mjax-a{attempt}-{host}'
+    return h
+
+  handles = [handle(f'n{i}') for i in range(3)]
+  for i, h in enumerate(handles):
+    executor.SlurmExecutor(f'n{i}').kill(h)
+    assert h.wait(10) == -signal.SIGKILL
+  assert calls.read_text().splitlines() == ['squeue', 'scancel --signal=KILL 7.0', 'scancel --signal=KILL 7.1',
+                                            'scancel --signal=KILL 7.2']
+  # A step of the next attempt, started after that listing: listed afresh.
+  (tmp_path / 'steps').write_text('7.4 mjax-a2-n0\n')
+  h = handle('n0', attempt=2)
+  executor.SlurmExecutor('n0').kill(h)
+  assert calls.read_text().splitlines()[-2:] == ['squeue', 'scancel --signal=KILL 7.4']
+  # No scancel at all (an image without the SLURM client): said, the srun client still killed.
+  os.remove(bin_dir / 'scancel')
+  monkeypatch.setenv('PATH', str(bin_dir))
+  h = handle('n1', attempt=3)
+  h.step_name = 'mjax-a2-n0'
+  executor.SlurmExecutor('n1').kill(h)
+  assert h.wait(10) == -signal.SIGKILL

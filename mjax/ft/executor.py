@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import time
 from typing import Sequence
 
 
@@ -83,16 +85,41 @@ class SlurmExecutor:
     handle.step_name = name
     return handle
 
+  # One listing of the job's steps serves the kills of a whole attempt
+  # (every process after a hang): one squeue per process would be a
+  # thousand calls to slurmctld on a 1,000-node job, when it is busiest.
+  _steps: tuple[float, dict[str, list[str]]] = (-1e9, {})
+  STEPS_FRESH_S = 2.0
+
+  @classmethod
+  def _step_ids(cls, job: str, name: str) -> list[str]:
+    """The ids (JOB.STEP) of the job's running steps named `name`, from a
+    listing at most STEPS_FRESH_S old that holds the name (a step started
+    since is listed afresh)."""
+    listed_at, steps = cls._steps
+    if time.monotonic() - listed_at > cls.STEPS_FRESH_S or name not in steps:
+      out = subprocess.run(['squeue', '--steps', '--noheader', '--format=%i %j', f'--jobs={job}'],
+                           capture_output=True, text=True, timeout=30).stdout
+      steps = {}
+      for line in out.splitlines():
+        step, _, step_name = line.strip().partition(' ')
+        steps.setdefault(step_name, []).append(step)
+      cls._steps = (time.monotonic(), steps)
+    return steps.get(name, [])
+
   def kill(self, handle: subprocess.Popen) -> None:
     job = os.environ.get('SLURM_JOB_ID')
     name = getattr(handle, 'step_name', None)
     if job and name:
-      out = subprocess.run(['squeue', '--steps', '--noheader', '--format=%i %j', f'--jobs={job}'],
-                           capture_output=True, text=True, timeout=30).stdout
-      for line in out.splitlines():
-        step, _, step_name = line.strip().partition(' ')
-        if step_name == name:
+      try:
+        for step in self._step_ids(job, name):
           subprocess.run(['scancel', '--signal=KILL', step], capture_output=True, timeout=30)
+      except (subprocess.TimeoutExpired, OSError) as e:
+        # A slurmctld too busy to answer must not end the driver in the
+        # middle of a recovery: the client is killed below, and SLURM ends
+        # the step with its job at the latest.
+        print(f'mjax-launch: could not cancel the job step {name} of {self.host} ({e})', file=sys.stderr,
+              flush=True)
     try:
       os.killpg(handle.pid, signal.SIGKILL)   # the srun client
     except ProcessLookupError:
