@@ -1349,3 +1349,16 @@ def test_slurm_kills_of_one_attempt_list_the_steps_once_and_a_slurmctld_error_en
   h.step_name = 'mjax-a2-n0'
   executor.SlurmExecutor('n1').kill(h)
   assert h.wait(10) == -signal.SIGKILL
+
+
+def test_rejected_heartbeats_are_logged_once_per_kind_whatever_their_numbers():
+  # A flood that varies the datagram's size (or its clock offset) made each
+  # size a reason of its own, logged once each: tens of thousands of lines.
+  import types
+  emitted = []
+  fake = types.SimpleNamespace(_rejected={}, events=types.SimpleNamespace(emit=lambda *a, **kw: emitted.append(kw)))
+  for n in range(1000):
+    driver.Driver._rejected_heartbeat(fake, f'malformed: {70000 + n} bytes, more than 65507', ('10.0.0.9', 1))
+    driver.Driver._rejected_heartbeat(fake, f'stale: timestamp {n + 100:+.1f}s from now, outside +-60s',
+                                      ('10.0.0.9', 1))
+  assert [e['reason'].partition(':')[0] for e in emitted] == ['malformed', 'stale']

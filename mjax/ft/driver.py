@@ -707,13 +707,17 @@ class Driver:
     return None if step is None else step + 1
 
   def _rejected_heartbeat(self, reason: str, sender: tuple) -> None:
-    """Logged, at most once per reason per 5 s (a flood must not flood the log)."""
+    """Logged, at most once per kind of reason per 5 s (a flood must not
+    flood the log). The kind is the reason's first word ('malformed',
+    'stale', ...): its details carry numbers (a size, a clock offset), and a
+    flood that varies them would otherwise make each one a reason of its own."""
     now = time.monotonic()
-    last, suppressed = self._rejected.get(reason, (-math.inf, 0))
+    kind = reason.partition(':')[0]
+    last, suppressed = self._rejected.get(kind, (-math.inf, 0))
     if now - last < 5.0:
-      self._rejected[reason] = [last, suppressed + 1]
+      self._rejected[kind] = [last, suppressed + 1]
       return
-    self._rejected[reason] = [now, 0]
+    self._rejected[kind] = [now, 0]
     self.events.emit('heartbeat_rejected', reason=reason, sender=f'{sender[0]}:{sender[1]}',
                      suppressed_before=suppressed)
 
