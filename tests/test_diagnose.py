@@ -55,6 +55,7 @@ def test_every_check_measures_and_passes_on_8_devices(tmp_path, monkeypatch):
   blob = json.loads(json.dumps(report.to_json()))
   assert {'host', 'process', 'passed', 'checks'} <= set(blob) and blob['passed'] is True
   assert blob['suspect'] == [] and blob['timed_out'] is False and blob['skipped'] == []
+  assert abs(blob['time'] - time.time()) < 60   # the host's clock, compared with the driver's
   assert 'verdict: PASS' in diagnose.format_report(report)
 
 

@@ -1362,3 +1362,16 @@ def test_rejected_heartbeats_are_logged_once_per_kind_whatever_their_numbers():
     driver.Driver._rejected_heartbeat(fake, f'stale: timestamp {n + 100:+.1f}s from now, outside +-60s',
                                       ('10.0.0.9', 1))
   assert [e['reason'].partition(':')[0] for e in emitted] == ['malformed', 'stale']
+
+
+def test_a_host_whose_clock_is_far_off_fails_its_diagnosis():
+  # Its own checks pass, but its heartbeats fall outside the driver's window
+  # (60 s): its processes would count as lost after every restart, until
+  # max_restarts ended the job. Within half the window of the run, it passes.
+  import types
+  fake = types.SimpleNamespace(clock_window_s=60.0)
+  check = lambda t: driver.Driver._clock_check(fake, {'passed': True, 'time': t}, 1000.0, 1010.0)
+  assert check(1005.0) == (True, 'passed') and check(975.0)[0] and check(1035.0)[0]
+  passed, detail = check(1100.0)
+  assert not passed and 'its clock is +90s off the driver\'s' in detail and 'NTP' in detail
+  assert not check(900.0)[0] and check(float('nan'))[0] and driver.Driver._clock_check(fake, {}, 0, 1)[0]

@@ -182,7 +182,8 @@ class Report:
             'passed': self.passed, 'suspect': self.suspect, 'timed_out': self.timed_out,
             'skipped': list(self.skipped), 'platform': self.platform, 'device_kind': self.device_kind,
             'devices': [{'id': d, 'passed': ok} for d, ok in sorted(self.devices.items())],
-            'checks': [dataclasses.asdict(c) for c in self.checks]}
+            'checks': [dataclasses.asdict(c) for c in self.checks],
+            'time': time.time()}   # the host's clock, for the driver to compare with its own
 
 
 # ----------------------------------------------------------------------------

@@ -349,6 +349,7 @@ class Driver:
     # the driver: it is theirs to share. Otherwise the driver makes one.
     self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
     window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
+    self.clock_window_s = window
     try:
       self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
     except OSError as e:
@@ -928,8 +929,10 @@ class Driver:
       return None, None, 'no agent connected: diagnosed when it is back'
     for attempt in range(1, DIAGNOSE_TRIES + 1):
       link = self._agent_link(host)
+      began = time.time()
       code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
                                                        self._diagnose_env(host), self.opts.diagnose_timeout_s)
+      ended = time.time()
       if self._agent_went(host, link, code):
         # The link dropped while it ran: no verdict on the host (a network
         # blip must not block it for good); it is diagnosed when it is back.
@@ -943,7 +946,25 @@ class Driver:
         break
     if not passed and attempt > 1:
       detail = f'{detail} (crashed {attempt} times)'
+    if passed:
+      passed, detail = self._clock_check(report, began, ended)
     return passed, report, detail
+
+  def _clock_check(self, report: dict, began: float, ended: float) -> tuple[bool, str]:
+    """A host whose clock is far off the driver's passes every check of its
+    own, yet its heartbeats fall outside the window the driver accepts (and
+    the driver's acknowledgements outside its trainers'): its processes
+    count as lost again after every restart. The report's time must lie
+    within the run, give or take half that window."""
+    t = report.get('time')
+    if not isinstance(t, (int, float)) or not math.isfinite(t):
+      return True, 'passed'   # a diagnostic that does not say (older, or another tool)
+    slack = self.clock_window_s / 2
+    off = t - ended if t > ended else t - began if t < began else 0.0
+    if abs(off) <= slack:
+      return True, 'passed'
+    return False, (f'its clock is {off:+.0f}s off the driver\'s (more than {slack:.0f}s): its heartbeats would '
+                   f'be refused as stale and its processes lost again; fix its time sync (NTP, chrony)')
 
   def _agent_link(self, host: str):
     """The agent's link to `host` now (None without agents, or none connected)."""
