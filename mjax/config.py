@@ -670,6 +670,12 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim',
             'd_ff', 'norm_eps', 'rope_theta', 'init_std')
   _positive(m, 'full_attention_every', allow_zero=True)
+  if m.param_dtype != 'float32':
+    # Kept in the schema for reading such configs; never trained with.
+    _fail('ModelConfig.param_dtype', m.param_dtype,
+          "must be 'float32' to train: LAMB changes each weight by about learning_rate times itself, below "
+          "what bfloat16's 8-bit mantissa resolves, so most updates would round away and training would "
+          "stall without an error (ModelConfig.dtype = 'bfloat16' is the compute dtype, and is the default)")
   _below_int32(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                'sliding_window')
   if m.head_dim is None and m.d_model % m.n_heads:
@@ -716,6 +722,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json")
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
+  if o.decay_steps is not None and o.decay_steps <= o.warmup_steps < t.steps:
+    _fail('OptimConfig.decay_steps', o.decay_steps,
+          f'must be above OptimConfig.warmup_steps = {o.warmup_steps} (the schedule decays from the end of '
+          f'the warm-up to decay_steps; below it the rate would stay at its peak for all '
+          f'{t.steps} steps), or unset (TrainConfig.steps)')
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     _fail('OptimConfig.min_lr_ratio', o.min_lr_ratio, 'must be in [0, 1]')
   for b in ('b1', 'b2'):

@@ -144,6 +144,8 @@ class Trainer:
           self.say(f'mjax: weights from the Hugging Face model {cfg.checkpoint.init_from_hf}')
     self.start_step = int(self.state.step)
     self.restored_explicitly = restored is not None and restored.explicit
+    if restored is not None and not restored.explicit:
+      self._check_schedule(restored.meta.get('config') or {})
     if self.finished:
       return   # nothing to train: no data, no compilation, nothing written
     if self.is_main:
@@ -188,7 +190,9 @@ class Trainer:
       where = (f'CheckpointConfig.restore_from is at step {start}' if self.restored_explicitly
                else f'this run already finished at step {start}')
       self.say(f'mjax: {where} (TrainConfig.steps = {cfg.train.steps}); nothing to do. '
-               f'Raise TrainConfig.steps to train further.')
+               f'Raise TrainConfig.steps to train further'
+               + (f' (and set OptimConfig.decay_steps = {cfg.train.steps} to keep this learning-rate '
+                  f'schedule: unset, it is rebuilt over the new length).' if cfg.optim.decay_steps is None else '.'))
       if self.ckpt is not None:
         self.ckpt.close()
       return Summary(start_step=start, final_step=start, already_finished=True)
@@ -275,6 +279,26 @@ class Trainer:
               if schedule == '1f1b' else '')
       self.say(f'mjax: pipeline {p} stages x {v} virtual, {m} micro-batches, {schedule} schedule: bubble '
                f'(p-1)/(v m) = {pipeline.bubble_fraction(p, v, m):.1%}{kept}')
+
+  def _check_schedule(self, saved: dict) -> None:
+    """Warns where a resumed run's learning-rate schedule is not the one it
+    was trained with: with OptimConfig.decay_steps unset the cosine spans
+    TrainConfig.steps, so raising the steps to train further rebuilds the
+    curve, and the rate jumps back up at once."""
+    from mjax.optim import learning_rate_schedule
+    cfg = self.cfg
+    before = (saved.get('train') or {}).get('steps')
+    if cfg.optim.decay_steps is not None or not isinstance(before, int) or before == cfg.train.steps or \
+        (saved.get('optim') or {}).get('decay_steps') is not None:
+      return
+    was = float(learning_rate_schedule(cfg.optim, before)(self.start_step))
+    now = float(learning_rate_schedule(cfg.optim, cfg.train.steps)(self.start_step))
+    if not math.isclose(was, now, rel_tol=1e-3, abs_tol=1e-12):
+      self.say(f'mjax: warning: TrainConfig.steps is {cfg.train.steps} now, {before} when step '
+               f'{self.start_step} was saved, and OptimConfig.decay_steps is unset, so the learning-rate '
+               f'schedule is rebuilt over {cfg.train.steps} steps: at step {self.start_step} the rate is '
+               f'{now:.3g} instead of {was:.3g}. Set OptimConfig.decay_steps = {before} to go on with the '
+               f'schedule the run was trained with.')
 
   def _check_state_fits(self, devices: list) -> None:
     """Refuses a train state that cannot fit the devices before anything is

@@ -564,6 +564,20 @@ def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupte
   assert sorted(os.listdir(src / 'checkpoints')) == listing
 
 
+def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt(tmp_path, capsys):
+  # decay_steps unset: the cosine spans TrainConfig.steps, so training a
+  # finished run further, as its message advises, restarts the curve.
+  run = lambda steps, *extra: trainer.run(cfg8(f'TrainConfig.steps = {steps}', 'OptimConfig.decay_steps = None',
+                                               'OptimConfig.warmup_steps = 1', *extra), str(tmp_path))
+  run(3)
+  run(3)
+  assert 'set OptimConfig.decay_steps = 3 to keep this learning-rate schedule' in capsys.readouterr().out
+  run(4)
+  out = capsys.readouterr().out
+  assert re.search(r'warning: TrainConfig.steps is 4 now, 3 when step 3 was saved, .* at step 3 the rate is '
+                   r'\S+ instead of \S+\. Set OptimConfig.decay_steps = 3', out), out
+
+
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
   workdir, _ = uninterrupted
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}

@@ -204,3 +204,18 @@ def test_a_tool_that_loses_the_interrupt_still_ends():
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == status and f'mjax-tool: {said}' in err, err
+
+
+def test_settings_that_would_train_silently_wrong_are_refused():
+  # bfloat16 master weights: LAMB's updates (about lr x the weight) round
+  # away, and training stalls without an error.
+  with pytest.raises(C.ConfigError, match=r"ModelConfig.param_dtype = 'bfloat16' is not allowed: must be 'float32'"):
+    C.load_config(['tiny.gin'], ["ModelConfig.param_dtype = 'bfloat16'"])
+  # A decay that ends before the warm-up does: the rate stayed at its peak all run.
+  with pytest.raises(C.ConfigError, match=r'OptimConfig.decay_steps = 100 is not allowed: must be above '
+                                          r'OptimConfig.warmup_steps = 100'):
+    C.load_config(['tiny.gin'], ['OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 100',
+                                 'TrainConfig.steps = 1000'])
+  # A smoke test shorter than its warm-up still runs.
+  C.load_config(['tiny.gin'], ['OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 50',
+                               'TrainConfig.steps = 20'])
