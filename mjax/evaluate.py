@@ -138,7 +138,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
     # Only a count asked for: the default is the trainer's own eval, which
     # this must equal.
     n = _whole_heldout_batches(cfg, n)
-  batches = make_batches(cfg, args.split, n)   # data errors before the checkpoint is read
+  batches = make_batches(cfg, args.split, n, program.data_share())   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
   say(f'{PROG}: step {picked.step} from {picked.path} '
       f'({"checksums verified" if verified else "saved without checksums"}); '
@@ -391,10 +391,14 @@ def _whole_heldout_batches(cfg: Config, n: int) -> int:
   return n
 
 
-def make_batches(cfg: Config, split: str, n: int) -> Iterable[dict[str, np.ndarray]]:
+def make_batches(cfg: Config, split: str, n: int,
+                 share: Optional[tuple[int, int]] = None) -> Iterable[dict[str, np.ndarray]]:
   """This process's rows of the first `n` global batches of `split`: held-out
-  batches in order (what the trainer evaluates), or the train stream from its start."""
-  gbs, pid, nproc = cfg.train.global_batch_size, jax.process_index(), jax.process_count()
+  batches in order (what the trainer evaluates), or the train stream from its
+  start. share: (index, count) of this process's block of rows
+  (`Program.data_share`); by default one block per process."""
+  gbs = cfg.train.global_batch_size
+  pid, nproc = share if share is not None else (jax.process_index(), jax.process_count())
   if split == 'heldout':
     return data_lib.make_eval_batches(cfg.data, gbs, n, process_index=pid, process_count=nproc)
   it = data_lib.make_train_iterator(cfg.data, gbs, process_index=pid, process_count=nproc)

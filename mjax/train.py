@@ -124,6 +124,28 @@ class Program:
       opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(placed)
     return TrainState(step=state.step, params=placed, opt_state=opt_state)
 
+  def data_share(self) -> tuple[int, int]:
+    """(index, count): this process feeds rows block `index` of the global
+    batch cut into `count` equal blocks, the rows its devices hold. The
+    batch is split over data x fsdp only, so processes of one tensor or
+    pipeline group across hosts hold the same rows: they read the same
+    block (the pipeline is deterministic), and count is less than the
+    number of processes.
+
+    Raises:
+      UserError: this process's devices hold rows that are not one block.
+    """
+    batch = self.cfg.train.global_batch_size
+    held = self.batch_shardings['inputs'].addressable_devices_indices_map((batch, self.cfg.data.seq_len))
+    rows = sorted({idx[0].indices(batch)[:2] for idx in held.values()})
+    lo, hi = rows[0][0], rows[-1][1]
+    if any(a[1] != b[0] for a, b in zip(rows, rows[1:])) or batch % (hi - lo) or lo % (hi - lo):
+      raise UserError(f'the mesh {dict(self.mesh.shape)} gives process {jax.process_index()} rows {rows} of '
+                      f'the global batch of {batch}: not one of equal blocks, which is how each process '
+                      f'reads its share of the data. Order the devices so that a process holds adjacent '
+                      f'data x fsdp shards, or change the mesh.')
+    return lo // (hi - lo), batch // (hi - lo)
+
   def to_global(self, local: dict[str, np.ndarray]) -> Batch:
     """This host's rows -> one global array per key (MegaScale's one loader
     per machine: each host reads only its own share of the batch)."""

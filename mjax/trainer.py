@@ -153,9 +153,9 @@ class Trainer:
     self._mark('state')
 
     self.train_iter = self._train_iterator(restored.data if restored is not None else None)
-    pid, nproc = jax.process_index(), jax.process_count()
+    share, shares = self.program.data_share()
     self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
-        cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches, process_index=pid, process_count=nproc)]
+        cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches, process_index=share, process_count=shares)]
     self._mark('data')
 
     t0 = time.perf_counter()
@@ -322,8 +322,9 @@ class Trainer:
 
   def _train_iterator(self, data_state: Optional[dict]):
     cfg = self.cfg
+    share, shares = self.program.data_share()
     it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
-                                      process_index=jax.process_index(), process_count=jax.process_count())
+                                      process_index=share, process_count=shares)
     if data_state:
       note = data_lib.restore_position(it, data_state, cfg.train.global_batch_size, cfg.data.seq_len)
       if note:
