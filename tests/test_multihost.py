@@ -488,13 +488,15 @@ def test_a_host_local_fast_tier_resumes_bitwise_and_falls_back_when_one_copy_is_
 
 @pytest.mark.slow
 def test_tensor_and_pipeline_groups_across_processes_read_their_rows_once_per_group(two_process_run, tmp_path):
-  """tensor 4 x pipeline 2 = 8 devices over 2 processes of 4: every device
-  holds every row of the batch (it is split over data x fsdp only), so both
+  """Tensor 4 in each process of 4 devices, the 2 pipeline stages across the
+  processes (MeshConfig.dcn_pipeline, the slow network): every device holds
+  every row of the batch (it is split over data x fsdp only), so both
   processes feed the whole batch, the same rows. Before, each read half and
   the first batch failed ("the process data has 4 elements. Process
-  addresses 8"). Same rows as the data-parallel run: the same losses, up to
-  the order of the sums."""
+  addresses 8"), and a dcn_* mesh off TPUs failed to build ("Number of
+  slices 1 must equal the product of dcn_mesh_shape"). Same rows as the
+  data-parallel run: the same losses, up to the order of the sums."""
   out = _train_two(tmp_path / 'tp', '--gin.MeshConfig.data=1', '--gin.MeshConfig.tensor=4',
-                   '--gin.MeshConfig.pipeline=2')
+                   '--gin.MeshConfig.dcn_pipeline=2')
   assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 4, 'pipeline': 2}" in out, out[-2000:]
   np.testing.assert_allclose(_losses(tmp_path / 'tp'), _losses(two_process_run[0] / 'multi'), rtol=1e-4)

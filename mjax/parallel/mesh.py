@@ -23,7 +23,10 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
   ici = resolve_mesh_shape(cfg, len(devices))
   dcn = cfg.dcn_shape()
   if np.prod(dcn) > 1:
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    # The slow network's units: TPU slices, else processes (a GPU or CPU
+    # host: their devices all say slice 0).
+    by_process = devices[0].platform != 'tpu'
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=by_process)
   elif len(devices) == len(jax.devices()):
     grid = mesh_utils.create_device_mesh(ici, devices=devices)
   else:  # a subset (tests): keep the given order
