@@ -206,6 +206,20 @@ class Trainer:
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
     meta = {'config': config_lib.to_dict(cfg)}
+    try:
+      return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
+    except NonFiniteLoss:
+      # The saves still being written hold finite states (each was checked
+      # before it began): the newest of them is where the driver rolls back
+      # to, so it must be complete before the process exits.
+      if self.ckpt is not None:
+        self.ckpt.close()
+      raise
+
+  def _loop(self, timer: PhaseTimer, injector: Optional[Injector], heartbeat: Optional[HeartbeatClient],
+            reporter: 'StepReporter', profiler: 'StepProfiler', sampler: DeviceSampler, meta: dict) -> Summary:
+    """`train`'s steps, final save and evaluation."""
+    cfg, program, start = self.cfg, self.program, self.start_step
     step = start
     with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext():
       for step in range(start + 1, cfg.train.steps + 1):

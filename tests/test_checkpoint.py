@@ -543,8 +543,7 @@ def test_a_fast_tier_left_by_a_deleted_workdir_is_refused(tmp_path):
 
 def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupted, tmp_path):
   """CheckpointConfig.restore_from: a checkpoint directory (its newest step)
-  continues exactly, data position included; a step folder with
-  restore_data = False takes the state only; a wrong path is refused; the
+  continues exactly, data position included; a wrong path is refused; the
   source is only read."""
   full_dir, full_state = uninterrupted
   src = tmp_path / 'src'
@@ -555,27 +554,28 @@ def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupte
   assert out.start_step == 4
   assert losses(tmp_path / 'b') == {k: v for k, v in losses(full_dir).items() if k > 4}
   assert_bitwise(state.params, full_state.params)
-  out, _ = fit(cfg8('TrainConfig.steps = 3', f"CheckpointConfig.restore_from = '{src / 'checkpoints' / '2'}'",
-                    'CheckpointConfig.restore_data = False'), tmp_path / 'c')
-  assert out.start_step == 2 and losses(tmp_path / 'c').keys() == {3}
-  assert losses(tmp_path / 'c')[3] != losses(full_dir)[3]     # the data from its start: another batch
   with pytest.raises(C.ConfigError, match='must be an existing checkpoint directory'):
     cfg8(f"CheckpointConfig.restore_from = '{src / 'nothing'}'")
   assert sorted(os.listdir(src / 'checkpoints')) == listing
 
 
-def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt(tmp_path, capsys):
+def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt():
   # decay_steps unset: the cosine spans TrainConfig.steps, so training a
   # finished run further, as its message advises, restarts the curve.
-  run = lambda steps, *extra: trainer.run(cfg8(f'TrainConfig.steps = {steps}', 'OptimConfig.decay_steps = None',
-                                               'OptimConfig.warmup_steps = 1', *extra), str(tmp_path))
-  run(3)
-  run(3)
-  assert 'set OptimConfig.decay_steps = 3 to keep this learning-rate schedule' in capsys.readouterr().out
-  run(4)
-  out = capsys.readouterr().out
-  assert re.search(r'warning: TrainConfig.steps is 4 now, 3 when step 3 was saved, .* at step 3 the rate is '
-                   r'\S+ instead of \S+\. Set OptimConfig.decay_steps = 3', out), out
+  import types
+  said = []
+  check = lambda steps, saved, *extra: trainer.Trainer._check_schedule(types.SimpleNamespace(
+      cfg=cfg8(f'TrainConfig.steps = {steps}', 'OptimConfig.decay_steps = None', *extra), start_step=300,
+      say=said.append), saved)
+  check(600, {'train': {'steps': 300}, 'optim': {'decay_steps': None}})
+  assert re.fullmatch(r'mjax: warning: TrainConfig.steps is 600 now, 300 when step 300 was saved, .* at step 300 '
+                      r'the rate is 0.00\d+ instead of 0.000\d+\. Set OptimConfig.decay_steps = 300 to go on '
+                      r'with the schedule the run was trained with.', said[-1]), said
+  said.clear()
+  check(300, {'train': {'steps': 300}})                                      # the same steps
+  check(600, {'train': {'steps': 300}, 'optim': {'decay_steps': 300}})       # its decay was pinned
+  check(600, {'train': {'steps': 300}}, 'OptimConfig.decay_steps = 300')    # and is now
+  assert said == []
 
 
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
