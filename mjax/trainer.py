@@ -42,6 +42,7 @@ import numpy as np
 from mjax import checkpoint as checkpoint_lib
 from mjax import config as config_lib
 from mjax import data as data_lib
+from mjax.data import sources as data_sources
 from mjax import distributed, protocol
 from mjax.config import Config, ConfigError
 from mjax.devices import memory_per_device, peak_flops
@@ -109,6 +110,10 @@ class Trainer:
     self._marks: dict[str, float] = {}
 
     setup_compilation_cache(cfg.train.compilation_cache_dir)
+    # flags.load checks it for the command line; a Trainer built from a
+    # Config of one's own must not train on ids beyond the embedding (XLA's
+    # gather does not fail: it makes NaNs, read as a numerical fault).
+    data_sources.check_vocab(cfg.model, cfg.data)
     _check_workdir(cfg, workdir, self.is_main)
     self.mesh = make_mesh(cfg.mesh)
     self._mark('setup')

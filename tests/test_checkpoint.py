@@ -578,6 +578,14 @@ def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt():
   assert said == []
 
 
+def test_a_trainer_built_from_its_own_config_checks_the_vocabulary(tmp_path):
+  # The command line checked it (flags.load); a Trainer made from a Config
+  # in Python did not, and ids beyond the embedding made NaNs (exit 3).
+  with pytest.raises(C.ConfigError, match=r'ModelConfig.vocab_size = 256 is not allowed: the byte tokenizer'):
+    trainer.Trainer(cfg8('ModelConfig.vocab_size = 256'), str(tmp_path))
+  assert not os.listdir(tmp_path)
+
+
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, capsys):
   workdir, _ = uninterrupted
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
