@@ -344,6 +344,7 @@ class Trainer:
     share, shares = self.program.data_share()
     it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
                                       process_index=share, process_count=shares)
+    _check_same_data(it.fingerprint)
     if data_state:
       note = data_lib.restore_position(it, data_state, cfg.train.global_batch_size, cfg.data.seq_len)
       if note:
@@ -593,6 +594,26 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
   verdict = distributed.broadcast_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)
   if verdict:
     raise ConfigError(verdict)
+
+
+def _check_same_data(fingerprint: dict) -> None:
+  """Raises DataError, in every process alike, unless all processes see the
+  same data: each builds the whole order itself and reads its rows of it,
+  so hosts that see other files (a directory still being written to, shard
+  copies of other versions) would mix rows of different orders into every
+  batch without an error."""
+  if jax.process_count() == 1:
+    return
+  first = json.loads(distributed.broadcast_str('data/fingerprint', json.dumps(fingerprint)))
+  mine = None if first['digest'] == fingerprint['digest'] else json.dumps(fingerprint['sources'])
+  differ = distributed.report_exceptions('data/fingerprint/differs', mine)
+  if differ:
+    from mjax.data.errors import DataError
+    raise DataError(
+        f'the processes of this job see different data: process 0 has {first["sources"]}, process(es) '
+        f'{sorted(differ)} have {json.loads(next(iter(differ.values())))} (files, tokens or tokenizer of a '
+        f'source differ; with the same config, the hosts see other files). Each process reads its rows of one '
+        f'order that all must build alike: give every host the same data, complete, before the job starts.')
 
 
 class StopAgreement:

@@ -346,3 +346,32 @@ def test_position_restores_exactly_or_restarts_on_another_seq_len():
   assert 'seq_len changed from 32 to 16' in note and 'beginning' in note
   first = next(data.make_train_iterator(DC(source='stdlib', seq_len=16), 8))['inputs']
   np.testing.assert_array_equal(next(other)['inputs'], first)
+
+
+def test_a_position_names_its_data_and_says_when_the_data_changed(tmp_path):
+  # The position was only an index: files added to a source, another
+  # shuffle_seed or tokenizer continued at index k of another order, silently.
+  from mjax.config import DataConfig as DC
+  src = tmp_path / 'src'
+  src.mkdir()
+  for i in range(3):
+    (src / f'{i}.txt').write_text(f'document {i} ' * 400)
+  cfg = DC(source=str(src), seq_len=32, file_pattern='*.txt')
+  it = data.make_train_iterator(cfg, 8)
+  _take(it, 2)
+  state = data.position(it, 8, 32)
+  assert data.restore_position(data.make_train_iterator(cfg, 8), state, 8, 32) == ''
+  note = data.restore_position(data.make_train_iterator(DC(source=str(src), seq_len=32, file_pattern='*.txt', shuffle_seed=7), 8),
+                               state, 8, 32)
+  assert note.startswith('warning: the data is not what this position was saved with'), note
+  (src / '3.txt').write_text('one more document ' * 400)
+  from mjax.data import corpus
+  corpus._load.cache_clear()    # a new process: it reads the directory afresh
+  note = data.restore_position(data.make_train_iterator(cfg, 8), state, 8, 32)
+  assert 'warning: the data is not what' in note and f'{src}: ' in note and ' in 4 files' in note, note
+  # Another seq_len cuts other windows of the same data: said as before, no warning.
+  src_cfg16 = DC(source=str(src), seq_len=16, file_pattern='*.txt')
+  (src / '3.txt').unlink()
+  corpus._load.cache_clear()
+  note = data.restore_position(data.make_train_iterator(src_cfg16, 8), state, 8, 16)
+  assert note.startswith('seq_len changed from 32 to 16'), note

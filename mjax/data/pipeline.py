@@ -25,6 +25,8 @@ interleaved with the same weights, wrapping around when a split runs out.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any, Sequence
 
@@ -175,8 +177,25 @@ def make_train_dataset(cfg: DataConfig, global_batch_size: int, *, process_index
   tokenizer = sources[0][0].tokenizer
   ds = ds.map(_Build(windows, cfg.seq_len, tokenizer.eos_id, cfg.document_attention,
                      tokenizer.vocab_size, [src.root for src, _ in sources]))
-  return ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads,
-                                              prefetch_buffer_size=cfg.prefetch))
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch))
+  ds.fingerprint = fingerprint(cfg, sources)
+  return ds
+
+
+def fingerprint(cfg: DataConfig, sources: Sequence[tuple[TokenSource, float]]) -> dict:
+  """What the train order is made of: each source (its path, weight,
+  tokenizer, files and tokens), the seed and the split. A saved position
+  names the same rows only where this is the same; processes of one job
+  must all have it alike. {'digest': short hex, 'sources': [...]} (the
+  list says what differs)."""
+  # Tokens, not windows: another seq_len cuts other windows of the same data
+  # (restore_position says so on its own).
+  described = [{'root': src.root, 'weight': weight, 'tokenizer': src.tokenizer.sha256 or src.tokenizer.name,
+                'files': len(src.train_files), 'tokens': int(sum(len(s) for s in src.train))}
+               for src, weight in sources]
+  whole = [described, cfg.shuffle_seed, cfg.heldout_fraction, cfg.document_attention]
+  return {'digest': hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()[:16],
+          'sources': described}
 
 
 def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_index: int = 0,
@@ -197,17 +216,24 @@ def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_inde
       than its share of a global batch, or the batch does not divide by
       process_count.
   """
-  return iter(make_train_dataset(cfg, global_batch_size, process_index=process_index,
-                                 process_count=process_count))
+  ds = make_train_dataset(cfg, global_batch_size, process_index=process_index, process_count=process_count)
+  it = iter(ds)
+  it.fingerprint = ds.fingerprint   # read by `position` and `restore_position`
+  return it
 
 
-_SHAPE_KEYS = ('global_batch_size', 'seq_len')
+_SHAPE_KEYS = ('global_batch_size', 'seq_len', 'data')
 
 
 def position(it: grain.DatasetIterator, global_batch_size: int, seq_len: int) -> dict:
   """The train iterator's position for a checkpoint: grain's state (the next
-  global batch's index) and the shape of the batches it counts."""
-  return {**it.get_state(), 'global_batch_size': int(global_batch_size), 'seq_len': int(seq_len)}
+  global batch's index), the shape of the batches it counts and the digest
+  of the data it counts them in (`fingerprint`)."""
+  out = {**it.get_state(), 'global_batch_size': int(global_batch_size), 'seq_len': int(seq_len)}
+  found = getattr(it, 'fingerprint', None)
+  if found is not None:
+    out['data'] = found['digest']
+  return out
 
 
 def restore_position(it: grain.DatasetIterator, state: dict, global_batch_size: int,
@@ -228,6 +254,24 @@ def restore_position(it: grain.DatasetIterator, state: dict, global_batch_size: 
   saved_b = int(state.get('global_batch_size', global_batch_size))
   saved_s = int(state.get('seq_len', seq_len))
   grain_state = {k: v for k, v in state.items() if k not in _SHAPE_KEYS}
+  changed = _changed_data(it, state)
+  restored = _restore(it, grain_state, saved_b, saved_s, global_batch_size, seq_len)
+  return '; '.join(n for n in (changed, restored) if n)
+
+
+def _changed_data(it: grain.DatasetIterator, state: dict) -> str:
+  saved, now = state.get('data'), getattr(it, 'fingerprint', None)
+  if saved is None or now is None or saved == now['digest']:
+    return ''   # saved before positions named their data, or the same data
+  return ('warning: the data is not what this position was saved with (other files or windows in a source, another '
+          'tokenizer, shuffle_seed, mixture or heldout_fraction; now: '
+          + ', '.join(f'{s["root"]}: {s["tokens"]:,} tokens in {s["files"]:,} files' for s in now['sources'])
+          + '): training goes on at the same batch index of the new order, whose rows are not those the '
+          'run would have read next')
+
+
+def _restore(it: grain.DatasetIterator, grain_state: dict, saved_b: int, saved_s: int, global_batch_size: int,
+             seq_len: int) -> str:
   if saved_s != seq_len:
     return (f'seq_len changed from {saved_s} to {seq_len}: windows are cut differently, so the data '
             'order starts again from its beginning')
