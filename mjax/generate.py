@@ -412,6 +412,18 @@ def _without_pipeline(cfg, bindings: Sequence[str]) -> list[str]:
           f'MeshConfig.dcn_data = {mesh.dcn_data * mesh.dcn_pipeline}', "MeshConfig.pipeline_schedule = 'circular'"]
 
 
+def encode_prompt(tokenizer, text: str, document_attention: bool) -> np.ndarray:
+  """A prompt's ids as the model saw text in training: after an end of
+  document (EOS), where a document starts. With document attention a
+  document's tokens never attend to the EOS before it, and its positions
+  start at 0: the EOS is left out there, unless the prompt is empty (then
+  it gives the first token something to follow)."""
+  ids = tokenizer.encode(text)
+  if document_attention and len(ids):
+    return np.asarray(ids, np.int32)
+  return np.concatenate([[tokenizer.info.eos_id], ids]).astype(np.int32)
+
+
 def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   """Generates for the prompts `args` give; one dict per prompt.
 
@@ -434,7 +446,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   encoded = []
   for i, p in enumerate(prompts):
     try:
-      encoded.append(np.concatenate([[info.eos_id], tokenizer.encode(p)]).astype(np.int32))
+      encoded.append(encode_prompt(tokenizer, p, cfg.data.document_attention))
     except UnicodeError as e:
       raise UserError(f'prompt {i + 1} ({p[:40]!r}) is not valid text ({type(e).__name__}: {e}); '
                       'give prompts as UTF-8.') from None

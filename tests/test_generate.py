@@ -256,3 +256,16 @@ def test_matrices_cast_once_give_the_same_tokens():
   whole, _ = gen.run(cast, long, 10, None, prefill_chunk=1024)
   chunked, _ = gen.run(cast, long, 10, None, prefill_chunk=48)
   assert (whole == chunked).all()
+
+
+def test_prompts_start_where_documents_start_in_training():
+  # With document attention, a document's tokens never attend to the EOS
+  # before it and start at position 0: a prompt is encoded so, and only an
+  # empty one keeps the EOS (something for the first token to follow).
+  from mjax import data as data_lib
+  from mjax.generate import encode_prompt
+  tok = data_lib.load_tokenizer('bytes')
+  eos = tok.info.eos_id
+  assert encode_prompt(tok, 'ab', False).tolist() == [eos, *tok.encode('ab')]
+  assert encode_prompt(tok, 'ab', True).tolist() == list(tok.encode('ab'))
+  assert encode_prompt(tok, '', True).tolist() == [eos]
