@@ -304,7 +304,10 @@ def keep_text(source: str, files: list[str], docs: list[bytes],
   return [f for f, _ in kept], [d for _, d in kept]
 
 
-@functools.lru_cache(maxsize=4)
+# Room for every source of a large mixture: the trainer opens its sources for
+# the train stream and again for the held-out batches, and an evicted one was
+# read and tokenized twice (the train iterator holds the first copy anyway).
+@functools.lru_cache(maxsize=64)
 def _load(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
   tok = load_tokenizer(tokenizer)
   root, files = find_source_files(source, file_pattern)

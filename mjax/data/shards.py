@@ -389,7 +389,7 @@ def _map(path: str, dtype: np.dtype, n: int) -> np.ndarray:
   return np.memmap(path, dtype=dtype, mode='r', shape=(n,))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)   # every source of a large mixture, opened for train and held-out
 def _open(root: str, verify_checksums: bool, manifest_mtime: float) -> ShardSet:
   del manifest_mtime  # only part of the cache key: a re-prepared directory is read again
   m = read_manifest(root)
