@@ -210,3 +210,19 @@ def test_a_train_state_that_cannot_fit_is_refused_before_anything_is_allocated(t
                                         r'[\d,.]+ GiB each device has .*MeshConfig.fsdp'):
     trainer.run(cfg, str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints' / '0')
+
+
+def test_processes_that_see_different_data_stop_at_start(monkeypatch):
+  # Each process builds the whole order and reads its rows of it: a host
+  # that sees other files would mix rows of another order into every batch.
+  from mjax import distributed
+  from mjax.data.errors import DataError
+  mine = {'digest': 'b' * 16, 'sources': [{'root': '/data', 'files': 9, 'tokens': 900}]}
+  first = {'digest': 'a' * 16, 'sources': [{'root': '/data', 'files': 10, 'tokens': 1000}]}
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(distributed, 'broadcast_str', lambda key, value, *a: json.dumps(first))
+  monkeypatch.setattr(distributed, 'report_exceptions', lambda key, v, *a: {} if v is None else {1: v})
+  with pytest.raises(DataError, match=r"process 0 has \[\{'root': '/data', 'files': 10, 'tokens': 1000\}\], "
+                                      r"process\(es\) \[1\] have \[\{'root': '/data', 'files': 9"):
+    trainer._check_same_data(mine)
+  trainer._check_same_data(first)   # the same data: nothing to say
