@@ -456,6 +456,24 @@ def test_a_changed_data_position_is_caught_and_resaved(uninterrupted, tmp_path, 
   assert_bitwise(out_state.params, full_state.params)
 
 
+def damage_step(step_dir, damage):
+  """A flipped bit, a truncated or a deleted array file (the largest: the
+  arrays' data) in one saved step."""
+  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, 'state')) for f in fs]
+  target = max(files, key=os.path.getsize)
+  if damage == 'delete':
+    os.remove(target)
+    return
+  with open(target, 'r+b') as fh:
+    if damage == 'truncate':
+      fh.truncate(os.path.getsize(target) // 2)
+    else:
+      fh.seek(os.path.getsize(target) // 2)
+      byte = fh.read(1)[0]
+      fh.seek(-1, os.SEEK_CUR)
+      fh.write(bytes([byte ^ 0x08]))
+
+
 @pytest.mark.parametrize('where', ['newest', 'older'])
 @pytest.mark.parametrize('damage', ['flip', 'truncate', 'delete'])
 def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, damage, where):
@@ -467,19 +485,7 @@ def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, damage, where):
   workdir = str(tmp_path / 'run')
   trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
   step_dir = os.path.join(workdir, 'checkpoints', '4' if where == 'newest' else '2')
-  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, 'state')) for f in fs]
-  target = max(files, key=os.path.getsize)   # the arrays' data
-  if damage == 'delete':
-    os.remove(target)
-  else:
-    with open(target, 'r+b') as fh:
-      if damage == 'truncate':
-        fh.truncate(os.path.getsize(target) // 2)
-      else:
-        fh.seek(os.path.getsize(target) // 2)
-        byte = fh.read(1)[0]
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte ^ 0x08]))
+  damage_step(step_dir, damage)
   assert verify_step(step_dir)[0] in ('damaged', 'unreadable')
   out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
   assert out.start_step == (2 if where == 'newest' else 4)
@@ -498,17 +504,8 @@ def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninte
   workdir = str(tmp_path / 'run')
   trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
   ckdir = os.path.join(workdir, 'checkpoints')
-  for step, damage in (('4', 'flip'), ('2', 'truncate')):
-    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ckdir, step, 'state')) for f in fs]
-    target = max(files, key=os.path.getsize)
-    with open(target, 'r+b') as fh:
-      if damage == 'truncate':
-        fh.truncate(os.path.getsize(target) // 2)
-      else:
-        fh.seek(os.path.getsize(target) // 2)
-        byte = fh.read(1)[0]
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte ^ 0x08]))
+  damage_step(os.path.join(ckdir, '4'), 'flip')
+  damage_step(os.path.join(ckdir, '2'), 'truncate')
   snapshot = lambda: {os.path.relpath(os.path.join(d, f), ckdir): hashlib.sha1(open(os.path.join(d, f), 'rb').read()).hexdigest()
                       for d, _, fs in os.walk(ckdir) for f in fs}
   before = snapshot()
