@@ -221,9 +221,13 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
   if cfg.fast_every:
     fast = cfg.fast_directory
     if fast is None:
-      # The real path: a workdir spelled through a link is the same run.
-      tag = hashlib.sha1(os.path.realpath(workdir).encode()).hexdigest()[:12]
-      fast = os.path.join('/dev/shm', 'mjax', tag)
+      # The real path: a workdir spelled through a link is the same run. A
+      # tier named after the path as spelled (before the real path was
+      # used) is still this run's.
+      named = lambda path: os.path.join('/dev/shm', 'mjax', hashlib.sha1(path.encode()).hexdigest()[:12])
+      fast, spelled = named(os.path.realpath(workdir)), named(os.path.abspath(workdir))
+      if spelled != fast and os.path.isdir(spelled) and not os.path.isdir(fast):
+        fast = spelled
     dirs['fast'] = _expand(fast)
   return dirs
 

@@ -659,6 +659,23 @@ def _check_collective_matmul(mesh: MeshConfig, tp: Optional[int]) -> None:
           'the pipeline schedules run the layers inside their own shard_map; set it to False')
 
 
+def check_for_training(cfg: Config) -> None:
+  """Raises ConfigError for settings that train silently wrong. Checked where
+  training starts, not in `validate`: a run trained so before must still be
+  evaluated, sampled from and exported."""
+  m, o, t = cfg.model, cfg.optim, cfg.train
+  if m.param_dtype != 'float32':
+    _fail('ModelConfig.param_dtype', m.param_dtype,
+          "must be 'float32' to train: LAMB changes each weight by about learning_rate times itself, below "
+          "what bfloat16's 8-bit mantissa resolves, so most updates would round away and training would "
+          "stall without an error (ModelConfig.dtype = 'bfloat16' is the compute dtype, and is the default)")
+  if o.decay_steps and o.decay_steps <= o.warmup_steps < t.steps:   # 0, like None: TrainConfig.steps
+    _fail('OptimConfig.decay_steps', o.decay_steps,
+          f'must be above OptimConfig.warmup_steps = {o.warmup_steps} (the schedule decays from the end of '
+          f'the warm-up to decay_steps; below it the rate would stay at its peak for all '
+          f'{t.steps} steps), or unset (TrainConfig.steps)')
+
+
 def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   """Type- and consistency-checks the tree; returns it with floats normalized."""
   for name, cls in SECTIONS.items():
@@ -670,12 +687,6 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim',
             'd_ff', 'norm_eps', 'rope_theta', 'init_std')
   _positive(m, 'full_attention_every', allow_zero=True)
-  if m.param_dtype != 'float32':
-    # Kept in the schema for reading such configs; never trained with.
-    _fail('ModelConfig.param_dtype', m.param_dtype,
-          "must be 'float32' to train: LAMB changes each weight by about learning_rate times itself, below "
-          "what bfloat16's 8-bit mantissa resolves, so most updates would round away and training would "
-          "stall without an error (ModelConfig.dtype = 'bfloat16' is the compute dtype, and is the default)")
   _below_int32(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                'sliding_window')
   if m.head_dim is None and m.d_model % m.n_heads:
@@ -722,11 +733,6 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json")
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
-  if o.decay_steps is not None and o.decay_steps <= o.warmup_steps < t.steps:
-    _fail('OptimConfig.decay_steps', o.decay_steps,
-          f'must be above OptimConfig.warmup_steps = {o.warmup_steps} (the schedule decays from the end of '
-          f'the warm-up to decay_steps; below it the rate would stay at its peak for all '
-          f'{t.steps} steps), or unset (TrainConfig.steps)')
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     _fail('OptimConfig.min_lr_ratio', o.min_lr_ratio, 'must be in [0, 1]')
   for b in ('b1', 'b2'):

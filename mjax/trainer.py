@@ -114,6 +114,7 @@ class Trainer:
     # Config of one's own must not train on ids beyond the embedding (XLA's
     # gather does not fail: it makes NaNs, read as a numerical fault).
     data_sources.check_vocab(cfg.model, cfg.data)
+    config_lib.check_for_training(cfg)
     _check_workdir(cfg, workdir, self.is_main)
     self.mesh = make_mesh(cfg.mesh)
     self._mark('setup')
@@ -197,7 +198,7 @@ class Trainer:
       self.say(f'mjax: {where} (TrainConfig.steps = {cfg.train.steps}); nothing to do. '
                f'Raise TrainConfig.steps to train further'
                + (f' (and set OptimConfig.decay_steps = {cfg.train.steps} to keep this learning-rate '
-                  f'schedule: unset, it is rebuilt over the new length).' if cfg.optim.decay_steps is None else '.'))
+                  f'schedule: unset, it is rebuilt over the new length).' if not cfg.optim.decay_steps else '.'))
       if self.ckpt is not None:
         self.ckpt.close()
       return Summary(start_step=start, final_step=start, already_finished=True)
@@ -307,8 +308,9 @@ class Trainer:
     from mjax.optim import learning_rate_schedule
     cfg = self.cfg
     before = (saved.get('train') or {}).get('steps')
-    if cfg.optim.decay_steps is not None or not isinstance(before, int) or before == cfg.train.steps or \
-        (saved.get('optim') or {}).get('decay_steps') is not None:
+    # decay_steps 0 is unset too (TrainConfig.steps).
+    if cfg.optim.decay_steps or not isinstance(before, int) or before == cfg.train.steps or \
+        (saved.get('optim') or {}).get('decay_steps'):
       return
     was = float(learning_rate_schedule(cfg.optim, before)(self.start_step))
     now = float(learning_rate_schedule(cfg.optim, cfg.train.steps)(self.start_step))

@@ -206,16 +206,17 @@ def test_a_tool_that_loses_the_interrupt_still_ends():
     assert proc.returncode == status and f'mjax-tool: {said}' in err, err
 
 
-def test_settings_that_would_train_silently_wrong_are_refused():
+def test_settings_that_would_train_silently_wrong_are_refused_for_training():
+  check = lambda *bindings: C.check_for_training(C.load_config(['tiny.gin'], list(bindings)))
   # bfloat16 master weights: LAMB's updates (about lr x the weight) round
-  # away, and training stalls without an error.
+  # away, and training stalls without an error. Such a config still loads
+  # (a run trained so is evaluated, sampled from, exported).
   with pytest.raises(C.ConfigError, match=r"ModelConfig.param_dtype = 'bfloat16' is not allowed: must be 'float32'"):
-    C.load_config(['tiny.gin'], ["ModelConfig.param_dtype = 'bfloat16'"])
+    check("ModelConfig.param_dtype = 'bfloat16'")
   # A decay that ends before the warm-up does: the rate stayed at its peak all run.
   with pytest.raises(C.ConfigError, match=r'OptimConfig.decay_steps = 100 is not allowed: must be above '
                                           r'OptimConfig.warmup_steps = 100'):
-    C.load_config(['tiny.gin'], ['OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 100',
-                                 'TrainConfig.steps = 1000'])
-  # A smoke test shorter than its warm-up still runs.
-  C.load_config(['tiny.gin'], ['OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 50',
-                               'TrainConfig.steps = 20'])
+    check('OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 100', 'TrainConfig.steps = 1000')
+  # A smoke test shorter than its warm-up still trains, and 0 means unset.
+  check('OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 50', 'TrainConfig.steps = 20')
+  check('OptimConfig.decay_steps = 0', 'TrainConfig.steps = 1000')

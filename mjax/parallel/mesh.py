@@ -23,9 +23,11 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
   ici = resolve_mesh_shape(cfg, len(devices))
   dcn = cfg.dcn_shape()
   if np.prod(dcn) > 1:
-    # The slow network's units: TPU slices, else processes (a GPU or CPU
-    # host: their devices all say slice 0).
-    by_process = devices[0].platform != 'tpu'
+    # The slow network's units: slices where the devices name as many as the
+    # dcn shape asks for (TPU slices; GPU hosts, one slice each whatever
+    # their processes), else processes (CPU processes all say slice 0).
+    slices = {getattr(d, 'slice_index', None) for d in devices}
+    by_process = None in slices or len(slices) != np.prod(dcn)
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=by_process)
   elif len(devices) == len(jax.devices()):
     grid = mesh_utils.create_device_mesh(ici, devices=devices)
