@@ -158,8 +158,8 @@ class Trainer:
       config_lib.write(cfg, workdir)
     self._mark('state')
 
-    self.train_iter = self._train_iterator(restored.data if restored is not None else None)
-    share, shares = self.program.data_share()
+    share, shares = self.program.data_share()   # this process's block of every batch
+    self.train_iter = self._train_iterator(restored.data if restored is not None else None, share, shares)
     self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
         cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches, process_index=share, process_count=shares)]
     self._mark('data')
@@ -341,9 +341,8 @@ class Trainer:
           f'more (MeshConfig.fsdp, tensor, pipeline), or a smaller model; `mjax-train --print_config` '
           f'estimates the memory of a layout without starting it.')
 
-  def _train_iterator(self, data_state: Optional[dict]):
+  def _train_iterator(self, data_state: Optional[dict], share: int, shares: int):
     cfg = self.cfg
-    share, shares = self.program.data_share()
     it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
                                       process_index=share, process_count=shares)
     _check_same_data(it.fingerprint)

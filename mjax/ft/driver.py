@@ -925,7 +925,7 @@ class Driver:
 
   def _diagnose_host(self, host: str) -> tuple[Optional[bool], Optional[dict], str]:
     """(passed, report, detail); passed None: the host's agent is away, not judged."""
-    if self.agents is not None and self.agents.link(host) is None:
+    if self.agents is not None and self._agent_link(host) is None:
       return None, None, 'no agent connected: diagnosed when it is back'
     for attempt in range(1, DIAGNOSE_TRIES + 1):
       link = self._agent_link(host)
