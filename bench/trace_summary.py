@@ -101,6 +101,28 @@ def part_of(source: str) -> str:
   return f'{side}: embedding and the rest of the model'
 
 
+IN_GRAPH = 'library kernel inside a CUDA graph (cuBLAS, cuDNN: no HLO name)'
+
+
+def part_of_event(event: dict, sources: dict[str, str]) -> str:
+  """The part of the step one trace event belongs to.
+
+  GPU kernels name their HLO op in args['hlo_op'] and CPU events are HLO
+  names. Where XLA runs the step as CUDA graphs (command buffers, the
+  default on recent GPUs), 'hlo_op' names the whole graph, so XLA's own
+  kernels are found by their kernel name instead: the HLO instruction's
+  name with '_' for its '.' (`loop_add_multiply_fusion_23` is
+  `loop_add_multiply_fusion.23`). A library's kernel in a graph (cuBLAS
+  `nvjet_*`, cuDNN) carries no name of its own in the HLO."""
+  op = event.get('args', {}).get('hlo_op', event['name'])
+  for name in (op, event['name'], re.sub(r'_(\d+)$', r'.\1', event['name'])):
+    if sources.get(name):   # the graph itself is in the HLO too, with no source
+      return part_of(sources[name])
+  if op.startswith('command_buffer'):
+    return IN_GRAPH
+  return part_of('')
+
+
 def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
   ops = device_time.device_ops(path)
   if not ops:
@@ -120,8 +142,7 @@ def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
   if hlo:
     sources = op_sources(hlo)
     for e in ops:
-      # GPU kernels name their HLO op in args; CPU events are HLO names.
-      by_part[part_of(sources.get(e.get('args', {}).get('hlo_op', e['name']), ''))] += e['dur']
+      by_part[part_of_event(e, sources)] += e['dur']
   out = [f'trace {os.path.basename(path)}: {len(ops)} device events over {wall / 1e3:.1f} ms; '
          f'device busy {busy / 1e3:.1f} ms ({busy / wall:.0%} of the span), '
          f'{busy / 1e3 / steps:.1f} ms per step over {steps} steps', '',

@@ -67,3 +67,28 @@ def test_hlo_traffic_sums_the_step_by_part_and_kind():
   n = sum(x.size for x in jax.tree.leaves(program.abstract_state().params))
   assert by_part[('optimizer and metrics', 'memory-bound passes')] >= 6 * 4 * n
   assert '| part of the step |' in hlo_traffic.table(text)
+
+
+def _bench_module(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'bench', f'{name}.py'))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_trace_summary_finds_the_parts_of_a_step_run_as_cuda_graphs():
+  """On the H100 the whole step ran as CUDA graphs: every kernel's 'hlo_op'
+  named the graph, and the part-of-step table put 100% under 'no source'.
+  XLA's own kernels are now found by their kernel name."""
+  ts = _bench_module('trace_summary')
+  src = 'jit(train_step)/transpose(jvp(Transformer))/layers_3/mlp/gelu/mul'
+  sources = {'loop_add_multiply_fusion.23': src, 'command_buffer_1': ''}
+  in_graph = {'hlo_op': 'command_buffer_1', 'hlo_module': 'jit_train_step'}
+  fusion = ts.part_of_event({'name': 'loop_add_multiply_fusion_23', 'args': in_graph}, sources)
+  assert fusion == ts.part_of(src) == "backward: layers' other ops (norms, activation, rotary, residual, layout)"
+  gemm = ts.part_of_event({'name': 'nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT', 'args': in_graph}, sources)
+  assert gemm == ts.IN_GRAPH
+  # Outside a graph the kernel's own hlo_op still decides, as before.
+  plain = ts.part_of_event({'name': 'nvjet_x', 'args': {'hlo_op': 'loop_add_multiply_fusion.23'}}, sources)
+  assert plain == fusion
+  assert ts.part_of_event({'name': 'memcpy', 'args': {}}, sources) == ts.part_of('')
