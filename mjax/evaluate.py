@@ -34,11 +34,9 @@ import time
 from typing import Any, Iterable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mjax import config as config_lib
 from mjax import data as data_lib
@@ -49,7 +47,7 @@ from mjax.config import Config
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
 from mjax.parallel import make_mesh
-from mjax.train import Program, TrainState, make_program, setup_compilation_cache
+from mjax.train import Program, TrainState, evaluate, make_program, setup_compilation_cache
 
 PROG = 'mjax-eval'
 SPLITS = ('heldout', 'train')
@@ -407,23 +405,9 @@ def make_batches(cfg: Config, split: str, n: int,
 
 def token_mean_loss(program: Program, params: Any,
                     batches: Iterable[dict[str, np.ndarray]]) -> tuple[float, int]:
-  """(mean loss over every counted token of the batches, number of those tokens).
-
-  `eval_step` gives each batch's mean over its counted tokens; weighting it
-  by that count makes the mean exact when batches count different numbers.
-  """
-  replicated = NamedSharding(program.mesh, P())
-  count = jax.jit(lambda mask: jnp.sum(mask, dtype=jnp.float32), out_shardings=replicated)
-  means, counts = [], []
-  with program.context():
-    for local in batches:
-      batch = program.to_global(local)
-      means.append(program.eval_step(params, batch))
-      counts.append(count(batch['loss_mask']))
-  means = np.asarray(jax.device_get(means), np.float64)
-  counts = np.asarray(jax.device_get(counts), np.float64)
-  tokens = float(counts.sum())
-  return float((means * counts).sum() / max(tokens, 1.0)), int(round(tokens))
+  """`train.evaluate` over this process's rows of each batch, made global
+  one batch at a time (a long evaluation never holds them all)."""
+  return evaluate(program, params, (program.to_global(b) for b in batches))
 
 
 # --- the report -----------------------------------------------------------------

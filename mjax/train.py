@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import flax
 import jax
@@ -383,7 +384,28 @@ def setup_compilation_cache(cache_dir: Optional[str]) -> None:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
-def evaluate(program: Program, params, batches: list[Batch]) -> float:
+def evaluate(program: Program, params, batches: Iterable[Batch]) -> tuple[float, int]:
+  """(mean loss over every counted token of the global batches, number of
+  those tokens): what the trainer logs as eval_loss and mjax-eval reports.
+
+  `eval_step` gives each batch's mean over its counted tokens; weighting it
+  by that count makes the mean exact where batches count different numbers
+  (document attention masks each document's first target, and a held-out
+  split's last window may hold padding). A plain mean of the batch means
+  would weight a token of a sparse batch more than one of a full batch."""
+  replicated = NamedSharding(program.mesh, P())
+  count = _token_count(replicated)
+  means, counts = [], []
   with program.context():
-    losses = [program.eval_step(params, b) for b in batches]
-  return float(np.mean(jax.device_get(losses)))
+    for batch in batches:
+      means.append(program.eval_step(params, batch))
+      counts.append(count(batch['loss_mask']))
+  means = np.asarray(jax.device_get(means), np.float64)
+  counts = np.asarray(jax.device_get(counts), np.float64)
+  tokens = float(counts.sum())
+  return float((means * counts).sum() / max(tokens, 1.0)), int(round(tokens))
+
+
+@functools.lru_cache(maxsize=8)   # one compiled count per mesh, not one per evaluation
+def _token_count(out: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+  return jax.jit(lambda mask: jnp.sum(mask, dtype=jnp.float32), out_shardings=out)

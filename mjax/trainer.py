@@ -255,7 +255,7 @@ class Trainer:
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
           reporter.flush()
           with timer.phase('eval'):
-            reporter.eval_loss(step, evaluate(program, self.state.params, self.eval_batches))
+            reporter.eval_loss(step, evaluate(program, self.state.params, self.eval_batches)[0])
       reporter.flush()
       reporter.close_bar()
       # In the checkpoint phase, as the heartbeats tell: an agent whose driver
@@ -275,7 +275,7 @@ class Trainer:
       why = f'received {stop.name}' if stop.signal is not None else f'stopping: {stop.name}'
       self.say(f'mjax: {why} after step {step}: checkpoint saved, exiting cleanly')
       return self._summary(reporter, final_step=step, preempted=True, driver_lost=stop.driver_lost)
-    eval_loss = evaluate(program, self.state.params, self.eval_batches)
+    eval_loss, _ = evaluate(program, self.state.params, self.eval_batches)
     reporter.eval_loss(cfg.train.steps, eval_loss, show=False)
     reporter.close()
     summary = self._summary(reporter, final_step=step, eval_loss=eval_loss)

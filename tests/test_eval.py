@@ -1,16 +1,21 @@
 """mjax-eval: the loss of a saved checkpoint, on any step, mesh and split."""
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import types
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from mjax import config as C
-from mjax import evaluate, trainer
+from mjax import evaluate, train, trainer
 from mjax.errors import UserError
 from mjax.metrics import read_metrics
 
@@ -142,3 +147,18 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
   assert evaluate._whole_heldout_batches(cfg, 10**6) == whole
   assert f'holds {whole} whole batch(es)' in capsys.readouterr().err and whole > 2
   assert evaluate._whole_heldout_batches(cfg, 2) == 2
+
+
+def test_eval_loss_weights_each_batch_by_its_counted_tokens():
+  """The trainer's eval_loss was the plain mean of the batch means: a batch
+  with few counted tokens (document attention, padding) weighed as much as
+  a full one, and it disagreed with mjax-eval's exact mean."""
+  masks = {1.0: np.zeros((2, 8), np.float32), 3.0: np.ones((2, 8), np.float32)}
+  masks[1.0][0, :5] = 1.0                                 # 5 counted tokens at loss 1, 16 at loss 3
+  program = types.SimpleNamespace(
+      mesh=Mesh(np.array(jax.devices()[:1]), ('data',)), context=contextlib.nullcontext,
+      eval_step=lambda params, batch: batch['loss'])
+  batches = [{'loss': loss, 'loss_mask': mask} for loss, mask in masks.items()]
+  loss, tokens = train.evaluate(program, None, batches)
+  assert tokens == 21
+  assert loss == pytest.approx((5 * 1.0 + 16 * 3.0) / 21)   # not (1 + 3) / 2
