@@ -69,8 +69,11 @@ class ModelConfig:
   # What the backward pass may keep instead of recomputing: 'none' keeps all
   # activations, 'full' recomputes each layer group, 'dots' keeps matmul
   # outputs, 'dots_attention' also the flash attention kernel's outputs (the
-  # backward then skips re-running the attention forward; GPU).
-  remat_policy: Literal['none', 'full', 'dots', 'dots_attention', 'dots_no_batch'] = 'none'
+  # backward then skips re-running the attention forward; GPU),
+  # 'dots_attention_mlp' also the MLP's activation (one more (batch, seq,
+  # d_ff) tensor per layer, for one elementwise pass fewer in the backward).
+  remat_policy: Literal['none', 'full', 'dots', 'dots_attention', 'dots_attention_mlp',
+                        'dots_no_batch'] = 'none'
   scan_layers: bool = True
   # The parallel block's projections that read the same tensor, run as one
   # matrix product (PaLM): 'inputs' joins q, k, v and the MLP input; 'all'

@@ -106,7 +106,10 @@ def test_remat_policies_keep_less():
   # dots_attention keeps flash attention's output and fp32 softmax statistics.
   da, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots_attention', flash=True)
   assert da == dnb + e * sb * h + 4 * 4 * sb
-  assert full < dnb < da < none
+  # dots_attention_mlp also keeps the MLP's activation (d_ff 256).
+  dam, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots_attention_mlp', flash=True)
+  assert dam == da + e * sb * 256
+  assert full < dnb < da < none and da < dam
 
 
 def test_korthikanti_formula_without_dropout():

@@ -1,7 +1,9 @@
 """Tests of mjax.model: the blocks against their formulas, norms and rotary
 against numpy, parameter metadata and dtypes, causality and remat."""
 
+import contextlib
 import dataclasses
+import io
 import math
 
 import jax
@@ -355,7 +357,7 @@ def test_sliding_window_receptive_field_of_one_layer(impl, window):
 # ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize('scan,policies', [
-    (True, ('none', 'full', 'dots', 'dots_no_batch')),
+    (True, ('none', 'full', 'dots', 'dots_attention_mlp', 'dots_no_batch')),
     # Unrolled layers take the prevent_cse=True branch of nn.remat; one policy
     # is enough to cover it (each policy is a ~2 s compile here).
     (False, ('none', 'full')),
@@ -383,6 +385,30 @@ def test_remat_policies_give_the_same_loss_and_gradients(scan, policies):
     assert jax.tree.structure(grads) == jax.tree.structure(grads0)
     for g, g0 in zip(jax.tree.leaves(grads), flat0):
       np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-5, atol=1e-7, err_msg=policy)
+
+
+def _saved_residual_shapes(model, params, tokens) -> list[str]:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: jnp.mean(jnp.square(model.apply({'params': p}, tokens))), params)
+  return sorted(line.split()[0] for line in out.getvalue().splitlines() if line.strip())
+
+
+def test_dots_attention_mlp_keeps_the_mlp_activation_for_the_backward():
+  # One residual more than dots_attention: the scanned layers' MLP
+  # activations, (layers, batch, seq, d_ff), which the backward then reads
+  # instead of recomputing the GeLU.
+  tokens = _tokens()
+  cfg = dataclasses.replace(SMALL, scan_layers=True)
+  params = _random_params(Transformer(cfg).init, tokens, std=0.1)
+  kept = {p: _saved_residual_shapes(Transformer(dataclasses.replace(cfg, remat_policy=p)), params, tokens)
+          for p in ('dots_attention', 'dots_attention_mlp')}
+  extra = list(kept['dots_attention_mlp'])
+  for shape in kept['dots_attention']:
+    extra.remove(shape)
+  batch, seq = tokens.shape
+  assert extra == [f'f32[{cfg.n_layers},{batch},{seq},{cfg.d_ff}]'], kept
 
 
 def test_embedding_gradient_sums_in_fp32_from_a_bf16_table():

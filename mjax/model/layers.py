@@ -13,6 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from mjax.config import ModelConfig
 from mjax.parallel import collective_matmul
@@ -181,6 +182,9 @@ def weights(cfg: ModelConfig, in_shape: tuple[int, ...], features: tuple[int, ..
                  dtype_of(cfg.param_dtype), name=name)
 
 
+MLP_ACTIVATION = 'mlp_activation'   # the name remat policies may keep the MLP's activation by
+
+
 class Mlp(nn.Module):
   """GeLU MLP (MegaScale, GPT-3) or SwiGLU (LLaMA).
 
@@ -204,6 +208,10 @@ class Mlp(nn.Module):
   def activate(self, up: jax.Array, gate: Optional[jax.Array] = None) -> jax.Array:
     c = self.cfg
     h = nn.silu(gate) * up if c.mlp == 'swiglu' else nn.gelu(up, approximate=c.gelu_approximate)
+    # Named for the remat policy 'dots_attention_mlp', which keeps it: the
+    # output projection's weight gradient reads it, and every other policy
+    # recomputes it from the saved input projection. An identity otherwise.
+    h = checkpoint_name(h, MLP_ACTIVATION)
     return constrain(h, ('batch', 'seq', 'mlp'))  # (batch, seq, mlp)
 
   def output(self) -> Weights:

@@ -23,7 +23,7 @@ from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
-from mjax.model.layers import (Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
+from mjax.model.layers import (MLP_ACTIVATION, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
                                matmul, out_proj_std, project_many, project_sum)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
@@ -43,10 +43,23 @@ def _dots_and_flash_attention(prim, *args, **params) -> bool:
           or jax.checkpoint_policies.checkpoint_dots(prim, *args, **params))
 
 
+_MLP_ACTIVATION_SAVEABLE = jax.checkpoint_policies.save_only_these_names(MLP_ACTIVATION)
+
+
+def _dots_attention_and_mlp_activation(prim, *args, **params) -> bool:
+  """dots_attention, and also the MLP's activation (GeLU(x W_in), or SwiGLU's
+  product): the output projection's weight gradient reads it, so the
+  backward does not compute it again from the saved input projection. One
+  (batch, seq, d_ff) tensor more per layer, in the compute dtype."""
+  return (_dots_and_flash_attention(prim, *args, **params)
+          or _MLP_ACTIVATION_SAVEABLE(prim, *args, **params))
+
+
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.checkpoint_dots,
     'dots_attention': _dots_and_flash_attention,
+    'dots_attention_mlp': _dots_attention_and_mlp_activation,
     'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 

@@ -39,6 +39,8 @@ With remat:
                    layer being recomputed;
   'dots_attention' as 'dots', and flash attention's output and softmax
                    statistics (its backward then skips the forward);
+  'dots_attention_mlp' as 'dots_attention', and the MLP's activation (e s b F,
+                   split over t);
   'dots_no_batch'  the same as 'dots' without the attention matmuls (they
                    have batch dimensions).
 The parallel block with fuse_projections='all' has one output projection
@@ -140,11 +142,13 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
           + outs * e * sb * h / rt)
   if policy == 'dots' and not flash:
     dots += (4 * a * s * s * b + e * sb * q) / t   # fp32 scores, probs x V
-  if policy == 'dots_attention':
+  if policy in ('dots_attention', 'dots_attention_mlp'):
     # Flash attention's output and fp32 softmax statistics; with
     # materialized attention the same as 'dots'.
     dots += (e * sb * q + 4 * a * sb) / t if flash else (4 * a * s * s * b + e * sb * q) / t
-  if policy in ('dots', 'dots_attention', 'dots_no_batch'):
+  if policy == 'dots_attention_mlp':
+    dots += e * sb * F / t   # the MLP's activation, one (batch, seq, d_ff) tensor
+  if policy in ('dots', 'dots_attention', 'dots_attention_mlp', 'dots_no_batch'):
     return dots, none
   raise ValueError(f'unknown remat policy {policy!r}')
 
