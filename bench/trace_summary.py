@@ -113,7 +113,10 @@ def part_of_event(event: dict, sources: dict[str, str]) -> str:
   kernels are found by their kernel name instead: the HLO instruction's
   name with '_' for its '.' (`loop_add_multiply_fusion_23` is
   `loop_add_multiply_fusion.23`). A library's kernel in a graph (cuBLAS
-  `nvjet_*`, cuDNN) carries no name of its own in the HLO."""
+  `nvjet_*`, cuDNN) carries no name of its own in the HLO. XLA runs one
+  kernel for identical fusions (their `deduplicated_name`), so such a
+  kernel's every call counts under the part of the instruction it is
+  named after."""
   op = event.get('args', {}).get('hlo_op', event['name'])
   for name in (op, event['name'], re.sub(r'_(\d+)$', r'.\1', event['name'])):
     if sources.get(name):   # the graph itself is in the HLO too, with no source
