@@ -261,7 +261,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> None:
 
 @entry_point('mjax-prepare')
 def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
-  """mjax-prepare: tokenizes text once into memory-mapped shards, or verifies shards.
+  """mjax-prepare: tokenizes text once into token shards, or verifies shards.
 
     mjax-prepare --input DIR_OR_FILE --output DIR [--tokenizer bytes|tokenizer.json]
                  [--shard_tokens N] [--heldout_fraction F] [--file_pattern GLOB]

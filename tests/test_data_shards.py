@@ -4,6 +4,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
+import tracemalloc
 
 import gin
 import numpy as np
@@ -12,6 +16,7 @@ import pytest
 from mjax import data
 from mjax.cli import prepare_main
 from mjax.config import DataConfig
+from mjax.data import shards
 
 SEQ = 32
 
@@ -91,7 +96,7 @@ def test_manifest_fields_and_files(shard_dir):
 def test_shards_hold_exactly_the_text_split(corpus_dir, shard_dir):
   c = data.load_corpus(_cfg(corpus_dir))
   s = data.open_shards(str(shard_dir))
-  assert isinstance(s.train[0], np.memmap)  # memory-mapped, not loaded
+  assert isinstance(s.train[0], shards.ShardTokens)  # read on demand, not loaded
   np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
   np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
 
@@ -154,6 +159,134 @@ def test_open_rejects_truncated_shard(shard_copy):
     data.open_shards(str(shard_copy))
   msg = str(err.value)
   assert str(path) in msg and f'size {size - 2} bytes, expected {size}' in msg
+
+
+_READ_WHILE_TRUNCATED = textwrap.dedent('''
+    import os, sys
+    import numpy as np
+    from mjax import data
+    from mjax.config import DataConfig
+    from mjax.data.packing import Windows
+
+    out = sys.argv[1]
+    path = os.path.join(out, 'train-00000.bin')
+    windows = Windows(data.open_shards(out).train, 32)
+    last = np.arange(len(windows) - 4, len(windows))
+    windows.gather(last)                      # whole: reads fine
+    it = data.make_train_iterator(DataConfig(source=out, seq_len=32, heldout_fraction=0.2), 8)
+    next(it)
+    os.truncate(path, os.path.getsize(path) // 4)
+    windows.gather(np.arange(4))              # before the new end: still fine
+    for name, read in (('windows', lambda: windows.gather(last)),
+                       ('iterator', lambda: [next(it) for _ in range(100)])):
+      try:
+        read()
+      except data.DataError as e:
+        print(name, 'DataError:', e)
+      else:
+        sys.exit(name + ': read past the end of a truncated shard without a DataError')
+    ''')
+
+
+def test_a_shard_truncated_during_training_raises_data_error(tmp_path, corpus_dir):
+  # A memory-mapped shard truncated under a running job killed it with
+  # SIGBUS and no message; run in a subprocess so that such a death fails
+  # this test instead of killing pytest.
+  out = tmp_path / 'live'
+  data.prepare_shards(str(corpus_dir), str(out), heldout_fraction=0.2)
+  path = out / 'train-00000.bin'
+  size = path.stat().st_size
+  assert [e['split'] for e in _manifest(out)['shards']].count('train') == 1
+  assert size > 4 * 4096, 'the shard must span pages past its truncated end'
+  proc = subprocess.run([sys.executable, '-c', _READ_WHILE_TRUNCATED, str(out)], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, f'exit status {proc.returncode} (negative: killed by that signal)\n{proc.stderr}'
+  lines = proc.stdout.splitlines()
+  assert [line.split()[0] for line in lines] == ['windows', 'iterator']
+  for line in lines:
+    assert f'{path}: size {size // 4} bytes, expected {size}' in line
+    assert 'truncated or rewritten while this run read it' in line and 'mjax-prepare' in line
+
+
+def test_shard_tokens_read_like_an_array(shard_dir):
+  s = data.open_shards(str(shard_dir))
+  t = s.train[0]
+  whole = np.fromfile(shard_dir / 'train-00000.bin', '<u2')
+  assert len(t) == len(whole) and t.shape == whole.shape and t.dtype == whole.dtype
+  np.testing.assert_array_equal(np.asarray(t), whole)
+  for key in (slice(5, 40), slice(None, 7), slice(-9, None), slice(3, 50, 4), slice(40, 2, -3),
+              slice(10, 10)):
+    np.testing.assert_array_equal(t[key], whole[key])
+  assert t[0] == whole[0] and t[-1] == whole[-1]
+  np.testing.assert_array_equal(t.windows(np.array([0, 3, len(t) - 33]), 33),
+                                whole[np.array([0, 3, len(t) - 33])[:, None] + np.arange(33)])
+  with pytest.raises(IndexError):
+    t.windows(np.array([len(t) - 32]), 33)
+
+
+def _write_mixed_source(root):
+  """Text files and JSON Lines with blank lines, CRLF endings, bare JSON
+  strings, a lone surrogate and documents that are not text (no RNG, so the
+  bytes are the same everywhere)."""
+  words = ['def', 'return', 'énergie', '数据', 'yield', '(x)', ':']
+  root.mkdir(parents=True)
+  for i in range(6):
+    (root / f'notes_{i}.txt').write_text(' '.join(words[(i + j) % 7] for j in range(i * 13)),
+                                         encoding='utf-8')
+  lines = []
+  for i in range(3000):
+    text = f'doc {i} ' + ' '.join(words[(i * 5 + j * 3) % 7] for j in range(i % 29))
+    kind = i % 11
+    lines.append(b'' if kind == 0 else b'  \r' if kind == 1 else
+                 json.dumps(text).encode() + b'\r' if kind == 2 else
+                 json.dumps({'text': 'bad \udc80 ' + text}).encode() if kind == 3 else
+                 json.dumps({'text': '\x00' + text}).encode() if kind == 4 else
+                 json.dumps({'text': text, 'id': i}).encode())
+  (root / 'part-0.jsonl').write_bytes(b'\n'.join(lines))          # no newline at the end
+  (root / 'part-1.jsonl').write_bytes(b'\n'.join(lines[::-7]) + b'\n')
+  (root / 'blank.jsonl').write_bytes(b'\n \n')
+  return root
+
+
+# sha256 of the manifest's shard entries (each with its file's sha256) that
+# mjax-prepare wrote for _write_mixed_source when it held every document name
+# in memory: streaming must not change a byte.
+_MIXED_SHARDS_SHA256 = '6841dcd514c03cfe60b1eb171b7d5d8e3b9c01332f41e73a2b49d4f5583f1eb6'
+
+
+@pytest.mark.parametrize('batch_docs', [None, 7])
+def test_prepare_jsonl_output_is_pinned(tmp_path, monkeypatch, batch_docs):
+  src = _write_mixed_source(tmp_path / 'src')
+  if batch_docs:   # many small read batches: the output must not depend on them
+    monkeypatch.setattr(shards, '_READ_BATCH_DOCS', batch_docs, raising=False)
+    monkeypatch.setattr(shards, '_READ_BATCH_BYTES', 500)
+  out = tmp_path / 'out'
+  m = data.prepare_shards(str(src), str(out), shard_tokens=3000, heldout_fraction=0.1, file_pattern='*')
+  assert m == _manifest(out) and m['split'] == 'file' and len(m['shards']) > 10
+  assert hashlib.sha256(json.dumps(m['shards'], sort_keys=True).encode()).hexdigest() == _MIXED_SHARDS_SHA256
+  c = data.load_corpus(DataConfig(source=str(src), file_pattern='*', heldout_fraction=0.1))
+  s = data.open_shards(str(out))
+  np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
+  np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
+
+
+def test_prepare_memory_does_not_grow_with_documents(tmp_path, monkeypatch):
+  # Holding every document's name and split flag cost ~360 bytes per
+  # document (tens of GB for a large crawl); streamed, what prepare holds is
+  # one read batch. tracemalloc counts Python and numpy allocations exactly.
+  n = 50_000
+  (tmp_path / 'src').mkdir()
+  with open(tmp_path / 'src' / 'docs.jsonl', 'w') as fh:
+    fh.writelines(f'{{"text": "document {i}"}}\n' for i in range(n))
+  monkeypatch.setattr(shards, '_READ_BATCH_DOCS', 1000, raising=False)
+  tracemalloc.start()
+  try:
+    m = data.prepare_shards(str(tmp_path / 'src'), str(tmp_path / 'out'), file_pattern='*.jsonl')
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert sum(e['documents'] for e in m['shards']) == n
+  assert peak < 40 * n, f'peak {peak:,} bytes traced for {n:,} documents'
 
 
 def test_altered_shard_fails_only_checksum_verification(shard_copy):

@@ -19,7 +19,7 @@ import logging
 import os
 import sysconfig
 import zlib
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 import numpy as np
 
@@ -179,6 +179,41 @@ def expand_jsonl(root: str, rel_paths: list[str]) -> list[str]:
   return out
 
 
+def iter_documents(root: str, rel_paths: list[str], *,
+                   names_only: bool = False) -> Iterator[tuple[str, Optional[bytes]]]:
+  """`read_documents(root, expand_jsonl(root, rel_paths))`, streamed.
+
+  JSON Lines files are read line by line, never whole, so memory does not
+  grow with the number of documents (`mjax-prepare` on a large crawl).
+
+  Args:
+    root: a directory, or a single file (then `rel_paths` is its name).
+    rel_paths: '/'-separated paths relative to the root (see `list_files`).
+    names_only: yield (name, None): no file other than JSONL is read and no
+      JSON is parsed.
+  Yields:
+    (document name, its raw contents) in order, names as `expand_jsonl`.
+  Raises:
+    DataError: a JSONL line that is not a JSON string or {"text": string}.
+  """
+  base = os.path.dirname(root) if os.path.isfile(root) else root
+  for rel in rel_paths:
+    path = os.path.join(base, rel)
+    if not rel.endswith(JSONL_SUFFIX):
+      if names_only:
+        yield rel, None
+      else:
+        with open(path, 'rb') as fh:
+          yield rel, fh.read()
+      continue
+    with open(path, 'rb') as fh:
+      # Lines as `_jsonl_lines` splits them: at b'\n' only, numbered from 1.
+      for n, line in enumerate(fh, 1):
+        if line.strip():
+          line = line[:-1] if line.endswith(b'\n') else line
+          yield _jsonl_name(rel, n), None if names_only else _jsonl_text(path, n, line)
+
+
 def _jsonl_text(path: str, n: int, line: bytes) -> bytes:
   try:
     item = json.loads(line)
@@ -224,12 +259,16 @@ def file_pattern_of(source: str, file_pattern: str) -> str:
   return '*.py' if source == 'stdlib' else file_pattern
 
 
-def find_source_files(source: str, file_pattern: str) -> tuple[str, list[str]]:
+def find_source_files(source: str, file_pattern: str, *,
+                      expand: bool = True) -> tuple[str, list[str]]:
   """The root of a text source and its matching files.
 
   Args:
     source: 'stdlib' or a path.
     file_pattern: fnmatch pattern for directory sources.
+    expand: replace each JSON Lines file by its documents (`expand_jsonl`);
+      without it the caller streams them (`iter_documents`) and reports
+      `no_documents` itself.
   Returns:
     (absolute root, sorted relative paths).
   Raises:
@@ -246,10 +285,17 @@ def find_source_files(source: str, file_pattern: str) -> tuple[str, list[str]]:
   files = list_files(root, pattern, skip_packages=source == 'stdlib')
   if not files:
     raise DataError(f'data source {root}: no files match DataConfig.file_pattern = {pattern!r}.')
+  if not expand:
+    return root, files
   files = expand_jsonl(root, files)
   if not files:
-    raise DataError(f'data source {root}: its JSON Lines files hold no document (every line is empty).')
+    raise no_documents(root)
   return root, files
+
+
+def no_documents(root: str) -> DataError:
+  """The error for a source whose only files are JSON Lines with no document."""
+  return DataError(f'data source {root}: its JSON Lines files hold no document (every line is empty).')
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

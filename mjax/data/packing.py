@@ -45,7 +45,8 @@ class Windows:
     """Indexes the windows of `streams`.
 
     Args:
-      streams: token arrays (in-memory or memory-mapped); never copied.
+      streams: token arrays, or shard files read on demand
+        (mjax.data.shards.ShardTokens); never copied.
       seq_len: model sequence length.
     """
     self._streams = tuple(streams)
@@ -76,9 +77,12 @@ class Windows:
     for k in np.unique(which):
       rows = which == k
       starts = (ids[rows] - self._starts[k]) * self._seq_len
-      # One fancy index per stream: for a memory map this reads only the
-      # pages of the chosen windows.
-      out[rows] = self._streams[k][starts[:, None] + self._offsets]
+      stream = self._streams[k]
+      if isinstance(stream, np.ndarray):
+        out[rows] = stream[starts[:, None] + self._offsets]   # one fancy index per stream
+      else:
+        # A shard file (mjax.data.shards.ShardTokens): one read per window.
+        out[rows] = stream.windows(starts, self._seq_len + 1)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Pre-tokenized shards: written once by `mjax-prepare`, memory-mapped at read.
+"""Pre-tokenized shards: written once by `mjax-prepare`, read on demand (pread).
 
 Format (version 1). A shard directory holds raw token files and one
 `manifest.json`:
@@ -36,18 +36,22 @@ Integrity, checked when a shard directory is opened:
   verify=True  (DataConfig.verify_checksums, `mjax-prepare --verify DIR`)
                additionally the sha256 of every file, the largest id of every
                shard, and its EOS count against `documents`.
+  while read   a shard that shrinks under a running job (truncated, rewritten)
+               fails the read that reaches its new end (see ShardTokens).
 Every failure raises DataError naming the file, the expected and the found.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
 import os
+import resource
+import weakref
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -64,7 +68,8 @@ DEFAULT_SHARD_TOKENS = 1 << 27     # 256 MiB of uint16 per shard
 _SAMPLE_BLOCKS = 16                # evenly spaced blocks read by the cheap check
 _SAMPLE_BLOCK_TOKENS = 1024
 _SCAN_CHUNK = 1 << 24              # tokens per read when scanning a whole shard
-_READ_BATCH_BYTES = 64 << 20       # text read and tokenized at a time by prepare
+_READ_BATCH_BYTES = 64 << 20       # text read and tokenized at a time by prepare,
+_READ_BATCH_DOCS = 1 << 16         # or documents (short ones cost more as objects than as text)
 
 
 def is_shard_dir(path: str) -> bool:
@@ -81,15 +86,15 @@ class ShardSet:
     manifest: the parsed manifest.json.
     tokenizer: identity of the tokenizer recorded in the manifest.
     train_files / heldout_files: shard file names, in manifest order.
-    train / heldout: one read-only memory map (or empty array) per shard.
+    train / heldout: one ShardTokens (read on demand, never loaded) per shard.
   """
   root: str
   manifest: dict
   tokenizer: TokenizerInfo
   train_files: tuple[str, ...]
   heldout_files: tuple[str, ...]
-  train: tuple[np.ndarray, ...]
-  heldout: tuple[np.ndarray, ...]
+  train: tuple[ShardTokens, ...]
+  heldout: tuple[ShardTokens, ...]
 
 
 # ----------------------------------------------------------------------------
@@ -160,21 +165,34 @@ class _ShardWriter:
     return self.entries
 
 
-def _batches(root: str, files: list[str]) -> Iterator[list[str]]:
-  """Groups files into batches of about `_READ_BATCH_BYTES` for tokenizing."""
-  base = os.path.dirname(root) if os.path.isfile(root) else root
-  # A JSON Lines document counts an equal share of its file.
-  per_file = collections.Counter(corpus_lib.document_file(f) for f in files)
-  batch, size = [], 0
-  for f in files:
-    batch.append(f)
-    path = corpus_lib.document_file(f)
-    size += os.path.getsize(os.path.join(base, path)) / per_file[path]
-    if size >= _READ_BATCH_BYTES:
-      yield batch
-      batch, size = [], 0
-  if batch:
-    yield batch
+def _document_batches(root: str, files: list[str]) -> Iterator[tuple[list[str], list[bytes]]]:
+  """(names, contents) of the source's documents, streamed in batches of
+  about `_READ_BATCH_BYTES` or `_READ_BATCH_DOCS`: prepare holds one batch at
+  a time, so its memory does not grow with the corpus."""
+  names, docs, size = [], [], 0
+  for name, doc in corpus_lib.iter_documents(root, files):
+    names.append(name)
+    docs.append(doc)
+    size += len(doc)
+    if size >= _READ_BATCH_BYTES or len(docs) >= _READ_BATCH_DOCS:
+      yield names, docs
+      names, docs, size = [], [], 0
+  if docs:
+    yield names, docs
+
+
+def _splits_by_file(root: str, files: list[str], heldout_fraction: float) -> bool:
+  """Whether the documents fall on both sides of the by-file split (that is,
+  `corpus.split_flags` is not None). Stops at the first document of each
+  side, so a large source answers within its first few documents."""
+  sides = set()
+  for name, _ in corpus_lib.iter_documents(root, files, names_only=True):
+    sides.add(corpus_lib.is_heldout(name, heldout_fraction))
+    if len(sides) == 2:
+      return True
+  if not sides:
+    raise corpus_lib.no_documents(root)
+  return False
 
 
 def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
@@ -209,14 +227,17 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                     'one' + (' (it holds no manifest.json: what an mjax-prepare killed midway leaves; remove it '
                              'and run again)' if leftover else '') + '.')
   tok = load_tokenizer(tokenizer)
-  root, files = corpus_lib.find_source_files(source, file_pattern)
+  # JSON Lines files stay unexpanded and their documents are streamed: a
+  # list of every document's name (and split flag) costs hundreds of bytes
+  # per document, tens of GB for a crawl of 10^8 documents.
+  root, files = corpus_lib.find_source_files(source, file_pattern, expand=False)
+  by_file = _splits_by_file(root, files, heldout_fraction)
   created = not os.path.exists(output)
   os.makedirs(output, exist_ok=True)
   dtype = token_dtype(tok.info.vocab_size)
   writers = {s: _ShardWriter(output, s, dtype, tok.info.eos_id, shard_tokens) for s in SPLITS}
   try:
-    held = corpus_lib.split_flags(files, heldout_fraction)
-    if held is None:
+    if not by_file:
       # A by-position cut needs the whole stream's length: small sources only
       # end up here (one file, or a few whose hashes agree), so load it whole.
       c = corpus_lib.load_text(source, file_pattern, tokenizer, heldout_fraction)
@@ -224,18 +245,18 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
       writers['heldout'].add(c.heldout_tokens)
       split = 'position'
     else:
-      flag = dict(zip(files, held))
-      kept = 0
-      for batch in _batches(root, files):
-        batch, docs = corpus_lib.keep_text(root, batch, corpus_lib.read_documents(root, batch),
-                                           require_some=False)
+      kept = seen = 0
+      for names, docs in _document_batches(root, files):
+        seen += len(names)
+        names, docs = corpus_lib.keep_text(root, names, docs, require_some=False)
         kept += sum(bool(d.strip()) for d in docs)
+        held = [corpus_lib.is_heldout(f, heldout_fraction) for f in names]
         for s, want in (('train', False), ('heldout', True)):
-          chosen = [d for f, d in zip(batch, docs) if flag[f] == want]
+          chosen = [d for h, d in zip(held, docs) if h == want]
           if chosen:
             writers[s].add(tok.encode_documents(chosen))
       if not kept:
-        raise DataError(f'data source {root}: no text to train on: none of its {len(files)} files holds '
+        raise DataError(f'data source {root}: no text to train on: none of its {seen} files holds '
                         f'text (UTF-8 without NUL bytes, more than whitespace); DataConfig.file_pattern '
                         f'selects the files.')
       split = 'file'
@@ -274,6 +295,134 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
 # ----------------------------------------------------------------------------
 # Reading and verifying
 # ----------------------------------------------------------------------------
+
+class ShardTokens:
+  """One shard's tokens, read from its file on demand.
+
+  Not a memory map: under a memory map, a file truncated (or rewritten
+  shorter) while a run reads it kills the process with SIGBUS at the first
+  page past its new end, with no message. Here every read is a pread on a
+  descriptor opened when the directory was checked, so a short read raises
+  DataError naming the file, and a shard replaced by rename is still read as
+  it was checked, as a memory map would.
+
+  Array-like as far as the pipeline needs: len(), `dtype`, `shape`, an int or
+  a slice (a new ndarray), np.asarray (the whole shard), and `windows`.
+  """
+
+  def __init__(self, path: str, dtype: np.dtype, n: int):
+    """Opens `path`, which holds `n` tokens of `dtype` (checked by the caller)."""
+    self.path, self.dtype, self._n = path, np.dtype(dtype), int(n)
+    self._expected = self._n * self.dtype.itemsize
+    self._fd = _open_read_only(path)
+    # Closed with the object, or at exit; unlike __del__, safe at interpreter shutdown.
+    weakref.finalize(self, os.close, self._fd)
+
+  def __len__(self) -> int:
+    return self._n
+
+  @property
+  def shape(self) -> tuple[int]:
+    return (self._n,)
+
+  ndim = 1
+
+  def __repr__(self) -> str:
+    return f'ShardTokens({self.path!r}, {self.dtype.name}, {self._n} tokens)'
+
+  def __reduce__(self):
+    # A copy in another process opens the file again.
+    return ShardTokens, (self.path, self.dtype.str, self._n)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # always a fresh array
+    a = self[:]
+    return a if dtype is None else a.astype(dtype, copy=False)
+
+  def __getitem__(self, key) -> np.ndarray:
+    if isinstance(key, slice):
+      r = range(*key.indices(self._n))
+      if r.step == 1:
+        return self._read(r.start, max(r.start, r.stop))
+      if not r:
+        return np.empty((0,), self.dtype)
+      lo = min(r[0], r[-1])
+      return self._read(lo, max(r[0], r[-1]) + 1)[np.asarray(r) - lo]
+    if isinstance(key, (int, np.integer)):
+      i = int(key) + (self._n if key < 0 else 0)
+      if not 0 <= i < self._n:
+        raise IndexError(f'{self.path}: token {int(key)} is out of range for {self._n} tokens.')
+      return self._read(i, i + 1)[0]
+    raise TypeError(f'{self.path}: shard tokens take an int or a slice, got {type(key).__name__}; '
+                    'use windows() for many runs at once.')
+
+  def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+    """Tokens [s, s + length) for every s in `starts`, one read each.
+
+    Args:
+      starts: int array (B,), each in [0, len(self) - length].
+      length: tokens per window.
+    Returns:
+      read-only array (B, length) of self.dtype.
+    """
+    starts = np.asarray(starts, np.int64).tolist()
+    if starts and (min(starts) < 0 or max(starts) + length > self._n):
+      raise IndexError(f'{self.path}: windows of {length} tokens starting in '
+                       f'[{min(starts)}, {max(starts)}] do not fit in {self._n} tokens.')
+    size = self.dtype.itemsize
+    # One pread per window, joined: fewer Python objects per window than
+    # reading into views of the rows (a third faster for short windows).
+    parts = [os.pread(self._fd, length * size, s * size) for s in starts]
+    joined = b''.join(parts)
+    if len(joined) != len(starts) * length * size:   # a short read: the file shrank
+      return np.stack([self._read(s, s + length) for s in starts])
+    return np.frombuffer(joined, self.dtype).reshape(len(starts), length)
+
+  def _read(self, start: int, stop: int) -> np.ndarray:
+    out = np.empty((stop - start,), self.dtype)
+    self._read_into(out, start)
+    return out
+
+  def _read_into(self, out: np.ndarray, start: int) -> None:
+    view = memoryview(out).cast('B')
+    offset = start * self.dtype.itemsize
+    done = 0
+    while done < len(view):   # a regular file reads short only at its end (or past 2 GiB)
+      got = os.preadv(self._fd, [view[done:]], offset + done)
+      if not got:
+        raise self._shrunk(offset + done)
+      done += got
+
+  def _shrunk(self, offset: int) -> DataError:
+    try:
+      found = f'{os.fstat(self._fd).st_size} bytes'
+    except OSError as e:
+      found = f'unknown ({e})'
+    return DataError(
+        f'{self.path}: size {found}, expected {self._expected} ({self._n} tokens x '
+        f'{self.dtype.itemsize} bytes) as when it was opened: the shard was truncated or rewritten '
+        f'while this run read it (the read at byte {offset} found its end). Shards must not change '
+        'during training: stop the run, prepare the data again with mjax-prepare into a new '
+        'directory, and train from that.')
+
+
+def _open_read_only(path: str) -> int:
+  """A read-only descriptor; one per shard, so a large mixture may need more
+  than the usual soft limit of 1024: it is raised to the hard limit once."""
+  try:
+    return os.open(path, os.O_RDONLY)
+  except OSError as e:
+    if e.errno != errno.EMFILE:
+      raise DataError(f'{path}: cannot be opened ({e.strerror}).') from None
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft < hard:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    with contextlib.suppress(OSError):
+      return os.open(path, os.O_RDONLY)
+  raise DataError(f'{path}: cannot be opened: the process has reached its limit of {hard} open files '
+                  '(one per shard is kept open); raise it (ulimit -n) or prepare fewer, larger shards '
+                  '(mjax-prepare --shard_tokens).')
+
 
 def read_manifest(root: str) -> dict:
   """Parses and structurally checks root/manifest.json.
@@ -353,7 +502,7 @@ def _check_ids(path: str, block: np.ndarray, offset: int, vocab_size: int) -> No
                     'another tokenizer.')
 
 
-def _sample_check(path: str, tokens: np.ndarray, vocab_size: int) -> None:
+def _sample_check(path: str, tokens: ShardTokens, vocab_size: int) -> None:
   """Reads a few evenly spaced blocks (first and last included)."""
   n = len(tokens)
   if n <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK_TOKENS:
@@ -364,7 +513,7 @@ def _sample_check(path: str, tokens: np.ndarray, vocab_size: int) -> None:
     _check_ids(path, np.asarray(tokens[s:s + _SAMPLE_BLOCK_TOKENS]), int(s), vocab_size)
 
 
-def _full_check(path: str, entry: dict, tokens: np.ndarray, vocab_size: int, eos_id: int) -> None:
+def _full_check(path: str, entry: dict, tokens: ShardTokens, vocab_size: int, eos_id: int) -> None:
   """sha256 of the file, every id below vocab_size, EOS count == documents."""
   h = hashlib.sha256()
   with open(path, 'rb') as fh:
@@ -383,12 +532,6 @@ def _full_check(path: str, entry: dict, tokens: np.ndarray, vocab_size: int, eos
                     f'{entry["documents"]} documents from {MANIFEST}.')
 
 
-def _map(path: str, dtype: np.dtype, n: int) -> np.ndarray:
-  if n == 0:  # an empty file cannot be memory-mapped
-    return np.zeros((0,), dtype)
-  return np.memmap(path, dtype=dtype, mode='r', shape=(n,))
-
-
 @functools.lru_cache(maxsize=64)   # every source of a large mixture, opened for train and held-out
 def _open(root: str, verify_checksums: bool, manifest_mtime: float) -> ShardSet:
   del manifest_mtime  # only part of the cache key: a re-prepared directory is read again
@@ -399,7 +542,7 @@ def _open(root: str, verify_checksums: bool, manifest_mtime: float) -> ShardSet:
   names = {s: [] for s in SPLITS}
   for e in m['shards']:
     path = _check_size(root, e, dtype.itemsize)
-    tokens = _map(path, dtype, e['tokens'])
+    tokens = ShardTokens(path, dtype, e['tokens'])
     if verify_checksums:
       _full_check(path, e, tokens, tok.vocab_size, tok.eos_id)
     else:

@@ -2,7 +2,7 @@
 
 A source is either text ('stdlib', a file, a directory), tokenized in memory
 once per process (`mjax.data.corpus`), or a directory of pre-tokenized shards
-(`mjax.data.shards`), memory-mapped. Either way it yields two lists of token
+(`mjax.data.shards`), read from disk on demand. Either way it yields two lists of token
 streams, train and held-out, plus the identity of its tokenizer.
 
 All sources of a run share one tokenizer: text sources use
@@ -37,7 +37,8 @@ class TokenSource:
     kind: 'text' or 'shards'.
     split: 'file' or 'position' (see Corpus.split), as the text was split.
     tokenizer: identity of the tokenizer that made the ids.
-    train / heldout: token streams (documents joined by EOS), read-only.
+    train / heldout: token streams (documents joined by EOS), read-only:
+      arrays for text, mjax.data.shards.ShardTokens for shards.
     train_files / heldout_files: text files or shard files behind them.
   """
   spec: str
