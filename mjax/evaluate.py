@@ -370,18 +370,11 @@ def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
 # --- batches and the loss ---------------------------------------------------------
 
 def _whole_heldout_batches(cfg: Config, n: int) -> int:
-  """`n`, or the whole batches the held-out split holds where that is fewer:
-  past them its windows would repeat, and a token counted twice would bias
-  the mean this reports as exact. A mixture takes each source's share of a
-  batch, so its smallest source, for its share, sets the count."""
-  info = data_lib.describe(cfg.data)
+  """`n`, or the whole batches the held-out split holds where that is fewer
+  (`data.whole_heldout_batches`): past them its windows would repeat, and a
+  token counted twice would bias the mean this reports as exact."""
   gbs = cfg.train.global_batch_size
-  if 'mixture' in info:
-    total = sum(s['weight'] for s in info['mixture'])
-    whole = min(int(s['heldout_windows'] // (gbs * s['weight'] / total)) for s in info['mixture'])
-  else:
-    whole = info['heldout_windows'] // gbs
-  whole = max(1, whole)
+  whole = data_lib.whole_heldout_batches(cfg.data, gbs)
   if n > whole:
     say(f'{PROG}: the held-out split holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '
         f'evaluating those, not the {n} asked for (beyond them its windows repeat).')

@@ -161,7 +161,8 @@ class Trainer:
     share, shares = self.program.data_share()   # this process's block of every batch
     self.train_iter = self._train_iterator(restored.data if restored is not None else None, share, shares)
     self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
-        cfg.data, cfg.train.global_batch_size, cfg.train.eval_batches, process_index=share, process_count=shares)]
+        cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
+        process_count=shares)]
     self._mark('data')
 
     t0 = time.perf_counter()
@@ -185,6 +186,21 @@ class Trainer:
   def say(self, msg: str) -> None:
     if self.is_main:
       print(msg, flush=True)
+
+  def _eval_batch_count(self) -> int:
+    """TrainConfig.eval_batches, or the whole batches the held-out split
+    holds where that is fewer: beyond them its windows repeat, and eval_loss
+    would count their tokens twice (mjax-eval stops there too)."""
+    cfg = self.cfg
+    want = cfg.train.eval_batches
+    whole = data_lib.whole_heldout_batches(cfg.data, cfg.train.global_batch_size)
+    if want > whole:
+      self.say(f'mjax: warning: the held-out split holds {whole} whole batch(es) of '
+               f'{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens; eval_loss is taken on those, '
+               f'not on TrainConfig.eval_batches = {want} (beyond them its windows repeat). A larger '
+               'DataConfig.heldout_fraction (mjax-prepare --heldout_fraction for shards) holds more.')
+      return whole
+    return want
 
   # --- the loop -------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """mjax-eval: the loss of a saved checkpoint, on any step, mesh and split."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -162,3 +163,18 @@ def test_eval_loss_weights_each_batch_by_its_counted_tokens():
   loss, tokens = train.evaluate(program, None, batches)
   assert tokens == 21
   assert loss == pytest.approx((5 * 1.0 + 16 * 3.0) / 21)   # not (1 + 3) / 2
+
+
+def test_trainer_eval_loss_stops_where_heldout_windows_would_repeat(capsys):
+  # The trainer evaluated TrainConfig.eval_batches whatever the split held,
+  # wrapping around and counting windows twice; it now stops where mjax-eval does.
+  cfg = C.load_config(['tiny.gin'], SMALL + ['TrainConfig.eval_batches = 1000000'], num_devices=8)
+  whole = evaluate._whole_heldout_batches(cfg, 10**6)
+  capsys.readouterr()
+  count = trainer.Trainer._eval_batch_count(types.SimpleNamespace(cfg=cfg, say=print))
+  assert count == whole
+  out = capsys.readouterr().out
+  assert f'holds {whole} whole batch(es)' in out and 'TrainConfig.eval_batches = 1000000' in out
+  small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2))
+  assert trainer.Trainer._eval_batch_count(types.SimpleNamespace(cfg=small, say=print)) == 2
+  assert capsys.readouterr().out == ''

@@ -316,6 +316,21 @@ def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int,
   return [build(row) for row in ids]
 
 
+def whole_heldout_batches(cfg: DataConfig, global_batch_size: int) -> int:
+  """How many whole global batches the held-out split holds (at least 1):
+  past them `make_eval_batches` wraps around and its windows repeat, and a
+  token counted twice biases a mean loss. A mixture takes each source's
+  share of a batch, so its smallest source, for its share, sets the count."""
+  info = describe(cfg)
+  if 'mixture' in info:
+    total = sum(s['weight'] for s in info['mixture'])
+    whole = min(int(s['heldout_windows'] // (global_batch_size * s['weight'] / total))
+                for s in info['mixture'])
+  else:
+    whole = info['heldout_windows'] // global_batch_size
+  return max(1, int(whole))
+
+
 def _describe_source(src: TokenSource, seq_len: int) -> dict[str, Any]:
   return {
       'source': src.root,
