@@ -104,7 +104,7 @@ def part_of(source: str) -> str:
 IN_GRAPH = 'library kernel inside a CUDA graph (cuBLAS, cuDNN: no HLO name)'
 
 
-def part_of_event(event: dict, sources: dict[str, str]) -> str:
+def part_of_event(event: dict, sources: dict[str, str], module: str = '') -> str:
   """The part of the step one trace event belongs to.
 
   GPU kernels name their HLO op in args['hlo_op'] and CPU events are HLO
@@ -117,8 +117,14 @@ def part_of_event(event: dict, sources: dict[str, str]) -> str:
   kernel for identical fusions (their `deduplicated_name`), so such a
   kernel's every call counts under the part of the instruction it is
   named after."""
-  op = event.get('args', {}).get('hlo_op', event['name'])
-  for name in (op, event['name'], re.sub(r'_(\d+)$', r'.\1', event['name'])):
+  args = event.get('args', {})
+  op = args.get('hlo_op', event['name'])
+  names = [op]
+  # Kernel names are unique within one program only: another jitted
+  # program in the trace (evaluation, a metric) may reuse them.
+  if not module or args.get('hlo_module', module) == module:
+    names += [event['name'], re.sub(r'_(\d+)$', r'.\1', event['name'])]
+  for name in names:
     if sources.get(name):   # the graph itself is in the HLO too, with no source
       return part_of(sources[name])
   if op.startswith('command_buffer'):
@@ -144,8 +150,10 @@ def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
   by_part = collections.Counter()
   if hlo:
     sources = op_sources(hlo)
+    named = re.match(r'HloModule ([^,\s]+)', hlo)   # the name the trace's events give as hlo_module
+    module = named.group(1) if named else ''
     for e in ops:
-      by_part[part_of_event(e, sources)] += e['dur']
+      by_part[part_of_event(e, sources, module)] += e['dur']
   out = [f'trace {os.path.basename(path)}: {len(ops)} device events over {wall / 1e3:.1f} ms; '
          f'device busy {busy / 1e3:.1f} ms ({busy / wall:.0%} of the span), '
          f'{busy / 1e3 / steps:.1f} ms per step over {steps} steps', '',

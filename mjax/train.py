@@ -389,10 +389,12 @@ def evaluate(program: Program, params, batches: Iterable[Batch]) -> tuple[float,
   those tokens): what the trainer logs as eval_loss and mjax-eval reports.
 
   `eval_step` gives each batch's mean over its counted tokens; weighting it
-  by that count makes the mean exact where batches count different numbers
-  (document attention masks each document's first target, and a held-out
-  split's last window may hold padding). A plain mean of the batch means
-  would weight a token of a sparse batch more than one of a full batch."""
+  by that count keeps the mean exact for any loss mask. (The pipeline's
+  masks are all ones today, so every batch counts the same; a mask that
+  drops tokens, such as a prompt masked out in fine-tuning data, would make
+  a plain mean of the batch means weight a sparse batch's tokens more.)
+  Tokens are counted in int32: a float32 sum of ones stops being exact past
+  2^24, about the tokens of one large pre-training batch."""
   replicated = NamedSharding(program.mesh, P())
   count = _token_count(replicated)
   means, counts = [], []
@@ -408,4 +410,4 @@ def evaluate(program: Program, params, batches: Iterable[Batch]) -> tuple[float,
 
 @functools.lru_cache(maxsize=8)   # one compiled count per mesh, not one per evaluation
 def _token_count(out: NamedSharding) -> Callable[[jax.Array], jax.Array]:
-  return jax.jit(lambda mask: jnp.sum(mask, dtype=jnp.float32), out_shardings=out)
+  return jax.jit(lambda mask: jnp.sum(mask != 0, dtype=jnp.int32), out_shardings=out)

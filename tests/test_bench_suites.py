@@ -92,3 +92,9 @@ def test_trace_summary_finds_the_parts_of_a_step_run_as_cuda_graphs():
   plain = ts.part_of_event({'name': 'nvjet_x', 'args': {'hlo_op': 'loop_add_multiply_fusion.23'}}, sources)
   assert plain == fusion
   assert ts.part_of_event({'name': 'memcpy', 'args': {}}, sources) == ts.part_of('')
+  # A kernel of another program in the trace is not taken for the step's own.
+  other = {'hlo_op': 'command_buffer_0', 'hlo_module': 'jit_eval_loss'}
+  assert ts.part_of_event({'name': 'loop_add_multiply_fusion_23', 'args': other}, sources,
+                          'jit_train_step') == ts.IN_GRAPH
+  assert ts.part_of_event({'name': 'loop_add_multiply_fusion_23', 'args': in_graph}, sources,
+                          'jit_train_step') == fusion

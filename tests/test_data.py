@@ -261,7 +261,7 @@ def test_files_that_are_not_text_are_left_out_by_name_and_a_binary_source_is_ref
       corpus_lib.load_text(str(blank), many, 'bytes', 0.5)
   for i in range(8):                # enough files for a split by file
     (blank / f'e{i}.txt').write_text('')
-  with pytest.raises(DataError, match='none of its 11 files holds text|hold nothing but whitespace'):
+  with pytest.raises(DataError, match=r'none of its 11 documents \(files, or JSON Lines records\) holds text|hold nothing but whitespace'):
     prepare_shards(str(blank), str(tmp_path / 'shards'), file_pattern='*.txt', heldout_fraction=0.2)
   assert not (tmp_path / 'shards').exists()         # nothing left behind to remove first
 

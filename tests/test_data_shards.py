@@ -224,6 +224,20 @@ def test_shard_tokens_read_like_an_array(shard_dir):
     t.windows(np.array([len(t) - 32]), 33)
 
 
+def test_a_failing_read_names_the_shard(shard_dir, monkeypatch):
+  # EIO from a dying disk (or ESTALE on NFS) came out of a reader thread as
+  # a bare OSError; it names the shard now.
+  import errno
+  t = data.open_shards(str(shard_dir)).train[0]
+  def eio(*_):
+    raise OSError(errno.EIO, 'Input/output error')
+  monkeypatch.setattr(os, 'pread', eio)
+  monkeypatch.setattr(os, 'preadv', eio)
+  for read in (lambda: t[0:8], lambda: t.windows(np.array([0]), 8)):
+    with pytest.raises(data.DataError, match=r'train-00000\.bin: reading the shard failed \(Input/output error\)'):
+      read()
+
+
 def _write_mixed_source(root):
   """Text files and JSON Lines with blank lines, CRLF endings, bare JSON
   strings, a lone surrogate and documents that are not text (no RNG, so the

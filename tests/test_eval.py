@@ -151,9 +151,9 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
 
 
 def test_eval_loss_weights_each_batch_by_its_counted_tokens():
-  """The trainer's eval_loss was the plain mean of the batch means: a batch
-  with few counted tokens (document attention, padding) weighed as much as
-  a full one, and it disagreed with mjax-eval's exact mean."""
+  """The trainer's eval_loss was the plain mean of the batch means: under a
+  loss mask that drops tokens, a batch with few counted tokens would weigh
+  as much as a full one. It is now mjax-eval's exact mean, one function."""
   masks = {1.0: np.zeros((2, 8), np.float32), 3.0: np.ones((2, 8), np.float32)}
   masks[1.0][0, :5] = 1.0                                 # 5 counted tokens at loss 1, 16 at loss 3
   program = types.SimpleNamespace(

@@ -36,8 +36,9 @@ Integrity, checked when a shard directory is opened:
   verify=True  (DataConfig.verify_checksums, `mjax-prepare --verify DIR`)
                additionally the sha256 of every file, the largest id of every
                shard, and its EOS count against `documents`.
-  while read   a shard that shrinks under a running job (truncated, rewritten)
-               fails the read that reaches its new end (see ShardTokens).
+  while read   a shard that shrinks under a running job (truncated, rewritten
+               shorter) fails the read that reaches its new end (see
+               ShardTokens); one rewritten at the same size is read as it is.
 Every failure raises DataError naming the file, the expected and the found.
 """
 
@@ -256,7 +257,7 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
           if chosen:
             writers[s].add(tok.encode_documents(chosen))
       if not kept:
-        raise DataError(f'data source {root}: no text to train on: none of its {seen} files holds '
+        raise DataError(f'data source {root}: no text to train on: none of its {seen} documents (files, or JSON Lines records) holds '
                         f'text (UTF-8 without NUL bytes, more than whitespace); DataConfig.file_pattern '
                         f'selects the files.')
       split = 'file'
@@ -372,7 +373,10 @@ class ShardTokens:
     size = self.dtype.itemsize
     # One pread per window, joined: fewer Python objects per window than
     # reading into views of the rows (a third faster for short windows).
-    parts = [os.pread(self._fd, length * size, s * size) for s in starts]
+    try:
+      parts = [os.pread(self._fd, length * size, s * size) for s in starts]
+    except OSError as e:
+      raise self._failed(e) from None
     joined = b''.join(parts)
     if len(joined) != len(starts) * length * size:   # a short read: the file shrank
       return np.stack([self._read(s, s + length) for s in starts])
@@ -388,10 +392,19 @@ class ShardTokens:
     offset = start * self.dtype.itemsize
     done = 0
     while done < len(view):   # a regular file reads short only at its end (or past 2 GiB)
-      got = os.preadv(self._fd, [view[done:]], offset + done)
+      try:
+        got = os.preadv(self._fd, [view[done:]], offset + done)
+      except OSError as e:
+        raise self._failed(e) from None
       if not got:
         raise self._shrunk(offset + done)
       done += got
+
+  def _failed(self, e: OSError) -> DataError:
+    # EIO from a failing disk, ESTALE from NFS: name the file, not a bare
+    # OSError from a reader thread.
+    return DataError(f'{self.path}: reading the shard failed ({e.strerror or e}); check the storage it '
+                     'is on, then resume: the run continues from its last checkpoint.')
 
   def _shrunk(self, offset: int) -> DataError:
     try:
@@ -415,11 +428,13 @@ def _open_read_only(path: str) -> int:
     if e.errno != errno.EMFILE:
       raise DataError(f'{path}: cannot be opened ({e.strerror}).') from None
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-  if soft < hard:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    with contextlib.suppress(OSError):
+  unlimited = hard == resource.RLIM_INFINITY
+  if unlimited or soft < hard:
+    with contextlib.suppress(ValueError, OSError):
+      resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1 << 20) if unlimited else hard, hard))
       return os.open(path, os.O_RDONLY)
-  raise DataError(f'{path}: cannot be opened: the process has reached its limit of {hard} open files '
+  soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+  raise DataError(f'{path}: cannot be opened: the process has reached its limit of {soft} open files '
                   '(one per shard is kept open); raise it (ulimit -n) or prepare fewer, larger shards '
                   '(mjax-prepare --shard_tokens).')
 

@@ -46,8 +46,8 @@ class TokenSource:
   kind: Literal['text', 'shards']
   split: str
   tokenizer: TokenizerInfo
-  train: tuple[np.ndarray, ...]
-  heldout: tuple[np.ndarray, ...]
+  train: tuple[np.ndarray | shards_lib.ShardTokens, ...]
+  heldout: tuple[np.ndarray | shards_lib.ShardTokens, ...]
   train_files: tuple[str, ...]
   heldout_files: tuple[str, ...]
 

@@ -211,8 +211,7 @@ class Mlp(nn.Module):
     # Named for the remat policy 'dots_attention_mlp', which keeps it: the
     # output projection's weight gradient reads it, and every other policy
     # recomputes it from the saved input projection. An identity otherwise.
-    h = checkpoint_name(h, MLP_ACTIVATION)
-    return constrain(h, ('batch', 'seq', 'mlp'))  # (batch, seq, mlp)
+    return checkpoint_name(constrain(h, ('batch', 'seq', 'mlp')), MLP_ACTIVATION)  # (batch, seq, mlp)
 
   def output(self) -> Weights:
     return self.wo
