@@ -32,7 +32,7 @@ $(CUDA_AOT)/.installed: $(STAMP)
 	touch $@
 
 test: $(STAMP) $(CUDA_AOT)/.installed
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q tests $(ARGS)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q --durations=15 tests $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/train_bench.py --gin_file configs/tiny.gin $(ARGS)
