@@ -741,37 +741,6 @@ def test_forged_heartbeats_are_rejected_and_logged(reference):
   assert events(reference, 'finish') and not events(reference, 'fault')
 
 
-@pytest.mark.slow
-def test_kill_9_of_a_random_process_resumes_bitwise(reference, tmp_path, repo_root):
-  rng = random.Random()
-  # Steps of at least 0.3 s in the first attempt: the random moment below
-  # (at most 1 s after step 3's checkpoint) falls before the last step, so
-  # the restart has steps left to resume (killed after it, the restart
-  # only finds the run finished). The delay changes no number.
-  proc = subprocess.Popen(launch_cmd(tmp_path, 2), cwd=repo_root, env=child_env(MJAX_FAULT='delay:seconds=0.3'),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  pids = wait_event(tmp_path, 'launch', proc)[0]['pids']
-  ckpt = os.path.join(tmp_path, 'checkpoints', '3', 'meta')
-  while not os.path.exists(ckpt):                  # at least one complete checkpoint
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    time.sleep(0.05)
-  time.sleep(rng.uniform(0.0, 1.0))                 # then a random moment
-  victim = rng.randrange(2)
-  os.kill(pids[victim], signal.SIGKILL)
-  out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, out[-3000:]
-  fault = events(tmp_path, 'fault')[0]
-  assert fault['kind'] == 'exit' and victim in fault['processes'], fault
-  assert fault['exit'][str(victim)] == 'SIGKILL'
-  assert [e['attempt'] for e in events(tmp_path, 'launch')] == [0, 1]
-  assert events(tmp_path, 'finish')
-  # The restart's start-up says which step it resumed from: a complete one.
-  starts = events(tmp_path, 'startup')
-  assert starts[0]['resumed_step'] == 0 and starts[-1]['resumed_step'] >= 3
-  assert losses(tmp_path) == losses(reference)
-  assert_bitwise(final_state(tmp_path), final_state(reference))
-
-
 def alive(pid):
   """Whether `pid` runs (a zombie nobody reaps yet counts as gone)."""
   try:
@@ -1033,7 +1002,8 @@ def test_chaos_kills_a_dead_driver_a_flipped_bit_and_a_datagram_flood_end_bitwis
   mid-save; 100,000 hostile datagrams at the drivers meanwhile. Each kill is
   exactly one fault (no false hang after a restart) and the final state is
   bitwise the uninterrupted run's. (The driver's kill -9 alone, with its
-  agents: tests/test_agent.py.) Replay a failure with
+  agents: tests/test_agent.py; a trainer's kill -9 without a driver:
+  tests/test_checkpoint.py.) Replay a failure with
   MJAX_CHAOS_SEED=<the printed seed>."""
   seed = int(os.environ.get('MJAX_CHAOS_SEED') or random.randrange(2**31))
   print(f'chaos seed {seed} (replay with MJAX_CHAOS_SEED={seed})')
@@ -1069,7 +1039,8 @@ def test_chaos_kills_a_dead_driver_a_flipped_bit_and_a_datagram_flood_end_bitwis
   pids = attempt_running(1)
   until(lambda: newest_step(tmp_path) >= 3, 'first checkpoint')
   time.sleep(rng.uniform(0.0, 0.8))
-  os.kill(pids[rng.randrange(2)], signal.SIGKILL)
+  first_victim = rng.randrange(2)
+  os.kill(pids[first_victim], signal.SIGKILL)
   # 2. The driver killed while the restarted job runs: its trainers stop by
   # themselves, after a save.
   pids = attempt_running(2)
@@ -1096,12 +1067,18 @@ def test_chaos_kills_a_dead_driver_a_flipped_bit_and_a_datagram_flood_end_bitwis
     assert driver['proc'].poll() is None, seed
     time.sleep(0.002)
   print(f'chaos: kill {"mid-save" if saving() else "mid-step"}; driver killed at step {stopped}')
-  os.kill(pids[rng.randrange(2)], signal.SIGKILL)
+  last_victim = rng.randrange(2)
+  os.kill(pids[last_victim], signal.SIGKILL)
   out, _ = driver['proc'].communicate(timeout=600)
   flood.stop = True
   assert driver['proc'].returncode == 0, (seed, out[-3000:])
   faults = events(tmp_path, 'fault')
   assert [f['kind'] for f in faults] == ['exit', 'exit'], (seed, faults)     # one per kill, nothing else
+  for fault, victim in zip(faults, (first_victim, last_victim)):            # each names its victim
+    assert victim in fault['processes'] and fault['exit'][str(victim)] == 'SIGKILL', (seed, fault)
+  # The first restart resumed from a complete checkpoint (step 3 or later).
+  first_restart = [e for e in events(tmp_path, 'startup') if e['attempt'] == 1][0]
+  assert first_restart['resumed_step'] >= 3, (seed, first_restart)
   logs = ''.join(open(os.path.join(tmp_path, 'logs', f)).read() for f in os.listdir(os.path.join(tmp_path, 'logs')))
   assert re.search(rf'\(step {stopped}\) is (damaged|unreadable)', logs), (seed, os.listdir(ckdir))
   assert flood.sent >= 100_000 - 100, (seed, flood.sent)
