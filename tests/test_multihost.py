@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import types
 
 import jax
@@ -220,12 +221,23 @@ def test_local_py_exits_with_the_failing_status(repo_root):
 # --- a real job: 2 processes x 4 devices == 1 process x 8 devices -----------------------
 
 STEPS = 4
+# The 2-process runs below compile the same few train steps again and again
+# (~5 s a process each time on 2 cores): they share a compilation cache, a
+# restart's as a job's would (one entry per process, see
+# test_a_warm_compilation_cache_serves_every_process).
+CACHE = tempfile.mkdtemp(prefix='mjax-multihost-cache-')
 TRAIN = ['--gin_file', 'configs/tiny.gin', '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
          '--gin.ModelConfig.full_attention_every=0', '--gin.ModelConfig.sliding_window=16',
          '--gin.DataConfig.seq_len=64', '--gin.ModelConfig.dtype=float32', '--gin.MeshConfig.data=8',
          f'--gin.TrainConfig.steps={STEPS}', '--gin.OptimConfig.warmup_steps=1',
          '--gin.TrainConfig.eval_every=0', '--gin.TrainConfig.eval_batches=1',
-         '--gin.TrainConfig.progress=False', '--gin.TrainConfig.compilation_cache_dir=None']
+         '--gin.TrainConfig.progress=False', f'--gin.TrainConfig.compilation_cache_dir={CACHE}']
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _shared_cache():
+  yield
+  shutil.rmtree(CACHE, ignore_errors=True)
 
 
 def _clean_env(**extra):
