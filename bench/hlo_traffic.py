@@ -103,7 +103,7 @@ def traffic(text: str) -> tuple[dict, dict, list[str]]:
       source = hlo_text.op_name(inst)
       kind = kind_of(module, inst, source)
       b = n * kernel_bytes(module, inst)
-      by_part[(part_of(source), kind)] += b
+      by_part[(part_of(source, kind == 'matrix products'), kind)] += b
       by_kind[kind] += b
   return by_part, by_kind, unknown
 

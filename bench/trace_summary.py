@@ -79,8 +79,14 @@ def op_sources(text: str) -> dict[str, str]:
   return {name: hlo_text.op_name(inst) for name, inst in hlo_text.parse_module(text).by_name.items()}
 
 
-def part_of(source: str) -> str:
-  """Which part of the train step an op with this HLO op_name belongs to."""
+def part_of(source: str, matmul: bool = False) -> str:
+  """Which part of the train step an op with this HLO op_name belongs to.
+
+  `matmul`: the op is known to be a matrix product (its kernel is a GEMM).
+  A weight gradient's product is named after the transpose that autodiff
+  wraps it in (`.../attn/transpose`), not after a dot_general: without the
+  flag the H100 step's Triton weight-gradient GEMMs (74 ms) were counted as
+  the layers' elementwise work."""
   if not source:
     return 'no source (runtime, copies XLA added)'
   if 'jvp(' not in source:  # outside the differentiated model: clipping, LAMB, metrics
@@ -89,7 +95,7 @@ def part_of(source: str) -> str:
   if 'attend' in source:
     return f'{side}: attention (scores, softmax, their products)'
   if re.search(r'/layers(_\d+)?/', source) or '/while/body' in source:   # scanned or unrolled
-    if source.endswith('dot_general'):
+    if matmul or source.endswith('dot_general'):
       return f'{side}: layers\' weight matrix products'
     if 'dynamic_update_slice' in source or 'dynamic_slice' in source:
       return f'{side}: layers\' stacking and slicing (scan)'
@@ -126,7 +132,7 @@ def part_of_event(event: dict, sources: dict[str, str], module: str = '') -> str
     names += [event['name'], re.sub(r'_(\d+)$', r'.\1', event['name'])]
   for name in names:
     if sources.get(name):   # the graph itself is in the HLO too, with no source
-      return part_of(sources[name])
+      return part_of(sources[name], kind_of(name) == 'matrix product')
   if op.startswith('command_buffer'):
     return IN_GRAPH
   return part_of('')

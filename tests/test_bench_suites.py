@@ -98,3 +98,8 @@ def test_trace_summary_finds_the_parts_of_a_step_run_as_cuda_graphs():
                           'jit_train_step') == ts.IN_GRAPH
   assert ts.part_of_event({'name': 'loop_add_multiply_fusion_23', 'args': in_graph}, sources,
                           'jit_train_step') == fusion
+  # A weight gradient's Triton GEMM is named after autodiff's transpose, not
+  # a dot_general: its kernel name says it is a matrix product.
+  sources['gemm_fusion_dot.97'] = 'jit(train_step)/transpose(jvp(Transformer))/checkpoint/layers_23/block_0/attn/transpose'
+  assert (ts.part_of_event({'name': 'gemm_fusion_dot_97', 'args': in_graph}, sources)
+          == "backward: layers' weight matrix products")

@@ -30,7 +30,7 @@ def test_data_fsdp_tensor_mesh_by_hand():
   assert est.get('FSDP gather buffers') == 2 * 2 * (131072 / 2 + 256) * 2
   # Activations: replica batch 16 / (2*2) = 4 sequences, s*b = 256, t = 2.
   sb, e = 64 * 4, 2
-  norm = 2 * e * sb * 128                          # norm input + output
+  norm = 2 * e * sb * 128 + 8 * sb                 # norm input + output, its fp32 mean and 1/std
   split = e * sb * (2 * 128 + 2 * 128) + 2 * e * sb * 256 + e * 4 * 64 * 64 * 4
   assert est.get('activations (layers)') == 4 * (norm + split / 2)
   assert est.get('logits') == 4 * 4 * 64 * 384 / 2
@@ -48,7 +48,7 @@ def test_pipeline_stages_and_what_each_schedule_keeps():
   # all m of a slice, for each of the stage's 2 layers.
   assert (est.info['micro_batches'], est.info['in_flight'], est.info['layers_per_stage']) == (8, 2, 2)
   sb, e = 64 * 2, 2
-  layer = 2 * e * sb * 128 + e * sb * 512 + 2 * e * sb * 256 + e * 4 * 64 * 64 * 2
+  layer = 2 * e * sb * 128 + 8 * sb + e * sb * 512 + 2 * e * sb * 256 + e * 4 * 64 * 64 * 2
   assert est.get('activations (layers)') == 2 * layer * 2
   # Its head runs on the whole slice: m x 2 sequences of fp32 logits.
   assert est.get('logits') == 4 * (2 * 2) * 64 * 384
@@ -95,7 +95,8 @@ def test_remat_policies_keep_less():
   assert full == e * sb * h and working == none
   # dots_no_batch: layer input + q, k, v + MLP input projection + 2 output projections.
   dnb, _ = activation_bytes_per_layer(small(), 4, 1, policy='dots_no_batch', flash=True)
-  assert dnb == e * sb * (h + 3 * h + 256 + 2 * h)
+  # (And each norm's fp32 row mean and 1/std: 8 bytes per token.)
+  assert dnb == e * sb * (h + 3 * h + 256 + 2 * h) + 8 * sb
   # Joined into one product, the two output projections are one partial sum.
   joined, _ = activation_bytes_per_layer(small('ModelConfig.fuse_projections = "all"'), 4, 1,
                                          policy='dots_no_batch', flash=True)
@@ -114,15 +115,16 @@ def test_remat_policies_keep_less():
 
 def test_korthikanti_formula_without_dropout():
   """Sequential GeLU block, d_ff = 4h: s b h (10 + 24/t + 5as/(ht)) of
-  Korthikanti et al. minus the dropout masks and outputs = s b h (8 + 24/t + 2as/(ht))."""
+  Korthikanti et al. minus the dropout masks and outputs = s b h (8 + 24/t + 2as/(ht)),
+  plus what the paper leaves out: each norm's fp32 row mean and 1/std (16 s b)."""
   cfg = C.load_config(['gpt3_175b.gin'], ['ModelConfig.block = "sequential"',
                                           'ModelConfig.remat_policy = "none"'])
   s, b, h, a = 2048, 1, 12288, 128
   for t in (1, 8):
     got, _ = activation_bytes_per_layer(cfg, b, t, flash=False)
-    assert got == pytest.approx(s * b * h * (8 + 24 / t + 2 * a * s / (h * t)))
+    assert got == pytest.approx(s * b * h * (8 + 24 / t + 2 * a * s / (h * t)) + 16 * s * b)
   sp, _ = activation_bytes_per_layer(cfg, b, 8, flash=False, sequence_parallel=True)
-  assert sp == pytest.approx(s * b * h * (8 + 24 + 2 * a * s / h) / 8)
+  assert sp == pytest.approx((s * b * h * (8 + 24 + 2 * a * s / h) + 16 * s * b) / 8)
 
 
 def test_bad_inputs_raise():

@@ -174,6 +174,35 @@ def test_norm_output_dtype_is_compute_dtype_and_stats_are_fp32():
   np.testing.assert_allclose(np.asarray(y, np.float32)[0], ref, atol=2e-2)
 
 
+@pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm'])
+def test_norm_backward_is_the_gradient_of_its_formula(kind):
+  """The norm's written-out backward (kept row statistics, column sums for
+  scale and bias) against autodiff of the plain formula, in fp64 numpy's
+  stead: fp32 with a large offset, where a wrong centering term shows."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(3.0 + 2.0 * rng.standard_normal((2, 5, 32)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
+  params = {'scale': jnp.asarray(1.0 + 0.3 * rng.standard_normal(32), jnp.float32)}
+  if kind == 'layernorm':
+    params['bias'] = jnp.asarray(0.3 * rng.standard_normal(32), jnp.float32)
+  norm = Norm(kind=kind, eps=1e-5, dtype=jnp.float32)
+
+  def plain(p, x):
+    xc = x - jnp.mean(x, -1, keepdims=True) if kind == 'layernorm' else x
+    y = xc * jax.lax.rsqrt(jnp.mean(jnp.square(xc), -1, keepdims=True) + 1e-5) * p['scale']
+    return y + p['bias'] if kind == 'layernorm' else y
+
+  got_y, got_vjp = jax.vjp(lambda p, x: norm.apply({'params': p}, x), params, x)
+  want_y, want_vjp = jax.vjp(plain, params, x)
+  np.testing.assert_array_equal(np.asarray(got_y), np.asarray(want_y))   # the forward is the same ops
+  for got, want in zip(jax.tree.leaves(got_vjp(dy)), jax.tree.leaves(want_vjp(dy))):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  # bf16 in and out: the input's gradient comes back in the input's dtype.
+  gx = jax.grad(lambda x: jnp.sum(norm.clone(dtype=jnp.bfloat16).apply({'params': params}, x)
+                                  .astype(jnp.float32) * dy))(x.astype(jnp.bfloat16))
+  assert gx.dtype == jnp.bfloat16
+
+
 def test_gelu_mlp_matches_numpy():
   cfg = dataclasses.replace(SMALL, use_bias=True)
   x, _ = _x_pos(cfg)
@@ -409,6 +438,46 @@ def test_dots_attention_mlp_keeps_the_mlp_activation_for_the_backward():
     extra.remove(shape)
   batch, seq = tokens.shape
   assert extra == [f'f32[{cfg.n_layers},{batch},{seq},{cfg.d_ff}]'], kept
+
+
+def test_remat_keeps_q_and_k_rotated_and_rotates_nothing_again(monkeypatch):
+  """With separate projections the dots policies keep q and k after rotary
+  instead of the projections' outputs (which the backward then has no use
+  for): as many bytes (the norms' statistics aside), and nothing for the
+  backward to rotate again. The joined product keeps its output, q and k in
+  it, so there nothing is named."""
+  from mjax.model import transformer
+  tokens = _tokens()
+  cfg = dataclasses.replace(SMALL, scan_layers=False, fuse_projections='none', remat_policy='dots_attention')
+  params = _random_params(Transformer(cfg).init, tokens, std=0.1)
+
+  def loss(c):
+    model = Transformer(c)
+    return lambda p: jnp.mean(jnp.square(model.apply({'params': p}, tokens)))
+
+  def kept(c):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(loss(c), params)
+    return [line for line in out.getvalue().splitlines() if 'from the argument' not in line and line.strip()]
+
+  def nbytes(lines):
+    return sum(math.prod(int(d) for d in line.split()[0][4:-1].split(',') if d) * 4 for line in lines)
+
+  now = kept(cfg)
+  assert sum("named 'rotated_qk'" in line for line in now) == 2 * cfg.n_layers, now
+  stats = [line for line in now if "named 'norm_stats'" in line]
+  assert len(stats) == 2 * (cfg.n_layers + 1), now   # mean and 1/std of each layer's norm and the final one
+  # The same policy without the names: the projections' q and k are kept and rotated again.
+  monkeypatch.setitem(transformer.REMAT_POLICIES, 'dots_attention', transformer._dots_and_flash_attention)
+  before = kept(cfg)
+  assert not any('rotated_qk' in line for line in before)
+  before_stats = [line for line in before if "named 'norm_stats'" in line]
+  assert len(before_stats) == 2   # the final norm's, outside the remat'ed layers
+  assert nbytes(now) - nbytes(stats) == nbytes(before) - nbytes(before_stats)
+  monkeypatch.undo()
+  joined = kept(dataclasses.replace(cfg, fuse_projections='inputs'))
+  assert not any('rotated_qk' in line for line in joined)
 
 
 def test_embedding_gradient_sums_in_fp32_from_a_bf16_table():

@@ -23,7 +23,7 @@ from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
-from mjax.model.layers import (MLP_ACTIVATION, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
+from mjax.model.layers import (MLP_ACTIVATION, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
                                matmul, out_proj_std, project_many, project_sum)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
@@ -55,12 +55,25 @@ def _dots_attention_and_mlp_activation(prim, *args, **params) -> bool:
           or _MLP_ACTIVATION_SAVEABLE(prim, *args, **params))
 
 
+_NAMED_SAVEABLE = jax.checkpoint_policies.save_only_these_names(NORM_STATS, ROTATED)
+
+
+def _and_named(policy):
+  """`policy`, and also what costs nothing to keep: the norms' row
+  statistics (one fp32 number per row; kept, the backward reads the norm's
+  input once instead of recomputing them) and q and k after rotary (kept in
+  place of the projections' outputs, which then nothing in the backward
+  reads)."""
+  return lambda prim, *args, **params: (policy(prim, *args, **params)
+                                        or _NAMED_SAVEABLE(prim, *args, **params))
+
+
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.checkpoint_dots,
-    'dots_attention': _dots_and_flash_attention,
-    'dots_attention_mlp': _dots_attention_and_mlp_activation,
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'dots': _and_named(jax.checkpoint_policies.checkpoint_dots),
+    'dots_attention': _and_named(_dots_and_flash_attention),
+    'dots_attention_mlp': _and_named(_dots_attention_and_mlp_activation),
+    'dots_no_batch': _and_named(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 
@@ -84,9 +97,10 @@ class Block(nn.Module):
     """x after the block; with a KV cache (generation), (x, the updated cache)."""
     c = self.cfg
     std = out_proj_std(c)
-    attn = Attention(c, self.window, std, name='attn')
-    mlp = Mlp(c, std, name='mlp')
     fuse = fusion(c)
+    joined = c.block == 'parallel' and c.parallel_norms != 'separate' and fuse != 'none'
+    attn = Attention(c, self.window, std, keep_rotated=not joined, name='attn')
+    mlp = Mlp(c, std, name='mlp')
     if c.block == 'parallel' and c.parallel_norms == 'separate':
       # GPT-NeoX: each branch its own norm (so no shared input to join on).
       a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)

@@ -127,7 +127,8 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
   sb = s * b
 
   attn_probs = 4 * a * sb if flash else e * a * s * s * b
-  none = (2 * norms * e * sb * h / rt
+  stats = 8 * norms * sb / rt   # each norm's fp32 row mean and 1/std, which every policy but 'full' keeps
+  none = (2 * norms * e * sb * h / rt + stats
           + (e * sb * (2 * q + 2 * k) + mlp * e * sb * F + attn_probs) / t)
   if policy == 'none':
     return none, 0.0
@@ -138,7 +139,7 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
   # output projections (whole on each tensor rank: partial sums): two, or one
   # where the parallel block joins them into one product.
   outs = 1 if m.block == 'parallel' and m.fuse_projections == 'all' else 2  # 'auto' never joins them
-  dots = (layer_input + (e * sb * (q + 2 * k) + (mlp - 1) * e * sb * F) / t
+  dots = (layer_input + stats + (e * sb * (q + 2 * k) + (mlp - 1) * e * sb * F) / t
           + outs * e * sb * h / rt)
   if policy == 'dots' and not flash:
     dots += (4 * a * s * s * b + e * sb * q) / t   # fp32 scores, probs x V
