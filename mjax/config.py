@@ -72,6 +72,7 @@ class ModelConfig:
   # backward then skips re-running the attention forward; GPU),
   # 'dots_attention_mlp' also the MLP's activation (one more (batch, seq,
   # d_ff) tensor per layer, for one elementwise pass fewer in the backward).
+  # All but 'full' also keep the norms' row statistics and q, k after rotary.
   remat_policy: Literal['none', 'full', 'dots', 'dots_attention', 'dots_attention_mlp',
                         'dots_no_batch'] = 'none'
   scan_layers: bool = True
