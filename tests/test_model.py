@@ -174,8 +174,8 @@ def test_norm_output_dtype_is_compute_dtype_and_stats_are_fp32():
   np.testing.assert_allclose(np.asarray(y, np.float32)[0], ref, atol=2e-2)
 
 
-@pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm'])
-def test_norm_backward_is_the_gradient_of_its_formula(kind):
+@pytest.mark.parametrize('kind,use_bias', [('layernorm', True), ('layernorm', False), ('rmsnorm', False)])
+def test_norm_backward_is_the_gradient_of_its_formula(kind, use_bias):
   """The norm's written-out backward (kept row statistics, column sums for
   scale and bias) against autodiff of the plain formula, in fp64 numpy's
   stead: fp32 with a large offset, where a wrong centering term shows."""
@@ -183,24 +183,31 @@ def test_norm_backward_is_the_gradient_of_its_formula(kind):
   x = jnp.asarray(3.0 + 2.0 * rng.standard_normal((2, 5, 32)), jnp.float32)
   dy = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
   params = {'scale': jnp.asarray(1.0 + 0.3 * rng.standard_normal(32), jnp.float32)}
-  if kind == 'layernorm':
+  if use_bias:
     params['bias'] = jnp.asarray(0.3 * rng.standard_normal(32), jnp.float32)
-  norm = Norm(kind=kind, eps=1e-5, dtype=jnp.float32)
+  norm = Norm(kind=kind, eps=1e-5, use_bias=use_bias, dtype=jnp.float32)
 
   def plain(p, x):
     xc = x - jnp.mean(x, -1, keepdims=True) if kind == 'layernorm' else x
     y = xc * jax.lax.rsqrt(jnp.mean(jnp.square(xc), -1, keepdims=True) + 1e-5) * p['scale']
-    return y + p['bias'] if kind == 'layernorm' else y
+    return y + p['bias'] if use_bias else y
 
   got_y, got_vjp = jax.vjp(lambda p, x: norm.apply({'params': p}, x), params, x)
   want_y, want_vjp = jax.vjp(plain, params, x)
   np.testing.assert_array_equal(np.asarray(got_y), np.asarray(want_y))   # the forward is the same ops
   for got, want in zip(jax.tree.leaves(got_vjp(dy)), jax.tree.leaves(want_vjp(dy))):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  # bf16 in and out: the input's gradient comes back in the input's dtype.
-  gx = jax.grad(lambda x: jnp.sum(norm.clone(dtype=jnp.bfloat16).apply({'params': params}, x)
-                                  .astype(jnp.float32) * dy))(x.astype(jnp.bfloat16))
-  assert gx.dtype == jnp.bfloat16
+  # bf16 in, out and parameters: each gradient comes back in its primal's
+  # dtype, the same values up to bf16's rounding.
+  half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  bf16 = norm.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  grads = jax.grad(lambda p, x: jnp.sum(bf16.apply({'params': p}, x).astype(jnp.float32) * dy),
+                   argnums=(0, 1))(half, x.astype(jnp.bfloat16))
+  want = jax.grad(lambda p, x: jnp.sum(plain(p, x) * dy), argnums=(0, 1))(params, x)
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    assert got.dtype == jnp.bfloat16
+    scale = float(jnp.max(jnp.abs(ref)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), atol=0.03 * scale)
 
 
 def test_gelu_mlp_matches_numpy():
@@ -478,6 +485,24 @@ def test_remat_keeps_q_and_k_rotated_and_rotates_nothing_again(monkeypatch):
   monkeypatch.undo()
   joined = kept(dataclasses.replace(cfg, fuse_projections='inputs'))
   assert not any('rotated_qk' in line for line in joined)
+
+
+@pytest.mark.parametrize('policy,recomputed', [('dots_attention', False), ('dots_no_batch', False),
+                                               ('full', True)])
+def test_remat_keeps_the_norm_statistics_and_reduces_no_row_again(policy, recomputed):
+  """The dots policies keep the norms' mean and 1/std: the backward's
+  recomputation of the norm output (the projections' weight gradients read
+  it) is then elementwise, with no row reduction; the compiled gradient has
+  as many rsqrt as the forward alone. 'full' keeps nothing and computes them
+  again, which the count sees."""
+  import re
+  tokens = _tokens()
+  model = Transformer(dataclasses.replace(SMALL, scan_layers=True, remat_policy=policy))
+  params = _random_params(model.init, tokens, std=0.1)
+  loss = lambda p: jnp.mean(jnp.square(model.apply({'params': p}, tokens)))
+  rsqrts = lambda f: len(re.findall(r' rsqrt\(', _compile(f, params).as_text()))
+  forward, grad = rsqrts(loss), rsqrts(jax.grad(loss))
+  assert forward > 0 and (grad > forward) == recomputed, (forward, grad)
 
 
 def test_embedding_gradient_sums_in_fp32_from_a_bf16_table():

@@ -225,7 +225,7 @@ STEPS = 4
 # (~5 s a process each time on 2 cores): they share a compilation cache, a
 # restart's as a job's would (one entry per process, see
 # test_a_warm_compilation_cache_serves_every_process).
-CACHE = tempfile.mkdtemp(prefix='mjax-multihost-cache-')
+CACHE = os.path.join(tempfile.gettempdir(), f'mjax-multihost-cache-{os.getpid()}')
 TRAIN = ['--gin_file', 'configs/tiny.gin', '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
          '--gin.ModelConfig.full_attention_every=0', '--gin.ModelConfig.sliding_window=16',
          '--gin.DataConfig.seq_len=64', '--gin.ModelConfig.dtype=float32', '--gin.MeshConfig.data=8',
@@ -236,6 +236,8 @@ TRAIN = ['--gin_file', 'configs/tiny.gin', '--gin.ModelConfig.d_model=128', '--g
 
 @pytest.fixture(scope='module', autouse=True)
 def _shared_cache():
+  shutil.rmtree(CACHE, ignore_errors=True)   # a pid reused from an earlier session
+  os.makedirs(CACHE)
   yield
   shutil.rmtree(CACHE, ignore_errors=True)
 

@@ -98,6 +98,8 @@ class Block(nn.Module):
     c = self.cfg
     std = out_proj_std(c)
     fuse = fusion(c)
+    # (Where a layout cannot join them, `_fused_parallel` falls back to
+    # separate products with q and k unnamed: right, without that saving.)
     joined = c.block == 'parallel' and c.parallel_norms != 'separate' and fuse != 'none'
     attn = Attention(c, self.window, std, keep_rotated=not joined, name='attn')
     mlp = Mlp(c, std, name='mlp')

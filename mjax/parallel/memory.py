@@ -127,7 +127,9 @@ def activation_bytes_per_layer(cfg: Config, b: float, tensor: int, *, policy: Op
   sb = s * b
 
   attn_probs = 4 * a * sb if flash else e * a * s * s * b
-  stats = 8 * norms * sb / rt   # each norm's fp32 row mean and 1/std, which every policy but 'full' keeps
+  # Each norm's fp32 row statistics, which every policy but 'full' keeps:
+  # mean and 1/std for LayerNorm, 1/std for RMSNorm.
+  stats = (8 if m.norm == 'layernorm' else 4) * norms * sb / rt
   none = (2 * norms * e * sb * h / rt + stats
           + (e * sb * (2 * q + 2 * k) + mlp * e * sb * F + attn_probs) / t)
   if policy == 'none':
