@@ -174,6 +174,12 @@ def _norm_stats(x: jax.Array, center: bool, eps: float) -> tuple[jax.Array, jax.
   return mean, jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + eps)
 
 
+def _normalized(x: jax.Array, mean: Optional[jax.Array], rstd: jax.Array) -> jax.Array:
+  """x_hat = (x - mean) / std in fp32 (RMSNorm, mean None: x / rms)."""
+  xf = x.astype(jnp.float32)
+  return (xf if mean is None else xf - mean) * rstd
+
+
 def normalize(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], center: bool, eps: float,
               dtype: Dtype) -> jax.Array:
   """(x - mean) / std * scale + bias over the last dim (RMSNorm: no mean, no
@@ -196,8 +202,7 @@ def normalize(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], center:
     # in jax 0.10-0.11, names inside a custom VJP's forward are not seen:
     # the gradients stay right, only this saving goes.)
     mean, rstd = checkpoint_name(_norm_stats(x, center, eps), NORM_STATS)
-    xf = x.astype(jnp.float32)
-    y = ((xf - mean) if center else xf) * rstd * scale.astype(jnp.float32)
+    y = _normalized(x, mean, rstd) * scale.astype(jnp.float32)
     if bias is not None:
       y = y + bias.astype(jnp.float32)
     return y.astype(dtype), (mean, rstd)
@@ -212,8 +217,7 @@ def normalize(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], center:
 
   def bwd(res, dy):
     x, scale, bias, mean, rstd = res
-    xf = x.astype(jnp.float32)
-    x_hat = ((xf - mean) if center else xf) * rstd
+    x_hat = _normalized(x, mean, rstd)
     g = dy.astype(jnp.float32)
     rows = tuple(range(x.ndim - 1))
     d_scale = jnp.sum(g * x_hat, axis=rows).astype(scale.dtype)

@@ -64,8 +64,7 @@ def _and_named(policy):
   input once instead of recomputing them) and q and k after rotary (kept in
   place of the projections' outputs, which then nothing in the backward
   reads)."""
-  return lambda prim, *args, **params: (policy(prim, *args, **params)
-                                        or _NAMED_SAVEABLE(prim, *args, **params))
+  return jax.checkpoint_policies.save_from_both_policies(policy, _NAMED_SAVEABLE)
 
 
 REMAT_POLICIES = {
@@ -107,7 +106,7 @@ class Block(nn.Module):
       # GPT-NeoX: each branch its own norm (so no shared input to join on).
       a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)
       x = x + a + mlp(make_norm(c, 'norm_mlp')(x))
-    elif c.block == 'parallel' and fuse != 'none':
+    elif joined:
       y, cache = self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse,
                                       cache)
       x = x + y
