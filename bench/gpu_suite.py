@@ -5,7 +5,9 @@
 
 Sections, each independent (one failing never stops the next):
   attention  cuDNN flash attention (sliding window, segment ids, GQA) against
-             the fp32 einsum reference, forward and gradients, bf16 tolerance.
+             the fp32 einsum reference, forward and gradients, bf16 tolerance;
+             then its time at 1p3b's shape by window, against the work the
+             window keeps (does the kernel skip the blocks it masks?).
   train      `mjax-train` on 125m for 30 steps through the real CLI (data,
              async checkpoints, metrics.jsonl); the loss must fall.
   mfu        bench/train_bench.py on 125m and 1p3b at seq 2048, bf16, cuDNN
@@ -15,6 +17,7 @@ Sections, each independent (one failing never stops the next):
              remat policies, gradient accumulation, XLA attention) train the
              same model on the same batches: losses compared step by step.
 
+--experiments adds MFU rows for XLA options under trial (EXPERIMENT_ROWS).
 Everything runs under one deadline (--budget_s); rows that do not fit are
 reported as skipped. The tables go to stdout and, with --out DIR, to
 DIR/gpu_suite.md and DIR/gpu_suite.json with every sub-process log.
@@ -66,6 +69,27 @@ MFU_ROWS = [
     # unrolled row in the same call: cuBLASLt epilogues (520.1 against
     # 520.5 ms) and no recomputation in two micro-batches of 8, the same
     # optimizer batch (527.7 against 517.4 ms).
+]
+# XLA options that could move elementwise work into the matrix products,
+# which the 1p3b step's profile says is what is left between ~55% and 60%
+# MFU (bench/RESULTS.md). Opt-in (--experiments): each row compiles and
+# trains 1p3b, ~1 minute, and a compiler crash in one of them fails nothing.
+# Beside the best row: --mfu_rows 'dots_attention unrolled' --experiments.
+_BEST = ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False']
+EXPERIMENT_ROWS = [
+    # Elementwise producers (GeLU, its derivative, norms) fused into the
+    # consuming GEMM's operand reads. In a deviceless compile on jaxlib
+    # 0.10.2 it takes the MLP's GeLU into the GEMMs of its forward and
+    # backward (three kernels fewer for the MLP), and rotary's backward
+    # compiles, but XLA crashes on the whole step (with either of the
+    # attentions a deviceless compile can build); the GPU's jaxlib may not.
+    ('1p3b dots_attention unrolled, GEMM fusion v2', '1p3b.gin',
+     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_gemm_fusion_v2=true"'], 'optional'),
+    # Hopper warp specialization for XLA's own (Triton) GEMMs: they run the
+    # layers' products in the backward (73.7 ms of the step) and forward (39.2).
+    ('1p3b dots_attention unrolled, Triton warp specialization', '1p3b.gin',
+     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
+     'optional'),
 ]
 SMOKE_MFU_ROWS = [
     ('tiny remat=none', 'tiny.gin', ['ModelConfig.remat_policy=none']),
@@ -222,8 +246,52 @@ def check_attention(suite: Suite):
               f'{r["dk"]:.1e} | {r["dv"]:.1e} | {r["kernel"]} |')
   suite.say()
   suite.results['attention'] = rows
+  suite.results['attention_windows'] = attention_window_times(suite, impl)
   ok = worst < tol and all(r['kernel'] == ('xla' if smoke else 'cudnn') for r in rows)
   return ok, f'{len(rows)} cases, worst relative error {worst:.2e} (tolerance {tol})'
+
+
+def attention_window_times(suite: Suite, impl: Optional[str]) -> list[dict]:
+  """Forward + backward time of the fast attention at 1p3b's shape, causal
+  and with sliding windows. MFU counts only the keys a window keeps (1p3b's
+  1024 of 2048: 75% of causal's work); if the kernel's time does not fall
+  with the window, it computes the masked blocks too, and the difference is
+  step time a block-skipping schedule would recover."""
+  import jax
+  import jax.numpy as jnp
+
+  from mjax.model.attention import fast_attention
+  from mjax.model.flops import average_keys
+
+  smoke = suite.args.smoke
+  b, s, h, hd = (2, 128, 4, 64) if smoke else (16, 2048, 16, 128)
+  keys = jax.random.split(jax.random.key(7), 3)
+  q, k, v = (jax.random.normal(key, (b, s, h, hd), jnp.bfloat16) for key in keys)
+  rows = []
+  for window in (None, s // 2, s // 4, s // 8):
+    def loss(q, k, v, window=window):
+      return jnp.sum(fast_attention(q, k, v, window, implementation=impl).astype(jnp.float32))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    jax.block_until_ready(step(q, k, v))
+    times = []
+    for _ in range(3 if smoke else 10):
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(q, k, v))
+      times.append(time.perf_counter() - t0)
+    t = sorted(times)[len(times) // 2]
+    work = 12 * h * hd * average_keys(s, window) * b * s     # mjax.model.flops' attention term
+    rows.append(dict(window=window, ms=t * 1e3, tflops=work / t / 1e12,
+                     work=average_keys(s, window) / average_keys(s, None)))
+  full = rows[0]['ms']
+  suite.say(f'\n### Attention time by window, {"xla" if smoke else "cuDNN"}, forward + backward, '
+            f'batch {b}, seq {s}, {h} heads of {hd}, bf16 (median of {len(times)})\n')
+  suite.say('| window | ms | work (kept keys) vs causal | time vs causal | TFLOP/s (kept keys) |')
+  suite.say('|---|---|---|---|---|')
+  for r in rows:
+    suite.say(f'| {r["window"] or "causal"} | {r["ms"]:.2f} | {r["work"]:.0%} | {r["ms"] / full:.0%} | '
+              f'{r["tflops"]:.3g} |')
+  suite.say()
+  return rows
 
 
 # --- train -------------------------------------------------------------------
@@ -261,7 +329,7 @@ def check_train(suite: Suite):
 # --- mfu ---------------------------------------------------------------------
 
 def check_mfu(suite: Suite):
-  rows = SMOKE_MFU_ROWS if suite.args.smoke else MFU_ROWS
+  rows = SMOKE_MFU_ROWS if suite.args.smoke else MFU_ROWS + (EXPERIMENT_ROWS if suite.args.experiments else [])
   if suite.args.mfu_rows:
     rows = [r for r in rows if any(sel in r[0] for sel in suite.args.mfu_rows.split(','))]
   results = []
@@ -282,7 +350,10 @@ def check_mfu(suite: Suite):
     rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5),
                         env=next((e for e in extra if isinstance(e, dict)), {}))
     wall = time.monotonic() - t0
-    if rc == 0 and os.path.exists(jpath):
+    if 'does not define' in log and 'xla_extra_flags' in ' '.join(overrides):
+      # The row would be the baseline under another name.
+      r = dict(name=name, status='its XLA flag is not in this jaxlib', wall_s=wall)
+    elif rc == 0 and os.path.exists(jpath):
       with open(jpath) as fh:
         r = json.load(fh)
       r.update(status='ok', wall_s=wall)
@@ -431,6 +502,8 @@ def main(argv=None):
   p.add_argument('--sections', default='attention,train,mfu,variants')
   p.add_argument('--mfu_rows', default='', help='comma-separated substrings of MFU row names to run')
   p.add_argument('--profile', action='store_true', help='trace the rows marked for it (jax.profiler)')
+  p.add_argument('--experiments', action='store_true',
+                 help='also the MFU rows of XLA options under trial (EXPERIMENT_ROWS; they fail nothing)')
   p.add_argument('--child', default=None, help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else argv
   args = p.parse_args(argv)
