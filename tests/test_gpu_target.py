@@ -8,6 +8,7 @@ into .venv/cuda-aot (outside site-packages, so no other test starts it); the
 compiles run in child processes with it on PYTHONPATH.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -62,9 +63,36 @@ def of(result: dict, kind: str, axes: str) -> list[dict]:
   return [s for s in result['schedule'] if s['kind'] == kind and s['axes'] == axes]
 
 
+# The programs this module reads, compiled up front two at a time (and the
+# report command's): one deviceless compile keeps ~1.45 of the two CI cores
+# busy for ~15 s.
+PROGRAMS = {
+    'fsdp': (('MeshConfig.data = 1', 'MeshConfig.fsdp = 8'), True),
+    'fsdp without the overlap options': (('MeshConfig.data = 1', 'MeshConfig.fsdp = 8'), False),
+    '1f1b': (('MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.microbatches = 4',
+              'MeshConfig.pipeline_schedule = "1f1b"'), True),
+    'tensor + sequence': (('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True'),
+                          True),
+    'collective matmul': (('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True',
+                           'MeshConfig.collective_matmul = True'), True),
+}
+
+
 @pytest.fixture(scope='module')
-def fsdp():
-  return gpu_compile('MeshConfig.data = 1', 'MeshConfig.fsdp = 8')
+def compiled():
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    futures = {name: pool.submit(gpu_compile, *bindings, overlap=overlap)
+               for name, (bindings, overlap) in PROGRAMS.items()}
+    futures['report'] = pool.submit(run_report, '--target', 'h100:8', '--gin.MeshConfig.fsdp=8',
+                                    '--gin.MeshConfig.data=1')
+    yield lambda name: futures[name].result()
+    for f in futures.values():
+      f.cancel()
+
+
+@pytest.fixture(scope='module')
+def fsdp(compiled):
+  return compiled('fsdp')
 
 
 def test_fsdp_gathers_run_behind_matmuls_and_gradients_are_reduce_scattered(fsdp):
@@ -84,8 +112,8 @@ def test_fsdp_gathers_run_behind_matmuls_and_gradients_are_reduce_scattered(fsdp
   assert fsdp['options']['xla_gpu_enable_latency_hiding_scheduler'] == 'True'
 
 
-def test_overlap_options_pipeline_the_fsdp_collectives(fsdp):
-  plain = gpu_compile('MeshConfig.data = 1', 'MeshConfig.fsdp = 8', overlap=False)
+def test_overlap_options_pipeline_the_fsdp_collectives(fsdp, compiled):
+  plain = compiled('fsdp without the overlap options')
   assert plain['options'] == {}
   # Same traffic either way; with the options every weight gather and
   # gradient reduce-scatter is hidden, without them some are not.
@@ -95,9 +123,8 @@ def test_overlap_options_pipeline_the_fsdp_collectives(fsdp):
   assert behind(fsdp) > behind(plain), (behind(fsdp), behind(plain))
 
 
-def test_1f1b_stage_shifts_are_asynchronous():
-  r = gpu_compile('MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.microbatches = 4',
-                  'MeshConfig.pipeline_schedule = "1f1b"')
+def test_1f1b_stage_shifts_are_asynchronous(compiled):
+  r = compiled('1f1b')
   shifts = of(r, 'collective-permute', 'pipeline')
   assert shifts and all(s['mode'] == 'overlapped' for s in shifts), shifts
   # A stage's output travels to the next stage while this stage runs its
@@ -109,17 +136,16 @@ def test_1f1b_stage_shifts_are_asynchronous():
   assert len(grads) == 1 and r['ops']['all-reduce'] <= 6, (grads, r['ops'])
 
 
-def test_tensor_sequence_parallel_collectives_overlap_compute():
-  r = gpu_compile('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True')
+def test_tensor_sequence_parallel_collectives_overlap_compute(compiled):
+  r = compiled('tensor + sequence')
   tensor = [s for s in r['schedule'] if s['axes'] == 'tensor']
   assert {s['kind'] for s in tensor} >= {'all-gather', 'reduce-scatter'}, tensor
   assert all(s['mode'] != 'synchronous' for s in tensor)
   assert sum(s['matmuls_between'] > 0 for s in tensor) >= 1, tensor
 
 
-def test_collective_matmul_rings_run_behind_the_projections():
-  r = gpu_compile('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True',
-                  'MeshConfig.collective_matmul = True')
+def test_collective_matmul_rings_run_behind_the_projections(compiled):
+  r = compiled('collective matmul')
   rings = of(r, 'collective-permute', 'tensor')
   assert rings and all(s['mode'] == 'overlapped' for s in rings), rings
   assert sum(s['matmuls_between'] > 0 for s in rings) >= 0.75 * len(rings), rings
@@ -135,8 +161,8 @@ def run_report(*args: str, plugin: bool = True) -> subprocess.CompletedProcess:
                         text=True, timeout=300)
 
 
-def test_report_command_for_a_gpu_target():
-  proc = run_report('--target', 'h100:8', '--gin.MeshConfig.fsdp=8', '--gin.MeshConfig.data=1')
+def test_report_command_for_a_gpu_target(compiled):
+  proc = compiled('report')   # mjax-report comm --target h100:8, fsdp 8
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'compiled for 8 x H100' in proc.stdout and 'deviceless' in proc.stdout
   assert 'behind matmul' in proc.stdout and 'xla_gpu_enable_latency_hiding_scheduler' in proc.stdout
