@@ -119,3 +119,15 @@ def test_every_experiment_row_names_xla_flags_the_gpu_plugin_defines(row):
   if not plugins:
     pytest.skip('no CUDA plugin installed to read the flag table from')
   assert xla_flags.supported_flags(wanted, plugins) == set(wanted), wanted
+
+
+def test_attention_time_by_window_runs_and_says_the_work_each_window_keeps():
+  # The GPU suite's table, with its smoke shapes on this CPU (XLA's attention).
+  import types
+  lines = []
+  suite = types.SimpleNamespace(args=types.SimpleNamespace(smoke=True), say=lambda line='': lines.append(line))
+  rows = SUITE.attention_window_times(suite, None)
+  assert [r['window'] for r in rows] == [None, 64, 32, 16]
+  assert rows[0]['work'] == 1.0 and all(a['work'] > b['work'] for a, b in zip(rows, rows[1:]))
+  assert all(r['ms'] > 0 and r['tflops'] > 0 for r in rows)
+  assert any(line.startswith('| causal |') for line in lines), lines
