@@ -1268,10 +1268,12 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
   The stop cycle (0.1 s) is close to this model's step (~0.25 s), so how
   much of a step it takes varies: at 40% some sampled steps read only ~0.1
   slower, under the verdict's margin / 2; at 60% every one reads >= 0.5."""
-  # 20 steps: device times sampled at 2, 6, ..., 18, the last four throttled
-  # (the verdict rests on the latest stragglers.DEVICE_SAMPLES).
-  train = ['--gin.ModelConfig.d_model=256', '--gin.DataConfig.seq_len=128', '--gin.TrainConfig.steps=20',
-           '--gin.OptimConfig.decay_steps=20', '--gin.CheckpointConfig.save_every=0',
+  # Device times sampled at 2, 6, ..., 30; a verdict rests on the latest
+  # stragglers.DEVICE_SAMPLES, all throttled from step 14's (written at 16),
+  # and the driver's analysis, every 5 s, must run before the job ends: 16
+  # throttled steps (~10 s) leave it two chances.
+  train = ['--gin.ModelConfig.d_model=256', '--gin.DataConfig.seq_len=128', '--gin.TrainConfig.steps=32',
+           '--gin.OptimConfig.decay_steps=32', '--gin.CheckpointConfig.save_every=0',
            '--gin.FaultConfig.device_timing_every=4', '--gin.FaultConfig.timing_every=4']
   env = child_env(MJAX_FAULT='throttle:factor=0.6:process=1:step=3')
   run = subprocess.run(launch_cmd(tmp_path, 2, train=train), cwd=repo_root, env=env, capture_output=True,
@@ -1284,7 +1286,7 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
   # The rows behind it: samples half a period off the round steps, and the
   # report's verdict from them.
   rows = stragglers.load_rows(str(tmp_path))
-  assert sorted({r['step'] for r in rows if 'device' in r}) == list(range(2, 21, 4))
+  assert sorted({r['step'] for r in rows if 'device' in r}) == list(range(2, 33, 4))
   (s,) = stragglers.device_stragglers(rows)
   assert s.process == 1 and s.ratio > 1.2
   report = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'mjax-report'), 'stragglers',
