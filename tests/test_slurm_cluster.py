@@ -232,7 +232,7 @@ def test_fault_tolerance_driver_recovers_a_killed_task(cluster, tmp_path, execut
   env, d = cluster
   workdir = str(tmp_path / 'run')
   job = _submit(env, d, '--workdir', workdir, '--diagnose_args=--checks memory', '--', *TRAIN,
-                '--gin.TrainConfig.steps=20', script='slurm_ft.sbatch',
+                '--gin.TrainConfig.steps=20', '--gin.FaultConfig.restart_backoff_s=0.2', script='slurm_ft.sbatch',
                 extra_env={'MJAX_FAULT': 'kill:step=12:process=1',   # SIGKILL, first attempt only
                            'MJAX_EXECUTOR': executor})
   assert _wait(env, d, job, timeout=400) == 'COMPLETED', _log(d, job)[-3000:]
