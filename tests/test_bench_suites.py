@@ -110,9 +110,8 @@ def test_every_experiment_row_names_xla_flags_the_gpu_plugin_defines(row):
   # A flag XLA does not define is dropped at start-up (XLA would abort on
   # it), and the row would measure the baseline under another name.
   from mjax.parallel import xla_flags
-  extra = [o.split('=', 1)[1].strip('\'"') for o in row[2] if o.startswith('TrainConfig.xla_extra_flags=')]
-  assert extra, row
-  wanted = xla_flags.parse_flags(extra[0])
+  wanted = SUITE.row_flags(row[2])
+  assert wanted, row
   import sys
   search = [*sys.path, os.path.join(sys.prefix, 'cuda-aot')]   # where `make test` puts the CUDA plugin
   plugins = [p for p in xla_flags.xla_libraries(search) if os.sep + 'jaxlib' + os.sep not in p]
