@@ -605,14 +605,24 @@ class Driver:
     """Returns 'finished', 'preempted' or the first Fault."""
     f = self.fault_cfg
     watch = _StragglerWatch(self.workdir, set(att.handles), f, every_s=max(5.0, 5 * f.heartbeat_interval_s))
-    try:
-      return self._watch(att, watch)
-    finally:
-      watch.close()
-
-  def _watch(self, att: Attempt, watch: '_StragglerWatch'):
-    tick = min(0.1, self.fault_cfg.heartbeat_interval_s / 4)
     flagged: set[int] = set()
+    try:
+      result = self._watch(att, watch, flagged)
+    except BaseException:
+      watch.close()
+      raise
+    # A job that finished gets one last analysis of what its processes wrote
+    # since the previous one: a process slow only in the last seconds of the
+    # run is named too (reported, never evicted: there is nothing to evict from).
+    late = watch.close(final=result == 'finished')
+    if result == 'finished':
+      self._stragglers(att, flagged, late, finished=True)
+      for note in watch.pace_notes:
+        self._pace_event(att, note)
+    return result
+
+  def _watch(self, att: Attempt, watch: '_StragglerWatch', flagged: set):
+    tick = min(0.1, self.fault_cfg.heartbeat_interval_s / 4)
     next_scan = 0.0
     while True:
       if self._signal is not None:
@@ -757,8 +767,9 @@ class Driver:
                      pace_s=round(note['pace_s'], 6), baseline_s=round(note['baseline_s'], 6),
                      factor=round(factor, 3), detail=detail)
 
-  def _stragglers(self, att: Attempt, flagged: set, found: list) -> Optional[detect.Fault]:
-    """Events for newly found stragglers; a fault with evict_stragglers."""
+  def _stragglers(self, att: Attempt, flagged: set, found: list, finished: bool = False) -> Optional[detect.Fault]:
+    """Events for newly found stragglers; a fault with evict_stragglers
+    (never once the job has `finished`)."""
     f = self.fault_cfg
     for s in found:
       if s.process in flagged:
@@ -767,8 +778,9 @@ class Driver:
       host = att.hosts[s.process]
       fields = {**s.to_json(), 'timing_host': s.host, 'host': host}   # host: the driver's name for it
       # Evicting the last host would end the job; slow is better than stopped.
-      evict = f.evict_stragglers and self._can_run_without(host)
-      detail = s.describe() + ('' if evict or not f.evict_stragglers else
+      evict = f.evict_stragglers and not finished and self._can_run_without(host)
+      detail = s.describe() + (' (found as the job finished)' if finished else
+                               '' if evict or not f.evict_stragglers else
                                f' (not evicted: no host left to run on without {host})')
       self.events.emit('straggler', attempt=att.number, detail=detail, evict=evict, **fields)
       if evict:
@@ -1169,14 +1181,30 @@ class _StragglerWatch:
       pass   # the analysis ended (or died): no verdicts, training goes on
     return out
 
-  def close(self) -> None:
+  def close(self, final: bool = False) -> list:
+    """Stops the analysis; with `final`, after one last run over what the
+    files gained since the previous one. Returns the stragglers not yet taken."""
+    wait = 5.0
+    if final:
+      try:
+        self._stop.send('final')
+        # An analysis at 12,288 processes takes seconds: wait for one, bounded.
+        wait = 10.0 + 2 * self.last_seconds
+      except (BrokenPipeError, OSError):
+        pass   # the analysis already ended
     self._stop.close()
-    self._proc.join(timeout=5.0)
+    # What the child sends is read while waiting for it: a result larger than
+    # the pipe's buffer would otherwise keep it from exiting.
+    out, deadline = [], time.monotonic() + wait
+    while self._proc.is_alive() and time.monotonic() < deadline:
+      out += self.take()
+      self._proc.join(timeout=0.05)
     if self._proc.is_alive():
       self._proc.kill()
       self._proc.join(timeout=5.0)
-    self.take()
+    out += self.take()
     self._conn.close()
+    return out
 
 
 def _straggler_loop(tail, processes: list, margin: float, window: int, every_s: float, stop, conn) -> None:
@@ -1192,7 +1220,15 @@ def _straggler_loop(tail, processes: list, margin: float, window: int, every_s: 
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   keep = set(processes)
   baseline, slowed = None, False
-  while not stop.poll(every_s):   # True once the driver closed its end (or died)
+  while True:
+    final = False
+    if stop.poll(every_s):   # a message, or the driver closed its end (or died)
+      try:
+        final = stop.recv() == 'final'
+      except (EOFError, OSError):
+        pass
+      if not final:
+        return
     t0 = time.monotonic()
     rows = [r for r in tail.update() if int(r['process']) in keep]
     found = stragglers.find_stragglers(rows, margin, window)
@@ -1207,4 +1243,6 @@ def _straggler_loop(tail, processes: list, margin: float, window: int, every_s: 
     try:
       conn.send((time.monotonic() - t0, [s.to_json() for s in found], note))
     except (BrokenPipeError, OSError):
+      return
+    if final:
       return
