@@ -34,6 +34,11 @@ Tokens/s = batch x seq / step time. The table gives every round, each stack's
 median, the ratio mjax / MaxText of the medians and the achieved GFLOP/s at
 mjax's FLOPs per token (`mjax-flops`; the same count for both, except that
 with --maxtext_mlp MaxText's count uses the SwiGLU MLP it then runs).
+"of the round's peak" divides the achieved GFLOP/s by the fp32 matrix-product
+peak measured at the start of the same round, in a fresh process
+(`mjax.devices.measure_matmul_flops`, the figure mjax's MFU divides by on CPU):
+on a shared host the peak moves from hour to hour, so a peak cached on
+another day would make the fraction say more about that day than about the step.
 "other load" is the CPU that processes outside the benchmark used during the
 round (machine busy time from /proc/stat minus the round's own CPU time), in
 cores: on a shared machine, read a round with a high value with suspicion.
@@ -70,8 +75,8 @@ SHAPE = dict(d_model=384, n_layers=6, n_heads=6, head_dim=64, d_ff=1536, vocab_s
 # are not scanned (in a scan it falls back to full remat), so 'none' runs both unscanned.
 REMAT = {'dots_no_batch': 'minimal', 'full': 'full', 'none': 'none'}
 
-HEADER = ('| stack | round | tokens/s | step time (s) | GFLOP/s achieved | other load (cores) |\n'
-          '|---|---|---|---|---|---|')
+HEADER = ('| stack | round | tokens/s | step time (s) | GFLOP/s achieved | of the round\'s peak | other load (cores) |\n'
+          '|---|---|---|---|---|---|---|')
 STEP_RE = re.compile(r'completed step: (\d+), seconds: ([0-9.]+)')
 
 
@@ -220,6 +225,18 @@ def maxtext_args(base_yml: str, steps: int, remat: str, swiglu: bool, outdir: st
           'enable_dropout=false', 'eval_interval=-1', 'ici_fsdp_parallelism=1', 'ici_data_parallelism=1']
 
 
+def measure_peak(timeout: float) -> float:
+  """This machine's fp32 matrix-product FLOP/s now, in a fresh process."""
+  code = 'from mjax.devices import measure_matmul_flops as m; print(m("float32", seconds=2.0))'
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env['JAX_PLATFORMS'] = 'cpu'
+  p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, env=env,
+                     timeout=timeout)
+  if p.returncode:
+    raise SystemExit(f'peer_maxtext: measuring the matrix-product peak failed:\n{p.stderr[-3000:]}')
+  return float(p.stdout.split()[-1])
+
+
 def run_maxtext(py: str, base_yml: str, steps: int, warmup: int, remat: str, swiglu: bool,
                 tmp: str, timeout: float) -> dict:
   outdir = tempfile.mkdtemp(prefix='maxtext-', dir=tmp)
@@ -273,6 +290,8 @@ def main(argv=None):
 
   rows = []
   for rnd in range(1, args.rounds + 1):
+    peak = measure_peak(args.timeout)
+    log(f'round {rnd}: fp32 matrix-product peak {peak / 1e9:.1f} GFLOP/s')
     # Each stack goes first in every other round: on some hosts the first
     # run of a pair is the faster one, by more than the changes measured here.
     for stack in ('mjax', 'MaxText') if rnd % 2 else ('MaxText', 'mjax'):
@@ -284,11 +303,13 @@ def main(argv=None):
         else:
           r = run_maxtext(py, info['base_yml'], args.steps, args.warmup, args.remat, args.maxtext_mlp,
                           tmp, args.timeout)
-      rows.append(dict(stack=stack, round=rnd, other_load=load.cores, **r))
+      rows.append(dict(stack=stack, round=rnd, other_load=load.cores, peak_flops=peak, **r))
       log(f'  {r["tokens_per_sec"]:,.0f} tokens/s, {r["step_time"]:.3f} s/step, loss {r["loss"]:.3f}')
 
   med = {st: statistics.median(r['tokens_per_sec'] for r in rows if r['stack'] == st) for st in fpt}
   ratio = med['mjax'] / med['MaxText']
+  of_peak = lambda r: fpt[r['stack']] * r['tokens_per_sec'] / r['peak_flops']
+  med_peak = {st: statistics.median(of_peak(r) for r in rows if r['stack'] == st) for st in fpt}
   mlp = 'SwiGLU (its default)' if args.maxtext_mlp else 'GeLU'
   print(f'parallel block, d_model {s["d_model"]}, {s["n_layers"]} layers, {s["n_heads"]} heads x '
         f'{s["head_dim"]}, MLP {s["d_ff"]}, vocab {s["vocab_size"]}, seq {s["seq_len"]}, batch {s["batch"]}, '
@@ -298,19 +319,22 @@ def main(argv=None):
   for r in rows:
     other = '-' if r['other_load'] is None else f'{r["other_load"]:.2f}'
     print(f'| {r["stack"]} | {r["round"]} | {r["tokens_per_sec"]:,.0f} | {r["step_time"]:.3f} | '
-          f'{fpt[r["stack"]] * r["tokens_per_sec"] / 1e9:.1f} | '
+          f'{fpt[r["stack"]] * r["tokens_per_sec"] / 1e9:.1f} | {of_peak(r):.0%} | '
           f'{other} |')
   for st in fpt:
     print(f'| {st} | median | {med[st]:,.0f} | {s["batch"] * s["seq_len"] / med[st]:.3f} | '
-          f'{fpt[st] * med[st] / 1e9:.1f} | |')
+          f'{fpt[st] * med[st] / 1e9:.1f} | {med_peak[st]:.0%} | |')
   print(f'\nmjax / MaxText tokens/s: {ratio:.2f}x')
+  peaks = [r['peak_flops'] for r in rows if r['stack'] == 'mjax']
+  print(f'mjax at {med_peak["mjax"]:.0%} of the fp32 matrix-product peak (median of its rounds, each against '
+        f'its own round\'s peak: {min(peaks) / 1e9:.0f}-{max(peaks) / 1e9:.0f} GFLOP/s)')
   print(f'FLOPs/token: mjax {fpt["mjax"] / 1e6:.1f} M, MaxText {fpt["MaxText"] / 1e6:.1f} M '
         f'(mjax.model.flops.flops_per_token, mask-aware)')
   print(f'versions: mjax env jax {info.get("mjax_jax", "?")}; MaxText env jax {info["jax"]}, '
         f'maxtext {info["maxtext"]}')
   if args.json:
     with open(args.json, 'w') as fh:
-      json.dump(dict(rows=rows, median=med, ratio=ratio, flops_per_token=fpt, versions=info,
+      json.dump(dict(rows=rows, median=med, ratio=ratio, of_peak=med_peak, flops_per_token=fpt, versions=info,
                      args=vars(args)), fh, indent=1)
   shutil.rmtree(tmp, ignore_errors=True)  # kept on failure: MaxText's output.log is in it
 
