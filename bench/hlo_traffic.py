@@ -10,7 +10,8 @@ copy: what the GPU runs as one kernel) is taken to read each operand and
 write its result once, times how often its computation runs per step (loop
 bodies by their trip count, `mjax.parallel.hlo_text.execution_counts`). A
 dynamic-update-slice writes only its update, in place; a dynamic-slice reads
-only its slice. Matrix products and attention kernels are listed apart from
+only its slice, and so does a fusion of an operand it only slices (a
+scanned layer's slice of a stacked buffer). Matrix products and attention kernels are listed apart from
 the rest: the elementwise and reduction passes are bound by memory
 bandwidth, so their bytes over the bandwidth estimate their time. On an H100
 the 1p3b step's ~340 GB of such passes (this count) took 110 ms in a real
@@ -30,6 +31,7 @@ import collections
 import os
 import re
 import sys
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -66,10 +68,45 @@ def fused_root(module: hlo_text.Module, inst: hlo_text.Instruction) -> str:
   return body[-1].opcode if body else 'fusion'
 
 
+def _sliced_reads(module: hlo_text.Module, inst: hlo_text.Instruction) -> dict[int, float]:
+  """{operand index: bytes read} for a fusion's operands that its computation
+  only slices (through bitcasts): a layer's slice of a scan's stacked buffer
+  reads that slice, not the whole stack."""
+  callee = dict(hlo_text.called(inst)).get('calls') if inst.opcode == 'fusion' else None
+  body = module.computations.get(callee or '', [])
+  users = collections.defaultdict(list)
+  for i in body:
+    for o in i.operands:
+      users[o].append(i)
+
+  def read(name: str) -> Optional[float]:   # None: something reads it whole
+    total = 0.0
+    for u in users.get(name, []):
+      if u.opcode in ('dynamic-slice', 'slice') and u.operands and u.operands[0] == name:
+        total += hlo_text.shape_bytes(u.shape)
+      elif u.opcode == 'bitcast':
+        r = read(u.name)
+        if r is None:
+          return None
+        total += r
+      else:
+        return None
+    return total
+
+  out = {}
+  for i in body:
+    if i.opcode == 'parameter' and i.args.strip().isdigit():
+      r = read(i.name)
+      if r is not None and users.get(i.name):
+        out[int(i.args)] = r
+  return out
+
+
 def kernel_bytes(module: hlo_text.Module, inst: hlo_text.Instruction) -> float:
   result = hlo_text.shape_bytes(inst.shape)
   operands = [module.instruction(o) for o in inst.operands]
-  read = sum(hlo_text.shape_bytes(o.shape) for o in operands if o is not None)
+  sliced = _sliced_reads(module, inst)
+  read = sum(sliced.get(k, hlo_text.shape_bytes(o.shape)) for k, o in enumerate(operands) if o is not None)
   root = fused_root(module, inst)
   if root == 'dynamic-update-slice':   # in place: reads and writes the update only
     return 2 * max(read - result, 0.0)

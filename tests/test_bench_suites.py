@@ -69,6 +69,49 @@ def test_hlo_traffic_sums_the_step_by_part_and_kind():
   assert '| part of the step |' in hlo_traffic.table(text)
 
 
+def test_hlo_traffic_counts_a_fused_slice_of_a_stacked_buffer_as_the_slice():
+  # A scanned layer's fusion takes the whole (layers, ...) stack as its
+  # operand and slices its layer inside: it reads one layer, not the stack.
+  # An operand the fusion also reads whole counts whole.
+  import sys
+  sys.path.insert(0, os.path.join(REPO, 'bench'))
+  import hlo_traffic
+  from mjax.parallel import hlo_text
+  text = """HloModule m
+
+%fused (p0: f32[8,256,1024], p1: s32[], p2: f32[256,1024]) -> f32[256,1024] {
+  %p0 = f32[8,256,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,256,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,256,1024}
+  %b = f32[256,1024]{1,0} bitcast(%ds)
+  %p2 = f32[256,1024]{1,0} parameter(2)
+  ROOT %t = f32[256,1024]{1,0} multiply(%b, %p2)
+}
+
+%whole (q0: f32[8,256,1024], q1: f32[256,1024]) -> f32[256,1024] {
+  %q0 = f32[8,256,1024]{2,1,0} parameter(0)
+  %r = f32[256,1024]{1,0} slice(%q0), slice={[0:1], [0:256], [0:1024]}
+  %c = f32[] constant(0)
+  %s = f32[256,1024]{1,0} reduce(%q0, %c), dimensions={0}, to_apply=%add
+  ROOT %u = f32[256,1024]{1,0} add(%s, %q1)
+}
+
+ENTRY %main (a: f32[8,256,1024], i: s32[], x: f32[256,1024]) -> f32[256,1024] {
+  %a = f32[8,256,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[256,1024]{1,0} parameter(2)
+  %f = f32[256,1024]{1,0} fusion(%a, %i, %x), kind=kLoop, calls=%fused
+  ROOT %g = f32[256,1024]{1,0} fusion(%a, %f), kind=kLoop, calls=%whole
+}
+"""
+  m = hlo_text.parse_module(text)
+  layer = 256 * 1024 * 4
+  # read: one layer of the stack, the index, x; write: one layer.
+  assert hlo_traffic.kernel_bytes(m, m.instruction('f')) == layer + 4 + layer + layer
+  assert hlo_traffic.kernel_bytes(m, m.instruction('g')) == 8 * layer + layer + layer
+
+
 def _bench_module(name):
   spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'bench', f'{name}.py'))
   mod = importlib.util.module_from_spec(spec)
