@@ -503,6 +503,154 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
            else '.'))
 
 
+LOCK_FILE = '.mjax-lock'   # in the workdir and each local tier: who holds its run lock (`lock_run`)
+UNDRIVEN_LOCK_WAIT_S = 10.0   # a run started by hand waits this long for a holder on its way out
+# {real path: [locked descriptor, how many Checkpointers of this process hold it]}:
+# flock conflicts between two opens of a directory even in one process.
+_held_locks: dict = {}
+
+
+def _job_tag() -> Optional[str]:
+  """A tag of the fault-tolerance job this process belongs to (a hash of its
+  heartbeat secret, the same for every attempt of the job), or None."""
+  from mjax import protocol
+  secret = os.environ.get(protocol.SECRET_ENV)
+  return hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else None
+
+
+def _try_lock(directory: str, wait_s: float) -> Optional[dict]:
+  """Takes `directory`'s run lock, waiting up to `wait_s` for a holder to
+  let go; None once held (or where the filesystem has no locks), else what
+  the holder wrote about itself.
+
+  The flock is on the directory itself, opened read-only: a file held open
+  for writing would keep its filesystem from being remounted read-only
+  (which a save must see as a failure, not as a busy device). Who holds it
+  goes in LOCK_FILE, written whole beside it."""
+  import fcntl
+  if directory in _held_locks:   # this process holds it already (a second Checkpointer)
+    _held_locks[directory][1] += 1
+    return None
+  try:
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return None   # not there and not creatable: check_writable says what is wrong
+  deadline, said = time.monotonic() + wait_s, False
+  while True:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      break
+    except BlockingIOError:
+      try:
+        with open(os.path.join(directory, LOCK_FILE)) as fh:
+          holder = json.load(fh)
+      except (OSError, ValueError):
+        holder = {}
+      holder = holder if isinstance(holder, dict) else {}
+      if time.monotonic() >= deadline:
+        os.close(fd)
+        return holder
+      if not said:
+        print(f'mjax: {directory} is in use by another run ({_describe_holder(holder)}); waiting up to '
+              f'{wait_s:.0f} s for it to end', file=sys.stderr, flush=True)
+        said = True
+      time.sleep(0.5)
+    except OSError:   # no flock on this filesystem (some network ones): unguarded, as before
+      os.close(fd)
+      return None
+  try:
+    jsonfile.write_atomic(os.path.join(directory, LOCK_FILE),
+                          {'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.time(),
+                           'job': _job_tag()})
+  except OSError:
+    pass   # a read-only directory: check_writable says so
+  _held_locks[directory] = [fd, 1]
+  return None
+
+
+def unlock_run(directories: list[str]) -> None:
+  """Lets go of the run locks `lock_run` took (a Checkpointer's close)."""
+  for d in directories:
+    held = _held_locks.get(d)
+    if held is None:
+      continue
+    held[1] -= 1
+    if held[1] == 0:
+      del _held_locks[d]
+      os.close(held[0])   # closing the descriptor releases its flock
+
+
+def _describe_holder(holder: dict) -> str:
+  pid, host = holder.get('pid', '?'), holder.get('host', '?')
+  started = holder.get('started')
+  since = (f', since {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}'
+           if isinstance(started, (int, float)) else '')
+  return f'process {pid} on {host}{since}'
+
+
+def lock_run(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) -> list[str]:
+  """Raises ConfigError, in every process alike, unless process 0 gets the
+  run lock of the workdir and of each local tier directory: two runs saving
+  into one directory at once would delete and overwrite each other's steps.
+
+  A lock is an flock, held until process 0 exits, whatever ends it (even
+  SIGKILL). Process 0 of a restarted attempt may start while the last
+  attempt's is still on its way out: under the fault-tolerance driver it
+  waits up to `timeout_s`, and a holder of the same job (an earlier attempt
+  that outlived its kill) is warned about rather than refused. Returns the
+  directories locked (for `unlock_run`).
+  """
+  from mjax import protocol
+  mine, locked = None, []
+  if jax.process_index() == 0:
+    driven = bool(os.environ.get(protocol.DRIVER_ADDRESS_ENV))
+    wait = timeout_s if driven else UNDRIVEN_LOCK_WAIT_S
+    paths = {os.path.realpath(workdir): workdir}
+    for d in dirs.values():
+      if '://' not in d:
+        paths.setdefault(os.path.realpath(d), d)
+    for real, d in paths.items():
+      holder = _try_lock(real, wait)
+      if holder is None:
+        locked.append(real)
+        continue
+      if driven and holder.get('job') is not None and holder.get('job') == _job_tag():
+        print(f'mjax: warning: {d} is still locked by an earlier attempt of this job '
+              f'({_describe_holder(holder)}); going on without its lock', file=sys.stderr, flush=True)
+        continue
+      mine = (f'{d} is in use by another run: {_describe_holder(holder)} holds its lock '
+              f'({os.path.join(d, LOCK_FILE)}). Two runs saving there at once would delete and overwrite '
+              f'each other\'s checkpoints. Wait for that run to end or stop it, or give this run another '
+              f'workdir (and checkpoint directories of its own).')
+      break
+  reports = distributed.report_exceptions('ckpt/probe/lock', mine, timeout_s)
+  if reports:
+    unlock_run(locked)
+    raise ConfigError(reports[min(reports)])
+  return locked
+
+
+def check_not_inside_a_tier(workdir: str) -> None:
+  """Raises ConfigError where the workdir is, or lies inside, another run's
+  checkpoint directory (it holds that run's claim, OWNER_FILE): that run's
+  clean-up of its old steps would delete this one, and this run's files
+  would hide its steps."""
+  me = path = os.path.realpath(workdir)
+  while True:
+    claim = _claim(path)
+    if claim is not None and os.path.realpath(claim) != me:
+      where = 'is' if path == me else f'lies inside {path!r}, which is'
+      raise ConfigError(
+          f'workdir {workdir!r} {where} the checkpoint directory of the run with workdir {claim!r} '
+          f'({os.path.join(path, OWNER_FILE)} says so): that run deletes old steps there and would delete '
+          f'this run with them. Give this run a workdir outside it.')
+    parent = os.path.dirname(path)
+    if parent == path:
+      return
+    path = parent
+
+
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError unless every process sees each tier directory as
   the same directory (a no-op in a one-process job).
@@ -1060,13 +1208,16 @@ class Checkpointer:
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
     self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
     self.is_main = jax.process_index() == 0
+    self._locked: list[str] = []
     quiet_failed_io_aftermath()
     dirs = tier_directories(cfg, workdir)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
     check_apart(dirs)
+    check_not_inside_a_tier(workdir)
     check_writable(dirs)
     check_owner(dirs, workdir)
+    self._locked = lock_run(dirs, workdir)
     check_shared({name: d for name, d in dirs.items() if name not in host})
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
@@ -1336,9 +1487,13 @@ class Checkpointer:
     return [(step, tier) for step, tier, tag in first if (step, tier, tag) not in hidden]
 
   def close(self) -> None:
-    self.wait()
-    for tier in self.tiers:
-      tier.manager.close()
+    try:
+      self.wait()
+      for tier in self.tiers:
+        tier.manager.close()
+    finally:
+      unlock_run(self._locked)
+      self._locked = []
 
 
 def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: Any) -> Optional[Restored]:

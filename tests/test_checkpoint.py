@@ -15,6 +15,7 @@ import pytest
 
 from mjax import config as C
 from mjax import train, trainer
+from mjax import checkpoint as checkpoint_lib
 from mjax.checkpoint import Checkpointer, saved_steps
 from mjax.parallel import make_mesh
 from mjax.metrics import read_metrics
@@ -506,8 +507,9 @@ def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninte
   ckdir = os.path.join(workdir, 'checkpoints')
   damage_step(os.path.join(ckdir, '4'), 'flip')
   damage_step(os.path.join(ckdir, '2'), 'truncate')
+  # (The run lock says who holds the directory: each run rewrites it.)
   snapshot = lambda: {os.path.relpath(os.path.join(d, f), ckdir): hashlib.sha1(open(os.path.join(d, f), 'rb').read()).hexdigest()
-                      for d, _, fs in os.walk(ckdir) for f in fs}
+                      for d, _, fs in os.walk(ckdir) for f in fs if f != checkpoint_lib.LOCK_FILE}
   before = snapshot()
   with pytest.raises(NoUsableCheckpoint, match=r'none of the 2 checkpoint\(s\) of this run can be used: '
                                                r'\S+/checkpoints/4: damaged .*/checkpoints/2: (damaged|unreadable)'):
@@ -951,3 +953,55 @@ def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):
   assert foreign(tier, str(tmp_path / 'other')) == str(tmp_path / 'real' / 'run')
   with pytest.raises(C.ConfigError, match='holds the checkpoints of another run'):
     check_owner({'fast': tier}, str(tmp_path / 'other'))
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_nested_workdir_too(tmp_path, monkeypatch):
+  """Two runs saving into one directory would delete and overwrite each
+  other's steps: process 0 holds a lock on the workdir and each tier for
+  as long as it runs, and a second run is refused, naming the holder. A
+  later attempt of the same fault-tolerance job is only warned about."""
+  import subprocess
+  import sys
+  from mjax import protocol
+  workdir, tier = str(tmp_path / 'run'), str(tmp_path / 'run' / 'checkpoints')
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time; from mjax import checkpoint as c; '
+       'assert c.lock_run({"persistent": sys.argv[2]}, sys.argv[1]) ; print("held", flush=True); time.sleep(600)',
+       workdir, tier], stdout=subprocess.PIPE, text=True,
+      env={**os.environ, protocol.DRIVER_ADDRESS_ENV: '127.0.0.1:1', protocol.SECRET_ENV: 'ab' * 16})
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    monkeypatch.delenv(protocol.DRIVER_ADDRESS_ENV, raising=False)
+    monkeypatch.setattr(checkpoint_lib, 'UNDRIVEN_LOCK_WAIT_S', 1.0)
+    with pytest.raises(C.ConfigError, match=rf'{workdir} is in use by another run: process {holder.pid} on '):
+      checkpoint_lib.lock_run({'persistent': tier}, workdir)
+    # The same job's next attempt, its predecessor not gone yet: warned, goes on.
+    monkeypatch.setenv(protocol.DRIVER_ADDRESS_ENV, '127.0.0.1:1')
+    monkeypatch.setenv(protocol.SECRET_ENV, 'ab' * 16)
+    assert checkpoint_lib.lock_run({'persistent': tier}, workdir, timeout_s=0.0) == []
+    monkeypatch.setenv(protocol.SECRET_ENV, 'cd' * 16)   # another job's: refused
+    with pytest.raises(C.ConfigError, match='in use by another run'):
+      checkpoint_lib.lock_run({'persistent': tier}, workdir, timeout_s=0.0)
+  finally:
+    holder.kill()
+    holder.wait()
+  # The holder gone (whatever killed it), the lock is free; held twice in
+  # one process (two Checkpointers), it is let go of by the last close.
+  monkeypatch.delenv(protocol.DRIVER_ADDRESS_ENV)
+  first = checkpoint_lib.lock_run({'persistent': tier}, workdir)
+  second = checkpoint_lib.lock_run({'persistent': tier}, workdir)
+  assert sorted(first) == sorted(second) == sorted({os.path.realpath(workdir), os.path.realpath(tier)})
+  checkpoint_lib.unlock_run(first)
+  probe = [sys.executable, '-c', 'import sys; from mjax import checkpoint as c; c.UNDRIVEN_LOCK_WAIT_S = 0; '
+           'c.lock_run({"persistent": sys.argv[2]}, sys.argv[1])', workdir, tier]
+  assert subprocess.run(probe, capture_output=True, timeout=120).returncode != 0   # still held once
+  checkpoint_lib.unlock_run(second)
+  assert subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
+  # A workdir in (or being) another run's checkpoint directory: that run's
+  # clean-up of old steps would delete it.
+  from mjax import jsonfile
+  jsonfile.write_atomic(os.path.join(tier, checkpoint_lib.OWNER_FILE), {'workdir': os.path.realpath(workdir)})
+  checkpoint_lib.check_not_inside_a_tier(workdir)
+  for inside in (tier, os.path.join(tier, '4')):
+    with pytest.raises(C.ConfigError, match=rf"is the checkpoint directory of the run with workdir '{os.path.realpath(workdir)}'"):
+      checkpoint_lib.check_not_inside_a_tier(inside)
