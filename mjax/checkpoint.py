@@ -217,7 +217,8 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
   under a name derived from the workdir, so two runs never share it."""
   # _expand: ~, $VARS, and a bucket (gs://, s3://) left as it is, not
   # taken for a local path.
-  dirs = {'persistent': _expand(cfg.directory) if cfg.directory else os.path.abspath(os.path.join(workdir, 'checkpoints'))}
+  dirs = {'persistent': _expand(cfg.directory, workdir, 'directory') if cfg.directory
+          else os.path.abspath(os.path.join(workdir, 'checkpoints'))}
   if cfg.fast_every:
     fast = cfg.fast_directory
     if fast is None:
@@ -228,7 +229,7 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
       fast, spelled = named(os.path.realpath(workdir)), named(os.path.abspath(workdir))
       if spelled != fast and os.path.isdir(spelled) and not os.path.isdir(fast):
         fast = spelled
-    dirs['fast'] = _expand(fast)
+    dirs['fast'] = _expand(fast, workdir, 'fast_directory')
   return dirs
 
 
@@ -326,11 +327,20 @@ def is_step_dir(path: str) -> bool:
   return os.path.basename(path.rstrip('/')).isdigit() and os.path.isdir(os.path.join(path, 'state'))
 
 
-def _expand(path: str) -> str:
-  """~ and $VARS ($SLURM_TMPDIR, $HOSTNAME, ...) expanded; a remote path
-  (gs://, s3://) is left as it is."""
-  path = os.path.expandvars(os.path.expanduser(path))
-  return path if '://' in path else os.path.abspath(path)
+def _expand(path: str, workdir: str, key: str) -> str:
+  """~ and $VARS ($SLURM_TMPDIR, $HOSTNAME, ...) expanded, a relative path
+  taken relative to the workdir (as config.gin records it, wherever a
+  resume is started from); a remote path (gs://, s3://) is left as it is.
+  A variable that is not set is an error, not a directory named after it."""
+  expanded = os.path.expandvars(os.path.expanduser(path))
+  unset = re.search(r'\$\{?([A-Za-z_][A-Za-z0-9_]*)', expanded)
+  if unset:
+    raise ConfigError(f'CheckpointConfig.{key} = {path!r}: ${unset.group(1)} is not set in this environment, '
+                      f'so the path would name a directory {unset.group(0)!r}. Set it, or give the path '
+                      f'without it.')
+  if '://' in expanded:
+    return expanded
+  return os.path.abspath(os.path.join(workdir, expanded))   # an absolute path stays as it is
 
 
 _PROBE_BYTES = 1 << 20  # a full filesystem refuses a megabyte as surely as a checkpoint

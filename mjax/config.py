@@ -250,7 +250,7 @@ FAST_SCOPES = ('shared', 'host')
 class CheckpointConfig:
   """Orbax checkpoints in two tiers; resume rules in mjax/checkpoint.py."""
   enabled: bool = True
-  directory: Optional[str] = None   # persistent tier; None: <workdir>/checkpoints
+  directory: Optional[str] = None   # persistent tier; None: <workdir>/checkpoints; a relative path: in the workdir
   # Persistent-tier cadence in steps (0: only at the end and on SIGTERM):
   # what a crash costs at most, since a restart resumes the newest save.
   save_every: int = 1000

@@ -176,8 +176,11 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tup
     pass
   if key not in cache:
     cache[key] = measure_matmul_flops(dtype)
-    jsonfile.write_atomic(path, cache, indent=1)   # concurrent runs never see half a file
     source = 'measured'
+    try:
+      jsonfile.write_atomic(path, cache, indent=1)   # concurrent runs never see half a file
+    except OSError as e:   # a read-only HOME, a file where the directory should be: measured, not kept
+      source = f'measured, not cached ({type(e).__name__}: {e.strerror or e})'
   else:
     source = 'measured, cached'
   # CPU fake devices share one machine: its peak is the peak of all of them.

@@ -1005,3 +1005,27 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_nested_workdir_too(tm
   for inside in (tier, os.path.join(tier, '4')):
     with pytest.raises(C.ConfigError, match=rf"is the checkpoint directory of the run with workdir '{os.path.realpath(workdir)}'"):
       checkpoint_lib.check_not_inside_a_tier(inside)
+
+
+def test_checkpoint_directories_relative_to_the_workdir_and_unset_variables_refused(tmp_path, monkeypatch):
+  # config.gin records the path as given: relative to the workdir, it names
+  # the same directory wherever a resume (or mjax-eval) is started from.
+  monkeypatch.chdir(tmp_path)
+  cfg = C.CheckpointConfig(directory='ckpt', fast_every=5, fast_directory='~/fast-$MJAX_TEST_SET')
+  monkeypatch.setenv('MJAX_TEST_SET', 'x')
+  dirs = checkpoint_lib.tier_directories(cfg, '/data/run1')
+  assert dirs == {'persistent': '/data/run1/ckpt', 'fast': os.path.expanduser('~/fast-x')}
+  assert checkpoint_lib.tier_directories(C.CheckpointConfig(directory='gs://b/ck'), 'run')['persistent'] == 'gs://b/ck'
+  monkeypatch.delenv('MJAX_TEST_SET')
+  with pytest.raises(C.ConfigError, match=r"CheckpointConfig.fast_directory = '~/fast-\$MJAX_TEST_SET': "
+                                          r"\$MJAX_TEST_SET is not set"):
+    checkpoint_lib.tier_directories(cfg, '/data/run1')
+
+
+def test_the_peak_is_measured_where_it_cannot_be_cached(tmp_path):
+  # A read-only HOME (here: a file where the cache directory should be)
+  # costs the cache, not the run.
+  from mjax import devices
+  (tmp_path / 'file').write_text('')
+  peak, source = devices.peak_flops(jax.devices()[:1], 'float32', str(tmp_path / 'file' / 'cache'))
+  assert peak > 0 and source.startswith('measured, not cached (')

@@ -26,6 +26,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from mjax.errors import UserError
+
 from mjax import config as C, protocol
 from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib, stragglers
 from mjax.metrics import read_metrics
@@ -247,6 +249,11 @@ def test_block_list_persists_and_spares_replace(tmp_path):
   assert 'h1' in again and again.entries[0]['reason'] == 'diagnostic failed: memory'
   assert hosts_lib.plan_hosts(2, ['h0', 'h1'], ['s0'], again) == ['h0', 's0']
   assert hosts_lib.plan_hosts(2, ['h0', 'h1'], [], again) == ['h0']
+  # A damaged list is a clear error that names it, never a traceback.
+  for damaged in (b'\xff\xfe garbage', b'{"bad json', b'[1, 2, 3]'):
+    (tmp_path / hosts_lib.BLOCKED_FILE).write_bytes(damaged)
+    with pytest.raises(UserError, match=rf'{hosts_lib.BLOCKED_FILE}: .*delete it to unblock every host'):
+      hosts_lib.BlockList(str(tmp_path))
 
 
 def test_elastic_keeps_global_batch():

@@ -21,6 +21,7 @@ import time
 from typing import Optional, Sequence
 
 from mjax import jsonfile
+from mjax.errors import UserError
 
 BLOCKED_FILE = 'blocked_hosts.json'
 
@@ -36,8 +37,18 @@ class BlockList:
     self.path = os.path.join(workdir, BLOCKED_FILE)
     self.entries: list[dict] = []
     if os.path.exists(self.path):
-      with open(self.path) as fh:
-        self.entries = json.load(fh)
+      try:
+        with open(self.path) as fh:
+          entries = json.load(fh)
+      except (OSError, ValueError) as e:   # UnicodeDecodeError is a ValueError
+        raise UserError(f'{self.path}: not readable as the list of blocked hosts ({type(e).__name__}: {e}). '
+                        f'It is a JSON list of {{"host", "reason", "time"}} entries that mjax-launch writes; '
+                        f'fix it, or delete it to unblock every host.') from None
+      if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get('host'), str)
+                                                for e in entries)):
+        raise UserError(f'{self.path}: expected a JSON list of {{"host": ..., "reason": ..., "time": ...}} '
+                        f'entries, found {json.dumps(entries)[:200]}; fix it, or delete it to unblock every host.')
+      self.entries = entries
 
   def __contains__(self, host: str) -> bool:
     return any(e['host'] == host for e in self.entries)
