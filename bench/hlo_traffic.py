@@ -84,7 +84,7 @@ def _sliced_reads(module: hlo_text.Module, inst: hlo_text.Instruction) -> dict[i
     for u in users.get(name, []):
       if u.opcode in ('dynamic-slice', 'slice') and u.operands and u.operands[0] == name:
         total += hlo_text.shape_bytes(u.shape)
-      elif u.opcode == 'bitcast':
+      elif u.opcode == 'bitcast' and users.get(u.name):   # (a bitcast that is the root: read whole)
         r = read(u.name)
         if r is None:
           return None

@@ -212,12 +212,15 @@ def _host_manager(directory: str, async_save: bool) -> ocp.CheckpointManager:
       'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
 
 
-def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
+def tier_directories(cfg: CheckpointConfig, workdir: str, strict: bool = False) -> dict[str, str]:
   """Where each enabled tier writes. The default fast tier lives in /dev/shm
-  under a name derived from the workdir, so two runs never share it."""
+  under a name derived from the workdir, so two runs never share it. With
+  `strict` (the run itself), a variable in a path that is not set is an
+  error; elsewhere (the driver, mjax-eval, mjax-report, whose environment
+  need not be the trainers') such a tier is one with no steps seen here."""
   # _expand: ~, $VARS, and a bucket (gs://, s3://) left as it is, not
   # taken for a local path.
-  dirs = {'persistent': _expand(cfg.directory, workdir, 'directory') if cfg.directory
+  dirs = {'persistent': _expand(cfg.directory, workdir, 'directory', strict) if cfg.directory
           else os.path.abspath(os.path.join(workdir, 'checkpoints'))}
   if cfg.fast_every:
     fast = cfg.fast_directory
@@ -229,7 +232,7 @@ def tier_directories(cfg: CheckpointConfig, workdir: str) -> dict[str, str]:
       fast, spelled = named(os.path.realpath(workdir)), named(os.path.abspath(workdir))
       if spelled != fast and os.path.isdir(spelled) and not os.path.isdir(fast):
         fast = spelled
-    dirs['fast'] = _expand(fast, workdir, 'fast_directory')
+    dirs['fast'] = _expand(fast, workdir, 'fast_directory', strict)
   return dirs
 
 
@@ -327,14 +330,14 @@ def is_step_dir(path: str) -> bool:
   return os.path.basename(path.rstrip('/')).isdigit() and os.path.isdir(os.path.join(path, 'state'))
 
 
-def _expand(path: str, workdir: str, key: str) -> str:
+def _expand(path: str, workdir: str, key: str, strict: bool) -> str:
   """~ and $VARS ($SLURM_TMPDIR, $HOSTNAME, ...) expanded, a relative path
   taken relative to the workdir (as config.gin records it, wherever a
   resume is started from); a remote path (gs://, s3://) is left as it is.
   A variable that is not set is an error, not a directory named after it."""
   expanded = os.path.expandvars(os.path.expanduser(path))
   unset = re.search(r'\$\{?([A-Za-z_][A-Za-z0-9_]*)', expanded)
-  if unset:
+  if unset and strict:
     raise ConfigError(f'CheckpointConfig.{key} = {path!r}: ${unset.group(1)} is not set in this environment, '
                       f'so the path would name a directory {unset.group(0)!r}. Set it, or give the path '
                       f'without it.')
@@ -588,15 +591,26 @@ def unlock_run(directories: list[str]) -> None:
     held[1] -= 1
     if held[1] == 0:
       del _held_locks[d]
+      try:   # removed while still held: a new holder's note is never the one removed
+        os.remove(os.path.join(d, LOCK_FILE))
+      except OSError:
+        pass
       os.close(held[0])   # closing the descriptor releases its flock
 
 
 def _describe_holder(holder: dict) -> str:
   pid, host = holder.get('pid', '?'), holder.get('host', '?')
   started = holder.get('started')
-  since = (f', since {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}'
-           if isinstance(started, (int, float)) else '')
+  try:   # a damaged lock file's value is no time: left out
+    since = (f', since {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}'
+             if isinstance(started, (int, float)) and not isinstance(started, bool) else '')
+  except (ValueError, OverflowError, OSError):
+    since = ''
   return f'process {pid} on {host}{since}'
+
+
+DRIVEN_LOCK_WAIT_S = 120.0   # under the driver: how long process 0 waits for holders, all directories together
+SAME_JOB_LOCK_WAIT_S = 30.0  # ... for an earlier attempt of its own job, before it goes on without the lock
 
 
 def lock_run(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) -> list[str]:
@@ -604,37 +618,54 @@ def lock_run(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) -> li
   run lock of the workdir and of each local tier directory: two runs saving
   into one directory at once would delete and overwrite each other's steps.
 
-  A lock is an flock, held until process 0 exits, whatever ends it (even
-  SIGKILL). Process 0 of a restarted attempt may start while the last
-  attempt's is still on its way out: under the fault-tolerance driver it
-  waits up to `timeout_s`, and a holder of the same job (an earlier attempt
-  that outlived its kill) is warned about rather than refused. Returns the
-  directories locked (for `unlock_run`).
+  A lock is an flock, held until the Checkpointer closes or process 0 exits,
+  whatever ends it (even SIGKILL). Process 0 of a restarted attempt may
+  start while the last attempt's is still on its way out: under the
+  fault-tolerance driver it waits up to DRIVEN_LOCK_WAIT_S in all (well
+  inside the driver's start-up timeout), and a holder of the same job (an
+  earlier attempt that outlived its kill) is warned about after
+  SAME_JOB_LOCK_WAIT_S rather than refused. The other processes wait for
+  process 0's verdict longer than it can take. Returns the directories
+  locked (for `unlock_run`). Where a filesystem has no flock, or one that
+  only this host sees (NFS without lock support), nothing is guarded.
   """
   from mjax import protocol
+  driven = bool(os.environ.get(protocol.DRIVER_ADDRESS_ENV))
+  budget = min(timeout_s, DRIVEN_LOCK_WAIT_S) if driven else UNDRIVEN_LOCK_WAIT_S
   mine, locked = None, []
   if jax.process_index() == 0:
-    driven = bool(os.environ.get(protocol.DRIVER_ADDRESS_ENV))
-    wait = timeout_s if driven else UNDRIVEN_LOCK_WAIT_S
+    deadline = time.monotonic() + budget
     paths = {os.path.realpath(workdir): workdir}
     for d in dirs.values():
       if '://' not in d:
         paths.setdefault(os.path.realpath(d), d)
-    for real, d in paths.items():
-      holder = _try_lock(real, wait)
-      if holder is None:
-        locked.append(real)
-        continue
-      if driven and holder.get('job') is not None and holder.get('job') == _job_tag():
-        print(f'mjax: warning: {d} is still locked by an earlier attempt of this job '
-              f'({_describe_holder(holder)}); going on without its lock', file=sys.stderr, flush=True)
-        continue
-      mine = (f'{d} is in use by another run: {_describe_holder(holder)} holds its lock '
-              f'({os.path.join(d, LOCK_FILE)}). Two runs saving there at once would delete and overwrite '
-              f'each other\'s checkpoints. Wait for that run to end or stop it, or give this run another '
-              f'workdir (and checkpoint directories of its own).')
-      break
-  reports = distributed.report_exceptions('ckpt/probe/lock', mine, timeout_s)
+    try:
+      for real, d in paths.items():
+        holder = _try_lock(real, 0.0)
+        same_job = (driven and holder is not None and holder.get('job') is not None
+                    and holder.get('job') == _job_tag())
+        if holder is not None:
+          left = max(0.0, deadline - time.monotonic())
+          holder = _try_lock(real, min(left, SAME_JOB_LOCK_WAIT_S) if same_job else left)
+        if holder is None:
+          locked.append(real)
+          continue
+        if same_job:
+          print(f'mjax: warning: {d} is still locked by an earlier attempt of this job '
+                f'({_describe_holder(holder)}); going on without its lock', file=sys.stderr, flush=True)
+          continue
+        mine = (f'{d} is in use by another run: {_describe_holder(holder)} holds its lock '
+                f'({os.path.join(d, LOCK_FILE)}). Two runs saving there at once would delete and overwrite '
+                f'each other\'s checkpoints. Wait for that run to end or stop it, or give this run another '
+                f'workdir (and checkpoint directories of its own).')
+        break
+    except Exception as e:   # whatever it is, every process hears of it (none waits out the barrier)
+      mine = f'taking the run lock of {workdir!r} failed: {type(e).__name__}: {e}'
+  try:
+    reports = distributed.report_exceptions('ckpt/probe/lock', mine, budget + timeout_s)
+  except BaseException:
+    unlock_run(locked)
+    raise
   if reports:
     unlock_run(locked)
     raise ConfigError(reports[min(reports)])
@@ -1220,7 +1251,7 @@ class Checkpointer:
     self.is_main = jax.process_index() == 0
     self._locked: list[str] = []
     quiet_failed_io_aftermath()
-    dirs = tier_directories(cfg, workdir)
+    dirs = tier_directories(cfg, workdir, strict=True)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
     check_apart(dirs)
@@ -1228,6 +1259,13 @@ class Checkpointer:
     check_writable(dirs)
     check_owner(dirs, workdir)
     self._locked = lock_run(dirs, workdir)
+    try:
+      self._open_tiers(cfg, dirs, host)
+    except BaseException:
+      unlock_run(self._locked)
+      raise
+
+  def _open_tiers(self, cfg: CheckpointConfig, dirs: dict[str, str], host: set) -> None:
     check_shared({name: d for name, d in dirs.items() if name not in host})
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
@@ -1502,8 +1540,13 @@ class Checkpointer:
       for tier in self.tiers:
         tier.manager.close()
     finally:
-      unlock_run(self._locked)
-      self._locked = []
+      self.release_lock()
+
+  def release_lock(self) -> None:
+    """Lets go of the run lock only (a run that failed in this process, which
+    goes on: a notebook, a test), touching nothing of Orbax's."""
+    unlock_run(self._locked)
+    self._locked = []
 
 
 def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: Any) -> Optional[Restored]:

@@ -97,7 +97,12 @@ class Summary:
 
 def run(cfg: Config, workdir: str) -> Summary:
   """Trains `cfg` in `workdir` (resuming from it when it holds checkpoints)."""
-  return Trainer(cfg, workdir).train()
+  trainer = Trainer(cfg, workdir)
+  try:
+    return trainer.train()
+  finally:   # however it ended, the workdir is free for the next run of this process
+    if trainer.ckpt is not None:
+      trainer.ckpt.release_lock()
 
 
 class Trainer:

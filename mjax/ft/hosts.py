@@ -45,7 +45,7 @@ class BlockList:
                         f'It is a JSON list of {{"host", "reason", "time"}} entries that mjax-launch writes; '
                         f'fix it, or delete it to unblock every host.') from None
       if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get('host'), str)
-                                                for e in entries)):
+                                                and 'reason' in e for e in entries)):
         raise UserError(f'{self.path}: expected a JSON list of {{"host": ..., "reason": ..., "time": ...}} '
                         f'entries, found {json.dumps(entries)[:200]}; fix it, or delete it to unblock every host.')
       self.entries = entries
