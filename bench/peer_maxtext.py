@@ -196,13 +196,18 @@ def mjax_bindings(remat: str) -> list[str]:
           '--gin.MeshConfig.data=1']
 
 
+def _mjax_env() -> dict:
+  """This environment for an mjax process of the benchmark: one CPU device, none of the caller's XLA flags."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env['JAX_PLATFORMS'] = 'cpu'
+  return env
+
+
 def run_mjax(steps: int, warmup: int, remat: str, tmp: str, timeout: float) -> dict:
   out = os.path.join(tmp, f'mjax-{time.monotonic_ns()}.json')
   cmd = [sys.executable, os.path.join(ROOT, 'bench', 'train_bench.py'), '--gin_file', 'configs/base.gin',
          '--steps', str(steps), '--warmup', str(warmup), '--name', 'peer', '--json', out, *mjax_bindings(remat)]
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  env['JAX_PLATFORMS'] = 'cpu'
-  p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+  p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_mjax_env(), timeout=timeout)
   if p.returncode:
     raise SystemExit(f'peer_maxtext: mjax run failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}')
   r = json.load(open(out))
@@ -228,9 +233,7 @@ def maxtext_args(base_yml: str, steps: int, remat: str, swiglu: bool, outdir: st
 def measure_peak(timeout: float) -> float:
   """This machine's fp32 matrix-product FLOP/s now, in a fresh process."""
   code = 'from mjax.devices import measure_matmul_flops as m; print(m("float32", seconds=2.0))'
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  env['JAX_PLATFORMS'] = 'cpu'
-  p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, env=env,
+  p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, env=_mjax_env(),
                      timeout=timeout)
   if p.returncode:
     raise SystemExit(f'peer_maxtext: measuring the matrix-product peak failed:\n{p.stderr[-3000:]}')

@@ -259,19 +259,23 @@ def _is_workdir(path: str) -> bool:
   return isinstance(cfg, dict) and {'model', 'checkpoint'} <= cfg.keys()
 
 
+def _ancestors(path: str, below: Optional[str] = None):
+  """`path`'s real path, then each of its parents up to the root (or, with
+  `below`, up to but not including that directory)."""
+  path, stop = os.path.realpath(path), below and os.path.realpath(below)
+  while path != stop:
+    yield path
+    parent = os.path.dirname(path)
+    if parent == path:
+      return
+    path = parent
+
+
 def _enclosing_workdir(directory: str, below: Optional[str] = None) -> Optional[str]:
   """The workdir of the run whose directory holds `directory` (itself or its
   nearest ancestor with an mjax config.json), or None; with `below`, only
   a workdir inside `below`."""
-  path, stop = os.path.realpath(directory), below and os.path.realpath(below)
-  while path != stop:
-    if _is_workdir(path):
-      return path
-    parent = os.path.dirname(path)
-    if parent == path:
-      return None
-    path = parent
-  return None
+  return next((path for path in _ancestors(directory, below) if _is_workdir(path)), None)
 
 
 def owner(directory: str) -> Optional[str]:
@@ -677,8 +681,8 @@ def check_not_inside_a_tier(workdir: str) -> None:
   checkpoint directory (it holds that run's claim, OWNER_FILE): that run's
   clean-up of its old steps would delete this one, and this run's files
   would hide its steps."""
-  me = path = os.path.realpath(workdir)
-  while True:
+  me = os.path.realpath(workdir)
+  for path in _ancestors(workdir):
     claim = _claim(path)
     if claim is not None and os.path.realpath(claim) != me:
       where = 'is' if path == me else f'lies inside {path!r}, which is'
@@ -686,10 +690,6 @@ def check_not_inside_a_tier(workdir: str) -> None:
           f'workdir {workdir!r} {where} the checkpoint directory of the run with workdir {claim!r} '
           f'({os.path.join(path, OWNER_FILE)} says so): that run deletes old steps there and would delete '
           f'this run with them. Give this run a workdir outside it.')
-    parent = os.path.dirname(path)
-    if parent == path:
-      return
-    path = parent
 
 
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
