@@ -21,7 +21,7 @@ import threading
 from typing import Optional, Sequence
 
 from mjax import flags, protocol
-from mjax.errors import UserError
+from mjax.errors import Fault, UserError
 
 
 class Terminated(KeyboardInterrupt):
@@ -104,7 +104,9 @@ def entry_point(prog: str):
   """The one place bad input becomes an exit status: a UserError (config,
   data, distributed set-up, checkpoint path) is printed as one paragraph and
   the process exits 2 (protocol.EXIT_USER_ERROR), which the fault-tolerance
-  driver never restarts. Ctrl-C and SIGTERM end a tool with one line,
+  driver never restarts. A Fault (a peer that never joined, a failed disk)
+  is printed the same way but exits 1, a crash the driver restarts. Ctrl-C
+  and SIGTERM end a tool with one line,
   status 130 or 143, after its clean-ups (mjax-train handles its own)."""
   def wrap(main):
     def handler(signum, frame):
@@ -124,6 +126,9 @@ def entry_point(prog: str):
       except UserError as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_USER_ERROR)
+      except Fault as e:
+        print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
+        sys.exit(protocol.EXIT_FAILED)
       except Terminated:
         print(f'{prog}: terminated', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_TERMINATED)

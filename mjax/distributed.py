@@ -27,6 +27,16 @@ the job has more than one process:
 
 Nothing set, or one process: no initialization, `init_seconds()` is 0.
 
+Joining waits up to MJAX_JOIN_TIMEOUT_S (default 300) for every process.
+jax's own wait ends in an abort that blames "another task" and names no
+address, so the wait is watched here: a process other than 0 first waits
+for the coordinator's port to accept a connection, saying every 30 s what
+it is waiting for and why it fails (a name that does not resolve, a refused
+connection); and every process gives up before jax would, with a paragraph
+that names the coordinator and what to check, and exit status 1 (a crash:
+the fault-tolerance driver restarts the job). A port another program holds
+is named the same way.
+
 jax has a SLURM detector of its own (jax._src.clusters.SlurmCluster); it is
 not called, because when it fills in the job it also restricts every process
 to the one GPU whose index is SLURM_LOCALID, which hides seven of eight GPUs
@@ -55,11 +65,14 @@ import dataclasses
 import os
 import re
 import shlex
+import socket
+import sys
+import threading
 import time
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from mjax import devices
-from mjax.errors import UserError
+from mjax.errors import Fault, UserError
 
 COORDINATOR = 'MJAX_COORDINATOR_ADDRESS'
 NUM_PROCESSES = 'MJAX_NUM_PROCESSES'
@@ -67,6 +80,8 @@ PROCESS_ID = 'MJAX_PROCESS_ID'
 LOCAL_DEVICE_COUNT = 'MJAX_LOCAL_DEVICE_COUNT'
 COORDINATOR_PORT = 'MJAX_COORDINATOR_PORT'
 LAUNCH_TIME = 'MJAX_LAUNCH_TIME'
+JOIN_TIMEOUT = 'MJAX_JOIN_TIMEOUT_S'
+DEFAULT_JOIN_TIMEOUT_S = 300
 DEFAULT_JOBSET_PORT = 1234
 DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -270,7 +285,157 @@ def with_device_count(xla_flags: str, count: int) -> str:
   return ' '.join(kept + [f'{DEVICE_COUNT_FLAG}={count}'])
 
 
-def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int = 300,
+def _split_address(address: str) -> tuple[str, int]:
+  """('host', port) of a checked host:port ('[::1]:1234' -> ('::1', 1234))."""
+  host, _, port = address.rpartition(':')
+  return host.strip('[]'), int(port)
+
+
+def _where(spec: JobSpec) -> str:
+  """Where this process took the coordinator's address from, for messages."""
+  return {'explicit': f'{COORDINATOR}',
+          'slurm': (f'{COORDINATOR}, else the first host of the SLURM node list and the port from '
+                    f'{COORDINATOR_PORT}, JAX_COORDINATOR_PORT or the job id'),
+          'jobset': f'{COORDINATOR}, else the first pod\'s DNS name from JOBSET_NAME'}.get(spec.source, COORDINATOR)
+
+
+def _say(message: str) -> None:
+  print(f'{os.path.basename(sys.argv[0] or "mjax")}: {message}', file=sys.stderr, flush=True)
+
+
+PROGRESS_S = 30.0        # how often a waiting process says what it waits for
+JAX_TIMEOUT_MARGIN_S = 30  # jax's own join deadline, after ours: its expiry aborts the process
+
+
+def wait_for_coordinator(spec: JobSpec, deadline: float, say: Callable[[str], None] = _say) -> None:
+  """Returns once the coordinator's port accepts a TCP connection.
+
+  Args:
+    spec: the job; spec.coordinator_address is the one waited for.
+    deadline: time.monotonic() at which to give up.
+    say: where the progress lines go (every PROGRESS_S seconds).
+  Raises:
+    Fault: the port did not accept a connection by the deadline; the
+      message names the address and the last reason.
+  """
+  host, port = _split_address(spec.coordinator_address)
+  who = f'process {spec.process_id} of {spec.num_processes}'
+  start, last = time.monotonic(), 'not tried'
+  next_note = start + PROGRESS_S
+  while True:
+    left = deadline - time.monotonic()
+    try:
+      with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
+        return
+    except socket.gaierror as e:
+      last = f'the name {host!r} does not resolve: {e.strerror}'
+    except OSError as e:
+      last = (e.strerror or str(e) or type(e).__name__).lower()
+    now = time.monotonic()
+    if now >= deadline:
+      raise Fault(
+          f'{who} could not reach the coordinator at {spec.coordinator_address} within '
+          f'{now - start:.0f} s ({last}). The coordinator is the service process 0 starts when it '
+          f'joins the job: check that process 0 was started and is past its start-up, that '
+          f'{host} is the host it runs on and port {port} is open from this host. The address '
+          f'comes from {_where(spec)}; {JOIN_TIMEOUT} sets how long to wait.')
+    if now >= next_note:
+      say(f'{who}: still waiting for the coordinator at {spec.coordinator_address} ({last}), '
+          f'{now - start:.0f} s of {deadline - start:.0f} s')
+      next_note += PROGRESS_S
+    time.sleep(max(0.0, min(1.0, deadline - now)))
+
+
+def check_port_free(spec: JobSpec) -> None:
+  """Process 0: the coordinator's port can be listened on, as jax's service
+  will (all addresses). Checked beforehand because jaxlib, failing to
+  start its service on a taken port, sometimes crashes the process
+  (SIGSEGV) instead of raising.
+
+  Raises:
+    Fault: another program listens on the port.
+  """
+  _, port = _split_address(spec.coordinator_address)
+  family, anywhere = (socket.AF_INET6, '::') if socket.has_ipv6 else (socket.AF_INET, '0.0.0.0')
+  try:
+    probe = socket.socket(family, socket.SOCK_STREAM)
+  except OSError:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    anywhere = '0.0.0.0'
+  # SO_REUSEADDR as gRPC sets it: a port left in TIME_WAIT by an earlier
+  # run's coordinator is free to it, one with a listener is not.
+  probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    probe.bind((anywhere, port))
+    probe.listen()
+  except OSError as e:
+    raise Fault(
+        f'process 0 of {spec.num_processes} cannot start the coordinator at '
+        f'{spec.coordinator_address}: port {port} cannot be listened on here '
+        f'({(e.strerror or str(e)).lower()}; another job, or a process of an earlier run still '
+        f'running?). Choose another port ({_where(spec)}) or stop what holds it (e.g. '
+        f'`ss -ltnp | grep :{port}`).') from None
+  finally:
+    probe.close()
+
+
+class _JoinWatch:
+  """Watches jax.distributed.initialize from a thread: says every
+  PROGRESS_S seconds what the process waits for, and at the deadline
+  prints why it gives up and ends the process with status 1, before jax's
+  own deadline aborts it without naming the coordinator."""
+
+  def __init__(self, spec: JobSpec, seconds: float, say: Callable[[str], None] = _say):
+    self.spec, self.seconds, self.say = spec, seconds, say
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name='mjax-join-watch', daemon=True)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._done.set()
+    self._thread.join()
+
+  def _watch(self) -> None:
+    spec, start = self.spec, time.monotonic()
+    who = f'process {spec.process_id} of {spec.num_processes}'
+    others = 'the other processes' if spec.process_id == 0 else 'every process'
+    while not self._done.wait(min(PROGRESS_S, max(0.0, start + self.seconds - time.monotonic()))):
+      waited = time.monotonic() - start
+      if waited < self.seconds:
+        self.say(f'{who}: waiting for {others} to join the job at the coordinator '
+                 f'{spec.coordinator_address}, {waited:.0f} s of {self.seconds:.0f} s')
+        continue
+      self.say(
+          f'error: {who}: the job did not form within {waited:.0f} s: not all '
+          f'{spec.num_processes} processes joined at the coordinator {spec.coordinator_address} '
+          f'(jax does not say which are missing). Look at the other processes\' output for one '
+          f'that failed or is still starting, and check that every process was given the same '
+          f'coordinator address ({_where(spec)}) and {NUM_PROCESSES}={spec.num_processes}. '
+          f'{JOIN_TIMEOUT} sets how long to wait.')
+      os._exit(1)   # protocol.EXIT_FAILED; the main thread is inside jax's wait
+
+
+def _join_timeout(env: Mapping[str, str], timeout_s: Optional[float]) -> float:
+  if timeout_s is not None:
+    return float(timeout_s)
+  if not env.get(JOIN_TIMEOUT):
+    return float(DEFAULT_JOIN_TIMEOUT_S)
+  raw = env[JOIN_TIMEOUT]
+  try:
+    value = float(raw)
+  except ValueError:
+    value = -1.0
+  if not value > 0 or value != value or value == float('inf'):
+    raise DistributedError(f'{JOIN_TIMEOUT}={raw!r} is not a number of seconds; it should be how '
+                           f'long a process waits for the whole job to join, > 0 (default '
+                           f'{DEFAULT_JOIN_TIMEOUT_S}).')
+  return value
+
+
+def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Optional[float] = None,
                         peer_timeout_s: Optional[float] = None) -> dict:
   """Joins the multi-process job the environment describes, if any.
 
@@ -280,7 +445,8 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
   Args:
     env: the variables to read (default: os.environ). MJAX_LOCAL_DEVICE_COUNT
       is written into os.environ['XLA_FLAGS'] either way.
-    timeout_s: how long to wait for every process to reach the coordinator.
+    timeout_s: how long to wait for every process to reach the coordinator
+      (default: MJAX_JOIN_TIMEOUT_S, else 300 s).
     peer_timeout_s: after how long without a heartbeat from a peer jax's
       coordination service aborts every process (its own default: 100 s).
       The trainer passes FaultConfig.collective_timeout_s, the outermost
@@ -293,9 +459,12 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
   Raises:
     DistributedError: the environment is inconsistent, or the backend has
       already started.
+    Fault: the coordinator could not be reached, or its port is taken. Not
+      joining in time ends the process (see the module docstring).
   """
   global _INIT_SECONDS
   spec = resolve(env)
+  timeout_s = _join_timeout(os.environ if env is None else env, timeout_s)
   out = {**dataclasses.asdict(spec), 'initialized': False, 'seconds': 0.0}
   import jax
   if spec.local_device_count is not None:
@@ -319,14 +488,22 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: int 
     # its first all-reduce; this setting is ignored by GPU backends.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   t0 = time.perf_counter()
-  # 'deactivate': every value is decided above; jax's detectors would
-  # otherwise fill in local_device_ids from SLURM_LOCALID (see the docstring).
-  jax.distributed.initialize(
-      coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
-      process_id=spec.process_id,
-      local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-      cluster_detection_method='deactivate', initialization_timeout=timeout_s,
-      **({'heartbeat_timeout_seconds': max(1, int(peer_timeout_s))} if peer_timeout_s else {}))
+  deadline = time.monotonic() + timeout_s
+  if spec.process_id == 0:
+    check_port_free(spec)
+  else:
+    wait_for_coordinator(spec, deadline)
+  left = max(1.0, deadline - time.monotonic())
+  with _JoinWatch(spec, left):
+    # 'deactivate': every value is decided above; jax's detectors would
+    # otherwise fill in local_device_ids from SLURM_LOCALID (see the docstring).
+    jax.distributed.initialize(
+        coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
+        process_id=spec.process_id,
+        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+        cluster_detection_method='deactivate',
+        initialization_timeout=int(left) + JAX_TIMEOUT_MARGIN_S,
+        **({'heartbeat_timeout_seconds': max(1, int(peer_timeout_s))} if peer_timeout_s else {}))
   _INIT_SECONDS = time.perf_counter() - t0
   out.update(initialized=True, seconds=_INIT_SECONDS)
   return out

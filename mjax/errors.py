@@ -7,6 +7,11 @@ entry point turns it into one paragraph on stderr and exit status 2
 driver never restarts a job that exited with it. Anything else that escapes
 is a crash, which the driver does restart.
 
+A `Fault` is a crash whose cause is known and is not the input's: a peer
+process that never joined, a port another program holds, a disk that
+failed or filled up. It is printed as one paragraph too, but exits 1
+(`EXIT_FAILED`), so the driver restarts the job as after any crash.
+
 This module imports nothing from mjax: every layer may raise these.
 """
 
@@ -15,6 +20,11 @@ import argparse
 
 class UserError(ValueError):
   """Bad input; the message names the bad value and what is allowed."""
+
+
+class Fault(RuntimeError):
+  """A known failure of the machine or the job around the process; the
+  message says what failed, where, and what to check. A restart may cure it."""
 
 
 class RefusingParser(argparse.ArgumentParser):

@@ -6,7 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
+import socket
 import tempfile
+import threading
+import time
 import types
 
 import jax
@@ -146,6 +149,7 @@ def test_peers_are_given_up_on_after_the_collective_timeout(monkeypatch):
   monkeypatch.setattr(D, '_INIT_SECONDS', 0.0)    # restored afterwards: this job is pretend
   monkeypatch.setattr(jax.distributed, 'is_initialized', lambda: False)
   monkeypatch.setattr(jax.distributed, 'initialize', lambda **kw: seen.update(kw))
+  monkeypatch.setattr(D, 'wait_for_coordinator', lambda spec, deadline: None)
   monkeypatch.setenv('JAX_CPU_COLLECTIVES_IMPLEMENTATION', 'gloo')   # leave jax's config alone
   env = {'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2', 'MJAX_PROCESS_ID': '1'}
   out = D.initialize_from_env(env, peer_timeout_s=180.0)
@@ -154,6 +158,57 @@ def test_peers_are_given_up_on_after_the_collective_timeout(monkeypatch):
   seen.clear()
   D.initialize_from_env(env)
   assert 'heartbeat_timeout_seconds' not in seen      # jax's default
+
+
+def test_a_coordinator_that_does_not_answer_is_named_and_one_that_comes_late_is_joined(monkeypatch):
+  monkeypatch.setattr(D, 'PROGRESS_S', 0.4)
+  port = launch.free_port()
+  spec = D.JobSpec('explicit', 2, 1, f'127.0.0.1:{port}')
+  said = []
+  with pytest.raises(D.Fault) as e:
+    D.wait_for_coordinator(spec, time.monotonic() + 1.5, say=said.append)
+  assert f'process 1 of 2 could not reach the coordinator at 127.0.0.1:{port}' in str(e.value)
+  assert 'connection refused' in str(e.value) and 'MJAX_JOIN_TIMEOUT_S' in str(e.value)
+  assert said and all(f'still waiting for the coordinator at 127.0.0.1:{port} (connection refused)' in s
+                      for s in said)
+  # Process 0 starting late: the wait ends as soon as the port answers.
+  server = socket.socket()
+  threading.Timer(0.8, lambda: (server.bind(('127.0.0.1', port)), server.listen())).start()
+  try:
+    t0 = time.monotonic()
+    D.wait_for_coordinator(spec, t0 + 30, say=said.append)
+    assert time.monotonic() - t0 < 10
+  finally:
+    server.close()
+
+
+def test_a_job_that_does_not_form_and_a_taken_port_end_with_a_paragraph_and_status_1(repo_root, tmp_path):
+  """jax would abort after its own deadline, blaming "another task" and
+  naming no address; exit status 1 is a crash, which the driver restarts."""
+  holder = socket.socket()
+  holder.bind(('0.0.0.0', 0))
+  holder.listen()
+  taken = holder.getsockname()[1]
+  try:
+    for port, expect in ((launch.free_port(), 'the job did not form within'),
+                         (taken, f'port {taken} cannot be listened on here')):
+      env = {**os.environ, 'MJAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'MJAX_NUM_PROCESSES': '2',
+             'MJAX_PROCESS_ID': '0', 'MJAX_JOIN_TIMEOUT_S': '3'}
+      proc = subprocess.run([os.path.join(BIN, 'mjax-train'), '--gin_file', 'configs/tiny.gin',
+                             '--workdir', str(tmp_path / 'run')],
+                            env=env, cwd=repo_root, capture_output=True, text=True, timeout=120)
+      assert proc.returncode == 1, proc.stderr[-2000:]
+      assert f'mjax-train: error: process 0 of 2' in proc.stderr and expect in proc.stderr, proc.stderr[-2000:]
+      assert f'127.0.0.1:{port}' in proc.stderr and 'Traceback' not in proc.stderr
+      assert 'Check failure' not in proc.stderr
+  finally:
+    holder.close()
+
+
+def test_a_bad_join_timeout_is_named():
+  with pytest.raises(D.DistributedError, match=r"MJAX_JOIN_TIMEOUT_S='soon' is not a number of seconds"):
+    D.initialize_from_env({'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
+                           'MJAX_PROCESS_ID': '1', 'MJAX_JOIN_TIMEOUT_S': 'soon'})
 
 
 def test_mjax_train_rejects_a_bad_env(repo_root):
