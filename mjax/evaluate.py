@@ -375,7 +375,7 @@ def _whole_heldout_batches(cfg: Config, n: int) -> int:
   token counted twice would bias the mean this reports as exact."""
   gbs = cfg.train.global_batch_size
   whole = data_lib.whole_heldout_batches(cfg.data, gbs)
-  if n > whole:
+  if n > whole > 0:   # none at all: make_eval_batches says what is missing
     say(f'{PROG}: the held-out split holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '
         f'evaluating those, not the {n} asked for (beyond them its windows repeat).')
     return whole

@@ -175,6 +175,7 @@ class Trainer:
       self.step_fn = self.program.step.lower(self.program.abstract_state(),
                                              self.program.abstract_batch()).compile()
     self.compile_s = time.perf_counter() - t0
+    self._check_step_fits(devices)
     # Every process waits here for the slowest compile (one that missed the
     # compilation cache), so none sits in the first step's collectives long
     # enough for gloo's or NCCL's own timeout; the coordination service's wait
@@ -199,7 +200,7 @@ class Trainer:
     cfg = self.cfg
     want = cfg.train.eval_batches
     whole = data_lib.whole_heldout_batches(cfg.data, cfg.train.global_batch_size)
-    if want > whole:
+    if want > whole > 0:   # none at all: make_eval_batches says what is missing
       self.say(f'mjax: warning: the held-out split holds {whole} whole batch(es) of '
                f'{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens; eval_loss is taken on those, '
                f'not on TrainConfig.eval_batches = {want} (beyond them its windows repeat). A larger '
@@ -361,6 +362,35 @@ class Trainer:
           f'more than the {have / 2**30:,.1f} GiB each device has ({source}): use more devices or shard '
           f'more (MeshConfig.fsdp, tensor, pipeline), or a smaller model; `mjax-train --print_config` '
           f'estimates the memory of a layout without starting it.')
+
+  def _check_step_fits(self, devices: list) -> None:
+    """Refuses a compiled step that cannot fit the devices, before its first
+    run: XLA's buffer assignment knows the step's footprint (train state,
+    batch, activations and temporaries) exactly, and a step over the
+    device's memory would otherwise die in its first run with an
+    allocator's traceback (a sequence length too long, a batch too large).
+    Agreed by all processes, so none waits for one that refused."""
+    from mjax.parallel.comm_report import memory_stats
+    stats = memory_stats(self.step_fn)
+    have, source = memory_per_device(devices)
+    mine = None
+    if stats and have and stats['total'] > have:
+      cfg = self.cfg
+      state = stats['argument_size_in_bytes'] + stats['output_size_in_bytes'] - stats['alias_size_in_bytes']
+      mine = (
+          f'the train step needs {_size(stats["total"])} per device ({_size(state)} of train state and '
+          f'batch, {_size(stats["temp_size_in_bytes"])} of activations and temporaries, from XLA\'s '
+          f'buffer assignment of the compiled step), more than the {_size(have)} each device has '
+          f'({source}). Lower DataConfig.seq_len '
+          f'({cfg.data.seq_len}) or TrainConfig.global_batch_size ({cfg.train.global_batch_size}), take '
+          f'the batch in more slices (TrainConfig.grad_accum_steps = {cfg.train.grad_accum_steps}), '
+          f'recompute more in the backward pass (ModelConfig.remat_policy = \'{cfg.model.remat_policy}\'; '
+          f'\'full\' keeps least), or shard over more devices (MeshConfig); `mjax-train --print_config` '
+          f'estimates the memory of a layout without starting it.')
+    refused = distributed.report_exceptions('compiled/fits', mine, self.cfg.fault.collective_timeout_s)
+    if refused:
+      process, message = min(refused.items())
+      raise ConfigError(message if jax.process_count() == 1 else f'process {process}: {message}')
 
   def _train_iterator(self, data_state: Optional[dict], share: int, shares: int):
     cfg = self.cfg
@@ -616,6 +646,10 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
   verdict = distributed.broadcast_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)
   if verdict:
     raise ConfigError(verdict)
+
+
+def _size(nbytes: float) -> str:
+  return f'{nbytes / 2**30:,.1f} GiB' if nbytes >= 2**30 else f'{nbytes / 2**20:,.1f} MiB'
 
 
 def _check_same_data(fingerprint: dict) -> None:

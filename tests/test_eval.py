@@ -148,6 +148,14 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
   assert evaluate._whole_heldout_batches(cfg, 10**6) == whole
   assert f'holds {whole} whole batch(es)' in capsys.readouterr().err and whole > 2
   assert evaluate._whole_heldout_batches(cfg, 2) == 2
+  # Not even one batch: no claim that the split "holds 1 whole batch", but
+  # the error that says what one batch needs.
+  seq = windows * cfg.data.seq_len // cfg.train.global_batch_size * 2
+  short = C.load_config(['tiny.gin'], SMALL + [f'DataConfig.seq_len = {seq}'], num_devices=8)
+  assert data_lib.whole_heldout_batches(short.data, short.train.global_batch_size) == 0
+  assert evaluate._whole_heldout_batches(short, 4) == 4 and 'whole batch' not in capsys.readouterr().err
+  with pytest.raises(data_lib.DataError, match=f'but one global batch of 16 x seq_len {seq} needs'):
+    list(data_lib.make_eval_batches(short.data, 16, 4))
 
 
 def test_eval_loss_weights_each_batch_by_its_counted_tokens():

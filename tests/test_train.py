@@ -212,6 +212,22 @@ def test_a_train_state_that_cannot_fit_is_refused_before_anything_is_allocated(t
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints' / '0')
 
 
+def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch):
+  # A sequence far too long for the device used to pass start-up and die in
+  # the first step with the allocator's traceback; XLA's buffer assignment of
+  # the compiled step says so before it runs. Devices of 64 MiB: the train
+  # state fits, the activations of 2 x 2048 tokens per device do not.
+  from mjax.config import ConfigError
+  monkeypatch.setattr(trainer, 'memory_per_device', lambda devices: (64 * 2**20, 'a 64 MiB test device'))
+  cfg = _small('DataConfig.seq_len = 2048', 'TrainConfig.steps = 2', 'TrainConfig.eval_every = 0',
+               'CheckpointConfig.save_every = 1')
+  with pytest.raises(ConfigError, match=r'the train step needs [\d.]+ (GiB|MiB) per device .* activations and '
+                                        r'temporaries.* more than the 64.0 MiB each device has \(a 64 MiB test '
+                                        r'device\)\. Lower DataConfig.seq_len \(2048\)'):
+    trainer.run(cfg, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints' / '1')
+
+
 def test_processes_that_see_different_data_stop_at_start(monkeypatch):
   # Each process builds the whole order and reads its rows of it: a host
   # that sees other files would mix rows of another order into every batch.

@@ -317,10 +317,11 @@ def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int,
 
 
 def whole_heldout_batches(cfg: DataConfig, global_batch_size: int) -> int:
-  """How many whole global batches the held-out split holds (at least 1):
-  past them `make_eval_batches` wraps around and its windows repeat, and a
-  token counted twice biases a mean loss. A mixture takes each source's
-  share of a batch, so its smallest source, for its share, sets the count."""
+  """How many whole global batches the held-out split holds: past them
+  `make_eval_batches` wraps around and its windows repeat, and a token
+  counted twice biases a mean loss. A mixture takes each source's share of
+  a batch, so its smallest source, for its share, sets the count. 0: not
+  even one, which `make_eval_batches` refuses with the numbers."""
   info = describe(cfg)
   if 'mixture' in info:
     total = sum(s['weight'] for s in info['mixture'])
@@ -328,7 +329,7 @@ def whole_heldout_batches(cfg: DataConfig, global_batch_size: int) -> int:
                 for s in info['mixture'])
   else:
     whole = info['heldout_windows'] // global_batch_size
-  return max(1, int(whole))
+  return int(whole)
 
 
 def _describe_source(src: TokenSource, seq_len: int) -> dict[str, Any]:
