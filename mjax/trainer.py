@@ -32,6 +32,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -236,13 +237,27 @@ class Trainer:
     meta = {'config': config_lib.to_dict(cfg)}
     try:
       return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
-    except NonFiniteLoss:
-      # The saves still being written hold finite states (each was checked
-      # before it began): the newest of them is where the driver rolls back
-      # to, so it must be complete before the process exits.
-      if self.ckpt is not None:
-        self.ckpt.close()
+    except Exception:
+      # A NaN loss, a data file gone bad, any crash of the loop: the saves
+      # still being written hold states that were good when they began (each
+      # was checked finite first), and the newest of them is where a restart
+      # or the driver's rollback resumes, so it is completed before the error
+      # leaves. Cut off by the interpreter's exit instead, it was lost, and
+      # Orbax's writer threads printed their tracebacks over the error.
+      self._finish_saves()
       raise
+
+  def _finish_saves(self) -> None:
+    """Completes the saves in flight after the loop failed; a save that
+    fails too is reported, and the loop's error is the one that leaves."""
+    if self.ckpt is None:
+      return
+    try:
+      self.ckpt.close()
+    except Exception as e:   # the save itself may be what failed
+      print(f'mjax: warning: a checkpoint save in flight did not complete: {type(e).__name__}: '
+            f'{str(e).splitlines()[0] if str(e) else ""}; the last committed checkpoint is kept',
+            file=sys.stderr, flush=True)
 
   def _loop(self, timer: PhaseTimer, injector: Optional[Injector], heartbeat: Optional[HeartbeatClient],
             reporter: 'StepReporter', profiler: 'StepProfiler', sampler: DeviceSampler, meta: dict) -> Summary:

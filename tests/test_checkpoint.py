@@ -252,6 +252,23 @@ def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_pat
   assert sorted(n for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == ['2']
 
 
+def test_a_crash_with_a_save_in_flight_completes_the_save_and_says_only_its_error(tmp_path, repo_root):
+  # A data file gone bad right after an async save began: the process used to
+  # exit with the save half-written (the step lost, its temporary directory
+  # left) and Orbax's writer threads, cut off by the interpreter's exit,
+  # printing ~130 lines of tracebacks after the error.
+  cmd, env = mjax_train(tmp_path, '--gin.TrainConfig.steps=8', '--gin.CheckpointConfig.save_every=4')
+  run = subprocess.run(cmd, env={**env, 'MJAX_FAULT': 'raise:step=5'}, cwd=repo_root, capture_output=True,
+                       text=True, timeout=600)
+  assert run.returncode == 1, run.stderr[-3000:]
+  assert 'injected error before step 5' in run.stderr
+  assert 'ERROR:absl' not in run.stderr and 'cannot schedule new futures' not in run.stderr, run.stderr[-3000:]
+  assert [n for n in sorted(os.listdir(tmp_path / 'checkpoints')) if not n.startswith('.')] == ['4']
+  ck = Checkpointer(cfg8().checkpoint, str(tmp_path))
+  assert [s for s, _ in ck.steps()] == [4]
+  ck.close()
+
+
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_root):
   cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}')

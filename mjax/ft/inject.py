@@ -13,6 +13,8 @@
                                             loss finite (a gradient that overflowed)
     MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
     MJAX_FAULT="term:step=5"                SIGTERM itself before step 5 (a pre-emption, on cue)
+    MJAX_FAULT="raise:step=5"               raise an exception before step 5 (a crash in Python:
+                                            a data file gone bad), with a save perhaps in flight
 
 Several faults are separated by ';'. `process` defaults to every process.
 A fault fires in the first attempt only, unless `attempt=N` names another
@@ -33,7 +35,11 @@ from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'exit', 'term')
+KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'exit', 'term', 'raise')
+
+
+class InjectedError(RuntimeError):
+  """The 'raise' fault: a crash of the training loop's own code."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +111,8 @@ class Injector:
         os._exit(f.code)
       if f.kind == 'term' and step == f.step:
         signal.raise_signal(signal.SIGTERM)
+      if f.kind == 'raise' and step == f.step:
+        raise InjectedError(f'injected error before step {step} ({protocol.INJECT_ENV})')
       if f.kind == 'hang' and step == f.step:
         while True:  # a stuck collective: alive, heartbeating, no progress
           time.sleep(3600)
