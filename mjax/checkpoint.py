@@ -228,7 +228,7 @@ def tier_directories(cfg: CheckpointConfig, workdir: str, strict: bool = False) 
       # The real path: a workdir spelled through a link is the same run. A
       # tier named after the path as spelled (before the real path was
       # used) is still this run's.
-      named = lambda path: os.path.join('/dev/shm', 'mjax', hashlib.sha1(path.encode()).hexdigest()[:12])
+      named = lambda path: os.path.join('/dev/shm', 'mjax', hashlib.sha1(path.encode('utf-8', 'surrogateescape')).hexdigest()[:12])
       fast, spelled = named(os.path.realpath(workdir)), named(os.path.abspath(workdir))
       if spelled != fast and os.path.isdir(spelled) and not os.path.isdir(fast):
         fast = spelled

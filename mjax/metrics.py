@@ -97,9 +97,17 @@ def _wandb_run(workdir: str, project: str, config: Optional[dict]):
   import hashlib
   import wandb
   path = os.path.abspath(workdir)
-  run = wandb.init(project=project, dir=path, name=os.path.basename(path.rstrip('/')),
-                   id='mjax-' + hashlib.sha256(path.encode()).hexdigest()[:16], resume='allow',
-                   config=config or {})
+  try:
+    run = wandb.init(project=project, dir=path, name=os.path.basename(path.rstrip('/')),
+                     id='mjax-' + hashlib.sha256(path.encode()).hexdigest()[:16], resume='allow',
+                     config=config or {})
+  except wandb.errors.UsageError as e:   # no API key on this machine, a bad setting
+    from mjax.errors import UserError
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise UserError(
+        f'TrainConfig.wandb_project = {project!r}: Weights & Biases would not start a run: {said} '
+        f'Log in on this machine (`wandb login`, or set WANDB_API_KEY), set WANDB_MODE=offline to '
+        f'keep the run on disk (`wandb sync` uploads it later), or leave wandb_project unset.') from None
   run.define_metric('step')
   run.define_metric('*', step_metric='step')
   return run

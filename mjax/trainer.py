@@ -647,6 +647,9 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
   """Process 0 checks the workdir (writable; no checkpoints of another model)
   and every process raises the same ConfigError, so none is left waiting in
   the next collective."""
+  _check_utf8(workdir, '--workdir')
+  for tier, directory in checkpoint_lib.tier_directories(cfg.checkpoint, workdir).items():
+    _check_utf8(directory, f'the {tier} checkpoint directory')
   verdict = ''
   if is_main:
     problem = checkpoint_lib.write_problem(workdir)
@@ -661,6 +664,19 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
   verdict = distributed.broadcast_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)
   if verdict:
     raise ConfigError(verdict)
+
+
+def _check_utf8(path: str, what: str) -> None:
+  """Refuses a path with bytes that are not UTF-8 (Python carries them as
+  surrogates): TensorStore, which writes the checkpoints, takes UTF-8 paths
+  only, and the first save would fail deep in Orbax after training began."""
+  try:
+    path.encode('utf-8')
+  except UnicodeEncodeError:
+    shown = path.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')
+    raise ConfigError(
+        f"{what} '{shown}' has bytes that are not UTF-8 in its name; the checkpoint writer "
+        f'(TensorStore) takes UTF-8 paths only. Rename the directory, or give another path.') from None
 
 
 def _size(nbytes: float) -> str:

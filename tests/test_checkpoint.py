@@ -299,6 +299,19 @@ def _tmpfs(path, options):
   return path if ok else None
 
 
+def test_a_path_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+  # TensorStore takes UTF-8 paths only: such a workdir trained, then every
+  # save failed inside Orbax with ~800 lines of pybind11 cast errors.
+  bad = os.fsdecode(os.fsencode(str(tmp_path)) + b'/run-\xff')
+  with pytest.raises(C.ConfigError, match=r"--workdir '.*/run-\\xff' has bytes that are not UTF-8"):
+    trainer.run(cfg8('TrainConfig.steps = 1'), bad)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.setenv('MJAX_TEST_CKPT', bad)   # through a variable: gin itself refuses such text
+  with pytest.raises(C.ConfigError, match=r"the persistent checkpoint directory '.*/run-\\xff/ck' has bytes"):
+    trainer.run(cfg8('TrainConfig.steps = 1', 'CheckpointConfig.directory = "$MJAX_TEST_CKPT/ck"'),
+                str(tmp_path / 'ok'))
+
+
 @pytest.mark.parametrize('options, reason', [('size=256k', 'ENOSPC'), ('ro,size=1m', 'EROFS')],
                          ids=['full', 'read-only'])
 def test_a_full_or_read_only_checkpoint_filesystem_is_refused_before_compiling(tmp_path, options, reason):

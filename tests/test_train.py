@@ -184,6 +184,23 @@ def test_weights_and_biases_offline_run_gets_the_metrics_and_config(tmp_path, mo
   assert b'd_model' in record and b'sliding_window' in record   # the resolved config travels with the run
 
 
+def test_weights_and_biases_without_a_login_is_refused_by_name(tmp_path, monkeypatch):
+  # wandb's own UsageError, with its traceback, exit 1 (which the driver
+  # restarts, to fail the same way): now one paragraph saying what to do.
+  pytest.importorskip('wandb')
+  from mjax.errors import UserError
+  from mjax.metrics import _wandb_run
+  for var in ('WANDB_MODE', 'WANDB_API_KEY', 'WANDB_DISABLED'):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv('HOME', str(tmp_path))                  # no ~/.netrc, no saved settings
+  monkeypatch.setenv('WANDB_CONFIG_DIR', str(tmp_path / 'cfg'))
+  monkeypatch.setenv('NETRC', str(tmp_path / 'no-netrc'))
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  with pytest.raises(UserError, match=r"TrainConfig.wandb_project = 'p': Weights & Biases would not start a "
+                                      r"run: .*wandb login.*WANDB_MODE=offline"):
+    _wandb_run(str(tmp_path / 'run'), 'p', {})
+
+
 def _wandb_id(workdir):
   import hashlib
   return 'mjax-' + hashlib.sha256(os.path.abspath(str(workdir)).encode()).hexdigest()[:16]
