@@ -226,7 +226,8 @@ def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:
   from mjax import config as config_lib
   from mjax.model.flops import report
   from mjax.parallel.memory import estimate_memory, format_estimate
-  n = jax.device_count()
+  from mjax.devices import start_backend
+  n = start_backend()
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=n)
   mesh = dict(zip(cfg.mesh.AXES, (i * j for i, j in zip(config_lib.resolve_mesh_shape(cfg.mesh, n),
                                                           cfg.mesh.dcn_shape()))))

@@ -122,6 +122,31 @@ def memory_stats(device: Any) -> dict:
     return {}
 
 
+def start_backend() -> int:
+  """Starts this process's JAX backend; the number of devices of the job.
+
+  Raises:
+    UserError: JAX_PLATFORMS names a platform that cannot start here (jax
+      says "Unable to initialize backend", or, for a CUDA plugin without a
+      GPU, fails an assertion with no message).
+    Fault: no platform was asked for and none could start.
+  """
+  import jax
+  try:
+    return jax.device_count()
+  except (RuntimeError, AssertionError) as e:
+    from mjax.errors import Fault, UserError
+    said = str(e).split(" (set JAX_PLATFORMS='' to")[0].strip().rstrip('.')
+    asked = os.environ.get('JAX_PLATFORMS', '').strip()
+    if asked:
+      raise UserError(
+          f'JAX_PLATFORMS={asked!r}: ' + (said or f'no backend of that platform could start') +
+          '. Name a platform this machine has (cpu; cuda needs a GPU, its driver and jax with its '
+          'CUDA plugin, `pip install mjax[cuda12]`), or unset JAX_PLATFORMS to take the best one '
+          'found.') from None
+    raise Fault(f'the JAX backend could not start: {said or type(e).__name__}') from None
+
+
 def backend_started() -> bool:
   """Whether this process's JAX backend has started (it reads XLA_FLAGS then,
   once). Imports nothing: JAX not yet imported means not started."""

@@ -107,5 +107,5 @@ def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
     apply_xla_flags(early)
   if join:
     join_job(early)
-  import jax
-  return load(files, bindings, num_devices=jax.device_count())
+  from mjax.devices import start_backend
+  return load(files, bindings, num_devices=start_backend())

@@ -211,6 +211,17 @@ def test_a_bad_join_timeout_is_named():
                            'MJAX_PROCESS_ID': '1', 'MJAX_JOIN_TIMEOUT_S': 'soon'})
 
 
+def test_a_platform_that_cannot_start_is_named(repo_root):
+  # jax's RuntimeError (or, for a CUDA plugin without a GPU, an assertion
+  # with no message) and its traceback, exit 1: now one paragraph, exit 2.
+  env = {**os.environ, 'JAX_PLATFORMS': 'nosuchplatform'}
+  proc = subprocess.run([os.path.join(BIN, 'mjax-train'), '--gin_file', 'configs/tiny.gin', '--print_config'],
+                        env=env, cwd=repo_root, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "mjax-train: error: JAX_PLATFORMS='nosuchplatform': Unable to initialize backend" in proc.stderr
+  assert 'unset JAX_PLATFORMS' in proc.stderr and 'Traceback' not in proc.stderr
+
+
 def test_mjax_train_rejects_a_bad_env(repo_root):
   env = {**os.environ, 'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
          'MJAX_PROCESS_ID': '2'}
