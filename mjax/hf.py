@@ -253,6 +253,7 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
   into place at the end, so an interrupted export leaves no half model.
   Returns the config.json written.
   """
+  from safetensors import SafetensorError  # noqa: PLC0415
   from safetensors.numpy import save_file  # noqa: PLC0415
   from mjax.data import load_tokenizer  # noqa: PLC0415
   m = cfg.model
@@ -283,9 +284,10 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
     if os.path.isdir(out):
       os.rmdir(out)
     os.rename(tmp, out)
-  except OSError as e:
+  except (OSError, SafetensorError) as e:   # safetensors wraps the OSError: "I/O error: No space left..."
     shutil.rmtree(tmp, ignore_errors=True)
-    raise UserError(f'{out!r}: the export could not be written ({e.strerror or e}); nothing is left of it, '
+    said = getattr(e, 'strerror', None) or str(e).replace('Error while serializing: ', '')
+    raise UserError(f'{out!r}: the export could not be written ({said}); nothing is left of it, '
                     'and nothing there was changed.') from None
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -114,6 +114,18 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
     export.export_hf(params, cfg, str(tmp_path / 'out'))
   assert os.listdir(tmp_path) == []
   monkeypatch.undo()
+  # A full disk as safetensors says it (its own error class, not OSError).
+  import safetensors.numpy
+
+  def full(*_, **__):
+    raise safetensors.SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+  monkeypatch.setattr(safetensors.numpy, 'save_file', full)
+  with pytest.raises(UserError, match=r'could not be written \(I/O error: No space left on device \(os error '
+                                      r'28\)\); nothing is left of it'):
+    export.export_hf(params, cfg, str(tmp_path / 'out'))
+  assert os.listdir(tmp_path) == []
+  monkeypatch.undo()
   (tmp_path / 'busy').mkdir()
   (tmp_path / 'busy' / 'keep.txt').write_text('mine')
   with pytest.raises(UserError, match='not an empty directory'):
