@@ -375,3 +375,27 @@ def test_a_position_names_its_data_and_says_when_the_data_changed(tmp_path):
   corpus._load.cache_clear()
   note = data.restore_position(data.make_train_iterator(src_cfg16, 8), state, 8, 16)
   assert note.startswith('seq_len changed from 32 to 16'), note
+
+
+def test_a_data_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
+  # A failing disk (EIO) or a file gone between listing and reading: the
+  # file's name and the reason, not a bare OSError and its traceback.
+  (tmp_path / 'a.txt').write_text('hello')
+  (tmp_path / 'b.jsonl').write_text('"x"\n')
+  real_open = open
+
+  def failing(path, *a, **k):
+    if str(path).endswith(('a.txt', 'b.jsonl')):
+      raise OSError(5, 'Input/output error')
+    return real_open(path, *a, **k)
+
+  monkeypatch.setattr('builtins.open', failing)
+  for read in (lambda: corpus_lib.read_documents(str(tmp_path), ['a.txt']),
+               lambda: list(corpus_lib.iter_documents(str(tmp_path), ['a.txt'])),
+               lambda: list(corpus_lib.iter_documents(str(tmp_path), ['b.jsonl'], names_only=True))):
+    with pytest.raises(data.DataError, match=r'/(a\.txt|b\.jsonl): reading the data file failed \(Input/output '
+                                             r'error\)'):
+      read()
+  monkeypatch.undo()
+  with pytest.raises(data.DataError, match=r'/gone\.txt: reading the data file failed \(No such file'):
+    corpus_lib.read_documents(str(tmp_path), ['gone.txt'])

@@ -160,8 +160,24 @@ def _jsonl_lines(path: str) -> list[bytes]:
 @functools.lru_cache(maxsize=1)
 def _jsonl_lines_cached(path: str, mtime_ns: int, size: int) -> list[bytes]:
   del mtime_ns, size   # cache key only: a changed file is read again
-  with open(path, 'rb') as fh:
-    return fh.read().split(b'\n')
+  return _read_file(path).split(b'\n')
+
+
+def _read_file(path: str) -> bytes:
+  """A data file's bytes; a file that cannot be read is named."""
+  try:
+    with open(path, 'rb') as fh:
+      return fh.read()
+  except OSError as e:
+    raise _unreadable(path, e) from None
+
+
+def _unreadable(path: str, e: OSError) -> DataError:
+  # EIO from a failing disk, ESTALE from NFS, EACCES: name the file, not a
+  # bare OSError and its traceback.
+  return DataError(f'{path}: reading the data file failed ({e.strerror or e}); make it readable (or '
+                   'leave it out with DataConfig.file_pattern), or check the storage it is on, then '
+                   'start again.')
 
 
 def expand_jsonl(root: str, rel_paths: list[str]) -> list[str]:
@@ -200,18 +216,17 @@ def iter_documents(root: str, rel_paths: list[str], *,
   for rel in rel_paths:
     path = os.path.join(base, rel)
     if not rel.endswith(JSONL_SUFFIX):
-      if names_only:
-        yield rel, None
-      else:
-        with open(path, 'rb') as fh:
-          yield rel, fh.read()
+      yield rel, None if names_only else _read_file(path)
       continue
-    with open(path, 'rb') as fh:
-      # Lines as `_jsonl_lines` splits them: at b'\n' only, numbered from 1.
-      for n, line in enumerate(fh, 1):
-        if line.strip():
-          line = line[:-1] if line.endswith(b'\n') else line
-          yield _jsonl_name(rel, n), None if names_only else _jsonl_text(path, n, line)
+    try:
+      with open(path, 'rb') as fh:
+        # Lines as `_jsonl_lines` splits them: at b'\n' only, numbered from 1.
+        for n, line in enumerate(fh, 1):
+          if line.strip():
+            line = line[:-1] if line.endswith(b'\n') else line
+            yield _jsonl_name(rel, n), None if names_only else _jsonl_text(path, n, line)
+    except OSError as e:
+      raise _unreadable(path, e) from None
 
 
 def _jsonl_text(path: str, n: int, line: bytes) -> bytes:
@@ -249,8 +264,7 @@ def read_documents(root: str, rel_paths: list[str]) -> list[bytes]:
       path = os.path.join(base, parts[0])
       docs.append(_jsonl_text(path, parts[1], _jsonl_lines(path)[parts[1] - 1]))
       continue
-    with open(os.path.join(base, rel), 'rb') as fh:
-      docs.append(fh.read())
+    docs.append(_read_file(os.path.join(base, rel)))
   return docs
 
 
