@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import types
 import typing
 from typing import Literal, Optional, Sequence
@@ -381,8 +382,10 @@ def _resolve_gin_file(path: str) -> str:
     if os.path.isfile(c):
       return c
   known = sorted(f for f in os.listdir(cfg_dir) if f.endswith('.gin')) if cfg_dir else []
+  what = ('a directory' if os.path.isdir(path) else
+          'not a regular file (a device, a pipe or a socket)' if os.path.exists(path) else 'no such file')
   raise ConfigError(
-      f'--gin_file {path!r}: no such file. Give a path to a .gin file'
+      f'--gin_file {path!r}: {what}. Give a path to a .gin file'
       + (f' or one of the bundled configs: {", ".join(known)}.' if known else '.'))
 
 
@@ -459,6 +462,14 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
   try:
     cfg = Config()
   except Exception as e:
+    # A macro used (`%NAME`) but never defined: gin says only that a function
+    # called `macro` lacks an argument.
+    undefined = re.search(r"configurable 'macro' \(.*?\) in scope '([^']+)'", str(e))
+    if undefined:
+      name = undefined.group(1)
+      raise ConfigError(f'the gin macro %{name} is used but never defined: define it in a gin file '
+                        f'({name} = VALUE) or on the command line (--gin_param "{name} = VALUE"), or '
+                        f'check its spelling.') from None
     raise ConfigError(f'could not build the config: {e}') from None
   return validate(cfg, num_devices=num_devices)
 

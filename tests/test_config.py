@@ -108,11 +108,20 @@ def test_macros_work_as_in_gin(tmp_path):
   loop.write_text("include 'loop.gin'\n")
   with pytest.raises(C.ConfigError, match="loop.gin: its includes never end"):
     C.load_config([str(loop)], [])
+  # A macro used but never defined: gin said a function `macro` lacked an argument.
+  undefined = tmp_path / 'undefined.gin'
+  undefined.write_text("include 'tiny.gin'\nModelConfig.d_model = %DMODEL\n")
+  with pytest.raises(C.ConfigError, match=r'the gin macro %DMODEL is used but never defined'):
+    C.load_config([str(undefined)], [])
 
 
-def test_missing_gin_file_lists_bundled_configs():
+def test_missing_gin_file_lists_bundled_configs(tmp_path):
   with pytest.raises(C.ConfigError, match='no such file.*tiny.gin'):
     C.load_config(['no_such.gin'], [])
+  with pytest.raises(C.ConfigError, match=f"--gin_file '{tmp_path}': a directory. .*tiny.gin"):
+    C.load_config([str(tmp_path)], [])
+  with pytest.raises(C.ConfigError, match="--gin_file '/dev/null': not a regular file"):
+    C.load_config(['/dev/null'], [])
 
 
 def test_cli_error_exits_2_without_traceback(repo_root, tmp_path):
