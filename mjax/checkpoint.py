@@ -783,6 +783,29 @@ def _no_item_metadata_warning(record: logging.LogRecord) -> bool:
   return not record.getMessage().startswith('Metadata file does not exist')
 
 
+class _BadRecord(Exception):
+  """A step's JSON record that is missing or not JSON; says which."""
+
+
+def _step_json(step_path: str, rel: str) -> Any:
+  """A JSON record of a saved step (e.g. 'meta/metadata'), or _BadRecord
+  naming it: the bare decoder error (UnicodeDecodeError at byte 3) said
+  neither which file nor what it means."""
+  try:
+    with open(os.path.join(step_path, rel), 'rb') as fh:
+      raw = fh.read()
+  except OSError as e:
+    raise _BadRecord(f'{rel}: {"missing" if isinstance(e, FileNotFoundError) else (e.strerror or e)}') from None
+  try:
+    out = json.loads(raw.decode('utf-8'))
+  except ValueError as e:   # UnicodeDecodeError is one
+    raise _BadRecord(f'{rel} is not JSON (damaged or overwritten: {type(e).__name__} at byte '
+                     f'{getattr(e, "start", getattr(e, "pos", "?"))})') from None
+  if not isinstance(out, dict):
+    raise _BadRecord(f'{rel} is JSON but not a record (a {type(out).__name__})')
+  return out
+
+
 def verify_step(path: str) -> tuple[str, str]:
   """Reads one saved step without a mesh and checks it against its checksums.
 
@@ -792,13 +815,11 @@ def verify_step(path: str) -> tuple[str, str]:
   """
   quiet_failed_io_aftermath()   # a damaged step's failed reads, said once
   try:
-    with open(os.path.join(path, 'meta', 'metadata')) as fh:
-      meta = json.load(fh)
+    meta = _step_json(path, 'meta/metadata')
     saved = meta.get(FINGERPRINTS)
     data = None
     if os.path.exists(os.path.join(path, 'data', 'metadata')):
-      with open(os.path.join(path, 'data', 'metadata')) as fh:
-        data = json.load(fh)
+      data = _step_json(path, 'data/metadata')
     # Host arrays, whatever devices and mesh saved them: this runs on a login
     # node as well as next to a job that holds the GPUs. Read as an item, the
     # state has no step metadata of its own, which Orbax warns of every time.
@@ -812,6 +833,8 @@ def verify_step(path: str) -> tuple[str, str]:
     finally:
       absl_log.removeFilter(_no_item_metadata_warning)
       reader.close()
+  except _BadRecord as e:
+    return 'unreadable', str(e)
   except Exception as e:  # any reason the step cannot be read is the verdict
     return 'unreadable', read_error(e)
   if not saved:
@@ -1144,6 +1167,13 @@ def read_error(e: BaseException) -> str:
     x = x.__cause__ or x.__context__
   for x in reversed(chain):
     first = str(x).splitlines()[0] if str(x) else ''
+    shapes = re.search(r'Requested shape: (\(.*?\)) is not compatible with the stored shape: (\(.*?\))', first)
+    if shapes:
+      # Orbax's advice (`strict=False`, padding and truncation) is for its
+      # own callers: a model of another shape is never what to restore.
+      return (f'an array is {shapes.group(2)} in the checkpoint and {shapes.group(1)} in this config: the '
+              f'checkpoint holds a model of another shape; compare ModelConfig with the config.gin of the '
+              f'run that saved it')
     if first and 'TensorStore details' not in first:
       return f'{type(x).__name__}: {first}'[:500]
   # Only the store's spec: its kvstore paths name the step's directory and,

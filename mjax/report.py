@@ -260,7 +260,11 @@ def checkpoint(prog: str, argv: list[str]) -> int:
   for line in format_table([('tier', 'step', 'verdict', 'detail', 'path')] + rows):
     print(line)
   if bad:
-    print(f'{prog}: {bad} step(s) damaged or unreadable; a restart falls back past them', file=sys.stderr)
+    good = [int(step) for _, step, verdict, _, _ in rows if verdict in ('ok', 'unchecked')]
+    print(f'{prog}: {bad} step(s) damaged or unreadable; ' +
+          (f'a restart resumes from step {max(good)}, the newest that can be read' if good else
+           'no step can be read, so a restart stops with an error rather than start over (move these '
+           'steps aside to start the run over)'), file=sys.stderr)
     return 1
   return 0
 

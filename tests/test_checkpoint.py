@@ -445,7 +445,9 @@ def test_a_silently_changed_array_is_caught_by_its_checksum_and_resaved(uninterr
     fh.write('notes')
   with caplog.at_level('WARNING'):
     assert report.main(['checkpoint', workdir, '--verify']) == 1
-  table = capsys.readouterr().out
+  said = capsys.readouterr()
+  table = said.out
+  assert 'a restart resumes from step 2, the newest that can be read' in said.err
   assert not re.search(r'persistent\s+9\s', table), table
   assert 'Metadata file does not exist' not in caplog.text     # Orbax's warning per step, not said
   os.remove(os.path.join(ckdir, '9'))
@@ -525,7 +527,7 @@ def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, damage, where):
   assert_bitwise(out_state.opt_state, full_state.opt_state)
 
 
-def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninterrupted, tmp_path):
+def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninterrupted, tmp_path, capsys):
   """Every step damaged or unreadable (a bad device computing the checksums,
   a config change that changes the tree): before, the run moved them all
   aside or started from scratch, and its saves made Orbax delete them. It
@@ -545,6 +547,33 @@ def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninte
                                                r'\S+/checkpoints/4: damaged .*/checkpoints/2: (damaged|unreadable)'):
     trainer.run(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
   assert snapshot() == before
+  # The offline check says so too (it said "a restart falls back past them").
+  from mjax import report
+  assert report.main(['checkpoint', workdir, '--verify']) == 1
+  assert 'no step can be read, so a restart stops with an error' in capsys.readouterr().err
+  assert snapshot() == before
+
+
+def test_a_checkpoint_of_another_shape_is_said_without_orbaxs_advice():
+  from mjax.checkpoint import read_error
+  e = ValueError('Requested shape: (384, 128) is not compatible with the stored shape: (384, 256). '
+                 'Truncating/padding is disabled. To enable it, set `strict=False` in `ArrayRestoreArgs`.')
+  said = read_error(e)
+  assert said.startswith('an array is (384, 256) in the checkpoint and (384, 128) in this config: the '
+                         'checkpoint holds a model of another shape') and 'strict' not in said
+
+
+def test_a_step_record_that_is_not_json_is_named(tmp_path):
+  from mjax.checkpoint import verify_step
+  step = tmp_path / '4'
+  (step / 'meta').mkdir(parents=True)
+  (step / 'meta' / 'metadata').write_bytes(b'\x00\xf7garbage')
+  assert verify_step(str(step)) == ('unreadable', 'meta/metadata is not JSON (damaged or overwritten: '
+                                                  'UnicodeDecodeError at byte 1)')
+  (step / 'meta' / 'metadata').write_text('[1, 2]')
+  assert verify_step(str(step)) == ('unreadable', 'meta/metadata is JSON but not a record (a list)')
+  (step / 'meta' / 'metadata').unlink()
+  assert verify_step(str(step)) == ('unreadable', 'meta/metadata: missing')
 
 
 def test_a_change_of_parallel_norms_is_refused_by_name(uninterrupted):
