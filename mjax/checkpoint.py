@@ -929,6 +929,13 @@ def check_same_model(cfg: Any, workdir: str) -> None:
           f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
           f'resumed with this config, and starting over there would overwrite that run\'s config '
           f'and metrics. {advice}')
+  if not cfg.checkpoint.enabled and any(steps.values()):
+    held = sorted({s for v in steps.values() for s in v}, reverse=True)
+    raise ConfigError(
+        f'--workdir {workdir!r} holds checkpoints (step(s) {", ".join(map(str, held[:5]))}), and '
+        f'CheckpointConfig.enabled = False: this run would not resume them but start over from step '
+        f'0 there, writing over that run\'s config and metrics. Enable checkpoints to resume the run, '
+        f'or give a new --workdir for a run without them.')
   fast = local.get('fast')
   if not os.path.lexists(record) and fast is not None and not _inside(fast, workdir) and \
       not steps.get('persistent') and '://' not in tiers['persistent']:

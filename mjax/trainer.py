@@ -156,8 +156,13 @@ class Trainer:
           self.say(f'mjax: weights from the Hugging Face model {cfg.checkpoint.init_from_hf}')
     self.start_step = int(self.state.step)
     self.restored_explicitly = restored is not None and restored.explicit
+    # The length of the learning-rate schedule the saved state was trained
+    # with (its decay_steps, else its steps): what to keep when training on.
+    saved = (restored.meta.get('config') or {}) if restored is not None else {}
+    self.schedule_steps = ((saved.get('optim') or {}).get('decay_steps') or
+                           (saved.get('train') or {}).get('steps') or cfg.train.steps)
     if restored is not None and not restored.explicit:
-      self._check_schedule(restored.meta.get('config') or {})
+      self._check_schedule(saved)
     if self.finished:
       return   # nothing to train: no data, no compilation, nothing written
     if self.is_main:
@@ -220,8 +225,9 @@ class Trainer:
                else f'this run already finished at step {start}')
       self.say(f'mjax: {where} (TrainConfig.steps = {cfg.train.steps}); nothing to do. '
                f'Raise TrainConfig.steps to train further'
-               + (f' (and set OptimConfig.decay_steps = {cfg.train.steps} to keep this learning-rate '
-                  f'schedule: unset, it is rebuilt over the new length).' if not cfg.optim.decay_steps else '.'))
+               + (f' (and set OptimConfig.decay_steps = {self.schedule_steps} to keep the learning-rate '
+                  f'schedule it was trained with: unset, it is rebuilt over the new length).'
+                  if not cfg.optim.decay_steps else '.'))
       if self.ckpt is not None:
         self.ckpt.close()
       return Summary(start_step=start, final_step=start, already_finished=True)

@@ -348,6 +348,10 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
   # the checkpoints there could not be resumed afterwards.
   with pytest.raises(C.ConfigError, match='holds checkpoints of another model'):
     check_same_model(cfg8('ModelConfig.d_model = 256', 'CheckpointConfig.enabled = False'), workdir)
+  # The same model with checkpoints off would start over there, silently.
+  with pytest.raises(C.ConfigError, match=rf'holds checkpoints \(step\(s\) {N}[,)].*CheckpointConfig.enabled = '
+                                          r'False: this run would not resume them but start over'):
+    trainer.run(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.enabled = False'), workdir)
   # Spelled differently, the same shapes: 4 kv heads and None (= n_heads) are one model.
   check_same_model(cfg8('ModelConfig.n_kv_heads = 4', 'ModelConfig.head_dim = 32'), workdir)
   assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
@@ -651,6 +655,13 @@ def test_rerunning_a_finished_run_says_so_and_writes_nothing(uninterrupted, caps
   out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', 'OptimConfig.learning_rate = 1e-5'), workdir)
   assert out.already_finished and out.final_step == N
   assert f'already finished at step {N}' in capsys.readouterr().out
+  assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
+  # Fewer steps than it ran, decay_steps unset: the schedule to keep is the
+  # one it was trained with (the advice named the new, shorter length).
+  out, _ = fit(cfg8('TrainConfig.steps = 3', 'OptimConfig.decay_steps = None'), workdir)
+  assert out.already_finished and out.final_step == N
+  assert f'set OptimConfig.decay_steps = {N} to keep the learning-rate schedule it was trained with' \
+      in capsys.readouterr().out
   assert before == {f: open(os.path.join(workdir, f)).read() for f in before}
 
 
