@@ -69,6 +69,7 @@ class _SignalWatch:
     os.set_blocking(self._w, False)
     self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
     self.timers: list = []
+    self.signum: Optional[int] = None   # the stop a 'grace' handler was given
     self._thread = threading.Thread(target=self._run, name='mjax-signal-watch', daemon=True)
     self._thread.start()
 
@@ -85,6 +86,7 @@ class _SignalWatch:
         if mode == 'now':
           leave(signum)
         elif mode == 'grace' and not self.timers:
+          self.signum = signum
           timer = threading.Timer(GRACE_S, leave, args=(signum,))
           timer.daemon = True
           timer.start()
@@ -122,7 +124,13 @@ def entry_point(prog: str):
           signal.signal(sig, handler)
       watch = _SignalWatch() if in_main else None
       try:
-        return main(argv)
+        result = main(argv)
+        if watch is not None and watch.signum is not None:
+          # A Ctrl-C or SIGTERM whose exception Python dropped (raised in a
+          # garbage-collector callback; JAX registers one): the tool ran on
+          # to its end, and would have exited 0 as if never stopped.
+          raise KeyboardInterrupt if watch.signum == signal.SIGINT else Terminated
+        return result
       except UserError as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_USER_ERROR)

@@ -213,6 +213,23 @@ def test_a_tool_that_loses_the_interrupt_still_ends():
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == status and f'mjax-tool: {said}' in err, err
+  # A tool that ran on to its end after the lost exception exited 0, as if
+  # never stopped (seen in mjax-prepare and mjax-export): it ends as stopped.
+  import time
+  from mjax import cli
+
+  @cli.entry_point('mjax-tool')
+  def finishes(argv):
+    try:
+      signal.raise_signal(signal.SIGINT)
+      time.sleep(5)
+    except KeyboardInterrupt:
+      pass   # dropped, as in a garbage-collector callback
+    time.sleep(0.5)   # the signal watch has read the signal
+    return 0
+  with pytest.raises(SystemExit) as e:
+    finishes([])
+  assert e.value.code == 130
 
 
 def test_settings_that_would_train_silently_wrong_are_refused_for_training():

@@ -292,6 +292,10 @@ def test_launch_flags_are_checked(capsys):
                       (['--agent_wait_s', '-5'], 'at least 0'),
                       (['--preempt_exit_status', '256'], 'an exit status is 0 to 255'),
                       (['--hosts', 'a,'], "has an empty name"),
+                      (['--hosts', ','], "--hosts ',' has an empty name"),
+                      (['--hosts', 'a,a'], "host(s) a appear more than once in --hosts 'a,a'"),
+                      (['--hosts', 'a,b', '--spares', 'b'], "host(s) b appear more than once in --hosts 'a,b' / "
+                                                            "--spares 'b'"),
                       (['--host_env', 'nosuch:X=1'], "no host 'nosuch' in this job"),
                       (['--workdir', ''], "--workdir '': empty"),
                       (['--workdir', 'gs://b/run'], 'a URL')]:

@@ -230,10 +230,12 @@ def parse_args(argv: Sequence[str]) -> Options:
   if len(hosts) != args.processes and not discover:
     p.error(f'--hosts names {len(hosts)} host(s) for --processes {args.processes}: one host per '
             f'process; list extra hosts with --spares')
-  if len(set(hosts + spares)) != len(hosts + spares):
-    p.error('a host appears twice in --hosts / --spares')
   if '' in hosts:
     p.error(f'--hosts {args.hosts!r} has an empty name: give comma-separated host names')
+  twice = sorted({h for h in hosts + spares if (hosts + spares).count(h) > 1})
+  if twice:
+    p.error(f'host(s) {", ".join(twice)} appear more than once in --hosts {args.hosts!r}'
+            + (f' / --spares {args.spares!r}' if spares else '') + ': name each host once')
   host_env: dict = {}
   for item in args.host_env:
     host, colon, kv = item.partition(':')
