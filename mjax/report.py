@@ -193,6 +193,9 @@ def memory(prog: str, argv: list[str]) -> int:
     raise UserError(f'--mesh {args.mesh!r}: expected AXIS=SIZE pairs separated by commas, '
                     'e.g. data=16,tensor=8') from None
   mesh = dict(pairs)
+  if not pairs:
+    raise UserError(f'--mesh {args.mesh!r}: no axis given (an unset variable?); give AXIS=SIZE pairs '
+                    'separated by commas, e.g. data=16,tensor=8 (data=1 for one device).')
   if len(mesh) < len(pairs) or any(v < 1 for v in mesh.values()):
     raise UserError(f'--mesh {args.mesh!r}: each axis once, each size a positive integer, e.g. data=16,tensor=8.')
   if args.micro_batch < 0:

@@ -139,7 +139,8 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize('mesh,said', [
     ('data=0', 'each size a positive integer'), ('data=-1,fsdp=-1', 'each size a positive integer'),
     ('data=2,data=4', 'each axis once'), ('pipeline=3', 'must split evenly into pipeline'),
-    ('tensor=7', 'divisible by the tensor-parallel size 7'), ('dat=2', "unknown axes ['dat']")])
+    ('tensor=7', 'divisible by the tensor-parallel size 7'), ('dat=2', "unknown axes ['dat']"),
+    ('', "--mesh '': no axis given"), (' , ', "--mesh ' , ': no axis given")])
 def test_report_memory_names_a_mesh_the_config_cannot_take(mesh, said, capsys):
   from mjax import report
   assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', mesh]) == 2
