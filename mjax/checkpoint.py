@@ -929,7 +929,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
           f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
           f'resumed with this config, and starting over there would overwrite that run\'s config '
           f'and metrics. {advice}')
-  if not cfg.checkpoint.enabled and any(steps.values()):
+  if not cfg.checkpoint.enabled and before is not None and any(steps.values()):
     held = sorted({s for v in steps.values() for s in v}, reverse=True)
     raise ConfigError(
         f'--workdir {workdir!r} holds checkpoints (step(s) {", ".join(map(str, held[:5]))}), and '

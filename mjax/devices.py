@@ -138,13 +138,17 @@ def start_backend() -> int:
     from mjax.errors import Fault, UserError
     said = str(e).split(" (set JAX_PLATFORMS='' to")[0].strip().rstrip('.')
     asked = os.environ.get('JAX_PLATFORMS', '').strip()
-    if asked:
-      raise UserError(
-          f'JAX_PLATFORMS={asked!r}: ' + (said or f'no backend of that platform could start') +
-          '. Name a platform this machine has (cpu; cuda needs a GPU, its driver and jax with its '
-          'CUDA plugin, `pip install mjax[cuda12]`), or unset JAX_PLATFORMS to take the best one '
-          'found.') from None
-    raise Fault(f'the JAX backend could not start: {said or type(e).__name__}') from None
+    if not asked:
+      raise Fault(f'the JAX backend could not start: {said or type(e).__name__}') from None
+    advice = (f'JAX_PLATFORMS={asked!r}: ' + (said or 'no backend of that platform could start') +
+              '. Name a platform this machine has (cpu; cuda needs a GPU, its driver and jax with its '
+              'CUDA plugin, `pip install mjax[cuda12]`), or unset JAX_PLATFORMS to take the best one found')
+    if 'is not in the list of known backends' in said:
+      raise UserError(advice + '.') from None   # a name this jax does not know: bad input
+    # A known platform that did not start: no GPU here, or a GPU node whose
+    # device or driver failed. The latter is a fault the driver restarts
+    # (elsewhere, with a spare), so it is not called bad input.
+    raise Fault(advice + '; if this machine has one, its device or driver may have failed.') from None
 
 
 def backend_started() -> bool:
@@ -235,6 +239,10 @@ def memory_per_device(devices: Sequence[jax.Device]) -> tuple[Optional[int], str
   limits = [s['bytes_limit'] for s in map(memory_stats, devices) if s.get('bytes_limit')]
   if limits:
     return min(limits), 'device memory'
+  if devices and devices[0].platform != 'cpu':
+    # An accelerator whose allocator reports no limit (e.g. the platform
+    # allocator): its memory is unknown here, and the host's says nothing of it.
+    return None, 'unknown'
   host = host_memory_bytes()
   if host is None:
     return None, 'unknown'

@@ -415,6 +415,7 @@ class _JoinWatch:
           f'that failed or is still starting, and check that every process was given the same '
           f'coordinator address ({_where(spec)}) and {NUM_PROCESSES}={spec.num_processes}. '
           f'{JOIN_TIMEOUT} sets how long to wait.')
+      sys.stdout.flush()
       os._exit(1)   # protocol.EXIT_FAILED; the main thread is inside jax's wait
 
 
@@ -464,7 +465,6 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
   """
   global _INIT_SECONDS
   spec = resolve(env)
-  timeout_s = _join_timeout(os.environ if env is None else env, timeout_s)
   out = {**dataclasses.asdict(spec), 'initialized': False, 'seconds': 0.0}
   import jax
   if spec.local_device_count is not None:
@@ -483,6 +483,7 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
         f'the environment describes process {spec.process_id} of {spec.num_processes} ({spec.source}), '
         f'but the JAX backend has already started in this process; join the job before anything '
         f'calls jax.devices() or computes.')
+  timeout_s = _join_timeout(os.environ if env is None else env, timeout_s)
   if not os.environ.get('JAX_CPU_COLLECTIVES_IMPLEMENTATION'):
     # Without cross-process CPU collectives a multi-process CPU job fails at
     # its first all-reduce; this setting is ignored by GPU backends.

@@ -137,6 +137,17 @@ class Trainer:
     self._mark('program')
 
     self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
+    try:
+      self._start(devices)
+    except BaseException:   # the workdir is free again for this process's next run
+      if self.ckpt is not None:
+        self.ckpt.release_lock()
+      raise
+
+  def _start(self, devices: list) -> None:
+    """`__init__` once the run lock is held: the state (resumed or fresh),
+    the data and the compiled step."""
+    cfg, workdir = self.cfg, self.workdir
     abstract = self.program.abstract_state(canonical=True)
     if self.ckpt is not None:
       state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
@@ -249,8 +260,10 @@ class Trainer:
       # was checked finite first), and the newest of them is where a restart
       # or the driver's rollback resumes, so it is completed before the error
       # leaves. Cut off by the interpreter's exit instead, it was lost, and
-      # Orbax's writer threads printed their tracebacks over the error.
-      self._finish_saves()
+      # Orbax's writer threads printed their tracebacks over the error. In
+      # the checkpoint phase, as the heartbeats tell the driver.
+      with timer.phase('checkpoint'):
+        self._finish_saves()
       raise
 
   def _finish_saves(self) -> None:

@@ -379,7 +379,9 @@ def test_a_position_names_its_data_and_says_when_the_data_changed(tmp_path):
 
 def test_a_data_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
   # A failing disk (EIO) or a file gone between listing and reading: the
-  # file's name and the reason, not a bare OSError and its traceback.
+  # file's name and the reason, not a bare OSError and its traceback; the
+  # disk's failure a Fault (exit 1, restarted), the missing file bad input.
+  from mjax.errors import Fault
   (tmp_path / 'a.txt').write_text('hello')
   (tmp_path / 'b.jsonl').write_text('"x"\n')
   real_open = open
@@ -393,8 +395,8 @@ def test_a_data_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
   for read in (lambda: corpus_lib.read_documents(str(tmp_path), ['a.txt']),
                lambda: list(corpus_lib.iter_documents(str(tmp_path), ['a.txt'])),
                lambda: list(corpus_lib.iter_documents(str(tmp_path), ['b.jsonl'], names_only=True))):
-    with pytest.raises(data.DataError, match=r'/(a\.txt|b\.jsonl): reading the data file failed \(Input/output '
-                                             r'error\)'):
+    with pytest.raises(Fault, match=r'/(a\.txt|b\.jsonl): reading the data file failed \(Input/output '
+                                    r'error\): check the storage'):
       read()
   monkeypatch.undo()
   with pytest.raises(data.DataError, match=r'/gone\.txt: reading the data file failed \(No such file'):

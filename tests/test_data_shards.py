@@ -233,9 +233,17 @@ def test_a_failing_read_names_the_shard(shard_dir, monkeypatch):
     raise OSError(errno.EIO, 'Input/output error')
   monkeypatch.setattr(os, 'pread', eio)
   monkeypatch.setattr(os, 'preadv', eio)
+  from mjax.errors import Fault
   for read in (lambda: t[0:8], lambda: t.windows(np.array([0]), 8)):
-    with pytest.raises(data.DataError, match=r'train-00000\.bin: reading the shard failed \(Input/output error\)'):
+    # The storage's failure: a Fault (exit 1), which the driver restarts.
+    with pytest.raises(Fault, match=r'train-00000\.bin: reading the shard failed \(Input/output error\)'):
       read()
+
+  def eacces(*_):
+    raise OSError(errno.EACCES, 'Permission denied')
+  monkeypatch.setattr(os, 'pread', eacces)
+  with pytest.raises(data.DataError, match=r'train-00000\.bin: reading the shard failed \(Permission denied\)'):
+    t.windows(np.array([0]), 8)
 
 
 def _write_mixed_source(root):

@@ -24,7 +24,8 @@ from typing import Iterator, Literal, Optional
 import numpy as np
 
 from mjax.config import DataConfig
-from mjax.data.errors import DataError
+from mjax.data.errors import BAD_INPUT_ERRNOS, DataError
+from mjax.errors import Fault
 from mjax.data.tokenizer import ByteTokenizer, TokenizerInfo, load_tokenizer
 # The byte tokenizer's constants were first defined here; callers still import them from here.
 from mjax.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: F401
@@ -172,12 +173,16 @@ def _read_file(path: str) -> bytes:
     raise _unreadable(path, e) from None
 
 
-def _unreadable(path: str, e: OSError) -> DataError:
-  # EIO from a failing disk, ESTALE from NFS, EACCES: name the file, not a
-  # bare OSError and its traceback.
-  return DataError(f'{path}: reading the data file failed ({e.strerror or e}); make it readable (or '
-                   'leave it out with DataConfig.file_pattern), or check the storage it is on, then '
-                   'start again.')
+def _unreadable(path: str, e: OSError) -> Exception:
+  """The file named, not a bare OSError and its traceback: bad input where
+  the file is not readable as it is (a restart would fail the same way), a
+  Fault where the storage failed (EIO from a disk, ESTALE from NFS), which
+  the driver restarts, elsewhere if need be."""
+  if e.errno in BAD_INPUT_ERRNOS:
+    return DataError(f'{path}: reading the data file failed ({e.strerror or e}); make it readable, or '
+                     'leave it out with DataConfig.file_pattern.')
+  return Fault(f'{path}: reading the data file failed ({e.strerror or e}): check the storage it is on; '
+               'a restart reads it again.')
 
 
 def expand_jsonl(root: str, rel_paths: list[str]) -> list[str]:

@@ -58,7 +58,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from mjax.data import corpus as corpus_lib
-from mjax.data.errors import DataError
+from mjax.data.errors import BAD_INPUT_ERRNOS, DataError
+from mjax.errors import Fault
 from mjax.data.tokenizer import Tokenizer, TokenizerInfo, load_tokenizer, token_dtype
 
 MANIFEST = 'manifest.json'
@@ -400,11 +401,13 @@ class ShardTokens:
         raise self._shrunk(offset + done)
       done += got
 
-  def _failed(self, e: OSError) -> DataError:
+  def _failed(self, e: OSError) -> Exception:
     # EIO from a failing disk, ESTALE from NFS: name the file, not a bare
-    # OSError from a reader thread.
-    return DataError(f'{self.path}: reading the shard failed ({e.strerror or e}); check the storage it '
-                     'is on, then resume: the run continues from its last checkpoint.')
+    # OSError from a reader thread. The storage's failure is a Fault, which
+    # the driver restarts (resuming from the last checkpoint).
+    said = (f'{self.path}: reading the shard failed ({e.strerror or e}); check the storage it is on, '
+            'then resume: the run continues from its last checkpoint.')
+    return DataError(said) if e.errno in BAD_INPUT_ERRNOS else Fault(said)
 
   def _shrunk(self, offset: int) -> DataError:
     try:
