@@ -787,10 +787,10 @@ class _BadRecord(Exception):
   """A step's JSON record that is missing or not JSON; says which."""
 
 
-def _step_json(step_path: str, rel: str) -> Any:
+def _step_json(step_path: str, rel: str, record: bool = True) -> Any:
   """A JSON record of a saved step (e.g. 'meta/metadata'), or _BadRecord
   naming it: the bare decoder error (UnicodeDecodeError at byte 3) said
-  neither which file nor what it means."""
+  neither which file nor what it means. `record`: it must be an object."""
   try:
     with open(os.path.join(step_path, rel), 'rb') as fh:
       raw = fh.read()
@@ -801,7 +801,7 @@ def _step_json(step_path: str, rel: str) -> Any:
   except ValueError as e:   # UnicodeDecodeError is one
     raise _BadRecord(f'{rel} is not JSON (damaged or overwritten: {type(e).__name__} at byte '
                      f'{getattr(e, "start", getattr(e, "pos", "?"))})') from None
-  if not isinstance(out, dict):
+  if record and not isinstance(out, dict):
     raise _BadRecord(f'{rel} is JSON but not a record (a {type(out).__name__})')
   return out
 
@@ -819,7 +819,7 @@ def verify_step(path: str) -> tuple[str, str]:
     saved = meta.get(FINGERPRINTS)
     data = None
     if os.path.exists(os.path.join(path, 'data', 'metadata')):
-      data = _step_json(path, 'data/metadata')
+      data = _step_json(path, 'data/metadata', record=False)
     # Host arrays, whatever devices and mesh saved them: this runs on a login
     # node as well as next to a job that holds the GPUs. Read as an item, the
     # state has no step metadata of its own, which Orbax warns of every time.
@@ -1168,6 +1168,8 @@ def read_error(e: BaseException) -> str:
   wraps names the array, the file and what is wrong with it (e.g.
   'OUT_OF_RANGE: Error reading "params.embedding/0.0" ... not valid for
   value of size 100'), so the innermost cause that says something wins."""
+  if isinstance(e, _BadRecord):
+    return str(e)
   chain, x = [], e
   while x is not None and len(chain) < 8:
     chain.append(x)
@@ -1203,6 +1205,12 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
   it), and elsewhere `Restored.state` is None. Not a collective: a failure
   here leaves no other process waiting. `host`: `manager` is this process's
   host-local tier (no plan: each process reads its own copy)."""
+  if '://' not in path:
+    # The step's JSON records first: read by Orbax, a damaged one is a bare
+    # decoder error, a missing one pages of a tree mismatch.
+    _step_json(path, 'meta/metadata')
+    if os.path.isdir(os.path.join(path, 'data')):
+      _step_json(path, 'data/metadata', record=False)
   if host:
     items = {'state': ocp.args.PyTreeRestore(
         item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))}

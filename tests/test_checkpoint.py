@@ -576,6 +576,12 @@ def test_a_step_record_that_is_not_json_is_named(tmp_path):
                                                   'UnicodeDecodeError at byte 1)')
   (step / 'meta' / 'metadata').write_text('[1, 2]')
   assert verify_step(str(step)) == ('unreadable', 'meta/metadata is JSON but not a record (a list)')
+  # The restore checks them before Orbax reads (its errors: a bare decoder
+  # error, pages of a tree mismatch), and says the same.
+  from mjax.checkpoint import read_error, read_step
+  with pytest.raises(Exception) as e:
+    read_step(None, 4, None, str(step), None)
+  assert read_error(e.value) == 'meta/metadata is JSON but not a record (a list)'
   (step / 'meta' / 'metadata').unlink()
   assert verify_step(str(step)) == ('unreadable', 'meta/metadata: missing')
 
