@@ -478,12 +478,12 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
       os.environ['XLA_FLAGS'] = wanted
   if spec.num_processes == 1 or jax.distributed.is_initialized():
     return out
+  timeout_s = _join_timeout(os.environ if env is None else env, timeout_s)
   if devices.backend_started():
     raise DistributedError(
         f'the environment describes process {spec.process_id} of {spec.num_processes} ({spec.source}), '
         f'but the JAX backend has already started in this process; join the job before anything '
         f'calls jax.devices() or computes.')
-  timeout_s = _join_timeout(os.environ if env is None else env, timeout_s)
   if not os.environ.get('JAX_CPU_COLLECTIVES_IMPLEMENTATION'):
     # Without cross-process CPU collectives a multi-process CPU job fails at
     # its first all-reduce; this setting is ignored by GPU backends.

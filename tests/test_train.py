@@ -196,6 +196,8 @@ def test_weights_and_biases_without_a_login_is_refused_by_name(tmp_path, monkeyp
   monkeypatch.setenv('WANDB_CONFIG_DIR', str(tmp_path / 'cfg'))
   monkeypatch.setenv('NETRC', str(tmp_path / 'no-netrc'))
   monkeypatch.setenv('WANDB_SILENT', 'true')
+  import wandb
+  wandb.teardown()   # wandb keeps the settings of an earlier run in this process (offline mode)
   with pytest.raises(UserError, match=r"TrainConfig.wandb_project = 'p': Weights & Biases would not start a "
                                       r"run: .*wandb login.*WANDB_MODE=offline"):
     _wandb_run(str(tmp_path / 'run'), 'p', {})
