@@ -1238,9 +1238,11 @@ class _FullDiskLogFilter(logging.Filter):
   steps kept."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if f'{os.sep}orbax{os.sep}' not in record.pathname:
-      return True
+    # asyncio's: a write task of the failed save, collected with its error
+    # never retrieved ("Task exception was never retrieved").
     text = record.getMessage()
+    if f'{os.sep}orbax{os.sep}' not in (record.pathname if record.name != 'asyncio' else text):
+      return True
     if record.exc_info and record.exc_info[1] is not None:
       text += f' {record.exc_info[1]}'
     return not any(said in text for said in _UNWRITABLE.values())
@@ -1260,9 +1262,9 @@ def quiet_failed_io_aftermath() -> None:
   call_soon_threadsafe, which nothing can act on once the loop is gone) and
   hands every other unraisable exception on.
   """
-  absl_logger = logging.getLogger('absl')
-  if not any(isinstance(f, _FullDiskLogFilter) for f in absl_logger.filters):
-    absl_logger.addFilter(_FullDiskLogFilter())
+  for logger in (logging.getLogger('absl'), logging.getLogger('asyncio')):
+    if not any(isinstance(f, _FullDiskLogFilter) for f in logger.filters):
+      logger.addFilter(_FullDiskLogFilter())
   previous = sys.unraisablehook
   if getattr(previous, 'mjax_closed_loop_filter', False):
     return

@@ -953,6 +953,13 @@ def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
   from_others = logging.LogRecord('absl', logging.ERROR, __file__, 1, 'save failed', None, full)
   other_error = logging.LogRecord('absl', logging.ERROR, orbax_file, 1, 'permission denied', None, None)
   assert not absl.filter(from_orbax) and absl.filter(from_others) and absl.filter(other_error)
+  # A write task of the failed save, collected with its error unread.
+  aio = logging.getLogger('asyncio')
+  task = ('Task exception was never retrieved\nfuture: <Task finished coro=<write_fragment() defined at '
+          f'{orbax_file}:188> exception=ValueError(\'Failed writing: No space left on device\')>')
+  unread = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1, task, None, None)
+  own = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1, task.replace(orbax_file, __file__), None, None)
+  assert not aio.filter(unread) and aio.filter(own)
 
 
 def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
