@@ -131,12 +131,9 @@ def entry_point(prog: str):
           # to its end, and would have exited 0 as if never stopped.
           raise KeyboardInterrupt if watch.signum == signal.SIGINT else Terminated
         return result
-      except UserError as e:
+      except (UserError, Fault) as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
-        sys.exit(protocol.EXIT_USER_ERROR)
-      except Fault as e:
-        print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
-        sys.exit(protocol.EXIT_FAILED)
+        sys.exit(protocol.EXIT_USER_ERROR if isinstance(e, UserError) else protocol.EXIT_FAILED)
       except Terminated:
         print(f'{prog}: terminated', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_TERMINATED)
@@ -230,7 +227,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
 
 def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:
   """mjax-train --print_config: the config as gin, then what it amounts to."""
-  import jax   # the device count (starts the backend; compiles nothing)
+  import jax
   from mjax import config as config_lib
   from mjax.model.flops import report
   from mjax.parallel.memory import estimate_memory, format_estimate

@@ -126,10 +126,10 @@ def start_backend() -> int:
   """Starts this process's JAX backend; the number of devices of the job.
 
   Raises:
-    UserError: JAX_PLATFORMS names a platform that cannot start here (jax
-      says "Unable to initialize backend", or, for a CUDA plugin without a
-      GPU, fails an assertion with no message).
-    Fault: no platform was asked for and none could start.
+    UserError: JAX_PLATFORMS names a platform this jax does not know.
+    Fault: a known platform did not start (jax says "Unable to initialize
+      backend", or, for a CUDA plugin without a GPU, fails an assertion with
+      no message), or none did where none was asked for.
   """
   import jax
   try:

@@ -62,6 +62,7 @@ until gloo gives up on one still compiling.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -356,12 +357,10 @@ def check_port_free(spec: JobSpec) -> None:
     Fault: another program listens on the port.
   """
   _, port = _split_address(spec.coordinator_address)
-  family, anywhere = (socket.AF_INET6, '::') if socket.has_ipv6 else (socket.AF_INET, '0.0.0.0')
   try:
-    probe = socket.socket(family, socket.SOCK_STREAM)
-  except OSError:
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    anywhere = '0.0.0.0'
+    probe, anywhere = socket.socket(socket.AF_INET6, socket.SOCK_STREAM), '::'
+  except OSError:   # no IPv6 on this host
+    probe, anywhere = socket.socket(socket.AF_INET, socket.SOCK_STREAM), '0.0.0.0'
   # SO_REUSEADDR as gRPC sets it: a port left in TIME_WAIT by an earlier
   # run's coordinator is free to it, one with a listener is not.
   probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -428,8 +427,8 @@ def _join_timeout(env: Mapping[str, str], timeout_s: Optional[float]) -> float:
   try:
     value = float(raw)
   except ValueError:
-    value = -1.0
-  if not value > 0 or value != value or value == float('inf'):
+    value = math.nan
+  if not (value > 0 and math.isfinite(value)):
     raise DistributedError(f'{JOIN_TIMEOUT}={raw!r} is not a number of seconds; it should be how '
                            f'long a process waits for the whole job to join, > 0 (default '
                            f'{DEFAULT_JOIN_TIMEOUT_S}).')

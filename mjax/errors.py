@@ -9,7 +9,7 @@ is a crash, which the driver does restart.
 
 A `Fault` is a crash whose cause is known and is not the input's: a peer
 process that never joined, a port another program holds, a disk that
-failed or filled up. It is printed as one paragraph too, but exits 1
+failed (a full one is bad input: a restart would fail the same way). It is printed as one paragraph too, but exits 1
 (`EXIT_FAILED`), so the driver restarts the job as after any crash.
 
 This module imports nothing from mjax: every layer may raise these.

@@ -24,8 +24,7 @@ from typing import Iterator, Literal, Optional
 import numpy as np
 
 from mjax.config import DataConfig
-from mjax.data.errors import BAD_INPUT_ERRNOS, DataError
-from mjax.errors import Fault
+from mjax.data.errors import DataError, read_failure
 from mjax.data.tokenizer import ByteTokenizer, TokenizerInfo, load_tokenizer
 # The byte tokenizer's constants were first defined here; callers still import them from here.
 from mjax.data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE  # noqa: F401
@@ -178,11 +177,9 @@ def _unreadable(path: str, e: OSError) -> Exception:
   the file is not readable as it is (a restart would fail the same way), a
   Fault where the storage failed (EIO from a disk, ESTALE from NFS), which
   the driver restarts, elsewhere if need be."""
-  if e.errno in BAD_INPUT_ERRNOS:
-    return DataError(f'{path}: reading the data file failed ({e.strerror or e}); make it readable, or '
-                     'leave it out with DataConfig.file_pattern.')
-  return Fault(f'{path}: reading the data file failed ({e.strerror or e}): check the storage it is on; '
-               'a restart reads it again.')
+  said = f'{path}: reading the data file failed ({e.strerror or e})'
+  return read_failure(e, f'{said}; make it readable, or leave it out with DataConfig.file_pattern.',
+                      f'{said}: check the storage it is on; a restart reads it again.')
 
 
 def expand_jsonl(root: str, rel_paths: list[str]) -> list[str]:

@@ -2,7 +2,7 @@
 
 import errno
 
-from mjax.errors import UserError
+from mjax.errors import Fault, UserError
 
 
 class DataError(UserError):
@@ -14,7 +14,13 @@ class DataError(UserError):
 
 
 # Why a read fails that a restart cannot cure: the file is not readable as it
-# is. Other errors (EIO from a disk, ESTALE from NFS) are the storage's:
-# mjax.errors.Fault, which the fault-tolerance driver restarts.
-BAD_INPUT_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
-                              errno.ELOOP, errno.ENAMETOOLONG})
+# is. Other errors (EIO from a disk, ESTALE from NFS) are the storage's.
+_BAD_INPUT_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
+                               errno.ELOOP, errno.ENAMETOOLONG})
+
+
+def read_failure(e: OSError, bad_input: str, fault: str) -> Exception:
+  """What a failed read of a data file raises: DataError(`bad_input`) where
+  the file is not readable as it is, else Fault(`fault`), the storage's
+  failure, which the fault-tolerance driver restarts."""
+  return DataError(bad_input) if e.errno in _BAD_INPUT_ERRNOS else Fault(fault)

@@ -58,8 +58,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from mjax.data import corpus as corpus_lib
-from mjax.data.errors import BAD_INPUT_ERRNOS, DataError
-from mjax.errors import Fault
+from mjax.data.errors import DataError, read_failure
 from mjax.data.tokenizer import Tokenizer, TokenizerInfo, load_tokenizer, token_dtype
 
 MANIFEST = 'manifest.json'
@@ -407,7 +406,7 @@ class ShardTokens:
     # the driver restarts (resuming from the last checkpoint).
     said = (f'{self.path}: reading the shard failed ({e.strerror or e}); check the storage it is on, '
             'then resume: the run continues from its last checkpoint.')
-    return DataError(said) if e.errno in BAD_INPUT_ERRNOS else Fault(said)
+    return read_failure(e, said, said)
 
   def _shrunk(self, offset: int) -> DataError:
     try:

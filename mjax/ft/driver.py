@@ -75,6 +75,7 @@ Exit status: 0 finished (or pre-empted cleanly), 1 gave up, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -232,7 +233,7 @@ def parse_args(argv: Sequence[str]) -> Options:
             f'process; list extra hosts with --spares')
   if '' in hosts:
     p.error(f'--hosts {args.hosts!r} has an empty name: give comma-separated host names')
-  twice = sorted({h for h in hosts + spares if (hosts + spares).count(h) > 1})
+  twice = sorted(h for h, n in collections.Counter(hosts + spares).items() if n > 1)
   if twice:
     p.error(f'host(s) {", ".join(twice)} appear more than once in --hosts {args.hosts!r}'
             + (f' / --spares {args.spares!r}' if spares else '') + ': name each host once')
