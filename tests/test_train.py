@@ -76,6 +76,22 @@ def test_same_command_twice_gives_the_same_losses(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_run_faster_than_the_cached_peak_forgets_that_peak(tmp_path, capsys):
+  # A peak cached from busy cores (before they were told apart) is below
+  # what a quiet run reaches: MFU above 100%, so the next run measures again.
+  from mjax.devices import peak_cache_key
+  cache = tmp_path / 'peak'
+  cache.mkdir()
+  cfg = _small('TrainConfig.steps = 4', 'TrainConfig.eval_every = 0', 'CheckpointConfig.enabled = False',
+               f'TrainConfig.peak_cache_dir = "{cache}"')
+  kept = {'cpu|other machine|64|float32|jax 0': 1e12}
+  (cache / 'peak_flops.json').write_text(json.dumps({peak_cache_key('cpu', cfg.model.dtype): 1e6, **kept}))
+  summary, _ = fit(cfg, tmp_path / 'run')
+  assert summary.mfu > 1, summary.peak_source
+  assert 'went faster than the cached peak' in capsys.readouterr().out
+  assert json.loads((cache / 'peak_flops.json').read_text()) == kept
+
+
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, repo_root):
   import signal
   env = {k: v for k, v in os.environ.items() if not k.startswith('MJAX_')}
