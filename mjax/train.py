@@ -201,7 +201,11 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   loss_sums = _loss_fn(cfg, model)
 
   def eval_loss(params, batch: Batch) -> jax.Array:
-    total, count = loss_sums(params, batch)
+    # In the training step's slices: a batch taken in slices to fit the
+    # devices would not fit in one forward pass either (the logits alone are
+    # grad_accum_steps times larger), and the first evaluation, hours into a
+    # run, would fail for memory.
+    total, count = _loss_sums_in_slices(loss_sums, params, batch, cfg.train.grad_accum_steps)
     return total / jnp.maximum(count, 1.0)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -357,6 +361,12 @@ def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
   return loss_sums
 
 
+def _slices(batch: Batch, k: int) -> Batch:
+  """The batch as `k` slices stacked on a new leading axis. Strided (rows i,
+  i + k, ...), so every slice stays spread over the data-parallel shards."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
 def _grad_sums(loss_sums, params, batch: Batch, k: int):
   """(loss sum, token count, gradient sums) over the batch, in `k`
   sequential accumulation slices."""
@@ -364,16 +374,25 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int):
   if k == 1:
     (total, count), grads = grad_fn(params, batch)
     return total, count, grads
-  # Strided slices (rows i, i + k, ...) keep every slice spread over the
-  # data-parallel shards; fp32 sums across slices, one division at the end.
-  slices = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
+  # fp32 sums across slices, one division at the end.
   def body(acc, sl):
     (total, count), g = grad_fn(params, sl)
     return jax.tree.map(jnp.add, acc, (total, count, g)), None
 
   zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-  return jax.lax.scan(body, zeros, slices)[0]
+  return jax.lax.scan(body, zeros, _slices(batch, k))[0]
+
+
+def _loss_sums_in_slices(loss_sums, params, batch: Batch, k: int):
+  """(loss sum, token count) over the batch, in `k` sequential slices."""
+  if k == 1:
+    return loss_sums(params, batch)
+
+  def body(acc, sl):
+    return jax.tree.map(jnp.add, acc, loss_sums(params, sl)), None
+
+  return jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), _slices(batch, k))[0]
 
 
 def setup_compilation_cache(cache_dir: Optional[str]) -> None:

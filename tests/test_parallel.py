@@ -117,6 +117,23 @@ def test_layout_matches_one_device(reference, name, capfd):
     assert spec[-2] == 'fsdp', spec
 
 
+def test_evaluation_takes_the_batch_in_the_training_steps_slices():
+  # A batch taken in accumulation slices to fit the devices would not fit one
+  # forward pass either: evaluation slices it the same way, with the same loss.
+  devices = jax.devices()[:1]
+  losses, compiled = {}, {}
+  for k in (1, 4):
+    cfg = make_cfg('MeshConfig.data = 1', f'TrainConfig.grad_accum_steps = {k}', num_devices=1)
+    program = train.make_program(cfg, make_mesh(cfg.mesh, devices=devices))
+    batch = program.to_global(next(data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size)))
+    with program.context():
+      params = program.init(jax.random.key(cfg.train.seed)).params
+      losses[k] = float(program.eval_step(params, batch))
+      compiled[k] = program.eval_step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+  assert losses[4] == pytest.approx(losses[1], rel=1e-6)
+  assert compiled[4] < 0.6 * compiled[1], compiled
+
+
 def test_pipeline_layout_round_trips():
   from mjax.parallel.pipeline import from_pipeline_layout, to_pipeline_layout
   w = {'k': np.arange(8 * 3).reshape(8, 3)}
