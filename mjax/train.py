@@ -403,9 +403,12 @@ def setup_compilation_cache(cache_dir: Optional[str]) -> None:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
-def evaluate(program: Program, params, batches: Iterable[Batch]) -> tuple[float, int]:
+def evaluate(program: Program, params, batches: Iterable[Batch],
+             on_batch: Optional[Callable[[], None]] = None) -> tuple[float, int]:
   """(mean loss over every counted token of the global batches, number of
   those tokens): what the trainer logs as eval_loss and mjax-eval reports.
+  `on_batch` is called as each batch's loss is computed (the trainer's
+  heartbeats count them as progress), one batch behind the dispatch.
 
   `eval_step` gives each batch's mean over its counted tokens; weighting it
   by that count keeps the mean exact for any loss mask. (The pipeline's
@@ -421,6 +424,9 @@ def evaluate(program: Program, params, batches: Iterable[Batch]) -> tuple[float,
     for batch in batches:
       means.append(program.eval_step(params, batch))
       counts.append(count(batch['loss_mask']))
+      if on_batch is not None and len(means) > 1:
+        means[-2].block_until_ready()   # the next batch is already queued behind it
+        on_batch()
   means = np.asarray(jax.device_get(means), np.float64)
   counts = np.asarray(jax.device_get(counts), np.float64)
   tokens = float(counts.sum())

@@ -247,6 +247,8 @@ class Trainer:
     timer = PhaseTimer(self.workdir, pid, every=cfg.fault.timing_every)
     timer.current, timer.step = 'compute', start
     injector = Injector.from_env(pid)                          # test-only; None in production
+    if injector is not None:
+      injector.watch(timer)
     heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
@@ -311,7 +313,7 @@ class Trainer:
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.steps:
           reporter.flush()
           with timer.phase('eval'):
-            reporter.eval_loss(step, evaluate(program, self.state.params, self.eval_batches)[0])
+            reporter.eval_loss(step, evaluate(program, self.state.params, self.eval_batches, timer.tick)[0])
       reporter.flush()
       reporter.close_bar()
       # In the checkpoint phase, as the heartbeats tell: an agent whose driver

@@ -429,13 +429,13 @@ def test_an_agent_whose_driver_is_gone_lets_slow_steps_and_a_long_last_save_fini
   grace = 3 s here) grows by the steps to that stop, counted in their own
   step time (h1: 1.2 s steps), and a save is let finish while its
   heartbeats say it is saving (h0: 3.5 s); one that outlasts
-  progress_timeout_s (5 s) is killed, as the driver would have (h2)."""
+  the driver's allowance for a save (5 s) is killed, as the driver would have (h2)."""
   port = launch.free_port()
   hosts = {'h0': {'AGENT_TEST_SAVE_S': '3.5'}, 'h1': {'AGENT_TEST_STEP_S': '1.2'},
            'h2': {'AGENT_TEST_SAVE_S': '600'}}
   for h, env in hosts.items():
     agents(port, h, mode='slow', env=env)
-  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 1.0, progress_timeout_s=5.0)
+  server = agent_lib.AgentServer('127.0.0.1', port, SECRET, 0.1, 1.0, save_timeout_s=5.0)
   assert sorted(server.wait_for(list(hosts), 30)) == list(hosts)
   env = launch.local_env(0, 1, '127.0.0.1:1')
   env.update({protocol.DRIVER_ADDRESS_ENV: 'ignored:1', protocol.SECRET_ENV: SECRET, protocol.ATTEMPT_ENV: '0'})

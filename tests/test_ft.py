@@ -222,6 +222,57 @@ def test_monitor_lost_hang_and_culprit():
   assert f.kind == 'hang' and f.processes == [0]
 
 
+def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_progress():
+  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
+                      collective_timeout_s=60)
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+  mon.add(0, 'a', 100, now=0.0)
+  # A last save of 50 s (a large state on network storage): saving, not hung.
+  for t in range(0, 51):
+    beat(mon, 0, 100, 12, phase='checkpoint', now=float(t))
+    assert mon.check(float(t)) is None, t
+  for t in range(51, 62):
+    beat(mon, 0, 100, 12, phase='checkpoint', now=float(t))
+  f = mon.check(61.0)
+  assert f.kind == 'hang' and f.processes == [0]
+  assert f.detail.endswith('collective_timeout_s = 60s (in phase checkpoint)'), f.detail
+  # An evaluation: its first batch compiles (40 s), then each batch ticks
+  # (5 s apart, 100 s in all); a stuck one is judged from its last tick.
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+  mon.add(0, 'a', 100, now=0.0)
+  for t in range(0, 141):
+    beat(mon, 0, 100, 20, phase='eval', ticks=0 if t < 40 else (t - 40) // 5, now=float(t))
+    assert mon.check(float(t)) is None, t
+  for t in range(141, 202):   # heartbeats go on, the batch count stays
+    beat(mon, 0, 100, 20, phase='eval', ticks=20, now=float(t))
+    assert (mon.check(float(t)) is None) == (t <= 200), t
+  # In a step, the progress timeout as before.
+  beat(mon, 0, 100, 21, phase='compute', now=202.0)
+  for t in (204.0, 206.0, 208.0, 210.0):
+    beat(mon, 0, 100, 21, phase='compute', now=t)
+  assert mon.check(210.0) is None and mon.check(210.5).detail.endswith('progress_timeout_s = 8s')
+
+
+def test_an_injected_stall_holds_its_phase_once_after_its_step(tmp_path, monkeypatch):
+  from mjax.ft import inject, phases
+  with pytest.raises(ValueError, match='a stall names its phase'):
+    inject.parse('stall:seconds=3')
+  slept = []
+  monkeypatch.setattr(inject.time, 'sleep', slept.append)
+  timer = phases.PhaseTimer(str(tmp_path), 0)
+  inject.Injector(inject.parse('stall:phase=checkpoint:step=2:seconds=30'), 0, 0).watch(timer)
+  for step in (1, 2, 3):
+    with timer.phase('checkpoint'):
+      pass
+    with timer.phase('eval'):
+      timer.tick()
+    timer.end_step(step)
+  assert slept == [30.0] and timer.ticks == 3
+  with timer.phase('checkpoint'):   # after the last step, as the final save
+    pass
+  assert slept == [30.0]
+
+
 def test_culprits_same_step_earliest_stop():
   ps = [detect.ProcState(i, 'h', i, 0.0, step=7, last_progress=t) for i, t in ((0, 5.0), (1, 2.0), (2, 2.5))]
   assert detect.culprits(ps) == [1, 2]
@@ -822,6 +873,20 @@ def test_hang_names_silent_process_then_failing_host_is_blocked(tmp_path, repo_r
   assert relaunch['hosts'] == ['slot0'] and relaunch['bindings'] == ['TrainConfig.grad_accum_steps = 2']
   assert events(tmp_path, 'finish')[0]['step'] == N
   assert all(e['time'] >= t0 for e in events(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_long_evaluation_and_a_long_last_save_are_not_hangs(tmp_path, repo_root):
+  """An evaluation that compiles and a last save to slow storage each stay
+  longer in their phase than progress_timeout_s (8 s): under the driver the
+  run still ends at its first attempt."""
+  stalls = 'stall:phase=eval:step=6:seconds=11;stall:phase=checkpoint:step=12:seconds=11'
+  proc = subprocess.run(launch_cmd(tmp_path, 1, train=['--gin.TrainConfig.eval_every=6']), cwd=repo_root,
+                        env=child_env(MJAX_FAULT=stalls), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert events(tmp_path, 'fault') == [] and len(events(tmp_path, 'launch')) == 1, events(tmp_path, 'fault')
+  assert events(tmp_path, 'finish')[0]['step'] == N
+  assert [r['step'] for r in read_metrics(tmp_path) if 'eval_loss' in r] == [6, N]
 
 
 @pytest.mark.slow

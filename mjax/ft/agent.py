@@ -310,7 +310,7 @@ class AgentServer:
   """
 
   def __init__(self, host: str, port: int, secret_hex: str, interval_s: float, timeout_s: float,
-               on_event: Optional[Callable[..., None]] = None, progress_timeout_s: float = 120.0):
+               on_event: Optional[Callable[..., None]] = None, save_timeout_s: float = 600.0):
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     self._listener = socket.socket(info[0], socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -319,7 +319,7 @@ class AgentServer:
     self.port = self._listener.getsockname()[1]
     self.secret = secret_hex
     self.interval_s, self.timeout_s = interval_s, timeout_s
-    self.progress_timeout_s = progress_timeout_s
+    self.save_timeout_s = save_timeout_s   # what the driver lets a save take (detect.SLOW_PHASES)
     self._on_event = on_event or (lambda kind, **kw: None)
     self._lock = threading.Lock()
     self._links: dict[str, AgentLink] = {}       # host -> its ready agent
@@ -558,7 +558,7 @@ class AgentServer:
           hello = msg
           channel.session = f'{secrets.token_hex(16)}:{msg["nonce"]}'
           channel.send({'kind': 'welcome', 'interval_s': self.interval_s, 'timeout_s': self.timeout_s,
-                        'progress_timeout_s': self.progress_timeout_s}, wait=False)
+                        'save_timeout_s': self.save_timeout_s}, wait=False)
           self._pending[sock] = (channel, since, hello)
         elif msg.get('kind') == 'ready' and msg.get('session') == channel.session:
           self._register(sock, channel, hello)
@@ -718,7 +718,7 @@ class Agent:
     self.procs: dict[int, subprocess.Popen] = {}
     self.latest: dict[int, dict] = {}       # process -> merged payload since the last relay
     self.step_s: dict[int, float] = {}      # process -> its last step's seconds
-    self.interval_s, self.timeout_s, self.progress_timeout_s = 2.0, 20.0, 120.0
+    self.interval_s, self.timeout_s, self.save_timeout_s = 2.0, 20.0, 600.0
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
     self._exit = False
@@ -748,7 +748,7 @@ class Agent:
         ch.session = welcome['session']
         self.interval_s = float(welcome.get('interval_s', self.interval_s))
         self.timeout_s = float(welcome.get('timeout_s', self.timeout_s))
-        self.progress_timeout_s = float(welcome.get('progress_timeout_s', self.progress_timeout_s))
+        self.save_timeout_s = float(welcome.get('save_timeout_s', self.save_timeout_s))
         ch.send({'kind': 'ready'})
         sock.settimeout(10.0)
         print(f'mjax-agent: {self.host}: connected to the driver at {self.driver[0]}:{self.driver[1]}',
@@ -836,7 +836,7 @@ class Agent:
     killed, unless it is saving: a large model's last save can take
     minutes, and killing it would throw away all the work since the
     checkpoint before, so a save whose heartbeats keep coming gets what the
-    driver would give it, progress_timeout_s. Heartbeats keep being
+    driver would give it (collective_timeout_s). Heartbeats keep being
     received (and not acknowledged) meanwhile."""
     self.beats.acking = False
     saves: dict[int, list[float]] = {}   # process -> [its save began, last heard saving]
@@ -850,7 +850,7 @@ class Agent:
       # Steps are counted in the slowest trainer's last step time: at scale a
       # step can take longer than the heartbeat timeout.
       slack = (protocol.STOP_MARGIN_STEPS + 1) * max(self.step_s.values(), default=0.0)
-      saving = any(now - last < self.timeout_s and now - began < self.progress_timeout_s
+      saving = any(now - last < self.timeout_s and now - began < self.save_timeout_s
                    for began, last in saves.values())
       if now >= heard + 2 * self.timeout_s + self.grace_s + slack and not saving:
         break

@@ -12,7 +12,9 @@ Timeouts (FaultConfig), in the order they must hold:
                         (dead host, wedged interpreter holding the GIL)
   progress_timeout_s    heartbeats arrive but the step has not moved for
                         this long: a hang (typically a collective waiting
-                        for a peer that will never come)
+                        for a peer that will never come). It bounds the
+                        step's own phases (data, compute); see SLOW_PHASES
+                        for the others
   collective_timeout_s  what the job tolerates by itself: the trainer sets
                         jax's coordination-service heartbeat timeout (after
                         which jax aborts every process once a peer is gone)
@@ -33,6 +35,16 @@ import math
 import os
 import re
 from typing import Optional
+
+
+# Phases whose length is set by storage or by the compiler, not by a step:
+# the blocking part of a save (a final save of a large state on a network
+# file system takes minutes) and evaluation (its first call compiles the
+# eval step; then each batch ticks, see PhaseTimer.tick). Judged by the
+# progress timeout, a run whose last save outlasted it was killed as hung at
+# its very end, and again after every restart. They get the allowance
+# start-up gets, collective_timeout_s, since from one tick to the next.
+SLOW_PHASES = ('checkpoint', 'eval')
 
 
 @dataclasses.dataclass
@@ -57,7 +69,8 @@ class ProcState:
   step: Optional[int] = None          # last step with known metrics
   loop_step: Optional[int] = None     # last step the loop dispatched
   phase: Optional[str] = None
-  last_progress: Optional[float] = None  # when (step, loop_step, phase) last changed
+  ticks: Optional[int] = None         # progress inside a long phase (PhaseTimer.ticks)
+  last_progress: Optional[float] = None  # when (step, loop_step, phase, ticks) last changed
   loss: Optional[float] = None
   logs: list = dataclasses.field(default_factory=list)
   final: bool = False
@@ -145,11 +158,13 @@ class Monitor:
       p.first_beat = now
     p.last_beat = now
     step, loop_step, phase = payload.get('step'), payload.get('loop_step'), payload.get('phase')
-    if p.last_progress is None or (step, loop_step, phase) != (p.step, p.loop_step, p.phase):
+    ticks = payload.get('ticks')
+    if p.last_progress is None or (step, loop_step, phase, ticks) != (p.step, p.loop_step, p.phase, p.ticks):
       # Progress = the step moved. A phase change counts too: a process
-      # going from compute to checkpoint is busy, not stuck.
+      # going from compute to checkpoint is busy, not stuck; so does a tick
+      # inside a phase (an evaluation batch done).
       p.last_progress = now
-    p.step, p.loop_step, p.phase = step, loop_step, phase
+    p.step, p.loop_step, p.phase, p.ticks = step, loop_step, phase, ticks
     p.loss = payload.get('loss')
     p.logs = payload.get('logs') or p.logs
     p.final = p.final or bool(payload.get('final'))
@@ -190,21 +205,30 @@ class Monitor:
       return Fault('heartbeat_lost', [p.process for p in lost],
                    f'no heartbeat for more than heartbeat_timeout_s = {self.cfg.heartbeat_timeout_s}s',
                    extra={'last_seen_s': {p.process: round(now - p.last_beat, 1) for p in lost}})
-    stalled = [p for p in live if p.step is not None and now - p.last_progress > self.cfg.progress_timeout_s]
-    if stalled:
+    over = [p for p in live if p.step is not None and now - p.last_progress > self.allowance(p)]
+    if over:
+      lines = sorted({self._allowance_text(p) for p in over})
       # The others blocked within a step of the culprit, so whichever crossed
       # the line first, every process stuck for longer than a heartbeat
       # timeout is a suspect; `culprits` picks among them.
       stalled = [p for p in live if p.step is not None
                  and now - p.last_progress > self.cfg.heartbeat_timeout_s]
       return Fault('hang', culprits(stalled),
-                   f'heartbeats continue but no step for more than progress_timeout_s = '
-                   f'{self.cfg.progress_timeout_s}s',
+                   f'heartbeats continue but no step for more than {" / ".join(lines)}',
                    extra={'stalled': {p.process: {'host': p.host, 'step': p.step, 'loop_step': p.loop_step,
                                                   'phase': p.phase,
                                                   'stalled_s': round(now - p.last_progress, 1)}
                                       for p in stalled}})
     return None
+
+  def allowance(self, p: ProcState) -> float:
+    """How long `p` may go without progress before it counts as hung."""
+    return self.cfg.collective_timeout_s if p.phase in SLOW_PHASES else self.cfg.progress_timeout_s
+
+  def _allowance_text(self, p: ProcState) -> str:
+    if p.phase in SLOW_PHASES:
+      return f'collective_timeout_s = {self.cfg.collective_timeout_s}s (in phase {p.phase})'
+    return f'progress_timeout_s = {self.cfg.progress_timeout_s}s'
 
   def max_step(self) -> Optional[int]:
     steps = [p.step for p in self.procs.values() if p.step is not None]

@@ -16,7 +16,8 @@ a free port by default) and watches for:
                    mjax/protocol.py for every status and what travels
                    between trainer and driver)
   heartbeat_lost   no heartbeat for heartbeat_timeout_s
-  hang             heartbeats but no step for progress_timeout_s: the
+  hang             heartbeats but no step for progress_timeout_s (for
+                   collective_timeout_s in a save or an evaluation): the
                    processes furthest behind are named (detect.culprits),
                    then every process is sent SIGUSR1 and dumps its Python
                    stacks into its log; where each one was goes into the
@@ -375,7 +376,7 @@ class Driver:
       try:
         self.agents = agent_lib.AgentServer(host, port, self.secret, self.fault_cfg.heartbeat_interval_s,
                                             self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit,
-                                            progress_timeout_s=self.fault_cfg.progress_timeout_s)
+                                            save_timeout_s=self.fault_cfg.collective_timeout_s)
       except OSError as e:
         self.server.close()
         raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None

@@ -14,6 +14,8 @@ driver (MJAX_DRIVER_ADDRESS, host:port) describing what it is doing:
   phase                         the PhaseTimer's current phase (data,
                                 compute, checkpoint, eval): what a hang
                                 was doing
+  ticks                         progress inside a long phase (evaluation
+                                batches done), PhaseTimer.ticks
   loss, losses                  the last loss, and [step, loss] of every
                                 step finished since the previous heartbeat
                                 (so the driver sees each loss, for spike
@@ -348,6 +350,7 @@ class HeartbeatClient:
       return {**self._static, 'step': self._step, 'step_time': self._step_time,
               'step_at': self._step_at, 'loss': self._loss, 'losses': losses,
               'phase': getattr(self._timer, 'current', None), 'loop_step': getattr(self._timer, 'step', None),
+              'ticks': getattr(self._timer, 'ticks', None),
               'logs': list(self._logs.lines),
               'final': final, 'seq': self._seq, 'ts': time.time(), 'sender': self._sender}
 

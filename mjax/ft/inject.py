@@ -15,6 +15,10 @@
     MJAX_FAULT="term:step=5"                SIGTERM itself before step 5 (a pre-emption, on cue)
     MJAX_FAULT="raise:step=5"               raise an exception before step 5 (a crash in Python:
                                             a data file gone bad), with a save perhaps in flight
+    MJAX_FAULT="stall:phase=checkpoint:seconds=30:step=12"
+                                            the first time the phase begins once step 12 has
+                                            ended, stay in it 30 s longer (slow storage under a
+                                            save, a long compile in an evaluation)
 
 Several faults are separated by ';'. `process` defaults to every process.
 A fault fires in the first attempt only, unless `attempt=N` names another
@@ -35,7 +39,7 @@ from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'exit', 'term', 'raise')
+KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'exit', 'term', 'raise', 'stall')
 
 
 class InjectedError(RuntimeError):
@@ -51,6 +55,7 @@ class InjectedFault:
   seconds: float = 0.0
   code: int = 1
   attempt: int = 0
+  phase: str = ''
 
 
 def parse(spec: str) -> list[InjectedFault]:
@@ -63,12 +68,14 @@ def parse(spec: str) -> list[InjectedFault]:
     kw = {}
     for f in fields:
       key, _, value = f.partition('=')
-      if key not in ('step', 'process', 'factor', 'seconds', 'code', 'attempt'):
+      if key not in ('step', 'process', 'factor', 'seconds', 'code', 'attempt', 'phase'):
         raise ValueError(f'{protocol.INJECT_ENV}: unknown field {key!r} in {part!r}')
-      kw[key] = float(value) if key in ('factor', 'seconds') else int(value)
+      kw[key] = float(value) if key in ('factor', 'seconds') else value if key == 'phase' else int(value)
     if kind == 'throttle' and not 0 < kw.get('factor', 0) < 1:
       raise ValueError(f'{protocol.INJECT_ENV}: {part!r}: a throttle\'s factor is the share of time '
                        f'stopped, between 0 and 1 (factor=0.3)')
+    if kind == 'stall' and not kw.get('phase'):
+      raise ValueError(f'{protocol.INJECT_ENV}: {part!r}: a stall names its phase (phase=checkpoint)')
     faults.append(InjectedFault(kind, **kw))
   return faults
 
@@ -102,6 +109,17 @@ class Injector:
   def __exit__(self, *exc):
     self.close()
     return False
+
+  def watch(self, timer) -> None:
+    """Stalls go into the phases of `timer` (a PhaseTimer)."""
+    stalls = [f for f in self.faults if f.kind == 'stall']
+
+    def on_enter(name: str) -> None:
+      for f in [f for f in stalls if f.phase == name and timer.step >= f.step]:
+        stalls.remove(f)          # once
+        time.sleep(f.seconds)
+    if stalls:
+      timer.on_enter.append(on_enter)
 
   def before_step(self, step: int) -> None:
     for f in self.faults:

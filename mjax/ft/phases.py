@@ -29,7 +29,10 @@ class PhaseTimer:
   was sampled (FaultConfig.device_timing_every): its slowest device's, and
   with several devices each one's under "devices" (see
   mjax.ft.device_time.split_devices).
-  `current` and `step` are what a heartbeat reports.
+  `current`, `step` and `ticks` are what a heartbeat reports: `tick()`
+  marks progress inside a long phase (each evaluation batch), so that the
+  driver tells a long evaluation from a stuck one. `on_enter` callables are
+  called with each phase's name as it begins (fault injection).
   """
 
   def __init__(self, workdir: str, process_index: int, every: int = 10):
@@ -38,6 +41,8 @@ class PhaseTimer:
     self.every = every
     self.current = 'startup'
     self.step = 0
+    self.ticks = 0
+    self.on_enter: list = []
     self._acc = collections.defaultdict(float)
     self._rows: list[dict] = []
     directory = os.path.join(workdir, 'timings')
@@ -50,12 +55,19 @@ class PhaseTimer:
     def timed():
       prev, self.current = self.current, name
       t0 = time.perf_counter()
+      for fn in self.on_enter:
+        fn(name)
       try:
         yield
       finally:
         self._acc[name] += time.perf_counter() - t0
         self.current = prev
     return timed()
+
+  def tick(self) -> None:
+    """Progress inside the current phase (read by the heartbeat thread: an
+    int's increment needs no lock)."""
+    self.ticks += 1
 
   def end_step(self, step: int, device: dict | None = None) -> None:
     """Closes the row of `step`; `device` is a sampled step's device time
