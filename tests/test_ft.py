@@ -253,6 +253,24 @@ def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_p
   assert mon.check(210.0) is None and mon.check(210.5).detail.endswith('progress_timeout_s = 8s')
 
 
+def test_steps_longer_than_the_progress_timeout_are_no_hang():
+  # 20 s steps (many accumulation slices) under an 8 s progress timeout: a
+  # step may take three of the last one before it is a hang.
+  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
+                      collective_timeout_s=600)
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+  mon.add(0, 'a', 100, now=0.0)
+  for t in range(0, 201):
+    step = t // 20
+    beat(mon, 0, 100, step or None, step_time=20.0 if step else None, now=float(t))
+    assert mon.check(float(t)) is None, t
+  for t in range(201, 262):   # step 10 never ends
+    beat(mon, 0, 100, 10, step_time=20.0, now=float(t))
+    assert (mon.check(float(t)) is None) == (t <= 260), t
+  f = mon.check(261.0)
+  assert f.kind == 'hang' and f.detail.endswith('3 times its last step (20.0s)'), f.detail
+
+
 def test_an_injected_stall_holds_its_phase_once_after_its_step(tmp_path, monkeypatch):
   from mjax.ft import inject, phases
   with pytest.raises(ValueError, match='a stall names its phase'):

@@ -13,8 +13,10 @@ Timeouts (FaultConfig), in the order they must hold:
   progress_timeout_s    heartbeats arrive but the step has not moved for
                         this long: a hang (typically a collective waiting
                         for a peer that will never come). It bounds the
-                        step's own phases (data, compute); see SLOW_PHASES
-                        for the others
+                        step's own phases (data, compute), or three of
+                        the process's last step times where that is
+                        longer (a step of many accumulation slices can
+                        take minutes); see SLOW_PHASES for the others
   collective_timeout_s  what the job tolerates by itself: the trainer sets
                         jax's coordination-service heartbeat timeout (after
                         which jax aborts every process once a peer is gone)
@@ -45,6 +47,10 @@ from typing import Optional
 # its very end, and again after every restart. They get the allowance
 # start-up gets, collective_timeout_s, since from one tick to the next.
 SLOW_PHASES = ('checkpoint', 'eval')
+# A step may take this many times the process's last one before it counts as
+# hung, where that is longer than progress_timeout_s: a step of many
+# accumulation slices takes minutes, and every one of them was a "hang".
+STEP_TIMES = 3
 
 
 @dataclasses.dataclass
@@ -70,6 +76,7 @@ class ProcState:
   loop_step: Optional[int] = None     # last step the loop dispatched
   phase: Optional[str] = None
   ticks: Optional[int] = None         # progress inside a long phase (PhaseTimer.ticks)
+  step_time: float = 0.0              # its last step's seconds
   last_progress: Optional[float] = None  # when (step, loop_step, phase, ticks) last changed
   loss: Optional[float] = None
   logs: list = dataclasses.field(default_factory=list)
@@ -165,6 +172,12 @@ class Monitor:
       # inside a phase (an evaluation batch done).
       p.last_progress = now
     p.step, p.loop_step, p.phase, p.ticks = step, loop_step, phase, ticks
+    try:
+      seconds = float(payload.get('step_time') or 0.0)
+    except (TypeError, ValueError):
+      seconds = 0.0
+    if math.isfinite(seconds) and seconds > 0:
+      p.step_time = seconds
     p.loss = payload.get('loss')
     p.logs = payload.get('logs') or p.logs
     p.final = p.final or bool(payload.get('final'))
@@ -223,11 +236,15 @@ class Monitor:
 
   def allowance(self, p: ProcState) -> float:
     """How long `p` may go without progress before it counts as hung."""
-    return self.cfg.collective_timeout_s if p.phase in SLOW_PHASES else self.cfg.progress_timeout_s
+    if p.phase in SLOW_PHASES:
+      return self.cfg.collective_timeout_s
+    return max(self.cfg.progress_timeout_s, STEP_TIMES * p.step_time)
 
   def _allowance_text(self, p: ProcState) -> str:
     if p.phase in SLOW_PHASES:
       return f'collective_timeout_s = {self.cfg.collective_timeout_s}s (in phase {p.phase})'
+    if STEP_TIMES * p.step_time > self.cfg.progress_timeout_s:
+      return f'{STEP_TIMES} times its last step ({p.step_time:.1f}s)'
     return f'progress_timeout_s = {self.cfg.progress_timeout_s}s'
 
   def max_step(self) -> Optional[int]:
