@@ -98,7 +98,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mjax import distributed, jsonfile
 from mjax.config import CheckpointConfig, ConfigError
-from mjax.errors import UserError
+from mjax.errors import HostFault, UserError, few_processes
 
 log = logging.getLogger('mjax.checkpoint')
 
@@ -186,7 +186,7 @@ def _prints_digest(prints: dict) -> str:
   return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _host_manager(directory: str, async_save: bool) -> ocp.CheckpointManager:
+def _host_manager(directory: str, async_save: bool, timeout_s: float) -> ocp.CheckpointManager:
   """An Orbax manager of this process's own directory: every process is its
   own primary host, writes the shards it holds (replica_id=None: not only
   the shards of replica 0), and commits alone (Orbax's recipe for local
@@ -205,7 +205,8 @@ def _host_manager(directory: str, async_save: bool) -> ocp.CheckpointManager:
   # in the save thread, seen with 2 processes).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None, create=False, cleanup_tmp_directories=True, enable_async_checkpointing=async_save,
-      multiprocessing_options=mp, async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
+      multiprocessing_options=mp, async_options=ocp.options.AsyncOptions(
+          timeout_secs=int(timeout_s), create_directories_asynchronously=False))
   return ocp.CheckpointManager(directory, options=options, item_handlers={
       'state': ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=registry),
       'data': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
@@ -472,6 +473,12 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
       key = _tier_key(name)
       n = jax.process_count()
       who = '' if n == 1 else f' in process(es) {sorted(bad)} of {n}'
+      if few_processes(bad, n):
+        raise HostFault(
+            f'CheckpointConfig.{key} = {directory!r} (the {name} tier) cannot be written{who}: '
+            f'{next(iter(bad.values()))}. The other processes can write it, so the hosts of those '
+            f'processes are at fault (a mount missing or read-only there, their disk full), not the '
+            f'config: under mjax-launch the job restarts without them.', bad)
       raise ConfigError(
           f'CheckpointConfig.{key} = {directory!r} (the {name} tier) cannot be written{who}: '
           f'{next(iter(bad.values()))}. Checkpoints need a writable directory with room for '
@@ -717,6 +724,12 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
       probe.unlink(missing_ok=True)
   for name, directory in dirs.items():
     blind = sorted(i for i, v in reports.items() if name in v)
+    if blind and few_processes(blind, jax.process_count()):
+      raise HostFault(
+          f'CheckpointConfig.{_tier_key(name)} = {directory!r} (the {name} tier) is not seen by '
+          f'process(es) {blind} of {jax.process_count()}: they do not see the file process 0 wrote '
+          f'there, which the others do, so the hosts of those processes do not mount it (or mount '
+          f'something else there): under mjax-launch the job restarts without them.', blind)
     if blind:
       key = _tier_key(name)
       raise ConfigError(
@@ -1317,8 +1330,8 @@ class Checkpointer:
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
       if name in host:
-        self.tiers.append(_Tier(name, directory, every, keep, _host_manager(directory, cfg.async_save),
-                                host=True))
+        self.tiers.append(_Tier(name, directory, every, keep,
+                                _host_manager(directory, cfg.async_save, cfg.io_timeout_s), host=True))
         continue
       # Orbax names its multi-process barriers by step ('async_write_complete.4'):
       # two tiers saving the same step would meet in one barrier and fail
@@ -1333,7 +1346,8 @@ class Checkpointer:
           enable_async_checkpointing=cfg.async_save,
           multiprocessing_options=ocp.options.MultiprocessingOptions(
               barrier_sync_key_prefix=f'mjax_{name}'),
-          async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
+          async_options=ocp.options.AsyncOptions(timeout_secs=int(cfg.io_timeout_s),
+                                                 create_directories_asynchronously=False))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
       self.tiers.append(_Tier(name, directory, every, keep, manager))
 
@@ -1399,7 +1413,7 @@ class Checkpointer:
         if (tier.name, step) not in self._unusable:
           continue
         # This step failed to restore earlier in this run: replace it.
-        self._move_aside(tier, step, os.path.join(tier.directory, str(step)))
+        self._move_aside(tier, step, os.path.join(tier.directory, str(step)), self.cfg.io_timeout_s)
         self._unusable.discard((tier.name, step))
       if prints is None:  # once per step, whatever the number of tiers
         prints = fingerprints(state)
@@ -1426,7 +1440,7 @@ class Checkpointer:
     `fast_keep` dropped. A save cut off later, in any process, leaves the
     newest `fast_keep` steps that every process has."""
     tier.manager.wait_until_finished()
-    distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}')
+    distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}', self.cfg.io_timeout_s)
     for old in sorted(tier.manager.all_steps(), reverse=True)[tier.keep:]:
       tier.manager.delete(old)
 
@@ -1479,7 +1493,7 @@ class Checkpointer:
       # storage to spare.
       restored, verdicts = self._restore_agreed(tier.manager, step, abstract_state, path,
                                                 None if tier.host else plan, _restore_key(n, f'restore/{i}'),
-                                                host=tier.host)
+                                                self.cfg.io_timeout_s, host=tier.host)
       failed = sorted(verdicts)
       if not failed:
         break
@@ -1506,7 +1520,7 @@ class Checkpointer:
     # in the devices that compute the checksums would otherwise make every
     # good step look damaged, and move them all.
     for tier, step, path in damaged_steps:
-      self._move_aside(tier, step, path)
+      self._move_aside(tier, step, path, self.cfg.io_timeout_s)
     for tier in self.tiers:
       if tier.host:   # newer copies are of a timeline the job has left
         for step in tier.manager.all_steps():
@@ -1516,9 +1530,11 @@ class Checkpointer:
 
   @staticmethod
   def _restore_agreed(manager, step: int, abstract_state: Any, path: str, plan: Optional[ReplicaPlan],
-                      key: str, host: bool = False) -> tuple[Optional[Restored], dict[int, str]]:
+                      key: str, timeout_s: float, host: bool = False) -> tuple[Optional[Restored], dict[int, str]]:
     """Reads one step, sends it to the other replicas (with a plan) and checks
-    it against its checksums.
+    it against its checksums. `timeout_s`: how long a process waits for the
+    others' reads (with a plan, most processes read almost nothing and wait
+    for the replica that reads the state).
 
     Returns:
       (restored, verdicts): verdicts is {process: '0 why' (unreadable) or
@@ -1532,7 +1548,7 @@ class Checkpointer:
     # Every process learns whether every read went well before any
     # collective (the broadcast, the checksums): a process whose read failed
     # must not leave the others waiting in one.
-    verdicts = distributed.report_exceptions(f'{key}/read', None if error is None else f'0 {error}')
+    verdicts = distributed.report_exceptions(f'{key}/read', None if error is None else f'0 {error}', timeout_s)
     if verdicts:
       return None, verdicts
     damaged = False
@@ -1546,11 +1562,12 @@ class Checkpointer:
         damaged, error = True, 'the data position does not match the checksum saved with it'
     except Exception as e:
       error = read_error(e)
-    verdicts = distributed.report_exceptions(key, None if error is None else f'{"D" if damaged else "0"} {error}')
+    verdicts = distributed.report_exceptions(key, None if error is None else f'{"D" if damaged else "0"} {error}',
+                                             timeout_s)
     return (None if verdicts else restored), verdicts
 
   @staticmethod
-  def _move_aside(tier: _Tier, step: int, path: str) -> None:
+  def _move_aside(tier: _Tier, step: int, path: str, timeout_s: float) -> None:
     """Renames a damaged step out of the tier (kept for inspection), so that
     training saves that step afresh when it gets there again."""
     if (tier.host or jax.process_index() == 0) and '://' not in path and os.path.isdir(path):
@@ -1561,7 +1578,7 @@ class Checkpointer:
       except OSError as e:
         log.warning('could not move %s aside (%s); it will be skipped again', path, e)
     if jax.process_count() > 1:
-      distributed.barrier(f'ckpt/aside/{tier.name}/{step}', 300.0)
+      distributed.barrier(f'ckpt/aside/{tier.name}/{step}', timeout_s)
     tier.manager.reload()
 
   def _candidates(self, key: str = 'ckpt/steps', layout: Optional[str] = None) -> list[tuple[int, str]]:
@@ -1613,14 +1630,15 @@ def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: 
   restored = ckpt.restore_latest(abstract_state) if ckpt is not None else None
   if restored is not None or not cfg.restore_from:
     return restored
-  restored = restore_from_path(cfg.restore_from, abstract_state, cfg.single_replica_restore)
+  restored = restore_from_path(cfg.restore_from, abstract_state, cfg.single_replica_restore, cfg.io_timeout_s)
   restored.explicit = True
   if not cfg.restore_data:
     restored.data = None
   return restored
 
 
-def restore_from_path(path: str, abstract_state: Any, single_replica: bool = True) -> Restored:
+def restore_from_path(path: str, abstract_state: Any, single_replica: bool = True,
+                      timeout_s: float = CheckpointConfig.io_timeout_s) -> Restored:
   """Restores an explicit checkpoint: a step directory (`.../checkpoints/120`)
   or a checkpoint directory (its newest step).
 
@@ -1629,6 +1647,7 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
     abstract_state: the state's ShapeDtypeStructs with target shardings.
     single_replica: one data-parallel replica reads, where `replica_plan`
       allows it (see the module docstring).
+    timeout_s: how long a process waits for the others' reads.
   Raises:
     CheckpointNotFound: no checkpoint there, or it cannot be read (in any
       process of the job).
@@ -1656,7 +1675,7 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
     step_path = os.path.join(directory, str(step))
     plan = replica_plan(abstract_state) if single_replica else None
     restored, verdicts = Checkpointer._restore_agreed(manager, step, abstract_state, step_path, plan,
-                                                      _restore_key(next(_RESTORE_ROUNDS), 'explicit'))
+                                                      _restore_key(next(_RESTORE_ROUNDS), 'explicit'), timeout_s)
     if verdicts:
       why = verdicts.get(jax.process_index(), next(iter(verdicts.values())))[2:]
       raise CheckpointNotFound(

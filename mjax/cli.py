@@ -21,7 +21,7 @@ import threading
 from typing import Optional, Sequence
 
 from mjax import flags, protocol
-from mjax.errors import Fault, UserError
+from mjax.errors import Fault, HostFault, UserError
 
 
 class Terminated(KeyboardInterrupt):
@@ -210,6 +210,12 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     if protocol.under_driver():   # the driver reports the message when it gives up
       from mjax.distributed import PROCESS_ID
       protocol.Facts(workdir, int(os.environ.get(PROCESS_ID, '0') or 0)).record(protocol.USER_ERROR, str(e))
+    raise
+  except HostFault as e:
+    if protocol.under_driver():   # the driver restarts without those hosts
+      from mjax.distributed import PROCESS_ID
+      protocol.Facts(workdir, int(os.environ.get(PROCESS_ID, '0') or 0)).record(
+          protocol.HOST_FAULT, {'processes': e.processes, 'what': str(e)})
     raise
   except trainer.NonFiniteLoss as e:
     # A distinct status, so that a supervisor can tell a numerical fault

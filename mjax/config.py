@@ -274,6 +274,12 @@ class CheckpointConfig:
   # over the network, instead of every replica reading its own full copy
   # (MegaScale's restore; mjax/checkpoint.py). False: every process reads.
   single_replica_restore: bool = True
+  # How long one save or one restore may take: Orbax's deadline for a save
+  # written in the background, the processes' waits for each other around
+  # reads and host-tier saves, and what the fault-tolerance driver allows a
+  # process in a save (and, at start-up, for its restore) before calling it
+  # hung. A large state on network storage takes minutes.
+  io_timeout_s: float = 1800.0
   # A Hugging Face model directory (GPT-NeoX, Llama, Mistral, Ministral) whose
   # weights a fresh run starts from, with a fresh optimizer; `mjax-import`
   # writes the matching ModelConfig. A run that has checkpoints resumes them.
@@ -757,7 +763,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
   _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
-  _positive(ck, 'keep', 'fast_keep')
+  _positive(ck, 'keep', 'fast_keep', 'io_timeout_s')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.fast_scope not in FAST_SCOPES:
     _fail('CheckpointConfig.fast_scope', ck.fast_scope,

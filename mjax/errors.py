@@ -10,7 +10,9 @@ is a crash, which the driver does restart.
 A `Fault` is a crash whose cause is known and is not the input's: a peer
 process that never joined, a port another program holds, a disk that
 failed (a full one is bad input: a restart would fail the same way). It is printed as one paragraph too, but exits 1
-(`EXIT_FAILED`), so the driver restarts the job as after any crash.
+(`EXIT_FAILED`), so the driver restarts the job as after any crash. A
+`HostFault` is a Fault found in a few processes of the job only (their
+hosts' storage), which the driver then restarts without those hosts.
 
 This module imports nothing from mjax: every layer may raise these.
 """
@@ -25,6 +27,24 @@ class UserError(ValueError):
 class Fault(RuntimeError):
   """A known failure of the machine or the job around the process; the
   message says what failed, where, and what to check. A restart may cure it."""
+
+
+class HostFault(Fault):
+  """A fault of the hosts of `processes` alone: the job's other processes
+  passed the same check, so the input is fine and those hosts are not (a
+  mount missing or read-only there, their disk full)."""
+
+  def __init__(self, message: str, processes):
+    super().__init__(message)
+    self.processes = sorted(int(p) for p in processes)
+
+
+def few_processes(failed, count: int) -> bool:
+  """Whether `failed` processes of `count` are few enough to blame their
+  hosts rather than the input: fewer than half. One of two is ambiguous
+  (a directory only process 0's machine has is the input's fault), so a
+  job of two never blames a host."""
+  return 0 < len(failed) and 2 * len(failed) < count
 
 
 class RefusingParser(argparse.ArgumentParser):

@@ -293,7 +293,7 @@ def restore(program: Program, choice: Choice) -> tuple[Candidate, Any, bool, lis
     except Exception as e:  # any reason a step cannot be used: report it, try the next
       error = read_error(e)[:300]
     # A step one process cannot read is skipped by all: they must evaluate the same one.
-    verdicts = distributed.report_exceptions(f'eval/restore/{i}', error)
+    verdicts = distributed.report_exceptions(f'eval/restore/{i}', error, program.cfg.checkpoint.io_timeout_s)
     if not verdicts:
       return cand, params, verified, skipped
     params = None

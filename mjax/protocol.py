@@ -61,6 +61,8 @@ FACTS_DIR = 'protocol'
 STARTUP = 'startup'          # {part: seconds} to the first completed step
 NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan', 'what': 'loss' (or grad_norm, update_norm)}
 USER_ERROR = 'user_error'    # the message of the bad input that ended the process (exit status 2)
+HOST_FAULT = 'host_fault'    # {'processes': [i, ...], 'what': message}: a fault of those processes'
+                             # hosts alone (mjax.errors.HostFault, exit status 1): not restarted there
 
 
 def under_driver() -> bool:

@@ -1137,3 +1137,37 @@ def test_a_peak_measured_while_other_work_holds_the_cores_is_estimated_and_not_k
   peak, source = devices.peak_flops(jax.devices()[:1], 'float32', str(tmp_path))
   assert source.startswith('measured:') and (tmp_path / 'peak_flops.json').exists()
   assert devices.peak_flops(jax.devices()[:1], 'float32', str(tmp_path)) == (peak, source.replace('measured', 'measured, cached', 1))
+
+
+def test_the_checkpoint_io_timeout_reaches_orbax(tmp_path):
+  # Orbax gives a background save 20 minutes by default; a large state on
+  # network storage takes longer, and the save then failed the run.
+  cfg = C.CheckpointConfig(io_timeout_s=5400.0, fast_every=1, fast_directory=str(tmp_path / 'fast'))
+  ck = Checkpointer(cfg, str(tmp_path / 'run'))
+  try:
+    # (Orbax keeps its options privately; what it was given is what it waits.)
+    assert {t.name: t.manager._options.async_options.timeout_secs for t in ck.tiers} == \
+        {'persistent': 5400, 'fast': 5400}
+  finally:
+    ck.close()
+  with pytest.raises(C.ConfigError, match=r'CheckpointConfig.io_timeout_s = 0.0 is not allowed'):
+    C.validate(C.Config(checkpoint=C.CheckpointConfig(io_timeout_s=0.0)))
+
+
+def test_a_tier_few_processes_cannot_write_is_their_hosts_fault(tmp_path, monkeypatch):
+  # Process 2 of 3 cannot write where the others can: its host (a mount
+  # missing there), not the config, which a restart without it cures.
+  from mjax import distributed
+  from mjax.errors import HostFault
+  monkeypatch.setattr(checkpoint_lib.jax, 'process_count', lambda: 3)
+  dirs = {'persistent': str(tmp_path)}
+  said = {2: json.dumps({'persistent': 'Read-only file system'})}
+  monkeypatch.setattr(distributed, 'report_exceptions', lambda key, mine, timeout_s=300.0: said)
+  with pytest.raises(HostFault, match=r"cannot be written in process\(es\) \[2\] of 3: Read-only file system\. "
+                                      r"The other processes can write it") as e:
+    checkpoint_lib.check_writable(dirs)
+  assert e.value.processes == [2]
+  # Two of three: the directory's fault, the config's to fix.
+  said[1] = said[2]
+  with pytest.raises(C.ConfigError, match=r'in process\(es\) \[1, 2\] of 3'):
+    checkpoint_lib.check_writable(dirs)

@@ -253,6 +253,26 @@ def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_p
   assert mon.check(210.0) is None and mon.check(210.5).detail.endswith('progress_timeout_s = 8s')
 
 
+def test_a_save_and_a_restore_get_the_checkpoint_io_timeout():
+  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
+                      collective_timeout_s=60)
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), io_timeout_s=1000, restoring=True)
+  mon.add(0, 'a', 100, now=0.0)
+  assert mon.check(1059.0) is None                  # restoring: 60 s + 1000 s
+  f = mon.check(1061.0)
+  assert f.kind == 'startup_timeout' and f.detail.endswith(
+      'collective_timeout_s = 60s + CheckpointConfig.io_timeout_s = 1000s (a restore) of launch'), f.detail
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), io_timeout_s=1000)
+  mon.add(0, 'a', 100, now=0.0)
+  assert mon.check(61.0).kind == 'startup_timeout'  # nothing to restore: 60 s
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), io_timeout_s=1000)
+  mon.add(0, 'a', 100, now=0.0)
+  for t in range(0, 1002):
+    beat(mon, 0, 100, 12, phase='checkpoint', now=float(t))
+    assert (mon.check(float(t)) is None) == (t <= 1000), t
+  assert mon.check(1001.0).detail.endswith('CheckpointConfig.io_timeout_s = 1000s (in phase checkpoint)')
+
+
 def test_steps_longer_than_the_progress_timeout_are_no_hang():
   # 20 s steps (many accumulation slices) under an 8 s progress timeout: a
   # step may take three of the last one before it is a hang.
@@ -337,6 +357,31 @@ def test_elastic_keeps_global_batch():
   tp = C.load_config(['tiny.gin'], ['MeshConfig.tensor = 2'])
   with pytest.raises(hosts_lib.ElasticError, match='model-parallel'):
     hosts_lib.elastic_bindings(tp, 2, 1, 1)
+
+
+def test_a_shrunk_job_is_laid_out_on_the_devices_its_processes_reported(tmp_path):
+  # 4 hosts of 2 GPUs, tensor = 4. --devices (fake CPU devices) is not
+  # given: the layout comes from the devices the trainers reported.
+  d = make_driver(tmp_path, '--processes', '4', '--hosts', 'h0,h1,h2,h3',
+                  train=['--gin.MeshConfig.tensor=4', '--gin.TrainConfig.global_batch_size=16'])
+  try:
+    with pytest.raises(hosts_lib.ElasticError, match='no process of this job has said how many devices'):
+      d._fit(['h0', 'h1', 'h2'])
+    mon = detect.Monitor(d.fault_cfg, d.losses)
+    for i in range(4):
+      mon.add(i, f'h{i}', 100 + i, 0.0)
+      beat(mon, i, 100 + i, 5, devices=2)
+    assert mon.devices_per_process() == 2
+    d.devices_per_process = mon.devices_per_process()
+    # 3 hosts (6 GPUs) hold no tensor group of 4 twice: the job goes on on
+    # 2 hosts (one tensor group, twice the accumulation), h2 waiting idle.
+    assert d._fit(['h0', 'h1', 'h2']) == (['h0', 'h1'], ['TrainConfig.grad_accum_steps = 2'])
+    e = events(tmp_path, 'elastic')[-1]
+    assert e['hosts'] == 2 and e['healthy'] == 3 and e['idle'] == ['h2'] and 'does not fit in 6 devices' in e['why']
+    with pytest.raises(hosts_lib.ElasticError, match='model-parallel'):
+      d._fit(['h0'])
+  finally:
+    d.server.close()
 
 
 def test_launch_flags_are_checked(capsys):
@@ -625,6 +670,12 @@ for step in range(1, 4):
   time.sleep(0.15)
 if mode == 'wedge' and attempt == 0 and os.environ['MJAX_PROCESS_ID'] == '1':
   os.kill(os.getpid(), signal.SIGSTOP)   # alive, but silent: no heartbeats
+if mode == 'host_fault_once' and attempt == 0:   # every process finds process 2's host at fault
+  from mjax import protocol
+  workdir = sys.argv[sys.argv.index('--workdir') + 1]
+  protocol.Facts(workdir, int(os.environ['MJAX_PROCESS_ID'])).record(
+      protocol.HOST_FAULT, {'processes': [2], 'what': 'cannot be written in process(es) [2] of 3'})
+  sys.exit(1)
 if mode == 'crash_at_3':                 # the same step every attempt: a deterministic crash
   time.sleep(0.3)
   sys.exit(1)
@@ -722,6 +773,19 @@ def test_spare_replaces_blocked_host_for_good(tmp_path, monkeypatch):
   assert d.run() == driver.EXIT_OK
   assert events(tmp_path, 'start')[-1]['blocked'] == ['a1']
   assert events(tmp_path, 'launch')[-1]['hosts'] == ['a0', 's0']
+
+
+def test_a_host_fault_the_trainers_found_blocks_that_host_and_a_spare_takes_its_place(tmp_path, monkeypatch):
+  monkeypatch.setattr(FakeExecutor, 'failing', {})   # mjax-diagnose finds nothing: the trainers did
+  monkeypatch.setenv('FAKE_MODE', 'host_fault_once')
+  d = make_driver(tmp_path, '--processes', '3', '--hosts', 'a0,a1,a2', '--spares', 's0', '--grace_s', '1',
+                  train=QUICK)
+  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  assert d.run() == driver.EXIT_OK
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'host_fault' and fault['processes'] == [2], fault
+  assert [e['host'] for e in events(tmp_path, 'host_blocked')] == ['a2']
+  assert [e['hosts'] for e in events(tmp_path, 'launch')] == [['a0', 'a1', 'a2'], ['a0', 'a1', 's0']]
 
 
 def test_sigterm_to_the_driver_preempts_the_job(tmp_path, monkeypatch):
@@ -905,6 +969,28 @@ def test_a_long_evaluation_and_a_long_last_save_are_not_hangs(tmp_path, repo_roo
   assert events(tmp_path, 'fault') == [] and len(events(tmp_path, 'launch')) == 1, events(tmp_path, 'fault')
   assert events(tmp_path, 'finish')[0]['step'] == N
   assert [r['step'] for r in read_metrics(tmp_path) if 'eval_loss' in r] == [6, N]
+
+
+@pytest.mark.slow
+def test_a_host_that_cannot_write_its_checkpoints_is_replaced_by_a_spare(tmp_path, repo_root):
+  """Each host keeps its fast-tier copies in a directory named after it; on
+  a2 that path is a file (a mount gone wrong). The trainers find it before
+  compiling, name process 2, and the job goes on with the spare in its place
+  where it used to end as bad input (exit 2, no restart)."""
+  (tmp_path / 'fast-a2').write_text('not a directory')
+  train = ['--gin.TrainConfig.steps=3', '--gin.TrainConfig.global_batch_size=12',
+           '--gin.CheckpointConfig.fast_every=3', "--gin.CheckpointConfig.fast_scope='host'",
+           f"--gin.CheckpointConfig.fast_directory='{tmp_path}/fast-$MJAX_HOST'"]
+  cmd = launch_cmd(tmp_path / 'run', 3, '--hosts', 'a0,a1,a2', '--spares', 's0', train=train)
+  proc = subprocess.run(cmd, cwd=repo_root, env=child_env(), capture_output=True, text=True, timeout=600)
+  run = tmp_path / 'run'
+  assert proc.returncode == 0, (proc.stderr[-3000:], events(run))
+  fault = events(run, 'fault')[0]
+  assert fault['kind'] == 'host_fault' and fault['processes'] == [2], fault
+  assert "cannot be written in process(es) [2] of 3" in fault['detail'], fault['detail']
+  assert [e['host'] for e in events(run, 'host_blocked')] == ['a2']
+  assert [e['hosts'] for e in events(run, 'launch')] == [['a0', 'a1', 'a2'], ['a0', 'a1', 's0']]
+  assert events(run, 'finish')[0]['step'] == 3
 
 
 @pytest.mark.slow

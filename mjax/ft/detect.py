@@ -44,8 +44,8 @@ from typing import Optional
 # file system takes minutes) and evaluation (its first call compiles the
 # eval step; then each batch ticks, see PhaseTimer.tick). Judged by the
 # progress timeout, a run whose last save outlasted it was killed as hung at
-# its very end, and again after every restart. They get the allowance
-# start-up gets, collective_timeout_s, since from one tick to the next.
+# its very end, and again after every restart. They get collective_timeout_s
+# from one tick to the next, a save at least CheckpointConfig.io_timeout_s.
 SLOW_PHASES = ('checkpoint', 'eval')
 # A step may take this many times the process's last one before it counts as
 # hung, where that is longer than progress_timeout_s: a step of many
@@ -77,6 +77,7 @@ class ProcState:
   phase: Optional[str] = None
   ticks: Optional[int] = None         # progress inside a long phase (PhaseTimer.ticks)
   step_time: float = 0.0              # its last step's seconds
+  devices: Optional[int] = None       # its devices, as it reports them
   last_progress: Optional[float] = None  # when (step, loop_step, phase, ticks) last changed
   loss: Optional[float] = None
   logs: list = dataclasses.field(default_factory=list)
@@ -140,8 +141,14 @@ class LossMonitor:
 class Monitor:
   """Tracks the processes of one attempt and says when one has failed."""
 
-  def __init__(self, fault_cfg, losses: LossMonitor, attempt: Optional[int] = None):
+  def __init__(self, fault_cfg, losses: LossMonitor, attempt: Optional[int] = None,
+               io_timeout_s: float = 0.0, restoring: bool = False):
+    """`io_timeout_s`: what one save or restore may take
+    (CheckpointConfig.io_timeout_s), allowed a process in its checkpoint
+    phase and added to start-up where it restores (`restoring`)."""
     self.cfg = fault_cfg
+    self.save_s = max(fault_cfg.collective_timeout_s, io_timeout_s)
+    self.startup_s = fault_cfg.collective_timeout_s + (io_timeout_s if restoring else 0.0)
     self.procs: dict[int, ProcState] = {}
     self.losses = losses
     self.attempt = attempt   # heartbeats of another attempt are not this one's
@@ -178,6 +185,9 @@ class Monitor:
       seconds = 0.0
     if math.isfinite(seconds) and seconds > 0:
       p.step_time = seconds
+    devices = payload.get('devices')
+    if isinstance(devices, int) and devices > 0:
+      p.devices = devices
     p.loss = payload.get('loss')
     p.logs = payload.get('logs') or p.logs
     p.final = p.final or bool(payload.get('final'))
@@ -208,10 +218,12 @@ class Monitor:
     # Start-up (restore, compile, the first step and its first collectives)
     # ends with the first step reported; until then only the collective
     # timeout bounds it, since compiling can take long.
-    late = [p for p in live if p.step is None and now - p.started > self.cfg.collective_timeout_s]
+    late = [p for p in live if p.step is None and now - p.started > self.startup_s]
     if late:
-      return Fault('startup_timeout', [p.process for p in late],
-                   f'no step within collective_timeout_s = {self.cfg.collective_timeout_s}s of launch',
+      allowed = f'collective_timeout_s = {self.cfg.collective_timeout_s}s'
+      if self.startup_s > self.cfg.collective_timeout_s:
+        allowed += f' + CheckpointConfig.io_timeout_s = {self.startup_s - self.cfg.collective_timeout_s}s (a restore)'
+      return Fault('startup_timeout', [p.process for p in late], f'no step within {allowed} of launch',
                    extra={'heartbeating': [p.process for p in late if p.first_beat is not None]})
     lost = [p for p in live if p.last_beat is not None and now - p.last_beat > self.cfg.heartbeat_timeout_s]
     if lost:
@@ -236,16 +248,25 @@ class Monitor:
 
   def allowance(self, p: ProcState) -> float:
     """How long `p` may go without progress before it counts as hung."""
+    if p.phase == 'checkpoint':
+      return self.save_s
     if p.phase in SLOW_PHASES:
       return self.cfg.collective_timeout_s
     return max(self.cfg.progress_timeout_s, STEP_TIMES * p.step_time)
 
   def _allowance_text(self, p: ProcState) -> str:
+    if p.phase == 'checkpoint' and self.save_s > self.cfg.collective_timeout_s:
+      return f'CheckpointConfig.io_timeout_s = {self.save_s}s (in phase checkpoint)'
     if p.phase in SLOW_PHASES:
       return f'collective_timeout_s = {self.cfg.collective_timeout_s}s (in phase {p.phase})'
     if STEP_TIMES * p.step_time > self.cfg.progress_timeout_s:
       return f'{STEP_TIMES} times its last step ({p.step_time:.1f}s)'
     return f'progress_timeout_s = {self.cfg.progress_timeout_s}s'
+
+  def devices_per_process(self) -> Optional[int]:
+    """The devices every process reported having, where they all agree."""
+    seen = {p.devices for p in self.procs.values() if p.devices is not None}
+    return seen.pop() if len(seen) == 1 else None
 
   def max_step(self) -> Optional[int]:
     steps = [p.step for p in self.procs.values() if p.step is not None]

@@ -16,8 +16,11 @@ a free port by default) and watches for:
                    mjax/protocol.py for every status and what travels
                    between trainer and driver)
   heartbeat_lost   no heartbeat for heartbeat_timeout_s
+  host_fault       the trainers found a fault of a few processes' hosts
+                   (a checkpoint directory they cannot write or do not
+                   see, where the others can): those hosts are blocked
   hang             heartbeats but no step for progress_timeout_s (for
-                   collective_timeout_s in a save or an evaluation): the
+                   collective_timeout_s in an evaluation, io_timeout_s in a save): the
                    processes furthest behind are named (detect.culprits),
                    then every process is sent SIGUSR1 and dumps its Python
                    stacks into its log; where each one was goes into the
@@ -376,7 +379,8 @@ class Driver:
       try:
         self.agents = agent_lib.AgentServer(host, port, self.secret, self.fault_cfg.heartbeat_interval_s,
                                             self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit,
-                                            save_timeout_s=self.fault_cfg.collective_timeout_s)
+                                            save_timeout_s=max(self.fault_cfg.collective_timeout_s,
+                                                               self.cfg.checkpoint.io_timeout_s))
       except OSError as e:
         self.server.close()
         raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None
@@ -388,6 +392,7 @@ class Driver:
     self.blocked = hosts_lib.BlockList(self.workdir)
     self.losses = detect.LossMonitor(self.fault_cfg.loss_spike_factor, self.fault_cfg.loss_spike_count)
     self.skip: Optional[tuple[int, int]] = None   # (checkpoint step, batches to skip after it)
+    self.devices_per_process: Optional[int] = None   # as the trainers report them (heartbeats)
     self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
     self._signal: Optional[int] = None
     self._signals = 0
@@ -424,12 +429,13 @@ class Driver:
                                f'{path} (each with its reason); take a host out of that file once it is '
                                f'repaired, or add hosts (--hosts, --spares)', restarts)
         try:
-          bindings = self._elastic(len(hosts))
+          hosts, bindings = self._fit(hosts)
         except hosts_lib.ElasticError as e:
           return self._give_up(str(e), restarts)
         att = self._launch(restarts, hosts, bindings)
         self._launched = True
         outcome = self._supervise(att)
+        self.devices_per_process = att.monitor.devices_per_process() or self.devices_per_process
         if outcome == 'finished':
           self._stop(att, 'finished')
           self.events.emit('finish', attempt=att.number, restarts=restarts, step=att.monitor.max_step())
@@ -558,13 +564,40 @@ class Driver:
     self.events.emit('agents', connected=self.agents.connected(), chosen=hosts, missing=missing)
     return hosts
 
+  def _fit(self, hosts: list[str]) -> tuple[list[str], list[str]]:
+    """The most of `hosts` the job can run on, keeping its global batch, and
+    the bindings for that. One host lost of 64, with no spare, leaves 63,
+    which no layout of 64 shrinks to: the job goes on on 32 and the other 31
+    wait as spares, rather than giving up."""
+    first = None
+    for n in range(len(hosts), 0, -1):
+      try:
+        bindings = self._elastic(n)
+      except hosts_lib.ElasticError as e:
+        first = first or e
+        if self.opts.devices is None and self.devices_per_process is None:
+          break   # no smaller count can be laid out either
+        continue
+      if n < len(hosts):
+        self.events.emit('elastic', hosts=n, healthy=len(hosts), idle=hosts[n:], why=str(first))
+      return hosts[:n], bindings
+    raise first
+
   def _elastic(self, n: int) -> list[str]:
     """Bindings for running on n hosts instead of the --processes asked for."""
     if n == self.opts.processes:
       return []
-    extra = hosts_lib.elastic_bindings(self.cfg, self.opts.processes, n, self.opts.devices or 1)
-    if self.opts.devices:
-      hosts_lib.check_bindings(self.gin_files, self.bindings + extra, n * self.opts.devices)
+    # GPUs per process as the trainers reported them (--devices is for fake
+    # CPU devices): laid out for one device each, a job of 8-GPU hosts with
+    # tensor = 8 could never shrink.
+    devices = self.opts.devices or self.devices_per_process
+    if devices is None:
+      raise hosts_lib.ElasticError(
+          f'cannot continue on {n} of {self.opts.processes} hosts: no process of this job has said how '
+          f'many devices it has (none reached training), so the smaller layout cannot be computed. '
+          f'Give spares (--spares) or bring the blocked hosts back.')
+    extra = hosts_lib.elastic_bindings(self.cfg, self.opts.processes, n, devices)
+    hosts_lib.check_bindings(self.gin_files, self.bindings + extra, n * devices)
     return extra
 
   # --- launching --------------------------------------------------------------
@@ -581,7 +614,10 @@ class Driver:
       bindings = [*bindings, f'{protocol.SKIP_BATCHES_KEY} = {skip}']
     argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
             *[f'--gin_param={b}' for b in bindings]]
-    monitor = detect.Monitor(self.fault_cfg, self.losses, attempt=number)
+    ck = self.cfg.checkpoint
+    restoring = ck.enabled and bool(self._checkpoint_step() or ck.restore_from)
+    monitor = detect.Monitor(self.fault_cfg, self.losses, attempt=number, io_timeout_s=ck.io_timeout_s,
+                             restoring=restoring)
     self.losses.new_attempt()
     handles, logs, now = {}, {}, time.monotonic()
     for i, (host, ex) in enumerate(zip(hosts, executors)):
@@ -690,6 +726,16 @@ class Driver:
     if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable for a while
       return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
                           'heartbeat_timeout_s', extra={'exit': codes})
+    for i in sorted(failed):
+      fact = self._facts(att, i).get(protocol.HOST_FAULT)
+      if isinstance(fact, dict) and isinstance(fact.get('processes'), list):
+        # The trainers found it in a few processes only (their hosts' storage):
+        # the others passed the same check.
+        named = sorted({int(p) for p in fact['processes']
+                        if isinstance(p, int) and 0 <= p < len(att.hosts)})
+        if named:
+          return detect.Fault('host_fault', named, str(fact.get('what', 'a fault of these hosts')),
+                              extra={'exit': codes})
     lost = sorted(i for i in failed if getattr(att.handles[i], 'host_lost', False))
     if lost:   # its agent disconnected or fell silent (an exit status cannot say so: any is a trainer's)
       codes.update({i: 'host lost' for i in lost})
@@ -880,6 +926,9 @@ class Driver:
     if fault.kind == 'straggler':
       for i in fault.processes:
         self._block(att.hosts[i], f'straggler: {fault.detail}')
+    if fault.kind == 'host_fault':   # found by the trainers themselves; the others passed
+      for i in fault.processes:
+        self._block(att.hosts[i], f'host fault: {fault.detail}')
     if not self.diagnose_cmd:
       self.events.emit('diagnosis', host=None, passed=None,
                        detail='mjax-diagnose is not installed: no host checked, none blocked')

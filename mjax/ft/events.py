@@ -12,13 +12,16 @@ mjax/ft/driver.py:
   startup          process 0's start-up report (restore, compile, ...)
   heartbeat_rejected  a heartbeat that failed authentication or parsing
   fault            kind (exit, heartbeat_lost, startup_timeout, hang,
-                   nonfinite_loss, loss_spike, straggler, bad_input),
+                   nonfinite_loss, loss_spike, straggler, bad_input,
+                   host_fault, host_lost),
                    the processes and hosts named, details
   stack_dump       where a process was when asked to dump its stacks (hang)
   stopped          every process is gone: exit codes, seconds it took
   diagnosis        one host's mjax-diagnose result
   diagnosis_suspect  every host failed: none blocked (a shared cause)
   host_blocked     a host added to <workdir>/blocked_hosts.json
+  elastic          the healthy hosts are more than the job can be laid out
+                   on: how many it runs on, the idle ones, why
   rollback         a numerical fault: checkpoint step, data batches skipped
   restart          attempt, back-off, restarts in all and in a row
   straggler        a process flagged as slow (evicted only if configured)

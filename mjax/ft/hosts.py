@@ -103,7 +103,11 @@ def elastic_bindings(cfg, processes: int, new_processes: int, devices: int) -> l
         f'cannot continue on {new_processes} process(es) x {devices} device(s): the model-parallel '
         f'group (tensor x pipeline = {model_parallel} devices) does not fit in {new_devices} '
         f'devices. Bring back enough healthy hosts, or give spares with --spares.')
-  old_dp = data_parallel_size(mesh, processes * devices)
+  from mjax.config import ConfigError
+  try:
+    old_dp = data_parallel_size(mesh, processes * devices)
+  except ConfigError as e:   # the job's own layout, as the driver understands it, does not resolve
+    raise ElasticError(f'cannot lay out a smaller job: {e}') from None
   new_dp = new_devices // model_parallel
   if old_dp % new_dp:
     raise ElasticError(
