@@ -1486,7 +1486,13 @@ class Checkpointer:
     tiers = {t.name: t for t in self.tiers}
     layout = host_layout(abstract_state) if any(t.host for t in self.tiers) else None
     restored, failures, damaged_steps = None, [], []
-    for i, (step, name) in enumerate(self._candidates(_restore_key(n, 'steps'), layout)):
+    candidates = self._candidates(_restore_key(n, 'steps'), layout)
+    # After a loss spike (CheckpointConfig.restore_below): the steps saved
+    # during it hold the spiked state, finite as it is, and are set aside.
+    below = self.cfg.restore_below
+    abandoned = [(step, name) for step, name in candidates if below is not None and step >= below]
+    candidates = [(step, name) for step, name in candidates if below is None or step < below]
+    for i, (step, name) in enumerate(candidates):
       tier = tiers[name]
       path = os.path.join(tier.directory, str(step))
       # A host-local copy is read by its own process: host memory, no shared
@@ -1521,6 +1527,10 @@ class Checkpointer:
     # good step look damaged, and move them all.
     for tier, step, path in damaged_steps:
       self._move_aside(tier, step, path, self.cfg.io_timeout_s)
+    for step, name in abandoned:
+      if not tiers[name].host:   # host copies: dropped below, with every newer one
+        self._move_aside(tiers[name], step, os.path.join(tiers[name].directory, str(step)),
+                         self.cfg.io_timeout_s, why='rolled-back')
     for tier in self.tiers:
       if tier.host:   # newer copies are of a timeline the job has left
         for step in tier.manager.all_steps():
@@ -1567,11 +1577,12 @@ class Checkpointer:
     return (None if verdicts else restored), verdicts
 
   @staticmethod
-  def _move_aside(tier: _Tier, step: int, path: str, timeout_s: float) -> None:
-    """Renames a damaged step out of the tier (kept for inspection), so that
-    training saves that step afresh when it gets there again."""
+  def _move_aside(tier: _Tier, step: int, path: str, timeout_s: float, why: str = 'damaged') -> None:
+    """Renames a damaged (or rolled-back) step out of the tier, kept for
+    inspection, so that training saves that step afresh when it gets there
+    again."""
     if (tier.host or jax.process_index() == 0) and '://' not in path and os.path.isdir(path):
-      aside = os.path.join(tier.directory, f'damaged-{step}-{int(time.time())}')
+      aside = os.path.join(tier.directory, f'{why}-{step}-{int(time.time())}')
       try:
         os.rename(path, aside)
         log.warning('moved %s aside to %s', path, aside)

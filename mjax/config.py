@@ -268,6 +268,10 @@ class CheckpointConfig:
   fast_scope: str = 'shared'
   async_save: bool = True           # write in the background while training goes on
   restore_from: Optional[str] = None  # explicit checkpoint when the workdir has none
+  # Resume only from a step below this one; newer steps are moved aside
+  # (`rolled-back-<step>-<time>`). Set by mjax-launch after a loss spike:
+  # a step saved during the spike holds a finite but spiked state.
+  restore_below: Optional[int] = None
   restore_data: bool = True         # with restore_from: also resume the data position
   # Multi-process jobs whose data-parallel replicas live in different
   # processes: one replica reads the train state and sends it to the others
@@ -763,7 +767,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
   _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
-  _positive(ck, 'keep', 'fast_keep', 'io_timeout_s')
+  _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.fast_scope not in FAST_SCOPES:
     _fail('CheckpointConfig.fast_scope', ck.fast_scope,

@@ -10,7 +10,9 @@ Everything the two sides agree on lives here, as data:
                   report (MegaScale §5, start-up time as a measured number)
                   and the step whose loss was not finite
   skipped data    the batches to skip after a rollback travel in the config
-                  (TrainConfig.skip_batches), as a gin binding the driver adds
+                  (TrainConfig.skip_batches), as a gin binding the driver adds;
+                  after a loss spike, so does the step to resume below
+                  (CheckpointConfig.restore_below)
 
 Live state (step, loss, phase) travels in heartbeats (mjax/ft/heartbeat.py);
 facts are what must not be lost with a dropped datagram, hence a file,
@@ -55,6 +57,7 @@ DIAGNOSE_FAIL_ENV = 'MJAX_DIAGNOSE_FAIL'     # test-only diagnostic failure (mja
 
 # --- gin binding the driver adds after a rollback --------------------------------
 SKIP_BATCHES_KEY = 'TrainConfig.skip_batches'
+RESTORE_BELOW_KEY = 'CheckpointConfig.restore_below'   # after a loss spike: resume from before it
 
 # --- facts ------------------------------------------------------------------------
 FACTS_DIR = 'protocol'

@@ -156,6 +156,24 @@ def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
   assert {t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)} == {'fast', 'persistent'}
 
 
+def test_restore_below_resumes_from_before_a_spike_and_sets_the_later_steps_aside(uninterrupted, tmp_path):
+  """After a loss spike the driver resumes below the step it began at: steps
+  saved later (finite, but spiked) in either tier are set aside, and the run
+  goes on bitwise as if they had never been saved."""
+  full_dir, full_state = uninterrupted
+  workdir, fast = str(tmp_path / 'run'), str(tmp_path / 'fast')
+  tiers = ['CheckpointConfig.save_every = 3', 'CheckpointConfig.fast_every = 2',
+           f'CheckpointConfig.fast_directory = "{fast}"']
+  trainer.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)
+  out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', *tiers, 'CheckpointConfig.restore_below = 4'), workdir)
+  assert out.start_step == 3
+  aside = sorted(n.rsplit('-', 1)[0] for d in (os.path.join(workdir, 'checkpoints'), fast)
+                 for n in os.listdir(d) if n.startswith('rolled-back-'))
+  assert aside == ['rolled-back-4', 'rolled-back-5', 'rolled-back-5']
+  assert losses(workdir) == losses(full_dir)
+  assert_bitwise(out_state.params, full_state.params)
+
+
 def test_partial_save_is_ignored(uninterrupted, tmp_path):
   """A save cut off mid-way leaves a temporary directory, never a step."""
   workdir = str(tmp_path)

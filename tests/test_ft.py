@@ -641,12 +641,30 @@ def test_a_job_slowed_as_a_whole_is_reported_though_no_process_stands_out(tmp_pa
 def test_rollback_accumulates_skips(tmp_path, monkeypatch):
   d = make_driver(tmp_path)
   att = fake_attempt(d, ['slot0', 'slot1'])
-  monkeypatch.setattr(d, '_checkpoint_step', lambda: 6)
+  monkeypatch.setattr(d, '_checkpoint_step', lambda below=None: 6)
   d._rollback(att, detect.Fault('nonfinite_loss', [0], step=8))
   assert d.skip == (6, 2)
   # NaN again before a newer checkpoint: step 7 now reads batch 7 + 2.
   d._rollback(att, detect.Fault('nonfinite_loss', [0], step=7))
   assert d.skip == (6, 3)
+  d.server.close()
+
+
+def test_a_loss_spike_rolls_back_to_a_step_saved_before_it_began(tmp_path):
+  # Saves at 6 and 10; the spike ran from step 9 to 11. Step 10 is finite
+  # but spiked: the next attempt resumes below 9, from 6, skipping to 12.
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  for step in (6, 10):
+    os.makedirs(tmp_path / 'checkpoints' / str(step) / 'state')
+  d._rollback(att, detect.Fault('loss_spike', [0], step=11, extra={'first_step': 9}))
+  assert d.restore_below == 9 and d.skip == (6, 5)
+  e = events(tmp_path, 'rollback')[-1]
+  assert (e['checkpoint_step'], e['restore_below'], e['skip_data_steps']) == (6, 9, 5)
+  # A NaN rolls back to the newest step, as before: every saved step is finite.
+  d.restore_below = None
+  d._rollback(att, detect.Fault('nonfinite_loss', [0], step=12))
+  assert d.restore_below is None and d.skip == (10, 2)
   d.server.close()
 
 

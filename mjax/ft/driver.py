@@ -392,6 +392,9 @@ class Driver:
     self.blocked = hosts_lib.BlockList(self.workdir)
     self.losses = detect.LossMonitor(self.fault_cfg.loss_spike_factor, self.fault_cfg.loss_spike_count)
     self.skip: Optional[tuple[int, int]] = None   # (checkpoint step, batches to skip after it)
+    # After a loss spike: the step the next attempt resumes below (the steps
+    # saved during the spike are set aside), until an attempt has resumed.
+    self.restore_below: Optional[int] = None
     self.devices_per_process: Optional[int] = None   # as the trainers report them (heartbeats)
     self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
     self._signal: Optional[int] = None
@@ -436,6 +439,8 @@ class Driver:
         self._launched = True
         outcome = self._supervise(att)
         self.devices_per_process = att.monitor.devices_per_process() or self.devices_per_process
+        if att.monitor.max_step() is not None:
+          self.restore_below = None   # resumed: the spiked steps are set aside
         if outcome == 'finished':
           self._stop(att, 'finished')
           self.events.emit('finish', attempt=att.number, restarts=restarts, step=att.monitor.max_step())
@@ -508,13 +513,14 @@ class Driver:
       return False
     return not ck.fast_every or (ck.fast_scope == 'shared' and self.opts.executor == 'local')
 
-  def _checkpoint_step(self) -> int:
-    """The newest complete checkpoint over both tiers (0: none yet)."""
+  def _checkpoint_step(self, below: Optional[int] = None) -> int:
+    """The newest complete checkpoint over both tiers (0: none yet), below
+    step `below` where given."""
     if not self.cfg.checkpoint.enabled:
       return 0
     from mjax.checkpoint import saved_steps
-    found = saved_steps(self.cfg.checkpoint, self.workdir)
-    return found[0][0] if found else 0
+    found = [s for s, _, _ in saved_steps(self.cfg.checkpoint, self.workdir) if below is None or s < below]
+    return found[0] if found else 0
 
   def _plan(self) -> list[str]:
     """The hosts of the next attempt (mjax/ft/hosts.py); with agents, only
@@ -608,10 +614,13 @@ class Driver:
     executors = [self.executor_factory(h) for h in hosts]
     coordinator = executors[0].coordinator(launch.free_port())
     skip = 0
-    if self.skip is not None and self.skip[0] == self._checkpoint_step():
+    resume_at = self._checkpoint_step(self.restore_below)
+    if self.skip is not None and self.skip[0] == resume_at:
       skip = self.skip[1]   # still resuming from the rolled-back checkpoint
     if skip:
       bindings = [*bindings, f'{protocol.SKIP_BATCHES_KEY} = {skip}']
+    if self.restore_below is not None:
+      bindings = [*bindings, f'{protocol.RESTORE_BELOW_KEY} = {self.restore_below}']
     argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
             *[f'--gin_param={b}' for b in bindings]]
     ck = self.cfg.checkpoint
@@ -637,7 +646,7 @@ class Driver:
                      pids=[handles[i].pid for i in range(n)], bindings=bindings, skip_data_steps=skip,
                      coordinator=coordinator)
     return Attempt(number, hosts, handles, executors, logs, monitor, bindings, now,
-                   checkpoint_at_launch=self._checkpoint_step())
+                   checkpoint_at_launch=resume_at)
 
   # --- watching ---------------------------------------------------------------
 
@@ -1165,8 +1174,15 @@ class Driver:
 
   def _rollback(self, att: Attempt, fault: detect.Fault) -> None:
     """After a numerical fault: back to the newest checkpoint (always a
-    finite state), skipping the data from there to the bad step."""
-    ckpt = self._checkpoint_step()
+    finite state; after a loss spike, the newest from before it began),
+    skipping the data from there to the bad step."""
+    first = fault.extra.get('first_step') if fault.kind == 'loss_spike' else None
+    if isinstance(first, int):
+      # Steps saved during the spike are finite, but spiked (a fast tier
+      # saves every few steps, and the driver hears of the spike a few
+      # steps late): resuming from one would go on from the damage.
+      self.restore_below = first
+    ckpt = self._checkpoint_step(self.restore_below)
     bad = fault.step if fault.step is not None else (att.monitor.max_step() or ckpt) + 1
     # Steps after `ckpt` read batches `skip` further on than their number
     # when this checkpoint was already rolled back to once.
@@ -1174,7 +1190,7 @@ class Driver:
     skip = max(0, bad - ckpt) + already
     self.skip = (ckpt, skip)
     self.events.emit('rollback', kind=fault.kind, bad_step=bad, checkpoint_step=ckpt,
-                     skip_data_steps=skip)
+                     skip_data_steps=skip, restore_below=self.restore_below)
 
   def _preempt(self, att: Attempt) -> int:
     """SIGTERM/SIGINT to the driver: pass SIGTERM on, so every process saves
