@@ -249,7 +249,8 @@ class Trainer:
     injector = Injector.from_env(pid)                          # test-only; None in production
     if injector is not None:
       injector.watch(timer)
-    heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
+    heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid,    # None without mjax-launch
+                                         devices=jax.local_device_count())
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)

@@ -319,6 +319,14 @@ def test_culprits_same_step_earliest_stop():
   ps = [detect.ProcState(0, 'h', 0, 0.0, step=7, loop_step=8, last_progress=1.0),
         detect.ProcState(1, 'h', 1, 0.0, step=7, loop_step=7, last_progress=2.0)]
   assert detect.culprits(ps) == [1]
+  # 1,000 processes level, stopped within one heartbeat interval and a relay
+  # (2 s each) of each other: a hang inside the step, no process named.
+  rng = random.Random(0)
+  ps = [detect.ProcState(i, 'h', i, 0.0, step=7, loop_step=8, last_progress=rng.uniform(10.0, 14.0))
+        for i in range(1000)]
+  assert detect.culprits(ps, resolution_s=4.0) == []
+  ps[123].last_progress = 1.0   # one stopped well before the rest
+  assert detect.culprits(ps, resolution_s=4.0) == [123]
 
 
 def test_parse_stacks():

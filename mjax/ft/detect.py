@@ -149,6 +149,9 @@ class Monitor:
     self.cfg = fault_cfg
     self.save_s = max(fault_cfg.collective_timeout_s, io_timeout_s)
     self.startup_s = fault_cfg.collective_timeout_s + (io_timeout_s if restoring else 0.0)
+    # How closely heartbeats time a stop: one interval, and one more where an
+    # agent relays them on its own interval.
+    self.resolution_s = 2 * fault_cfg.heartbeat_interval_s
     self.procs: dict[int, ProcState] = {}
     self.losses = losses
     self.attempt = attempt   # heartbeats of another attempt are not this one's
@@ -238,7 +241,7 @@ class Monitor:
       # timeout is a suspect; `culprits` picks among them.
       stalled = [p for p in live if p.step is not None
                  and now - p.last_progress > self.cfg.heartbeat_timeout_s]
-      return Fault('hang', culprits(stalled),
+      return Fault('hang', culprits(stalled, self.resolution_s),
                    f'heartbeats continue but no step for more than {" / ".join(lines)}',
                    extra={'stalled': {p.process: {'host': p.host, 'step': p.step, 'loop_step': p.loop_step,
                                                   'phase': p.phase,
@@ -277,7 +280,7 @@ class Monitor:
     return min(steps) if len(steps) == len(self.procs) and steps else None
 
 
-def culprits(stalled: list[ProcState]) -> list[int]:
+def culprits(stalled: list[ProcState], resolution_s: float = 1.0) -> list[int]:
   """Which of the stalled processes stopped first.
 
   In a hang every process ends up waiting: the healthy ones inside the
@@ -285,7 +288,13 @@ def culprits(stalled: list[ProcState]) -> list[int]:
   loop runs one step ahead of the metrics), the culprit one step behind
   (MegaScale §8: the ranks that fell silent first are the culprits). So the
   processes furthest behind, by (loop step, step), are named; when all are
-  level, those whose progress stopped earliest (within one second).
+  level, those whose progress stopped earliest, more than `resolution_s`
+  before the others. Heartbeats tell when a process stopped only to within
+  their interval (and an agent's relay): closer than that, all level is a
+  hang inside the step (a device, a link) that heartbeats cannot place, and
+  no process is named; the stack dumps and every host's diagnosis are what
+  tell. (Naming those that happened to report last named a random quarter
+  to half of a large job, each then given link checks.)
   """
   known = [p for p in stalled if p.step is not None]
   if not known:
@@ -296,7 +305,8 @@ def culprits(stalled: list[ProcState]) -> list[int]:
   if len(at_low) < len(known):
     return sorted(p.process for p in at_low)
   first = min(p.last_progress for p in at_low)
-  return sorted(p.process for p in at_low if p.last_progress - first <= 1.0)
+  early = [p.process for p in at_low if p.last_progress - first <= resolution_s]
+  return sorted(early) if len(early) < len(at_low) or len(known) == 1 else []
 
 
 def parse_stacks(text: str, frames: int = 4) -> list[dict]:

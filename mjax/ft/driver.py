@@ -1194,9 +1194,11 @@ class Driver:
 
   def _preempt(self, att: Attempt) -> int:
     """SIGTERM/SIGINT to the driver: pass SIGTERM on, so every process saves
-    and exits; wait for them (a collective timeout at most, or until a
-    second signal says not to wait)."""
-    self._terminate(att, self.fault_cfg.collective_timeout_s, patient=lambda: self._signals < 2)
+    and exits; wait for them (the steps to the agreed stop, a collective
+    timeout, and then the save's CheckpointConfig.io_timeout_s at most, or
+    until a second signal says not to wait)."""
+    self._terminate(att, self.fault_cfg.collective_timeout_s + self.cfg.checkpoint.io_timeout_s,
+                    patient=lambda: self._signals < 2)
     self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att))
     clean = all(h.returncode == 0 for h in att.handles.values())
     return self.opts.preempt_exit_status if clean else EXIT_GAVE_UP

@@ -313,13 +313,15 @@ class HeartbeatClient:
     self._thread.start()
 
   @classmethod
-  def from_env(cls, timer: Any, fault_cfg: Any, process_index: int) -> Optional['HeartbeatClient']:
+  def from_env(cls, timer: Any, fault_cfg: Any, process_index: int,
+               devices: Optional[int] = None) -> Optional['HeartbeatClient']:
     """The client for a process started by mjax-launch; None otherwise.
 
     Args:
       timer: the loop's PhaseTimer.
       fault_cfg: FaultConfig (heartbeat_interval_s).
       process_index: jax.process_index().
+      devices: jax.local_device_count() (what a shrunk job is laid out from).
     Returns:
       None when MJAX_DRIVER_ADDRESS is not set (no driver to talk to).
     """
@@ -336,10 +338,8 @@ class HeartbeatClient:
       raise ValueError(f'{ADDRESS_ENV} is set but {SECRET_ENV} is missing or not hex: heartbeats '
                        f'are authenticated with the per-job secret the driver generates, so a '
                        f'process started by mjax-launch always has both.') from None
-    import jax   # started already: the trainer's backend
     return cls(address, secret, timer, fault_cfg.heartbeat_interval_s, process_index,
-               attempt=protocol.attempt(), driver_timeout_s=fault_cfg.heartbeat_timeout_s,
-               devices=jax.local_device_count())
+               attempt=protocol.attempt(), driver_timeout_s=fault_cfg.heartbeat_timeout_s, devices=devices)
 
   def report_step(self, step: int, loss: float, step_time: float) -> None:
     """Called by the loop once a step's metrics are known."""
