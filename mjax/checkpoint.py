@@ -206,7 +206,7 @@ def _host_manager(directory: str, async_save: bool, timeout_s: float) -> ocp.Che
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None, create=False, cleanup_tmp_directories=True, enable_async_checkpointing=async_save,
       multiprocessing_options=mp, async_options=ocp.options.AsyncOptions(
-          timeout_secs=int(timeout_s), create_directories_asynchronously=False))
+          timeout_secs=max(1, math.ceil(timeout_s)), create_directories_asynchronously=False))
   return ocp.CheckpointManager(directory, options=options, item_handlers={
       'state': ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=registry),
       'data': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
@@ -1346,7 +1346,7 @@ class Checkpointer:
           enable_async_checkpointing=cfg.async_save,
           multiprocessing_options=ocp.options.MultiprocessingOptions(
               barrier_sync_key_prefix=f'mjax_{name}'),
-          async_options=ocp.options.AsyncOptions(timeout_secs=int(cfg.io_timeout_s),
+          async_options=ocp.options.AsyncOptions(timeout_secs=max(1, math.ceil(cfg.io_timeout_s)),
                                                  create_directories_asynchronously=False))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
       self.tiers.append(_Tier(name, directory, every, keep, manager))
@@ -1412,9 +1412,12 @@ class Checkpointer:
       if step in tier.manager.all_steps():
         if (tier.name, step) not in self._unusable:
           continue
-        # This step failed to restore earlier in this run: replace it.
+        # This step failed to restore earlier in this run (or was saved during
+        # a loss spike): replace it.
         self._move_aside(tier, step, os.path.join(tier.directory, str(step)), self.cfg.io_timeout_s)
         self._unusable.discard((tier.name, step))
+        if step in tier.manager.all_steps():   # not moved (a bucket, a failed rename): Orbax
+          tier.manager.delete(step)            # would refuse to write the step over it
       if prints is None:  # once per step, whatever the number of tiers
         prints = fingerprints(state)
       record = {**meta, 'step': int(step), FINGERPRINTS: prints, DATA_SHA256: data_digest(data)}
@@ -1515,6 +1518,13 @@ class Checkpointer:
         # Bits that changed since the save: never usable again. (An unreadable
         # step may be a passing I/O fault: it stays where it is.)
         damaged_steps.append((tier, step, path))
+    if restored is None and abandoned and not failures:
+      raise NoUsableCheckpoint(
+          f'CheckpointConfig.restore_below = {below}: no checkpoint of this run is older than step '
+          f'{below} (its steps: {", ".join(str(s) for s, _ in abandoned)}), so there is nothing from '
+          f'before the loss spike to resume, and starting over would make the new saves delete these '
+          f'steps. Nothing was changed. Resume from the newest step anyway by running without '
+          f'restore_below, or start over in a new --workdir.')
     if restored is None and failures:
       raise NoUsableCheckpoint(
           f'none of the {len(failures)} checkpoint(s) of this run can be used: ' + '; '.join(failures)
@@ -1528,9 +1538,18 @@ class Checkpointer:
     for tier, step, path in damaged_steps:
       self._move_aside(tier, step, path, self.cfg.io_timeout_s)
     for step, name in abandoned:
-      if not tiers[name].host:   # host copies: dropped below, with every newer one
-        self._move_aside(tiers[name], step, os.path.join(tiers[name].directory, str(step)),
-                         self.cfg.io_timeout_s, why='rolled-back')
+      tier = tiers[name]
+      if tier.host:   # host copies: dropped below, with every newer one
+        continue
+      path = os.path.join(tier.directory, str(step))
+      if '://' in path:
+        # A bucket has no rename: left there, the spiked step would be
+        # resumed again by the next restart before training passed it.
+        log.warning('deleting %s: saved during a loss spike (CheckpointConfig.restore_below = %d)', path, below)
+        tier.manager.delete(step)
+        continue
+      self._move_aside(tier, step, path, self.cfg.io_timeout_s, why='rolled-back')
+      self._unusable.add((name, step))   # if the rename failed: replaced when training gets there
     for tier in self.tiers:
       if tier.host:   # newer copies are of a timeline the job has left
         for step in tier.manager.all_steps():

@@ -342,7 +342,8 @@ class FaultConfig:
   heartbeat_timeout_s: float = 20.0     # no heartbeat for this long: process lost (and, the
                                         # other way, no acknowledgement: the driver is gone)
   progress_timeout_s: float = 120.0     # heartbeats but no new step: hang (or 3 x the last step's time
-                                        # where longer; a save or an evaluation: collective_timeout_s)
+                                        # where longer; an evaluation: collective_timeout_s; a save:
+                                        # CheckpointConfig.io_timeout_s)
   collective_timeout_s: float = 600.0   # what the job tolerates by itself (jax's peer heartbeat)
   timing_every: int = 10                # steps between per-process timing flushes
   device_timing_every: int = 100        # trace one step's device time per process every this many

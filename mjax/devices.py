@@ -171,6 +171,16 @@ def _cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def _cpu_quota() -> Optional[float]:
+  """The CPUs a container's cgroup (v2) quota allows, or None without one."""
+  try:
+    with open('/sys/fs/cgroup/cpu.max') as fh:
+      quota, period = fh.read().split()[:2]
+    return None if quota == 'max' else int(quota) / int(period)
+  except (OSError, ValueError):
+    return None
+
+
 def _busy_cpu_seconds(cpus: Sequence[int]) -> Optional[float]:
   """CPU seconds spent so far by anything on `cpus` (Linux /proc/stat), or
   None where the OS does not say."""
@@ -194,14 +204,15 @@ def _busy_cpu_seconds(cpus: Sequence[int]) -> Optional[float]:
 
 def measure_matmul(dtype: str, n: int = 1024, seconds: float = 1.0) -> tuple[float, bool]:
   """Best sustained FLOP/s of an n x n matrix product on the first device,
-  and whether other work shared the CPUs while it was measured.
+  and whether other work shared the CPUs while it was measured (CPU
+  devices only: an accelerator's speed is not its host's).
 
   On CPU every fake device shares the same cores and XLA's thread pool, so
   one device's product already measures the whole machine. Other processes
   on those cores (a build, a second test worker) would make the clock's
   figure a fraction of the machine's: then the product's own CPU time per
-  call, times the CPUs, estimates it instead, and the caller keeps the
-  figure for this run only.
+  call, times the CPUs it may use, estimates it instead, and the caller
+  keeps the figure for this run only.
   """
   import jax
   import jax.numpy as jnp
@@ -220,14 +231,16 @@ def measure_matmul(dtype: str, n: int = 1024, seconds: float = 1.0) -> tuple[flo
     best_cpu = min(best_cpu, time.process_time() - c)
   busy1, cpu1, wall1 = _busy_cpu_seconds(cpus), time.process_time(), time.perf_counter()
   flops = 2 * n ** 3 / best_wall
-  if busy0 is None or busy1 is None:
+  if busy0 is None or busy1 is None or jax.devices()[0].platform != 'cpu':
     return flops, False
   # CPU time others took on our CPUs; a fifth of one CPU on average is more
   # than background noise (the kernel, an idle test runner) ever takes.
   others = (busy1 - busy0) - (cpu1 - cpu0)
   shared = others > 0.2 * (wall1 - wall0)
   if shared and best_cpu > 0:
-    flops = max(flops, 2 * n ** 3 / best_cpu * len(cpus))
+    quota = _cpu_quota()
+    usable = min(len(cpus), quota) if quota else len(cpus)
+    flops = max(flops, 2 * n ** 3 / best_cpu * usable)
   return flops, shared
 
 

@@ -451,7 +451,8 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
       coordination service aborts every process (its own default: 100 s).
       The trainer passes FaultConfig.collective_timeout_s, the outermost
       timeout of the hierarchy (mjax/ft/detect.py), so that a supervising
-      driver, which acts within progress_timeout_s, always acts first.
+      driver, which finds a lost process within heartbeat_timeout_s, always
+      acts first.
   Returns:
     dict with `source`, `num_processes`, `process_id`, `coordinator_address`,
     `local_device_ids`, `local_device_count`, `initialized` (whether

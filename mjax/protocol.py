@@ -64,6 +64,8 @@ FACTS_DIR = 'protocol'
 STARTUP = 'startup'          # {part: seconds} to the first completed step
 NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan', 'what': 'loss' (or grad_norm, update_norm)}
 USER_ERROR = 'user_error'    # the message of the bad input that ended the process (exit status 2)
+DEVICES = 'devices'          # the process's devices (jax.local_device_count()), recorded first:
+                             # what the driver lays a job shrunk to fewer hosts out on
 HOST_FAULT = 'host_fault'    # {'processes': [i, ...], 'what': message}: a fault of those processes'
                              # hosts alone (mjax.errors.HostFault, exit status 1): not restarted there
 
@@ -90,11 +92,16 @@ class Facts:
 
   The file holds the facts of the current attempt only; each `record` rewrites
   it atomically (write, then rename), so the driver never reads half of it.
+  Facts this attempt recorded before (another Facts of the same process)
+  are kept.
   """
 
   def __init__(self, workdir: str, process: int):
     self.path = facts_path(workdir, process)
     self._facts: dict[str, Any] = {'attempt': attempt(), 'process': process}
+    earlier = read_facts(workdir, process, attempt())
+    if earlier.get('process') == process:
+      self._facts.update(earlier)
 
   def record(self, name: str, value: Any) -> None:
     self._facts[name] = value
@@ -106,6 +113,26 @@ class Facts:
       os.replace(tmp, self.path)
     except OSError:
       pass   # a fact the driver cannot read costs it a detail, never the run
+
+
+def devices_per_process(workdir: str) -> Optional[int]:
+  """The devices each process of the job has, as the trainers recorded them
+  (any attempt, any driver before this one), where they all agree."""
+  seen = set()
+  try:
+    names = os.listdir(os.path.join(workdir, FACTS_DIR))
+  except OSError:
+    return None
+  for name in names:
+    if name.startswith('process-') and name.endswith('.json'):
+      try:
+        with open(os.path.join(workdir, FACTS_DIR, name)) as fh:
+          value = json.load(fh).get(DEVICES)
+      except (OSError, ValueError, AttributeError):
+        continue
+      if isinstance(value, int) and value > 0:
+        seen.add(value)
+  return seen.pop() if len(seen) == 1 else None
 
 
 def read_facts(workdir: str, process: int, attempt_number: Optional[int] = None) -> dict:

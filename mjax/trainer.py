@@ -122,6 +122,8 @@ class Trainer:
     data_sources.check_vocab(cfg.model, cfg.data)
     config_lib.check_for_training(cfg)
     _check_workdir(cfg, workdir, self.is_main)
+    if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
+      protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
     self.mesh = make_mesh(cfg.mesh)
     self._mark('setup')
 
@@ -249,8 +251,7 @@ class Trainer:
     injector = Injector.from_env(pid)                          # test-only; None in production
     if injector is not None:
       injector.watch(timer)
-    heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid,    # None without mjax-launch
-                                         devices=jax.local_device_count())
+    heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
@@ -485,9 +486,11 @@ class Trainer:
     steady = times[min(len(times) - 1, 2):] if times else []
     dt = float(np.mean(steady)) if steady else math.nan
     mfu = self.flops_per_token * self.tokens_per_step / dt / self.peak
-    if mfu > 1 and 'cached' in self.peak_source and \
+    # Faster than the peak: the cached figure was measured on busy cores. (A
+    # job of several processes may span machines, each as fast as the one
+    # measured: there MFU above 1 says nothing of the figure.)
+    if mfu > 1 and self.peak_source.startswith('measured, cached') and jax.process_count() == 1 and \
         drop_cached_peak(self.mesh.devices.flat[0].platform, self.cfg.model.dtype, self.cfg.train.peak_cache_dir):
-      # Faster than the peak: the cached figure was measured on busy cores.
       self.say(f'mjax: this run went faster than the cached peak ({self.peak_source}), which was '
                f'measured while other work held the cores; it is forgotten, and the next run measures again')
     return Summary(

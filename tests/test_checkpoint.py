@@ -165,6 +165,10 @@ def test_restore_below_resumes_from_before_a_spike_and_sets_the_later_steps_asid
   tiers = ['CheckpointConfig.save_every = 3', 'CheckpointConfig.fast_every = 2',
            f'CheckpointConfig.fast_directory = "{fast}"']
   trainer.run(cfg8('TrainConfig.steps = 5', *tiers), workdir)
+  # Nothing older than step 3: refused, nothing moved (never a silent start over).
+  with pytest.raises(checkpoint_lib.NoUsableCheckpoint, match='no checkpoint of this run is older than step 3'):
+    trainer.run(cfg8(f'TrainConfig.steps = {N}', *tiers, 'CheckpointConfig.restore_below = 3'), workdir)
+  assert [s for s, _, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)] == [5, 5, 4, 3]
   out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', *tiers, 'CheckpointConfig.restore_below = 4'), workdir)
   assert out.start_step == 3
   aside = sorted(n.rsplit('-', 1)[0] for d in (os.path.join(workdir, 'checkpoints'), fast)

@@ -367,7 +367,7 @@ def test_elastic_keeps_global_batch():
     hosts_lib.elastic_bindings(tp, 2, 1, 1)
 
 
-def test_a_shrunk_job_is_laid_out_on_the_devices_its_processes_reported(tmp_path):
+def test_a_shrunk_job_is_laid_out_on_the_devices_its_processes_reported(tmp_path, monkeypatch):
   # 4 hosts of 2 GPUs, tensor = 4. --devices (fake CPU devices) is not
   # given: the layout comes from the devices the trainers reported.
   d = make_driver(tmp_path, '--processes', '4', '--hosts', 'h0,h1,h2,h3',
@@ -375,12 +375,13 @@ def test_a_shrunk_job_is_laid_out_on_the_devices_its_processes_reported(tmp_path
   try:
     with pytest.raises(hosts_lib.ElasticError, match='no process of this job has said how many devices'):
       d._fit(['h0', 'h1', 'h2'])
-    mon = detect.Monitor(d.fault_cfg, d.losses)
-    for i in range(4):
-      mon.add(i, f'h{i}', 100 + i, 0.0)
-      beat(mon, i, 100 + i, 5, devices=2)
-    assert mon.devices_per_process() == 2
-    d.devices_per_process = mon.devices_per_process()
+    for i in range(4):   # as each trainer records it, first thing
+      monkeypatch.setenv(protocol.ATTEMPT_ENV, str(i % 2))
+      protocol.Facts(str(tmp_path), i).record(protocol.DEVICES, 2)
+    assert protocol.devices_per_process(str(tmp_path)) == 2
+    # A later fact of the same attempt (the host fault that ends it) keeps it.
+    protocol.Facts(str(tmp_path), 3).record(protocol.HOST_FAULT, {'processes': [3], 'what': 'x'})
+    assert protocol.read_facts(str(tmp_path), 3)[protocol.DEVICES] == 2
     # 3 hosts (6 GPUs) hold no tensor group of 4 twice: the job goes on on
     # 2 hosts (one tensor group, twice the accumulation), h2 waiting idle.
     assert d._fit(['h0', 'h1', 'h2']) == (['h0', 'h1'], ['TrainConfig.grad_accum_steps = 2'])
@@ -659,18 +660,22 @@ def test_rollback_accumulates_skips(tmp_path, monkeypatch):
 
 
 def test_a_loss_spike_rolls_back_to_a_step_saved_before_it_began(tmp_path):
-  # Saves at 6 and 10; the spike ran from step 9 to 11. Step 10 is finite
-  # but spiked: the next attempt resumes below 9, from 6, skipping to 12.
+  # Saves at 6, 8 and 10; the spike ran from step 9 to 11. Step 10 is finite
+  # but spiked, and step 9's loss was taken on the state saved as 8: the next
+  # attempt resumes below 8, from 6, skipping to 12.
   d = make_driver(tmp_path)
   att = fake_attempt(d, ['slot0', 'slot1'])
-  for step in (6, 10):
+  for step in (6, 8, 10):
     os.makedirs(tmp_path / 'checkpoints' / str(step) / 'state')
   d._rollback(att, detect.Fault('loss_spike', [0], step=11, extra={'first_step': 9}))
-  assert d.restore_below == 9 and d.skip == (6, 5)
+  assert d.restore_below == 8 and d.skip == (6, 5)
   e = events(tmp_path, 'rollback')[-1]
-  assert (e['checkpoint_step'], e['restore_below'], e['skip_data_steps']) == (6, 9, 5)
+  assert (e['checkpoint_step'], e['restore_below'], e['skip_data_steps']) == (6, 8, 5)
+  # Nothing saved before the spike: the newest step, as before, never a start over.
+  d.restore_below, d.skip = None, None
+  d._rollback(att, detect.Fault('loss_spike', [0], step=7, extra={'first_step': 6}))
+  assert d.restore_below is None and d.skip == (10, 0)
   # A NaN rolls back to the newest step, as before: every saved step is finite.
-  d.restore_below = None
   d._rollback(att, detect.Fault('nonfinite_loss', [0], step=12))
   assert d.restore_below is None and d.skip == (10, 2)
   d.server.close()

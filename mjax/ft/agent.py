@@ -836,7 +836,8 @@ class Agent:
     killed, unless it is saving: a large model's last save can take
     minutes, and killing it would throw away all the work since the
     checkpoint before, so a save whose heartbeats keep coming gets what the
-    driver would give it (collective_timeout_s). Heartbeats keep being
+    driver would give it (CheckpointConfig.io_timeout_s, at least
+    collective_timeout_s). Heartbeats keep being
     received (and not acknowledged) meanwhile."""
     self.beats.acking = False
     saves: dict[int, list[float]] = {}   # process -> [its save began, last heard saving]

@@ -77,7 +77,6 @@ class ProcState:
   phase: Optional[str] = None
   ticks: Optional[int] = None         # progress inside a long phase (PhaseTimer.ticks)
   step_time: float = 0.0              # its last step's seconds
-  devices: Optional[int] = None       # its devices, as it reports them
   last_progress: Optional[float] = None  # when (step, loop_step, phase, ticks) last changed
   loss: Optional[float] = None
   logs: list = dataclasses.field(default_factory=list)
@@ -188,9 +187,6 @@ class Monitor:
       seconds = 0.0
     if math.isfinite(seconds) and seconds > 0:
       p.step_time = seconds
-    devices = payload.get('devices')
-    if isinstance(devices, int) and devices > 0:
-      p.devices = devices
     p.loss = payload.get('loss')
     p.logs = payload.get('logs') or p.logs
     p.final = p.final or bool(payload.get('final'))
@@ -265,11 +261,6 @@ class Monitor:
     if STEP_TIMES * p.step_time > self.cfg.progress_timeout_s:
       return f'{STEP_TIMES} times its last step ({p.step_time:.1f}s)'
     return f'progress_timeout_s = {self.cfg.progress_timeout_s}s'
-
-  def devices_per_process(self) -> Optional[int]:
-    """The devices every process reported having, where they all agree."""
-    seen = {p.devices for p in self.procs.values() if p.devices is not None}
-    return seen.pop() if len(seen) == 1 else None
 
   def max_step(self) -> Optional[int]:
     steps = [p.step for p in self.procs.values() if p.step is not None]

@@ -395,7 +395,6 @@ class Driver:
     # After a loss spike: the step the next attempt resumes below (the steps
     # saved during the spike are set aside), until an attempt has resumed.
     self.restore_below: Optional[int] = None
-    self.devices_per_process: Optional[int] = None   # as the trainers report them (heartbeats)
     self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
     self._signal: Optional[int] = None
     self._signals = 0
@@ -438,7 +437,6 @@ class Driver:
         att = self._launch(restarts, hosts, bindings)
         self._launched = True
         outcome = self._supervise(att)
-        self.devices_per_process = att.monitor.devices_per_process() or self.devices_per_process
         if att.monitor.max_step() is not None:
           self.restore_below = None   # resumed: the spiked steps are set aside
         if outcome == 'finished':
@@ -581,7 +579,7 @@ class Driver:
         bindings = self._elastic(n)
       except hosts_lib.ElasticError as e:
         first = first or e
-        if self.opts.devices is None and self.devices_per_process is None:
+        if self._devices() is None:
           break   # no smaller count can be laid out either
         continue
       if n < len(hosts):
@@ -589,19 +587,22 @@ class Driver:
       return hosts[:n], bindings
     raise first
 
+  def _devices(self) -> Optional[int]:
+    """Devices per process: --devices (fake CPU devices), else what the
+    trainers recorded (protocol.DEVICES). Laid out for one device each, a
+    job of 8-GPU hosts with tensor = 8 could never shrink."""
+    return self.opts.devices or protocol.devices_per_process(self.workdir)
+
   def _elastic(self, n: int) -> list[str]:
     """Bindings for running on n hosts instead of the --processes asked for."""
     if n == self.opts.processes:
       return []
-    # GPUs per process as the trainers reported them (--devices is for fake
-    # CPU devices): laid out for one device each, a job of 8-GPU hosts with
-    # tensor = 8 could never shrink.
-    devices = self.opts.devices or self.devices_per_process
+    devices = self._devices()
     if devices is None:
       raise hosts_lib.ElasticError(
           f'cannot continue on {n} of {self.opts.processes} hosts: no process of this job has said how '
-          f'many devices it has (none reached training), so the smaller layout cannot be computed. '
-          f'Give spares (--spares) or bring the blocked hosts back.')
+          f'many devices it has (none started in this workdir), so the smaller layout cannot be '
+          f'computed. Give spares (--spares) or bring the blocked hosts back.')
     extra = hosts_lib.elastic_bindings(self.cfg, self.opts.processes, n, devices)
     hosts_lib.check_bindings(self.gin_files, self.bindings + extra, n * devices)
     return extra
@@ -735,7 +736,7 @@ class Driver:
     if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable for a while
       return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
                           'heartbeat_timeout_s', extra={'exit': codes})
-    for i in sorted(failed):
+    for i in range(len(att.hosts)):   # not only those gone yet: each records it
       fact = self._facts(att, i).get(protocol.HOST_FAULT)
       if isinstance(fact, dict) and isinstance(fact.get('processes'), list):
         # The trainers found it in a few processes only (their hosts' storage):
@@ -1177,11 +1178,14 @@ class Driver:
     finite state; after a loss spike, the newest from before it began),
     skipping the data from there to the bad step."""
     first = fault.extra.get('first_step') if fault.kind == 'loss_spike' else None
-    if isinstance(first, int):
+    if isinstance(first, int) and self._checkpoint_step(first - 1):
       # Steps saved during the spike are finite, but spiked (a fast tier
       # saves every few steps, and the driver hears of the spike a few
-      # steps late): resuming from one would go on from the damage.
-      self.restore_below = first
+      # steps late): resuming from one would go on from the damage. The
+      # loss of step `first` was taken on the state saved as step first - 1
+      # (before that step's update), so that state is suspect too; where no
+      # step older than that is saved, the newest is all there is.
+      self.restore_below = first - 1
     ckpt = self._checkpoint_step(self.restore_below)
     bad = fault.step if fault.step is not None else (att.monitor.max_step() or ckpt) + 1
     # Steps after `ckpt` read batches `skip` further on than their number

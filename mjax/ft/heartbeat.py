@@ -5,8 +5,6 @@ sends, every `FaultConfig.heartbeat_interval_s`, one UDP datagram to the
 driver (MJAX_DRIVER_ADDRESS, host:port) describing what it is doing:
 
   host, process, pid, attempt   who (host: MJAX_HOST, else the host name)
-  devices                       its devices (GPUs): what a job shrunk to
-                                fewer hosts is laid out from
   step, step_time, step_at      the last finished step (its metrics known),
                                 its duration, and when (unix time) it was
                                 reported
@@ -269,7 +267,7 @@ class HeartbeatClient:
 
   def __init__(self, address: str, secret_hex: str, timer: Any, interval_s: float,
                process_index: int, host: Optional[str] = None, attempt: int = 0,
-               driver_timeout_s: Optional[float] = None, devices: Optional[int] = None):
+               driver_timeout_s: Optional[float] = None):
     """Args:
       address: the driver, host:port.
       secret_hex: the job secret.
@@ -280,8 +278,6 @@ class HeartbeatClient:
       attempt: the driver's restart count.
       driver_timeout_s: no acknowledgement for this long: the driver is
         gone (None: never concluded).
-      devices: this process's devices (jax.local_device_count()): a
-        smaller job after a lost host is laid out from them.
     """
     self._dest = socket.getaddrinfo(*parse_address(address), type=socket.SOCK_DGRAM)[0]
     self._sock = socket.socket(self._dest[0], socket.SOCK_DGRAM)
@@ -290,8 +286,7 @@ class HeartbeatClient:
     self._timer = timer
     self.interval_s = interval_s
     self._static = {'host': host or os.environ.get(HOST_ENV) or socket.gethostname(),
-                    'process': int(process_index), 'pid': os.getpid(), 'attempt': int(attempt),
-                    'devices': devices}
+                    'process': int(process_index), 'pid': os.getpid(), 'attempt': int(attempt)}
     self._lock = threading.Lock()
     self._step: Optional[int] = None
     self._loss: Optional[float] = None
@@ -313,15 +308,13 @@ class HeartbeatClient:
     self._thread.start()
 
   @classmethod
-  def from_env(cls, timer: Any, fault_cfg: Any, process_index: int,
-               devices: Optional[int] = None) -> Optional['HeartbeatClient']:
+  def from_env(cls, timer: Any, fault_cfg: Any, process_index: int) -> Optional['HeartbeatClient']:
     """The client for a process started by mjax-launch; None otherwise.
 
     Args:
       timer: the loop's PhaseTimer.
       fault_cfg: FaultConfig (heartbeat_interval_s).
       process_index: jax.process_index().
-      devices: jax.local_device_count() (what a shrunk job is laid out from).
     Returns:
       None when MJAX_DRIVER_ADDRESS is not set (no driver to talk to).
     """
@@ -339,7 +332,7 @@ class HeartbeatClient:
                        f'are authenticated with the per-job secret the driver generates, so a '
                        f'process started by mjax-launch always has both.') from None
     return cls(address, secret, timer, fault_cfg.heartbeat_interval_s, process_index,
-               attempt=protocol.attempt(), driver_timeout_s=fault_cfg.heartbeat_timeout_s, devices=devices)
+               attempt=protocol.attempt(), driver_timeout_s=fault_cfg.heartbeat_timeout_s)
 
   def report_step(self, step: int, loss: float, step_time: float) -> None:
     """Called by the loop once a step's metrics are known."""
