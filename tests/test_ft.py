@@ -222,11 +222,18 @@ def test_monitor_lost_hang_and_culprit():
   assert f.kind == 'hang' and f.processes == [0]
 
 
-def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_progress():
+def monitor_of_one(collective_timeout_s=60, **kw):
+  """A Monitor of one process (0 on host 'a', pid 100), added at time 0,
+  with the small timeouts of these tests (hang after 8 s)."""
   cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
-                      collective_timeout_s=60)
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+                      collective_timeout_s=collective_timeout_s)
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), **kw)
   mon.add(0, 'a', 100, now=0.0)
+  return mon
+
+
+def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_progress():
+  mon = monitor_of_one()
   # A last save of 50 s (a large state on network storage): saving, not hung.
   for t in range(0, 51):
     beat(mon, 0, 100, 12, phase='checkpoint', now=float(t))
@@ -238,8 +245,7 @@ def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_p
   assert f.detail.endswith('collective_timeout_s = 60s (in phase checkpoint)'), f.detail
   # An evaluation: its first batch compiles (40 s), then each batch ticks
   # (5 s apart, 100 s in all); a stuck one is judged from its last tick.
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
-  mon.add(0, 'a', 100, now=0.0)
+  mon = monitor_of_one()
   for t in range(0, 141):
     beat(mon, 0, 100, 20, phase='eval', ticks=0 if t < 40 else (t - 40) // 5, now=float(t))
     assert mon.check(float(t)) is None, t
@@ -254,19 +260,14 @@ def test_a_save_or_an_evaluation_gets_the_collective_timeout_and_each_batch_is_p
 
 
 def test_a_save_and_a_restore_get_the_checkpoint_io_timeout():
-  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
-                      collective_timeout_s=60)
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), io_timeout_s=1000, restoring=True)
-  mon.add(0, 'a', 100, now=0.0)
+  mon = monitor_of_one(io_timeout_s=1000, restoring=True)
   assert mon.check(1059.0) is None                  # restoring: 60 s + 1000 s
   f = mon.check(1061.0)
   assert f.kind == 'startup_timeout' and f.detail.endswith(
       'collective_timeout_s = 60s + CheckpointConfig.io_timeout_s = 1000s (a restore) of launch'), f.detail
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), io_timeout_s=1000)
-  mon.add(0, 'a', 100, now=0.0)
+  mon = monitor_of_one(io_timeout_s=1000)
   assert mon.check(61.0).kind == 'startup_timeout'  # nothing to restore: 60 s
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3), io_timeout_s=1000)
-  mon.add(0, 'a', 100, now=0.0)
+  mon = monitor_of_one(io_timeout_s=1000)
   for t in range(0, 1002):
     beat(mon, 0, 100, 12, phase='checkpoint', now=float(t))
     assert (mon.check(float(t)) is None) == (t <= 1000), t
@@ -276,10 +277,7 @@ def test_a_save_and_a_restore_get_the_checkpoint_io_timeout():
 def test_steps_longer_than_the_progress_timeout_are_no_hang():
   # 20 s steps (many accumulation slices) under an 8 s progress timeout: a
   # step may take three of the last one before it is a hang.
-  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
-                      collective_timeout_s=600)
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
-  mon.add(0, 'a', 100, now=0.0)
+  mon = monitor_of_one(collective_timeout_s=600)
   for t in range(0, 201):
     step = t // 20
     beat(mon, 0, 100, step or None, step_time=20.0 if step else None, now=float(t))
