@@ -989,10 +989,11 @@ def test_hang_names_silent_process_then_failing_host_is_blocked(tmp_path, repo_r
 @pytest.mark.slow
 def test_a_long_evaluation_and_a_long_last_save_are_not_hangs(tmp_path, repo_root):
   """An evaluation that compiles and a last save to slow storage each stay
-  longer in their phase than progress_timeout_s (8 s): under the driver the
-  run still ends at its first attempt."""
-  stalls = 'stall:phase=eval:step=6:seconds=11;stall:phase=checkpoint:step=12:seconds=11'
-  proc = subprocess.run(launch_cmd(tmp_path, 1, train=['--gin.TrainConfig.eval_every=6']), cwd=repo_root,
+  longer in their phase than progress_timeout_s (here 4 s): under the driver
+  the run still ends at its first attempt."""
+  stalls = 'stall:phase=eval:step=6:seconds=6;stall:phase=checkpoint:step=12:seconds=6'
+  train = ['--gin.TrainConfig.eval_every=6', '--gin.FaultConfig.progress_timeout_s=4']
+  proc = subprocess.run(launch_cmd(tmp_path, 1, train=train), cwd=repo_root,
                         env=child_env(MJAX_FAULT=stalls), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert events(tmp_path, 'fault') == [] and len(events(tmp_path, 'launch')) == 1, events(tmp_path, 'fault')
