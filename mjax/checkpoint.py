@@ -186,6 +186,14 @@ def _prints_digest(prints: dict) -> str:
   return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _async_options(timeout_s: float) -> ocp.options.AsyncOptions:
+  """Orbax's options for saves written in the background: its deadline
+  (CheckpointConfig.io_timeout_s, whole seconds), and directories made in
+  the save call (see the callers)."""
+  return ocp.options.AsyncOptions(timeout_secs=max(1, math.ceil(timeout_s)),
+                                  create_directories_asynchronously=False)
+
+
 def _host_manager(directory: str, async_save: bool, timeout_s: float) -> ocp.CheckpointManager:
   """An Orbax manager of this process's own directory: every process is its
   own primary host, writes the shards it holds (replica_id=None: not only
@@ -205,8 +213,7 @@ def _host_manager(directory: str, async_save: bool, timeout_s: float) -> ocp.Che
   # in the save thread, seen with 2 processes).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None, create=False, cleanup_tmp_directories=True, enable_async_checkpointing=async_save,
-      multiprocessing_options=mp, async_options=ocp.options.AsyncOptions(
-          timeout_secs=max(1, math.ceil(timeout_s)), create_directories_asynchronously=False))
+      multiprocessing_options=mp, async_options=_async_options(timeout_s))
   return ocp.CheckpointManager(directory, options=options, item_handlers={
       'state': ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, type_handler_registry=registry),
       'data': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
@@ -1346,8 +1353,7 @@ class Checkpointer:
           enable_async_checkpointing=cfg.async_save,
           multiprocessing_options=ocp.options.MultiprocessingOptions(
               barrier_sync_key_prefix=f'mjax_{name}'),
-          async_options=ocp.options.AsyncOptions(timeout_secs=max(1, math.ceil(cfg.io_timeout_s)),
-                                                 create_directories_asynchronously=False))
+          async_options=_async_options(cfg.io_timeout_s))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
       self.tiers.append(_Tier(name, directory, every, keep, manager))
 

@@ -206,16 +206,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   try:
     cfg = flags.setup(flags.gin_files(args), bindings)
     summary = trainer.run(cfg, workdir)
-  except UserError as e:
-    if protocol.under_driver():   # the driver reports the message when it gives up
-      from mjax.distributed import PROCESS_ID
-      protocol.Facts(workdir, int(os.environ.get(PROCESS_ID, '0') or 0)).record(protocol.USER_ERROR, str(e))
+  except UserError as e:   # the driver reports the message when it gives up
+    _tell_driver(workdir, protocol.USER_ERROR, str(e))
     raise
-  except HostFault as e:
-    if protocol.under_driver():   # the driver restarts without those hosts
-      from mjax.distributed import PROCESS_ID
-      protocol.Facts(workdir, int(os.environ.get(PROCESS_ID, '0') or 0)).record(
-          protocol.HOST_FAULT, {'processes': e.processes, 'what': str(e)})
+  except HostFault as e:   # the driver restarts without those hosts
+    _tell_driver(workdir, protocol.HOST_FAULT, {'processes': e.processes, 'what': str(e)})
     raise
   except trainer.NonFiniteLoss as e:
     # A distinct status, so that a supervisor can tell a numerical fault
@@ -229,6 +224,13 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
           f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',
           file=sys.stderr)
     sys.exit(protocol.EXIT_DRIVER_LOST)
+
+
+def _tell_driver(workdir: str, fact: str, value) -> None:
+  """Records the fact that ends this trainer, for the driver that started it."""
+  if protocol.under_driver():
+    from mjax.distributed import PROCESS_ID
+    protocol.Facts(workdir, int(os.environ.get(PROCESS_ID, '0') or 0)).record(fact, value)
 
 
 def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:

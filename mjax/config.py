@@ -268,11 +268,11 @@ class CheckpointConfig:
   fast_scope: str = 'shared'
   async_save: bool = True           # write in the background while training goes on
   restore_from: Optional[str] = None  # explicit checkpoint when the workdir has none
+  restore_data: bool = True         # with restore_from: also resume the data position
   # Resume only from a step below this one; newer steps are moved aside
   # (`rolled-back-<step>-<time>`). Set by mjax-launch after a loss spike:
   # a step saved during the spike holds a finite but spiked state.
   restore_below: Optional[int] = None
-  restore_data: bool = True         # with restore_from: also resume the data position
   # Multi-process jobs whose data-parallel replicas live in different
   # processes: one replica reads the train state and sends it to the others
   # over the network, instead of every replica reading its own full copy

@@ -220,18 +220,21 @@ def measure_matmul(dtype: str, n: int = 1024, seconds: float = 1.0) -> tuple[flo
   a = jnp.ones((n, n), dt)
   f = jax.jit(lambda x, y: (x @ y).astype(dt))
   f(a, a).block_until_ready()
+  on_cpu = jax.devices()[0].platform == 'cpu'
   cpus = _cpus()
   best_wall = best_cpu = float('inf')
-  busy0, cpu0, wall0 = _busy_cpu_seconds(cpus), time.process_time(), time.perf_counter()
+  busy0 = _busy_cpu_seconds(cpus) if on_cpu else None
+  cpu0, wall0 = time.process_time(), time.perf_counter()
   deadline = wall0 + seconds
   while time.perf_counter() < deadline:
     t, c = time.perf_counter(), time.process_time()
     f(a, a).block_until_ready()
     best_wall = min(best_wall, time.perf_counter() - t)
     best_cpu = min(best_cpu, time.process_time() - c)
-  busy1, cpu1, wall1 = _busy_cpu_seconds(cpus), time.process_time(), time.perf_counter()
+  busy1 = _busy_cpu_seconds(cpus) if on_cpu else None
+  cpu1, wall1 = time.process_time(), time.perf_counter()
   flops = 2 * n ** 3 / best_wall
-  if busy0 is None or busy1 is None or jax.devices()[0].platform != 'cpu':
+  if busy0 is None or busy1 is None:
     return flops, False
   # CPU time others took on our CPUs; a fifth of one CPU on average is more
   # than background noise (the kernel, an idle test runner) ever takes.
@@ -259,15 +262,8 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tup
   per_device = lookup_peak(kind, dtype)
   if per_device is not None:
     return per_device * len(devices), f'table: {len(devices)} x {kind} {dtype} {per_device / 1e12:.1f} TFLOP/s'
-  cache_dir = os.path.expanduser(cache_dir)
-  path = os.path.join(cache_dir, 'peak_flops.json')
+  path, cache = _peak_cache(cache_dir)
   key = peak_cache_key(devices[0].platform, dtype)
-  cache = {}
-  try:
-    with open(path) as fh:
-      cache = json.load(fh)
-  except (OSError, ValueError):
-    pass
   if key in cache:
     peak, source = cache[key], 'measured, cached'
   else:
@@ -287,19 +283,29 @@ def peak_flops(devices: Sequence[jax.Device], dtype: str, cache_dir: str) -> tup
   return peak, f'{source}: {dtype} matmul on {cpu_model()} ({os.cpu_count()} cores), {path}'
 
 
-def drop_cached_peak(platform: str, dtype: str, cache_dir: str) -> bool:
-  """Forgets this machine's cached peak for `dtype` (a run went faster than
-  it, so it was measured on busy cores); whether there was one to forget."""
+def _peak_cache(cache_dir: str) -> tuple[str, dict]:
+  """The peak cache's path and what it holds ({} where it is missing or not
+  a JSON object)."""
   path = os.path.join(os.path.expanduser(cache_dir), 'peak_flops.json')
   try:
     with open(path) as fh:
       cache = json.load(fh)
-    if cache.pop(peak_cache_key(platform, dtype), None) is None:
-      return False
-    jsonfile.write_atomic(path, cache, indent=1)
-    return True
-  except (OSError, ValueError, AttributeError):   # gone, garbage, or not writable: nothing to do
+  except (OSError, ValueError):
+    cache = {}
+  return path, cache if isinstance(cache, dict) else {}
+
+
+def drop_cached_peak(platform: str, dtype: str, cache_dir: str) -> bool:
+  """Forgets this machine's cached peak for `dtype` (a run went faster than
+  it, so it was measured on busy cores); whether there was one to forget."""
+  path, cache = _peak_cache(cache_dir)
+  if cache.pop(peak_cache_key(platform, dtype), None) is None:
     return False
+  try:
+    jsonfile.write_atomic(path, cache, indent=1)
+  except OSError:   # not writable: nothing to do
+    return False
+  return True
 
 
 def peak_memory_bytes(devices: Sequence[jax.Device]) -> tuple[Optional[int], str]:

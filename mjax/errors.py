@@ -9,10 +9,11 @@ is a crash, which the driver does restart.
 
 A `Fault` is a crash whose cause is known and is not the input's: a peer
 process that never joined, a port another program holds, a disk that
-failed (a full one is bad input: a restart would fail the same way). It is printed as one paragraph too, but exits 1
-(`EXIT_FAILED`), so the driver restarts the job as after any crash. A
-`HostFault` is a Fault found in a few processes of the job only (their
-hosts' storage), which the driver then restarts without those hosts.
+failed (a full one is bad input: a restart would fail the same way). It
+is printed as one paragraph too, but exits 1 (`EXIT_FAILED`), so the
+driver restarts the job as after any crash. A `HostFault` is a Fault found
+in a few processes of the job only (their hosts' storage), which the
+driver then restarts without those hosts.
 
 This module imports nothing from mjax: every layer may raise these.
 """

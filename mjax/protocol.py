@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Optional
 
 # --- exit statuses ------------------------------------------------------------
@@ -118,20 +119,13 @@ class Facts:
 def devices_per_process(workdir: str) -> Optional[int]:
   """The devices each process of the job has, as the trainers recorded them
   (any attempt, any driver before this one), where they all agree."""
-  seen = set()
   try:
     names = os.listdir(os.path.join(workdir, FACTS_DIR))
   except OSError:
     return None
-  for name in names:
-    if name.startswith('process-') and name.endswith('.json'):
-      try:
-        with open(os.path.join(workdir, FACTS_DIR, name)) as fh:
-          value = json.load(fh).get(DEVICES)
-      except (OSError, ValueError, AttributeError):
-        continue
-      if isinstance(value, int) and value > 0:
-        seen.add(value)
+  found = (read_facts(workdir, int(m.group(1))).get(DEVICES)
+           for m in map(re.compile(r'process-(\d+)\.json').fullmatch, names) if m)
+  seen = {v for v in found if isinstance(v, int) and v > 0}
   return seen.pop() if len(seen) == 1 else None
 
 

@@ -367,32 +367,34 @@ def _slices(batch: Batch, k: int) -> Batch:
   return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
+def _sum_over_slices(fn, params, batch: Batch, k: int, zeros):
+  """fn(params, batch), a tree of sums, over the batch in `k` sequential
+  slices, summed (fp32 sums across slices, one division by the caller)."""
+  if k == 1:
+    return fn(params, batch)
+
+  def body(acc, sl):
+    return jax.tree.map(jnp.add, acc, fn(params, sl)), None
+
+  return jax.lax.scan(body, zeros, _slices(batch, k))[0]
+
+
 def _grad_sums(loss_sums, params, batch: Batch, k: int):
   """(loss sum, token count, gradient sums) over the batch, in `k`
   sequential accumulation slices."""
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-  if k == 1:
-    (total, count), grads = grad_fn(params, batch)
+
+  def sums(p, b):
+    (total, count), grads = grad_fn(p, b)
     return total, count, grads
 
-  # fp32 sums across slices, one division at the end.
-  def body(acc, sl):
-    (total, count), g = grad_fn(params, sl)
-    return jax.tree.map(jnp.add, acc, (total, count, g)), None
-
   zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-  return jax.lax.scan(body, zeros, _slices(batch, k))[0]
+  return _sum_over_slices(sums, params, batch, k, zeros)
 
 
 def _loss_sums_in_slices(loss_sums, params, batch: Batch, k: int):
   """(loss sum, token count) over the batch, in `k` sequential slices."""
-  if k == 1:
-    return loss_sums(params, batch)
-
-  def body(acc, sl):
-    return jax.tree.map(jnp.add, acc, loss_sums(params, sl)), None
-
-  return jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), _slices(batch, k))[0]
+  return _sum_over_slices(loss_sums, params, batch, k, (jnp.zeros(()), jnp.zeros(())))
 
 
 def setup_compilation_cache(cache_dir: Optional[str]) -> None:

@@ -53,6 +53,12 @@ SLOW_PHASES = ('checkpoint', 'eval')
 STEP_TIMES = 3
 
 
+def save_allowance(fault_cfg, io_timeout_s: float) -> float:
+  """How long a process may stay in a save (the blocking part), under the
+  driver or, once the driver is gone, under its agent."""
+  return max(fault_cfg.collective_timeout_s, io_timeout_s)
+
+
 @dataclasses.dataclass
 class Fault:
   """What went wrong. `processes` are the ones named as the cause."""
@@ -146,7 +152,7 @@ class Monitor:
     (CheckpointConfig.io_timeout_s), allowed a process in its checkpoint
     phase and added to start-up where it restores (`restoring`)."""
     self.cfg = fault_cfg
-    self.save_s = max(fault_cfg.collective_timeout_s, io_timeout_s)
+    self.save_s = save_allowance(fault_cfg, io_timeout_s)
     self.startup_s = fault_cfg.collective_timeout_s + (io_timeout_s if restoring else 0.0)
     # How closely heartbeats time a stop: one interval, and one more where an
     # agent relays them on its own interval.

@@ -379,8 +379,8 @@ class Driver:
       try:
         self.agents = agent_lib.AgentServer(host, port, self.secret, self.fault_cfg.heartbeat_interval_s,
                                             self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit,
-                                            save_timeout_s=max(self.fault_cfg.collective_timeout_s,
-                                                               self.cfg.checkpoint.io_timeout_s))
+                                            save_timeout_s=detect.save_allowance(
+                                                self.fault_cfg, self.cfg.checkpoint.io_timeout_s))
       except OSError as e:
         self.server.close()
         raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None
@@ -573,13 +573,13 @@ class Driver:
     the bindings for that. One host lost of 64, with no spare, leaves 63,
     which no layout of 64 shrinks to: the job goes on on 32 and the other 31
     wait as spares, rather than giving up."""
-    first = None
+    first, devices = None, self._devices()
     for n in range(len(hosts), 0, -1):
       try:
-        bindings = self._elastic(n)
+        bindings = self._elastic(n, devices)
       except hosts_lib.ElasticError as e:
         first = first or e
-        if self._devices() is None:
+        if devices is None:
           break   # no smaller count can be laid out either
         continue
       if n < len(hosts):
@@ -593,11 +593,11 @@ class Driver:
     job of 8-GPU hosts with tensor = 8 could never shrink."""
     return self.opts.devices or protocol.devices_per_process(self.workdir)
 
-  def _elastic(self, n: int) -> list[str]:
-    """Bindings for running on n hosts instead of the --processes asked for."""
+  def _elastic(self, n: int, devices: Optional[int]) -> list[str]:
+    """Bindings for running on n hosts of `devices` each instead of the
+    --processes asked for."""
     if n == self.opts.processes:
       return []
-    devices = self._devices()
     if devices is None:
       raise hosts_lib.ElasticError(
           f'cannot continue on {n} of {self.opts.processes} hosts: no process of this job has said how '
@@ -625,7 +625,7 @@ class Driver:
     argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
             *[f'--gin_param={b}' for b in bindings]]
     ck = self.cfg.checkpoint
-    restoring = ck.enabled and bool(self._checkpoint_step() or ck.restore_from)
+    restoring = bool(resume_at) or (ck.enabled and bool(ck.restore_from))
     monitor = detect.Monitor(self.fault_cfg, self.losses, attempt=number, io_timeout_s=ck.io_timeout_s,
                              restoring=restoring)
     self.losses.new_attempt()
