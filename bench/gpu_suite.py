@@ -17,6 +17,10 @@ Sections, each independent (one failing never stops the next):
              remat policies, gradient accumulation, XLA attention) train the
              same model on the same batches: losses compared step by step.
 
+  dots       (opt-in: --sections dots) bench/dot_budget.py on the best 1p3b
+             row: every matrix product of the step timed alone, and the
+             MFU ceiling they set.
+
 --experiments adds MFU rows for XLA options under trial (EXPERIMENT_ROWS).
 Everything runs under one deadline (--budget_s); rows that do not fit are
 reported as skipped. The tables go to stdout and, with --out DIR, to
@@ -420,6 +424,29 @@ def check_mfu(suite: Suite):
       f'; failed: {", ".join(failed)}' if failed else '')
 
 
+# --- dots ---------------------------------------------------------------------
+
+def check_dots(suite: Suite):
+  """bench/dot_budget.py on the best 1p3b row: the step's matrix products
+  each timed alone, and the MFU they leave room for. Whether the gap to the
+  MFU target is in the GEMMs themselves or in the work around them."""
+  gin, overrides = ('tiny.gin', ['ModelConfig.remat_policy=none']) if suite.args.smoke else ('1p3b.gin', _BEST)
+  argv = [sys.executable, os.path.join(REPO, 'bench', 'dot_budget.py'), '--gin_file', gin,
+          *[f'--gin.{o}' for o in overrides]]
+  if not suite.args.smoke:
+    argv.append('--gin.ModelConfig.attention_impl=cudnn')
+  rc, log = suite.run(argv, 'dots.log', timeout=max(suite.left() - 5, 1))
+  lines = log.splitlines()
+  start = next((i for i, line in enumerate(lines) if line.startswith('dot budget')), None)
+  if rc or start is None:
+    return False, f'exit {rc}; log tail:\n' + '\n'.join(lines[-15:])
+  suite.say(f'\n### Matrix products timed alone: {" ".join(["1p3b" if not suite.args.smoke else "tiny", *overrides])}\n')
+  for line in lines[start:]:
+    suite.say(line)
+  ceiling = next((line for line in lines if line.startswith('MFU measured')), '')
+  return True, ceiling
+
+
 # --- variants ----------------------------------------------------------------
 
 def check_variants(suite: Suite):
@@ -519,7 +546,8 @@ def main(argv=None):
   p.add_argument('--budget_s', type=float, default=560, help='deadline for the whole suite')
   p.add_argument('--row_timeout_s', type=float, default=170, help='limit for one MFU row')
   p.add_argument('--steps', type=int, default=10, help='timed steps per MFU row')
-  p.add_argument('--sections', default='attention,train,mfu,variants')
+  p.add_argument('--sections', default='attention,train,mfu,variants',
+                 help='comma-separated, from attention, train, mfu, variants, dots')
   p.add_argument('--mfu_rows', default='', help='comma-separated substrings of MFU row names to run')
   p.add_argument('--profile', action='store_true', help='trace the rows marked for it (jax.profiler)')
   p.add_argument('--experiments', action='store_true',
@@ -527,7 +555,8 @@ def main(argv=None):
   p.add_argument('--child', default=None, help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else argv
   args = p.parse_args(argv)
-  sections = dict(attention=check_attention, train=check_train, mfu=check_mfu, variants=check_variants)
+  sections = dict(attention=check_attention, train=check_train, mfu=check_mfu, variants=check_variants,
+                  dots=check_dots)
   if args.child:  # one section in this process; the parent collects the JSON
     suite = Suite(args)
     import jax

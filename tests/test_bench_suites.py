@@ -2,8 +2,10 @@
 lent, rarely and under a deadline, so a row that a config change broke must
 fail here, on CPU, not there."""
 
+import collections
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -115,6 +117,7 @@ ENTRY %main (a: f32[8,256,1024], i: s32[], x: f32[256,1024]) -> f32[256,1024] {
 def _bench_module(name):
   spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'bench', f'{name}.py'))
   mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod      # dataclasses look their module up while the class is built
   spec.loader.exec_module(mod)
   return mod
 
@@ -173,3 +176,58 @@ def test_attention_time_by_window_runs_and_says_the_work_each_window_keeps():
   assert rows[0]['work'] == 1.0 and all(a['work'] > b['work'] for a, b in zip(rows, rows[1:]))
   assert all(r['ms'] > 0 and r['tflops'] > 0 for r in rows)
   assert any(line.startswith('| causal |') for line in lines), lines
+
+
+def test_dot_budget_finds_every_product_with_its_runs_per_step_and_times_it():
+  # A scanned layer's product runs once per layer, the head's once; batched
+  # and transposed products keep their dimension numbers, so each is timed
+  # as the program runs it, and the FLOPs add up to the function's.
+  import jax
+  import jax.numpy as jnp
+  budget = _bench_module('dot_budget')
+  layers, t, d, v = 3, 64, 32, 48
+
+  def f(x, w, head, q):
+    x, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    scores = jnp.einsum('bqd,bkd->bqk', q, q)              # batched, contracting the last dims
+    return jnp.sum(x @ head) + jnp.sum(jnp.tanh(scores))
+
+  args = (jnp.ones((t, d)), jnp.ones((layers, d, d)), jnp.ones((d, v)), jnp.ones((2, 16, 8)))
+  text = jax.jit(jax.grad(f, argnums=(1, 2, 3))).lower(*args).compile().as_text()
+  rows, unknown = budget.products(text)
+  assert not unknown
+  runs = collections.Counter()
+  for (p, _), n in rows.items():
+    runs[(p.lhs.dims, p.rhs.dims, p.contracting)] += n
+  # The layer: forward h @ w, and the data and weight gradients, each once per layer.
+  assert runs[((t, d), (d, d), ((1,), (0,)))] == layers
+  assert runs[((t, d), (d, d), ((1,), (1,)))] == layers
+  assert runs[((t, d), (t, d), ((0,), (0,)))] == layers
+  # The head's gradients (its forward product is dead code: the sum's gradient is ones).
+  assert runs[((t, d), (t, v), ((0,), (0,)))] == 1 and runs[((t, v), (d, v), ((1,), (1,)))] == 1
+  batched = [p for (p, _), _ in rows.items() if p.batch[0] and p.out_dims == (2, 16, 16)]
+  assert len(batched) == 1 and batched[0].flops == 2 * 2 * 16 * 16 * 8
+  assert sum(n * p.flops for (p, _), n in rows.items()) == (
+      3 * layers * 2 * t * d * d + 2 * 2 * t * d * v + 3 * 2 * 2 * 16 * 16 * 8)
+  seconds = {p: budget.time_product(p, min_seconds=0.01) for p in {p for p, _ in rows}}
+  assert all(s > 0 for s in seconds.values())
+  table = budget.budget(rows, seconds, step_s=1.0, model_flops=1e6, peak=1e9)
+  assert '| **all matrix products** |' in table and 'MFU ceiling' in table
+
+
+def test_dot_budget_reads_a_cublas_call_as_its_product():
+  budget = _bench_module('dot_budget')
+  text = """HloModule m
+
+ENTRY %main (a: bf16[512,256], b: bf16[4096,256]) -> bf16[512,4096] {
+  %a = bf16[512,256]{1,0} parameter(0)
+  %b = bf16[4096,256]{1,0} parameter(1)
+  %g = (bf16[512,4096]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(train_step)/jvp(Transformer)/Transformer._head/dot_general"}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  ROOT %r = bf16[512,4096]{1,0} get-tuple-element(%g), index=0
+}
+"""
+  rows, _ = budget.products(text)
+  ((p, part), n), = rows.items()
+  assert n == 1 and part == 'forward: head and loss'
+  assert p.out_dtype == 'bf16' and p.out_dims == (512, 4096) and p.contracting == ((1,), (1,))
+  assert p.flops == 2 * 512 * 4096 * 256
