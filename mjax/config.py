@@ -314,6 +314,12 @@ class TrainConfig:
   # replaces flags; a flag already in the XLA_FLAGS environment always wins.
   xla_overlap_flags: bool = True
   xla_extra_flags: str = ''
+  # Python's garbage collector runs only every this many steps, at the same
+  # steps in every process, with what start-up left alive frozen out of it
+  # (mjax/ft/gc_control.py): an automatic full collection pauses one process
+  # for ~0.3 s at a moment of its own, and every other process waits for it.
+  # 0: Python's automatic collection, as outside mjax.
+  gc_every_steps: int = 100
   # Batches to skip after the start position (resumed or fresh). The
   # fault-tolerance driver sets it after a NaN / loss-spike rollback, so that
   # the restart does not replay the batches that led to the fault.
@@ -767,7 +773,8 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
-  _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', allow_zero=True)
+  _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', 'gc_every_steps',
+            allow_zero=True)
   _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.fast_scope not in FAST_SCOPES:

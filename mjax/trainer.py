@@ -20,6 +20,8 @@ The loop itself is short because each concern owns its cadence:
   Checkpointer    `due(step)`: two tiers, asynchronous (mjax/checkpoint.py)
   evaluation      every TrainConfig.eval_every steps, and at the end
   StopAgreement   SIGTERM / SIGINT: every process stops after the same step
+  StepGC          Python's garbage collection at the same steps in every
+                  process, TrainConfig.gc_every_steps (mjax/ft/gc_control.py)
   PhaseTimer, HeartbeatClient   per-phase timings and heartbeats for the
                   fault-tolerance driver (mjax/ft/)
 """
@@ -48,6 +50,7 @@ from mjax import distributed, protocol
 from mjax.config import Config, ConfigError
 from mjax.devices import drop_cached_peak, memory_per_device, peak_flops
 from mjax.ft.device_time import DeviceSampler
+from mjax.ft.gc_control import StepGC
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
 from mjax.ft.phases import PhaseTimer
@@ -287,7 +290,8 @@ class Trainer:
     """`train`'s steps, final save and evaluation."""
     cfg, program, start = self.cfg, self.program, self.start_step
     step = start
-    with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext():
+    with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext(), \
+        StepGC(cfg.train.gc_every_steps) as collector:
       for step in range(start + 1, cfg.train.steps + 1):
         if injector is not None:
           injector.before_step(step)
@@ -308,6 +312,9 @@ class Trainer:
           reporter.flush()
           with timer.phase('checkpoint'):
             self._save(step, meta)
+        if collector.due(step):            # the same steps in every process: the pauses line up
+          with timer.phase('gc'):
+            collector.collect()
         timer.end_step(step, device)
         profiler.after(step, self.state)
         if stop.agreed(step):

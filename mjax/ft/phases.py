@@ -22,6 +22,7 @@ class PhaseTimer:
                 optimizer and their collectives run as one XLA program
     checkpoint  the blocking part of a save
     eval        held-out evaluation
+    gc          Python's garbage collection, every TrainConfig.gc_every_steps
   Rows are appended every `every` steps to
   `<workdir>/timings/process-<index>.jsonl`, one JSON object per step:
   {"step", "process", "host", "time" (unix, end of step), "phases": {...}},

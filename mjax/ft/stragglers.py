@@ -68,8 +68,9 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 # The order phases run in within one row: evaluation after step s is
-# accumulated into row s + 1 before its data, and a checkpoint closes the step.
-PHASE_ORDER = ('eval', 'data', 'compute', 'checkpoint')
+# accumulated into row s + 1 before its data; a checkpoint, then a garbage
+# collection (mjax/ft/gc_control.py, every few steps) close the step.
+PHASE_ORDER = ('eval', 'data', 'compute', 'checkpoint', 'gc')
 STEP = 'step'  # the metric "sum of all phases"
 DEVICE = 'device'  # the reason of a straggler found in the sampled device times
 DEVICE_SAMPLES = 3  # sampled steps a device verdict rests on

@@ -1,0 +1,56 @@
+"""StepGC: Python's collector at fixed steps only, and as it was afterwards."""
+
+import gc
+
+from mjax.ft.gc_control import StepGC
+
+
+class Node:
+  def __init__(self):
+    self.me = self   # a reference cycle: only the collector frees it
+
+
+def _collections(fn) -> int:
+  seen = []
+  cb = lambda phase, info: seen.append(info['generation']) if phase == 'start' else None
+  gc.callbacks.append(cb)
+  try:
+    fn()
+  finally:
+    gc.callbacks.remove(cb)
+  return len(seen)
+
+
+def test_no_automatic_collection_inside_and_the_collector_restored_after():
+  assert gc.isenabled()
+  with StepGC(every=3) as c:
+    assert not gc.isenabled() and gc.get_freeze_count() > 0   # start-up's objects frozen out
+    # Far more cyclic garbage than the thresholds (700 allocations) allow
+    # outside: no collection runs until the loop asks for one.
+    assert _collections(lambda: [Node() for _ in range(50_000)]) == 0
+    assert [s for s in range(1, 10) if c.due(s)] == [3, 6, 9]
+    assert _collections(c.collect) == 1 and c.collections == 1 and c.seconds > 0
+  assert gc.isenabled() and gc.get_freeze_count() == 0
+  assert _collections(lambda: [Node() for _ in range(50_000)]) > 0
+
+
+def test_zero_leaves_the_collector_alone_and_a_callers_freeze_is_kept():
+  with StepGC(every=0) as c:
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and not c.due(100)
+  gc.freeze()
+  try:
+    frozen = gc.get_freeze_count()
+    with StepGC(every=5):
+      assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+  finally:
+    gc.unfreeze()
+
+
+def test_the_collector_is_restored_when_the_loop_fails():
+  try:
+    with StepGC(every=2):
+      raise RuntimeError('step failed')
+  except RuntimeError:
+    pass
+  assert gc.isenabled() and gc.get_freeze_count() == 0
