@@ -109,6 +109,22 @@ def run(cfg: Config, workdir: str) -> Summary:
       trainer.ckpt.release_lock()
 
 
+class StartupPhase:
+  """What start-up is doing, as a heartbeat reads it (`current`, `step`,
+  `ticks`, like the loop's PhaseTimer): the part after each of the
+  trainer's start-up marks (`Trainer._mark`, the parts of `startup_report`)."""
+  AFTER = {'setup': 'startup:program', 'program': 'startup:restore', 'state': 'startup:data',
+           'data': 'startup:compile', 'compiled': 'startup:first_step'}
+  # In the order they come; 'startup:barrier' is the wait for every other
+  # process's compile: one that missed the compilation cache holds the
+  # others there, and the start-up timeout then names it by its phase.
+  ORDER = ('startup:mesh', 'startup:program', 'startup:restore', 'startup:data', 'startup:compile',
+           'startup:barrier', 'startup:first_step')
+
+  def __init__(self):
+    self.current, self.step, self.ticks = 'startup:mesh', None, None
+
+
 class Trainer:
   """Builds everything a run needs, then `train()` runs the loop."""
 
@@ -127,6 +143,24 @@ class Trainer:
     _check_workdir(cfg, workdir, self.is_main)
     if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
       protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
+    # Heartbeats from here on (under mjax-launch), not from the first step:
+    # start-up (a restore from slow storage, a compile that missed the cache)
+    # takes minutes at scale. The driver then sees which part of it each
+    # process is in; a stopped process (or one whose interpreter is wedged)
+    # is lost after heartbeat_timeout_s instead of the whole start-up
+    # allowance; and a start-up timeout gets every process's Python stacks.
+    self._startup = StartupPhase()
+    self.heartbeat = HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index())
+    try:
+      self._build()
+    except BaseException:
+      self.close_heartbeat()
+      raise
+
+  def _build(self) -> None:
+    """`__init__` once heartbeats run: the program, then (under the run
+    lock) the state, the data and the compiled step."""
+    cfg, workdir = self.cfg, self.workdir
     self.mesh = make_mesh(cfg.mesh)
     self._mark('setup')
 
@@ -198,6 +232,7 @@ class Trainer:
                                              self.program.abstract_batch()).compile()
     self.compile_s = time.perf_counter() - t0
     self._check_step_fits(devices)
+    self._startup.current = 'startup:barrier'
     # Every process waits here for the slowest compile (one that missed the
     # compilation cache), so none sits in the first step's collectives long
     # enough for gloo's or NCCL's own timeout; the coordination service's wait
@@ -246,6 +281,7 @@ class Trainer:
                   if not cfg.optim.decay_steps else '.'))
       if self.ckpt is not None:
         self.ckpt.close()
+      self.close_heartbeat()
       return Summary(start_step=start, final_step=start, already_finished=True)
 
     pid = jax.process_index()
@@ -254,7 +290,7 @@ class Trainer:
     injector = Injector.from_env(pid)                          # test-only; None in production
     if injector is not None:
       injector.watch(timer)
-    heartbeat = HeartbeatClient.from_env(timer, cfg.fault, pid)  # None without mjax-launch
+    heartbeat = self.heartbeat                                 # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
@@ -292,6 +328,10 @@ class Trainer:
     step = start
     with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext(), \
         StepGC(cfg.train.gc_every_steps) as collector:
+      if heartbeat is not None:
+        # Past start-up only now that SIGTERM saves: the driver's 'running'
+        # event follows the first heartbeat of the loop's phases.
+        heartbeat.follow(timer)
       for step in range(start + 1, cfg.train.steps + 1):
         if injector is not None:
           injector.before_step(step)
@@ -332,8 +372,7 @@ class Trainer:
         if self.ckpt is not None:
           self.ckpt.close()                  # every save durable before we report or exit
       timer.close()
-      if heartbeat is not None:            # tells the driver we are wrapping up
-        heartbeat.close()
+      self.close_heartbeat()               # tells the driver we are wrapping up
 
     # A stop agreed after the last step stops nothing: the run is complete,
     # and finishing it (the final evaluation) is what a restart would skip.
@@ -460,7 +499,15 @@ class Trainer:
                        meta, force=force)
 
   def _mark(self, phase: str) -> None:
+    """The end of a part of start-up; heartbeats name the part that follows."""
     self._marks[phase] = time.perf_counter()
+    self._startup.current = StartupPhase.AFTER.get(phase, self._startup.current)
+
+  def close_heartbeat(self) -> None:
+    """The last heartbeat (the process is wrapping up); idempotent."""
+    if self.heartbeat is not None:
+      self.heartbeat.close()
+      self.heartbeat = None
 
   def startup_report(self, first_step_done: float) -> dict:
     """Seconds spent getting to the first completed step, by part.

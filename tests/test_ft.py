@@ -222,6 +222,41 @@ def test_monitor_lost_hang_and_culprit():
   assert f.kind == 'hang' and f.processes == [0]
 
 
+def test_start_up_heartbeats_name_the_part_of_start_up_and_a_silent_process_is_lost():
+  # Trainers heartbeat from early in start-up (phases 'startup:...'): a
+  # wedged one is lost after heartbeat_timeout_s, not at the start-up
+  # allowance; a late one is named with the part of start-up it was in; and
+  # the job is "running" only once every process is past start-up.
+  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
+                      collective_timeout_s=60)
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+  mon.add(0, 'a', 100, now=0.0)
+  mon.add(1, 'b', 101, now=0.0)
+  beat(mon, 1, 101, None, phase='startup:restore', now=0.0)     # then nothing: wedged
+  for t in range(0, 5):
+    beat(mon, 0, 100, None, phase='startup:restore', now=float(t))
+    assert not mon.everyone_running()
+  assert mon.check(3.0) is None
+  f = mon.check(3.5)
+  assert f.kind == 'heartbeat_lost' and f.processes == [1], f
+
+  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
+  for i in range(3):
+    mon.add(i, 'abc'[i], 100 + i, now=0.0)
+  for t in range(0, 62):
+    beat(mon, 0, 100, None, phase='startup:restore' if t < 20 else 'startup:compile', now=float(t))
+    beat(mon, 1, 101, 1 if t > 30 else None, phase='compute' if t > 30 else 'startup:compile', now=float(t))
+  f = mon.check(61.0)
+  assert f.kind == 'startup_timeout' and f.processes == [0, 2], f
+  assert f.detail.endswith('of launch: process(es) 0 (startup:compile), 2 (never heard from)'), f.detail
+  assert f.extra == {'heartbeating': [0]}
+  beat(mon, 0, 100, None, phase='compute', now=62.0)
+  beat(mon, 2, 102, None, phase='startup:first_step', now=62.0)
+  assert not mon.everyone_running()
+  beat(mon, 2, 102, None, phase='data', now=62.5)
+  assert mon.everyone_running()
+
+
 def monitor_of_one(collective_timeout_s=60, **kw):
   """A Monitor of one process (0 on host 'a', pid 100), added at time 0,
   with the small timeouts of these tests (hang after 8 s)."""
@@ -264,7 +299,8 @@ def test_a_save_and_a_restore_get_the_checkpoint_io_timeout():
   assert mon.check(1059.0) is None                  # restoring: 60 s + 1000 s
   f = mon.check(1061.0)
   assert f.kind == 'startup_timeout' and f.detail.endswith(
-      'collective_timeout_s = 60s + CheckpointConfig.io_timeout_s = 1000s (a restore) of launch'), f.detail
+      'collective_timeout_s = 60s + CheckpointConfig.io_timeout_s = 1000s (a restore) of launch: '
+      'process(es) 0 (never heard from)'), f.detail
   mon = monitor_of_one(io_timeout_s=1000)
   assert mon.check(61.0).kind == 'startup_timeout'  # nothing to restore: 60 s
   mon = monitor_of_one(io_timeout_s=1000)
@@ -690,7 +726,11 @@ class Timer:
 mode, attempt = os.environ['FAKE_MODE'], int(os.environ['MJAX_ATTEMPT'])
 if mode.startswith('exit') or (mode == 'crash_once' and attempt == 0):
   sys.exit(int(mode[4:] or 1))
+if mode == 'stuck_in_start_up_once' and attempt == 0:   # heartbeats, but never gets to a step
+  Timer.current = 'startup:restore'
 client = HeartbeatClient.from_env(Timer, FaultConfig(heartbeat_interval_s=0.1), int(os.environ['MJAX_PROCESS_ID']))
+while Timer.current == 'startup:restore':
+  time.sleep(0.05)
 if mode == 'long':                       # trains until pre-empted, then exits cleanly
   signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
 for step in range(1, 4):
@@ -726,6 +766,25 @@ def fake_run(tmp_path, monkeypatch, mode, processes=1):
   d = make_driver(tmp_path, '--processes', str(processes), '--grace_s', '1', train=QUICK)
   d.trainer = [sys.executable, '-c', FAKE_TRAINER]
   return d.run()
+
+
+def test_a_process_stuck_in_start_up_is_named_with_its_part_and_its_stacks(tmp_path, monkeypatch):
+  # A restore that never returns: the process heartbeats (start-up phases),
+  # so the start-up timeout names the part it was in and asks for its stacks.
+  monkeypatch.setenv('FAKE_MODE', 'stuck_in_start_up_once')
+  monkeypatch.delenv('MJAX_FAULT', raising=False)
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  d = make_driver(tmp_path, '--processes', '1', '--grace_s', '1',
+                  train=[*QUICK, '--gin.FaultConfig.collective_timeout_s=5'])
+  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  assert d.run() == driver.EXIT_OK
+  (fault,) = events(tmp_path, 'fault')
+  assert fault['kind'] == 'startup_timeout' and fault['phases'] == {'0': 'startup:restore'}, fault
+  assert 'process(es) 0 (startup:restore)' in fault['detail'], fault
+  (dump,) = events(tmp_path, 'stack_dump')
+  assert dump['phase'] == 'startup:restore', dump
+  assert any('<string>' in f for t in dump['threads'] for f in t['frames']), dump
+  assert events(tmp_path, 'finish')
 
 
 def test_bad_input_is_not_retried(tmp_path, monkeypatch):
@@ -1275,7 +1334,7 @@ def test_chaos_kills_a_dead_driver_a_flipped_bit_and_a_datagram_flood_end_bitwis
       time.sleep(0.005)
 
   def attempt_running(k):
-    """pids of this driver's k-th launch, once every one of its processes heartbeats."""
+    """pids of this driver's k-th launch, once every one of its processes is past start-up."""
     until(lambda: len(events(tmp_path, 'launch')) >= driver['launches'] + k, f'launch {k}')
     until(lambda: len(events(tmp_path, 'running')) >= driver['launches'] + k, f'running {k}')
     return events(tmp_path, 'launch')[driver['launches'] + k - 1]['pids']

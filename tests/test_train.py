@@ -94,6 +94,53 @@ def test_garbage_is_collected_at_the_same_steps_and_only_there(tmp_path):
   assert losses[2] == losses[0] and len(losses[2]) == 4
 
 
+def test_heartbeats_begin_in_start_up_and_name_its_parts(tmp_path, monkeypatch):
+  # Under a driver the trainer heartbeats from early in start-up, naming
+  # the part it is in (restore, compile, ...), then the loop's phases, and
+  # says goodbye last.
+  import socket
+  import threading
+  import time
+  from mjax.ft import heartbeat as hb
+  from mjax.trainer import StartupPhase
+  secret = 'ab' * 16
+  sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  sock.bind(('127.0.0.1', 0))
+  sock.settimeout(0.1)
+  monkeypatch.setenv(hb.ADDRESS_ENV, f'127.0.0.1:{sock.getsockname()[1]}')
+  monkeypatch.setenv(hb.SECRET_ENV, secret)
+  seen, done = [], threading.Event()
+
+  def receive():
+    verifier = hb.Verifier(secret)
+    while not done.is_set():
+      try:
+        p = verifier.verify(sock.recv(hb.MAX_DATAGRAM))
+      except (socket.timeout, hb.Rejected):   # nothing yet; a datagram overtaken by a later one
+        continue
+      seen.append((p['phase'], p['step'], p['final']))
+
+  listener = threading.Thread(target=receive, daemon=True)
+  listener.start()
+  cfg = _small('TrainConfig.steps = 2', 'TrainConfig.eval_every = 0', 'CheckpointConfig.enabled = False',
+               # No driver acknowledges here: the trainer would stop as orphaned after
+               # heartbeat_timeout_s, counted from the start of start-up.
+               'FaultConfig.heartbeat_interval_s = 0.05', 'FaultConfig.heartbeat_timeout_s = 110')
+  t = trainer.Trainer(cfg, str(tmp_path))
+  time.sleep(0.2)
+  in_start_up = list(seen)
+  t.train()
+  time.sleep(0.3)
+  done.set()
+  listener.join()
+  sock.close()
+  assert in_start_up and all(phase.startswith('startup:') and step is None for phase, step, _ in in_start_up)
+  order = StartupPhase.ORDER
+  parts = [phase for phase, _, _ in seen if phase.startswith('startup:')]
+  assert len(set(parts)) >= 2 and parts == sorted(parts, key=order.index), parts
+  assert any(phase == 'compute' for phase, _, _ in seen) and seen[-1][2] and seen[-1][1] == 2, seen[-3:]
+
+
 def test_a_run_faster_than_the_cached_peak_forgets_that_peak(tmp_path, capsys):
   # A peak cached from busy cores (before they were told apart) is below
   # what a quiet run reaches: MFU above 100%, so the next run measures again.

@@ -53,6 +53,11 @@ SLOW_PHASES = ('checkpoint', 'eval')
 STEP_TIMES = 3
 
 
+def in_startup(phase: Optional[str]) -> bool:
+  """A heartbeat's phase from before the loop (mjax.trainer.StartupPhase)."""
+  return isinstance(phase, str) and phase.startswith('startup')
+
+
 def save_allowance(fault_cfg, io_timeout_s: float) -> float:
   """How long a process may stay in a save (the blocking part), under the
   driver or, once the driver is gone, under its agent."""
@@ -206,8 +211,11 @@ class Monitor:
         return fault
     return None
 
-  def everyone_beating(self) -> bool:
-    return bool(self.procs) and all(p.first_beat is not None for p in self.procs.values())
+  def everyone_running(self) -> bool:
+    """Every process has heartbeated from its loop: start-up is over
+    (trainers heartbeat from early in start-up, phases 'startup:...')."""
+    return bool(self.procs) and all(p.first_beat is not None and not in_startup(p.phase)
+                                    for p in self.procs.values())
 
   def check(self, now: float) -> Optional[Fault]:
     """A fault visible from timing alone (lost, stuck in start-up, hung)."""
@@ -228,7 +236,13 @@ class Monitor:
       allowed = f'collective_timeout_s = {self.cfg.collective_timeout_s}s'
       if self.startup_s > self.cfg.collective_timeout_s:
         allowed += f' + CheckpointConfig.io_timeout_s = {self.startup_s - self.cfg.collective_timeout_s}s (a restore)'
-      return Fault('startup_timeout', [p.process for p in late], f'no step within {allowed} of launch',
+      # Where each was: the part of start-up its heartbeats last named
+      # (startup:restore, startup:compile, ...), or never heard from.
+      where = {p.process: (p.phase or '?') if p.first_beat is not None else 'never heard from' for p in late}
+      shown = ', '.join(f'{k} ({v})' for k, v in sorted(where.items())[:8])
+      more = f' and {len(where) - 8} more' if len(where) > 8 else ''
+      return Fault('startup_timeout', [p.process for p in late],
+                   f'no step within {allowed} of launch: process(es) {shown}{more}',
                    extra={'heartbeating': [p.process for p in late if p.first_beat is not None]})
     lost = [p for p in live if p.last_beat is not None and now - p.last_beat > self.cfg.heartbeat_timeout_s]
     if lost:

@@ -24,8 +24,11 @@ a free port by default) and watches for:
                    processes furthest behind are named (detect.culprits),
                    then every process is sent SIGUSR1 and dumps its Python
                    stacks into its log; where each one was goes into the
-                   events (also after heartbeat_lost)
-  startup_timeout  no first step within collective_timeout_s of launch
+                   events (also after heartbeat_lost and startup_timeout)
+  startup_timeout  no first step within collective_timeout_s of launch (+
+                   io_timeout_s when it restores); trainers heartbeat from
+                   early in start-up, so the fault names the part of
+                   start-up each late one was in (startup:restore, ...)
   nonfinite_loss   a NaN/Inf loss (exit status 3, or seen in a heartbeat)
   loss_spike       loss_spike_count losses in a row > loss_spike_factor x
                    the running median
@@ -794,7 +797,7 @@ class Driver:
 
   def _progress_events(self, att: Attempt) -> None:
     m = att.monitor
-    if not att.running and m.everyone_beating():
+    if not att.running and m.everyone_running():
       att.running = True
       self.events.emit('running', attempt=att.number, seconds=round(time.monotonic() - att.started, 3))
     p0 = m.procs.get(0)
@@ -868,9 +871,10 @@ class Driver:
                      step=fault.step, reached_step=step,
                      phases={i: p.phase for i, p in m.procs.items()},
                      last_logs={i: p.logs for i, p in m.procs.items() if p.logs}, **fault.extra)
-    if fault.kind in ('hang', 'heartbeat_lost'):
+    if fault.kind in ('hang', 'heartbeat_lost', 'startup_timeout'):
       # Named in the fault event first, then asked where they are: the
-      # stacks show what each process was waiting for.
+      # stacks show what each process was waiting for (trainers heartbeat
+      # from early in start-up, so a stuck restore or compile answers too).
       self._dump_stacks(att)
 
   def _dump_stacks(self, att: Attempt) -> None:

@@ -12,8 +12,10 @@ driver (MJAX_DRIVER_ADDRESS, host:port) describing what it is doing:
                                 (PhaseTimer.step); ahead of `step`, since
                                 metrics are read one step behind
   phase                         the PhaseTimer's current phase (data,
-                                compute, checkpoint, eval): what a hang
-                                was doing
+                                compute, checkpoint, eval, gc): what a hang
+                                was doing; before the first step the part
+                                of start-up (startup:restore,
+                                startup:compile, ...; mjax.trainer.StartupPhase)
   ticks                         progress inside a long phase (evaluation
                                 batches done), PhaseTimer.ticks
   loss, losses                  the last loss, and [step, loss] of every
@@ -271,7 +273,9 @@ class HeartbeatClient:
     """Args:
       address: the driver, host:port.
       secret_hex: the job secret.
-      timer: the PhaseTimer of the loop (its `current` phase and `step`).
+      timer: what the process is doing: its `current` phase, `step` and
+        `ticks` (the trainer's StartupPhase, then the loop's PhaseTimer; see
+        `follow`).
       interval_s: seconds between heartbeats.
       process_index: this process in the job.
       host: the name reported (default: MJAX_HOST, else the host name).
@@ -312,7 +316,8 @@ class HeartbeatClient:
     """The client for a process started by mjax-launch; None otherwise.
 
     Args:
-      timer: the loop's PhaseTimer.
+      timer: what the process is doing (the trainer's StartupPhase, then
+        the loop's PhaseTimer through `follow`).
       fault_cfg: FaultConfig (heartbeat_interval_s).
       process_index: jax.process_index().
     Returns:
@@ -333,6 +338,12 @@ class HeartbeatClient:
                        f'process started by mjax-launch always has both.') from None
     return cls(address, secret, timer, fault_cfg.heartbeat_interval_s, process_index,
                attempt=protocol.attempt(), driver_timeout_s=fault_cfg.heartbeat_timeout_s)
+
+  def follow(self, timer: Any) -> None:
+    """Reports `timer`'s phase and step from now on: the trainer's start-up
+    phases first, then the loop's PhaseTimer."""
+    with self._lock:
+      self._timer = timer
 
   def report_step(self, step: int, loss: float, step_time: float) -> None:
     """Called by the loop once a step's metrics are known."""
