@@ -34,11 +34,16 @@ $(CUDA_AOT)/.installed: $(STAMP)
 # Two workers, one test file each at a time (pytest-xdist): most end-to-end
 # tests wait on subprocesses, heartbeats and checkpoints, so a second file
 # runs in their idle time (the suite takes ~0.75 of its serial time on two
-# cores). Module fixtures stay shared within their file. TEST_WORKERS=0: serial.
+# cores). Module fixtures stay shared within their file. The longest files
+# go first, so that the two workers finish together instead of one running
+# a long file alone at the end. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
+LONG_TESTS := tests/test_ft.py tests/test_multihost.py tests/test_checkpoint.py tests/test_gpu_target.py \
+	tests/test_slurm_cluster.py tests/test_agent.py tests/test_train.py tests/test_hf.py tests/test_generate.py
+TEST_FILES := $(LONG_TESTS) $(filter-out $(LONG_TESTS),$(sort $(wildcard tests/test_*.py)))
 test: $(STAMP) $(CUDA_AOT)/.installed
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q --durations=15 \
-	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests $(ARGS)
+	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(TEST_FILES) $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/train_bench.py --gin_file configs/tiny.gin $(ARGS)
