@@ -227,10 +227,7 @@ def test_start_up_heartbeats_name_the_part_of_start_up_and_a_silent_process_is_l
   # wedged one is lost after heartbeat_timeout_s, not at the start-up
   # allowance; a late one is named with the part of start-up it was in; and
   # the job is "running" only once every process is past start-up.
-  cfg = C.FaultConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=3, progress_timeout_s=8,
-                      collective_timeout_s=60)
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
-  mon.add(0, 'a', 100, now=0.0)
+  mon = monitor_of_one()
   mon.add(1, 'b', 101, now=0.0)
   beat(mon, 1, 101, None, phase='startup:restore', now=0.0)     # then nothing: wedged
   for t in range(0, 5):
@@ -240,8 +237,8 @@ def test_start_up_heartbeats_name_the_part_of_start_up_and_a_silent_process_is_l
   f = mon.check(3.5)
   assert f.kind == 'heartbeat_lost' and f.processes == [1], f
 
-  mon = detect.Monitor(cfg, detect.LossMonitor(3.0, 3))
-  for i in range(3):
+  mon = monitor_of_one()
+  for i in (1, 2):
     mon.add(i, 'abc'[i], 100 + i, now=0.0)
   for t in range(0, 62):
     beat(mon, 0, 100, None, phase='startup:restore' if t < 20 else 'startup:compile', now=float(t))
