@@ -39,10 +39,11 @@ def test_zero_leaves_the_collector_alone_and_a_callers_freeze_is_kept():
     assert gc.isenabled() and gc.get_freeze_count() == 0 and not c.due(100)
   gc.freeze()
   try:
-    frozen = gc.get_freeze_count()
     with StepGC(every=5):
       assert not gc.isenabled()
-    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    # Still frozen (an unfreeze empties it; the count itself moves as frozen
+    # objects are freed by their reference counts, from any thread).
+    assert gc.isenabled() and gc.get_freeze_count() > 0
   finally:
     gc.unfreeze()
 
