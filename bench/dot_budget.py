@@ -191,7 +191,7 @@ def budget(rows: dict[tuple[Product, str], float], seconds: dict[Product, float]
             f'peak {peak / 1e9:,.0f} GFLOP/s',
             f'MFU measured: {model_flops / step_s / peak:.1%}; MFU ceiling (only the products, each at its '
             f'speed alone): {model_flops / alone / peak:.1%}; the products at the peak: '
-            f'{model_flops / (flops / peak) / peak:.1%}']
+            f'{model_flops / flops:.1%}']
   return '\n'.join(lines)
 
 

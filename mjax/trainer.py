@@ -111,10 +111,8 @@ def run(cfg: Config, workdir: str) -> Summary:
 
 class StartupPhase:
   """What start-up is doing, as a heartbeat reads it (`current`, `step`,
-  `ticks`, like the loop's PhaseTimer): the part after each of the
-  trainer's start-up marks (`Trainer._mark`, the parts of `startup_report`)."""
-  AFTER = {'setup': 'startup:program', 'program': 'startup:restore', 'state': 'startup:data',
-           'data': 'startup:compile', 'compiled': 'startup:first_step'}
+  `ticks`, like the loop's PhaseTimer): the part that began at the
+  trainer's last start-up mark (`Trainer._mark`)."""
   # In the order they come; 'startup:barrier' is the wait for every other
   # process's compile: one that missed the compilation cache holds the
   # others there, and the start-up timeout then names it by its phase.
@@ -162,7 +160,7 @@ class Trainer:
     lock) the state, the data and the compiled step."""
     cfg, workdir = self.cfg, self.workdir
     self.mesh = make_mesh(cfg.mesh)
-    self._mark('setup')
+    self._mark('setup', then='startup:program')
 
     self.program: Program = make_program(cfg, self.mesh)
     devices = list(self.mesh.devices.flat)
@@ -173,7 +171,7 @@ class Trainer:
                         for x in jax.tree.leaves(self.program.abstract_state().params))
     self._describe(devices)
     self._check_state_fits(devices)
-    self._mark('program')
+    self._mark('program', then='startup:restore')
 
     self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
     try:
@@ -217,14 +215,14 @@ class Trainer:
       return   # nothing to train: no data, no compilation, nothing written
     if self.is_main:
       config_lib.write(cfg, workdir)
-    self._mark('state')
+    self._mark('state', then='startup:data')
 
     share, shares = self.program.data_share()   # this process's block of every batch
     self.train_iter = self._train_iterator(restored.data if restored is not None else None, share, shares)
     self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
         cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
         process_count=shares)]
-    self._mark('data')
+    self._mark('data', then='startup:compile')
 
     t0 = time.perf_counter()
     with self.program.context(), _cache_entries_from_every_process():
@@ -232,13 +230,13 @@ class Trainer:
                                              self.program.abstract_batch()).compile()
     self.compile_s = time.perf_counter() - t0
     self._check_step_fits(devices)
-    self._startup.current = 'startup:barrier'
+    self._startup.current = 'startup:barrier'   # the report's compile_wait_s
     # Every process waits here for the slowest compile (one that missed the
     # compilation cache), so none sits in the first step's collectives long
     # enough for gloo's or NCCL's own timeout; the coordination service's wait
     # is bounded by the collective timeout the driver works under.
     distributed.barrier('compiled', cfg.fault.collective_timeout_s)
-    self._mark('compiled')
+    self._mark('compiled', then='startup:first_step')
     self.say(f'mjax: train step compiled in {self.compile_s:.1f}s; '
              f'start-up {time.perf_counter() - self._t_start:.1f}s')
 
@@ -498,10 +496,11 @@ class Trainer:
                        data_lib.position(self.train_iter, self.cfg.train.global_batch_size, self.cfg.data.seq_len),
                        meta, force=force)
 
-  def _mark(self, phase: str) -> None:
-    """The end of a part of start-up; heartbeats name the part that follows."""
+  def _mark(self, phase: str, then: str) -> None:
+    """The end of a part of start-up (`startup_report`); heartbeats name
+    the part that follows, `then`."""
     self._marks[phase] = time.perf_counter()
-    self._startup.current = StartupPhase.AFTER.get(phase, self._startup.current)
+    self._startup.current = then
 
   def close_heartbeat(self) -> None:
     """The last heartbeat (the process is wrapping up); idempotent."""

@@ -41,13 +41,10 @@ class StepGC:
     self._froze = False
     self.collections = 0
     self.seconds = 0.0     # time spent in the loop's collections
-    self.startup_s = 0.0   # the collection before the loop
 
   def __enter__(self) -> 'StepGC':
     if self.every:
-      t0 = time.perf_counter()
       gc.collect()
-      self.startup_s = time.perf_counter() - t0
       # A caller that froze objects itself keeps them frozen: unfreeze()
       # would release theirs too, so only a freeze of our own is undone.
       self._froze = gc.get_freeze_count() == 0
