@@ -55,3 +55,11 @@ def test_the_collector_is_restored_when_the_loop_fails():
   except RuntimeError:
     pass
   assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_negative_cadence_is_refused_by_name():
+  import pytest
+  from mjax import config as C
+  with pytest.raises(C.ConfigError, match=r'TrainConfig.gc_every_steps = -1 is not allowed: must be >= 0'):
+    C.load_config(['tiny.gin'], ['TrainConfig.gc_every_steps = -1'])
+  assert C.load_config(['tiny.gin'], ['TrainConfig.gc_every_steps = 0']).train.gc_every_steps == 0
