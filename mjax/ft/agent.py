@@ -44,7 +44,9 @@ Messages, driver to agent:
   port {id}                      -> port {id, port}: a TCP port free on the host,
                                  for the JAX coordinator of process 0
   ack {supervised}               after each `beats`: the driver is alive, and
-                                 (supervised) its loop is watching the job
+                                 (supervised) its loop watched the job within
+                                 collective_timeout_s (a loop held up by slow
+                                 storage is not a lost driver)
   exit {reason}                  the job is over: stop everything, exit 0
 Agent to driver:
   started {id, pid}, exited {id, code}, ran {...}
@@ -65,7 +67,8 @@ Failure behaviour:
     stops reading is dropped) and no message stops it. A second agent
     claiming a live host is refused.
   - An agent hears nothing from its driver for heartbeat_timeout_s, or
-    hears that its loop has stopped watching (`supervised` false): it stops
+    hears that its loop has stopped watching for collective_timeout_s
+    (`supervised` false): it stops
     acknowledging its trainers' heartbeats, so they save and exit by
     themselves (HeartbeatClient.driver_lost), as without an agent; after a
     lost connection, whatever still runs a timeout later is killed. Nothing
@@ -310,7 +313,8 @@ class AgentServer:
   """
 
   def __init__(self, host: str, port: int, secret_hex: str, interval_s: float, timeout_s: float,
-               on_event: Optional[Callable[..., None]] = None, save_timeout_s: float = 600.0):
+               on_event: Optional[Callable[..., None]] = None, save_timeout_s: float = 600.0,
+               stall_s: Optional[float] = None):
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     self._listener = socket.socket(info[0], socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -320,6 +324,9 @@ class AgentServer:
     self.secret = secret_hex
     self.interval_s, self.timeout_s = interval_s, timeout_s
     self.save_timeout_s = save_timeout_s   # what the driver lets a save take (detect.SLOW_PHASES)
+    # How long the driver's loop may go without `watching` before the job
+    # counts as unsupervised (default: the heartbeat timeout).
+    self.stall_s = timeout_s if stall_s is None else stall_s
     self._on_event = on_event or (lambda kind, **kw: None)
     self._lock = threading.Lock()
     self._links: dict[str, AgentLink] = {}       # host -> its ready agent
@@ -616,7 +623,7 @@ class AgentServer:
         self.relayed += len(payloads)
       # Supervised: the driver's loop is watching the job right now. The
       # agent acknowledges its trainers' heartbeats only while it is.
-      supervised = time.monotonic() - self._watched < self.timeout_s
+      supervised = time.monotonic() - self._watched < self.stall_s
       try:
         link.channel.send({'kind': 'ack', 'supervised': supervised}, wait=False)
       except ChannelBusy:
@@ -715,6 +722,7 @@ class Agent:
     # The host's trainers send their heartbeats here (window: clock skew
     # between trainer and agent is nil, they share the host).
     self.beats = hb.HeartbeatServer(heartbeat_bind, secret_hex, 60.0)
+    self.beats.acking = False   # until a driver is heard (`_session`)
     self.procs: dict[int, subprocess.Popen] = {}
     self.latest: dict[int, dict] = {}       # process -> merged payload since the last relay
     self.step_s: dict[int, float] = {}      # process -> its last step's seconds
@@ -794,7 +802,8 @@ class Agent:
     lost_at: Optional[float] = None
     supervised = True
     while not self._exit and self._signal is None:
-      ready, _, _ = select.select([ch.sock, self.beats.sock], [], [], 0.05)
+      # (The trainers' heartbeats are read by the server's own thread.)
+      ready, _, _ = select.select([ch.sock], [], [], 0.05)
       now = time.monotonic()
       if ch.sock in ready:
         try:
@@ -813,6 +822,8 @@ class Agent:
       # The trainers' heartbeats: acknowledged here only while the driver is
       # heard, so that trainers notice a lost driver as they would without us.
       self.beats.acking = supervised and now - heard < self.timeout_s
+      self.beats.stall_s = self.timeout_s   # and while this loop goes on
+      self.beats.watching()
       for payload, _, _ in self.beats.receive(0.0):
         if payload is not None:
           self._merge(payload)
@@ -826,6 +837,7 @@ class Agent:
         lost_at = heard
         break
     ch.close()
+    self.beats.acking = False   # no driver: nothing acknowledged until the next one is heard
     if lost_at is not None:
       self._orphaned(lost_at)
 

@@ -361,7 +361,13 @@ class Driver:
     window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
     self.clock_window_s = window
     try:
-      self.server = hb.HeartbeatServer(opts.bind, self.secret, window)
+      # Acknowledged from the server's thread while the loop below watches,
+      # and for as long as collective_timeout_s after it last did: a storage
+      # stall of the driver's workdir is not a lost driver, and the job
+      # tolerates that long without any supervision anyway (jax's own peer
+      # heartbeat); a loop stuck longer lets its trainers go.
+      self.server = hb.HeartbeatServer(opts.bind, self.secret, window,
+                                       stall_s=self.fault_cfg.collective_timeout_s)
     except OSError as e:
       raise UserError(f'--bind {opts.bind}: cannot listen for heartbeats there (UDP): {e}; give an address '
                       f'of this machine (host:port, port 0 for any free one).') from None
@@ -383,7 +389,8 @@ class Driver:
         self.agents = agent_lib.AgentServer(host, port, self.secret, self.fault_cfg.heartbeat_interval_s,
                                             self.fault_cfg.heartbeat_timeout_s, on_event=self.events.emit,
                                             save_timeout_s=detect.save_allowance(
-                                                self.fault_cfg, self.cfg.checkpoint.io_timeout_s))
+                                                self.fault_cfg, self.cfg.checkpoint.io_timeout_s),
+                                            stall_s=self.fault_cfg.collective_timeout_s)
       except OSError as e:
         self.server.close()
         raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None
@@ -614,6 +621,9 @@ class Driver:
 
   def _launch(self, number: int, hosts: list[str], bindings: list[str]) -> Attempt:
     from mjax import launch
+    self.server.watching()   # the first trainers beat while the last ones start
+    if self.agents is not None:
+      self.agents.watching()
     n = len(hosts)
     executors = [self.executor_factory(h) for h in hosts]
     coordinator = executors[0].coordinator(launch.free_port())
@@ -677,9 +687,15 @@ class Driver:
   def _watch(self, att: Attempt, watch: '_StragglerWatch', flagged: set):
     tick = min(0.1, self.fault_cfg.heartbeat_interval_s / 4)
     next_scan = 0.0
+    last = time.monotonic()
     while True:
       if self._signal is not None:
         return 'preempted'
+      self.server.watching()
+      now = time.monotonic()
+      if now - last > self.fault_cfg.heartbeat_timeout_s:
+        self._stalled(att, now - last)
+      last = now
       for payload, reason, sender in self.server.receive(tick):
         now = time.monotonic()
         if payload is None:
@@ -723,6 +739,16 @@ class Driver:
       watch.pace_notes.clear()
       if fault is not None:
         return fault
+
+  def _stalled(self, att: Attempt, seconds: float) -> None:
+    """The loop itself was held up (storage under events.jsonl or the facts
+    files, a paused driver): said, since every timeout was late by as much."""
+    allowance = self.fault_cfg.collective_timeout_s
+    self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3),
+                     detail=f'the driver\'s loop was held up {seconds:,.1f}s (longer than heartbeat_timeout_s = '
+                            f'{self.fault_cfg.heartbeat_timeout_s:g}s); its heartbeat server kept acknowledging '
+                            f'the trainers, as it does for up to collective_timeout_s = {allowance:g}s, and '
+                            f'the checks resume now. Slow storage under {self.workdir} is the usual cause.')
 
   def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
     codes = {i: self._describe_status(c) for i, c in failed.items()}

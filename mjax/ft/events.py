@@ -26,6 +26,9 @@ mjax/ft/driver.py:
   restart          attempt, back-off, restarts in all and in a row
   straggler        a process flagged as slow (evicted only if configured)
   caught_up        training is back at the step it had reached before a fault
+  driver_stalled   the driver's own loop was held up longer than
+                   heartbeat_timeout_s (slow storage under its workdir); the
+                   trainers were acknowledged meanwhile, the checks were late
   finish / giveup / preempted   how the driver ended
 """
 

@@ -43,10 +43,13 @@ on a slow or dead driver. The driver's end is `HeartbeatServer`.
 
 The driver acknowledges every authentic heartbeat with a signed datagram of
 its own (`{"ack": seq, "process", "pid", "ts", "nonce"}`, same envelope) sent
-back to the sender. A trainer that hears no acknowledgement for
-heartbeat_timeout_s knows its driver is gone (killed, its machine lost) and
-stops cleanly: it saves and exits, rather than train on unsupervised
-(`HeartbeatClient.driver_lost`, read by the trainer's StopAgreement).
+back to the sender, from the server's own thread as the datagram arrives,
+for as long as the driver's loop watched the job within collective_timeout_s
+(a loop held up by slow storage is not a lost driver). A trainer that hears
+no acknowledgement for heartbeat_timeout_s knows its driver is gone (killed,
+its machine lost, its loop stuck) and stops cleanly: it saves and exits,
+rather than train on unsupervised (`HeartbeatClient.driver_lost`, read by
+the trainer's StopAgreement).
 
 On a hang the driver sends SIGUSR1: `from_env` registers faulthandler for
 it, so the process writes the Python stack of every thread to stderr (the
@@ -80,8 +83,8 @@ LOG_LINES = 5             # warning/error records carried by each heartbeat
 LOG_CHARS = 400           # each one cut to this length
 MAX_LOSSES = 256          # [step, loss] pairs per heartbeat (the newest kept)
 RECEIVE_BUFFER = 32 << 20  # bytes asked for the driver's socket
-RECEIVE_BATCH = 4096      # datagrams one `receive` takes at most (the rest wait in the socket)
-RECEIVE_DRAIN_S = 0.05    # time one `receive` spends reading, at least (more with a longer timeout)
+RECEIVE_BATCH = 4096      # datagrams the server's thread reads before handing them over
+MAX_REJECTED = 1024       # rejected datagrams kept for the owner between two `receive`s
 
 
 _HEX_MAC = re.compile(r'[0-9a-f]{64}')
@@ -435,9 +438,33 @@ def _grow_receive_buffer(sock: socket.socket, nbytes: int) -> int:
 
 
 class HeartbeatServer:
-  """UDP socket + Verifier; `receive` returns what arrived within a tick."""
+  """UDP socket + Verifier, read by a thread of its own; `receive` returns
+  what arrived since the last call.
 
-  def __init__(self, bind: str, secret: str, window_s: float):
+  The thread verifies and acknowledges each datagram as it arrives, so the
+  acknowledgements do not depend on how soon the owner's loop comes back for
+  them: the driver's loop also writes events.jsonl and reads the trainers'
+  facts from shared storage, and a storage stall longer than
+  heartbeat_timeout_s would otherwise stop every acknowledgement and with
+  them the whole job (each trainer concludes its driver is gone). A loop
+  that is stuck for good must still let its trainers go: with `stall_s`
+  set, acknowledgements stop once the owner has not called `watching()`
+  for that long.
+
+  Memory stays bounded whatever arrives and however long the owner is
+  away: the heartbeats waiting are the newest of each sender, losses merged
+  (`merge_beats`), and the rejections the last MAX_REJECTED (the driver logs
+  one per kind per 5 s anyway; `rejected_dropped` counts the rest).
+  """
+
+  def __init__(self, bind: str, secret: str, window_s: float, stall_s: Optional[float] = None):
+    """Args:
+      bind: host:port to listen on (port 0: any free one; see `address`).
+      secret: the job secret.
+      window_s: the Verifier's freshness window.
+      stall_s: acknowledge only while `watching()` was called within this
+        many seconds (None: whenever `acking`).
+    """
     host, port = parse_address(bind)
     info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
@@ -453,37 +480,88 @@ class HeartbeatServer:
     # False: authentic heartbeats are taken but not acknowledged (a host
     # agent whose driver is gone, so that its trainers notice; agent.py).
     self.acking = True
+    self.stall_s = stall_s
+    self._watched = time.monotonic()
+    self._ready = threading.Condition()
+    self._beats: dict[tuple, tuple[dict, tuple]] = {}   # sender id -> (newest payload, losses merged; address)
+    self._rejected: collections.deque[tuple[str, tuple]] = collections.deque(maxlen=MAX_REJECTED)
+    self.rejected_dropped = 0
+    self.heartbeats = 0    # authentic heartbeats taken, in all (several of a sender may be merged into one)
+    self.acks_sent = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name='mjax-heartbeat-server', daemon=True)
+    self._thread.start()
+
+  def watching(self) -> None:
+    """The owner's loop is alive and watching: called every tick it does."""
+    self._watched = time.monotonic()
+
+  def supervised(self) -> bool:
+    """Whether heartbeats are acknowledged now."""
+    return self.acking and (self.stall_s is None or time.monotonic() - self._watched < self.stall_s)
 
   def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
-    """[(payload, None, sender) or (None, reason, sender)], waiting at most
-    `timeout` for the first; then at most RECEIVE_BATCH datagrams, read for
-    about max(timeout, RECEIVE_DRAIN_S). A sender that keeps the socket full
-    must not keep the caller's loop from its other work (the driver's checks
-    run between two calls); what is left is read by the next call."""
-    out = []
-    ready, _, _ = select.select([self.sock], [], [], timeout)
-    if not ready:
-      return out
-    deadline = time.monotonic() + max(timeout, RECEIVE_DRAIN_S)
+    """[(payload, None, sender) or (None, reason, sender)] of everything
+    that arrived since the last call, waiting at most `timeout` for the
+    first: the rejections in arrival order, then the newest heartbeat of
+    each sender with every loss it reported meanwhile."""
+    with self._ready:
+      if not self._beats and not self._rejected and timeout > 0:
+        self._ready.wait(timeout)
+      out: list[tuple[Optional[dict], Optional[str], tuple]] = [(None, r, s) for r, s in self._rejected]
+      out += [(p, None, s) for p, s in self._beats.values()]
+      self._rejected.clear()
+      self._beats = {}
+    return out
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      try:
+        ready, _, _ = select.select([self.sock], [], [], 0.2)
+      except (OSError, ValueError):   # closed under us
+        return
+      if ready:
+        self._read()
+
+  def _read(self) -> None:
+    """Reads what is waiting, at most RECEIVE_BATCH datagrams, then hands
+    them over under the lock in one go (the owner is never kept waiting
+    for more than one batch's bookkeeping)."""
+    taken: list[tuple[Optional[dict], Optional[str], tuple]] = []
     for _ in range(RECEIVE_BATCH):
-      if out and time.monotonic() > deadline:
-        break
       try:
         data, sender = self.sock.recvfrom(MAX_DATAGRAM + 1)
       except (BlockingIOError, InterruptedError):
         break
       except OSError:
+        if self._stop.is_set():
+          return
         continue  # e.g. an ICMP error reported on a UDP socket: not a datagram
       try:
         payload = self.verifier.verify(data)
-        out.append((payload, None, sender))
-        if self.acking:
-          self._ack(payload, sender)
       except Rejected as e:
-        out.append((None, e.reason, sender))
-      except Exception as e:  # noqa: BLE001 -- no datagram may stop the driver's loop
-        out.append((None, f'malformed: verifier raised {type(e).__name__}', sender))
-    return out
+        taken.append((None, e.reason, sender))
+        continue
+      except Exception as e:  # noqa: BLE001 -- no datagram may stop the thread
+        taken.append((None, f'malformed: verifier raised {type(e).__name__}', sender))
+        continue
+      taken.append((payload, None, sender))
+      self.heartbeats += 1
+      if self.supervised():
+        self._ack(payload, sender)
+    if not taken:
+      return
+    with self._ready:
+      for payload, reason, sender in taken:
+        if payload is None:
+          if len(self._rejected) == self._rejected.maxlen:
+            self.rejected_dropped += 1
+          self._rejected.append((reason, sender))
+          continue
+        key = ('sender', payload['sender']) if payload.get('sender') is not None else ('nonce', payload['nonce'])
+        prev = self._beats.get(key)
+        self._beats[key] = (merge_beats(prev[0] if prev else None, payload), sender)
+      self._ready.notify_all()
 
   def _ack(self, payload: dict, sender: tuple) -> None:
     """Tells an authentic sender the driver is alive (only authentic ones:
@@ -492,8 +570,11 @@ class HeartbeatServer:
            'ts': time.time(), 'nonce': secrets.token_hex(12)}
     try:
       self.sock.sendto(sign(ack, self._secret), sender)
+      self.acks_sent += 1
     except OSError:
       pass   # the sender is gone: nothing to tell
 
   def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=2.0)
     self.sock.close()
