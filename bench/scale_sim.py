@@ -225,9 +225,9 @@ def simulate(n: int, seconds: float, interval: float, timeout: float, senders: i
   real_watch = getattr(driver_lib, '_StragglerWatch', None)   # None: a driver from before it existed
   if real_watch is not None:
     class TimedWatch(real_watch):
-      def close(self):
+      def close(self, *args, **kwargs):
         watch_seconds.append(self.last_seconds)
-        super().close()
+        return super().close(*args, **kwargs)
     driver_lib._StragglerWatch = TimedWatch
   try:
     while time.time() < t0 + seconds:

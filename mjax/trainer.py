@@ -350,6 +350,7 @@ class Trainer:
           reporter.flush()
           with timer.phase('checkpoint'):
             self._save(step, meta)
+          reporter.not_step_time()         # the save's blocking part is in the timings, not the next step
         if collector.due(step):            # the same steps in every process: the pauses line up
           with timer.phase('gc'):
             collector.collect()
@@ -601,7 +602,14 @@ class StepReporter:
         self.trainer.say(f'mjax: step {step}: eval_loss {loss:.4f}')
       else:
         self.bar.write(f'step {step}: eval_loss {loss:.4f}')
-    self._t_last = time.perf_counter()   # evaluation time is not step time
+    self.not_step_time()
+
+  def not_step_time(self) -> None:
+    """What ran since the last report (an evaluation, a save's blocking
+    part) is left out of the next step's time, so that step_time, tokens/s
+    and MFU describe training steps only (the per-rank timings keep each
+    phase, checkpoint and eval included)."""
+    self._t_last = time.perf_counter()
 
   def _report(self, step: int, metrics: dict) -> None:
     m = jax.device_get(metrics)           # waits for that step only

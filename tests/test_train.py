@@ -94,6 +94,28 @@ def test_garbage_is_collected_at_the_same_steps_and_only_there(tmp_path):
   assert losses[2] == losses[0] and len(losses[2]) == 4
 
 
+def test_a_blocking_save_is_not_counted_in_the_next_steps_time(tmp_path, monkeypatch):
+  # A save's blocking part (1 s here) is the checkpoint phase of the
+  # timings; step_time (so tokens/s and MFU) covers the step only.
+  import time
+  save = trainer.Trainer._save
+
+  def slow_save(self, step, meta, force=False):
+    if not force:
+      time.sleep(1.0)
+    return save(self, step, meta, force=force)
+
+  monkeypatch.setattr(trainer.Trainer, '_save', slow_save)
+  run = tmp_path / 'run'
+  fit(_small('TrainConfig.steps = 5', 'TrainConfig.eval_every = 0', 'CheckpointConfig.save_every = 2',
+             'FaultConfig.timing_every = 1'), run)
+  times = {r['step']: r['step_time'] for r in read_metrics(run)[0]}
+  assert sorted(times) == [1, 2, 3, 4, 5]
+  assert all(times[s] < 0.5 for s in (3, 5)), times   # the steps right after a save
+  rows = [json.loads(line) for line in (run / 'timings' / 'process-00000.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in rows if r['phases'].get('checkpoint', 0) >= 1.0] == [2, 4], rows
+
+
 def test_heartbeats_begin_in_start_up_and_name_its_parts(tmp_path, monkeypatch):
   # Under a driver the trainer heartbeats from early in start-up, naming
   # the part it is in (restore, compile, ...), then the loop's phases, and
