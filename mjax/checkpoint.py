@@ -803,26 +803,26 @@ def _no_item_metadata_warning(record: logging.LogRecord) -> bool:
   return not record.getMessage().startswith('Metadata file does not exist')
 
 
-class _BadRecord(Exception):
+class BadRecord(Exception):
   """A step's JSON record that is missing or not JSON; says which."""
 
 
-def _step_json(step_path: str, rel: str, record: bool = True) -> Any:
-  """A JSON record of a saved step (e.g. 'meta/metadata'), or _BadRecord
+def step_json(step_path: str, rel: str, record: bool = True) -> Any:
+  """A JSON record of a saved step (e.g. 'meta/metadata'), or BadRecord
   naming it: the bare decoder error (UnicodeDecodeError at byte 3) said
   neither which file nor what it means. `record`: it must be an object."""
   try:
     with open(os.path.join(step_path, rel), 'rb') as fh:
       raw = fh.read()
   except OSError as e:
-    raise _BadRecord(f'{rel}: {"missing" if isinstance(e, FileNotFoundError) else (e.strerror or e)}') from None
+    raise BadRecord(f'{rel}: {"missing" if isinstance(e, FileNotFoundError) else (e.strerror or e)}') from None
   try:
     out = json.loads(raw.decode('utf-8'))
   except ValueError as e:   # UnicodeDecodeError is one
-    raise _BadRecord(f'{rel} is not JSON (damaged or overwritten: {type(e).__name__} at byte '
+    raise BadRecord(f'{rel} is not JSON (damaged or overwritten: {type(e).__name__} at byte '
                      f'{getattr(e, "start", getattr(e, "pos", "?"))})') from None
   if record and not isinstance(out, dict):
-    raise _BadRecord(f'{rel} is JSON but not a record (a {type(out).__name__})')
+    raise BadRecord(f'{rel} is JSON but not a record (a {type(out).__name__})')
   return out
 
 
@@ -835,11 +835,11 @@ def verify_step(path: str) -> tuple[str, str]:
   """
   quiet_failed_io_aftermath()   # a damaged step's failed reads, said once
   try:
-    meta = _step_json(path, 'meta/metadata')
+    meta = step_json(path, 'meta/metadata')
     saved = meta.get(FINGERPRINTS)
     data = None
     if os.path.exists(os.path.join(path, 'data', 'metadata')):
-      data = _step_json(path, 'data/metadata', record=False)
+      data = step_json(path, 'data/metadata', record=False)
     # Host arrays, whatever devices and mesh saved them: this runs on a login
     # node as well as next to a job that holds the GPUs. Read as an item, the
     # state has no step metadata of its own, which Orbax warns of every time.
@@ -853,7 +853,7 @@ def verify_step(path: str) -> tuple[str, str]:
     finally:
       absl_log.removeFilter(_no_item_metadata_warning)
       reader.close()
-  except _BadRecord as e:
+  except BadRecord as e:
     return 'unreadable', str(e)
   except Exception as e:  # any reason the step cannot be read is the verdict
     return 'unreadable', read_error(e)
@@ -1188,12 +1188,14 @@ def read_error(e: BaseException) -> str:
   wraps names the array, the file and what is wrong with it (e.g.
   'OUT_OF_RANGE: Error reading "params.embedding/0.0" ... not valid for
   value of size 100'), so the innermost cause that says something wins."""
-  if isinstance(e, _BadRecord):
+  if isinstance(e, BadRecord):
     return str(e)
   chain, x = [], e
   while x is not None and len(chain) < 8:
     chain.append(x)
-    x = x.__cause__ or x.__context__
+    # A context raised `from None` is an implementation detail (json's
+    # decoder leaves StopIteration(0) there): never the reason to show.
+    x = x.__cause__ or (None if x.__suppress_context__ else x.__context__)
   for x in reversed(chain):
     first = str(x).splitlines()[0] if str(x) else ''
     shapes = re.search(r'Requested shape: (\(.*?\)) is not compatible with the stored shape: (\(.*?\))', first)
@@ -1228,9 +1230,9 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
   if '://' not in path:
     # The step's JSON records first: read by Orbax, a damaged one is a bare
     # decoder error, a missing one pages of a tree mismatch.
-    _step_json(path, 'meta/metadata')
+    step_json(path, 'meta/metadata')
     if os.path.isdir(os.path.join(path, 'data')):
-      _step_json(path, 'data/metadata', record=False)
+      step_json(path, 'data/metadata', record=False)
   if host:
     items = {'state': ocp.args.PyTreeRestore(
         item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))}

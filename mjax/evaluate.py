@@ -42,7 +42,7 @@ from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, flags
 from mjax.checkpoint import (FINGERPRINTS, first_mismatch, foreign, is_step_dir, quiet_failed_io_aftermath,
-                             read_error, saved_steps, steps_in, tier_directories)
+                             read_error, saved_steps, step_json, steps_in, tier_directories)
 from mjax.config import Config
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
@@ -343,7 +343,7 @@ def read_params(program: Program, step_dir: str) -> tuple[Any, bool]:
         item=item, restore_args=restore_args, partial_restore=True))
   finally:
     reader.close()
-  meta = json.loads((epath.Path(step_dir) / 'meta' / 'metadata').read_text())
+  meta = step_json(step_dir, 'meta/metadata')   # a damaged record is named, not a decoder's error
   prints = meta.get(FINGERPRINTS)
   if prints:
     # Keys as the trainer saved them (paths in the TrainState); the moments are not read.

@@ -407,7 +407,8 @@ def check_shapes(tensors: dict[str, np.ndarray], m: ModelConfig, neox: bool) -> 
   """Every weight tensor has the shape the config says (Hugging Face's (out, in) layout).
 
   Raises:
-    UserError: naming the first tensor that is missing or of another shape.
+    UserError: naming the first tensor that is missing or of another shape,
+      or the tensors the config does not describe.
   """
   d, f, hd, v = m.d_model, m.d_ff, m.dim_per_head, m.vocab_size
   q, kv = m.n_heads * hd, m.kv_heads * hd
@@ -432,6 +433,18 @@ def check_shapes(tensors: dict[str, np.ndarray], m: ModelConfig, neox: bool) -> 
       raise UserError(f'tensor {name!r} has shape {tuple(tensors[name].shape)}, but config.json (hidden_size '
                       f'{d}, intermediate_size {f}, {m.n_heads} heads of {hd}, vocab_size {v}) makes it {shape}: '
                       'the weights do not match their config.json.')
+  # Tensors no part of the config reads: more layers than num_hidden_layers
+  # says (the import would drop them without a word), or another model's.
+  known = {*want, *(k[:-len('weight')] + 'bias' for k in want if k.endswith('.weight')),
+           'embed_out.weight', 'lm_head.weight'}
+  extra = sorted(k for k in tensors if k not in known)
+  if extra:
+    layers = sorted({int(x) for k in extra for x in re.findall(r'\.layers\.(\d+)\.', k)})
+    beyond = (f' (layers {layers[0]}-{layers[-1]}, where config.json has num_hidden_layers = {m.n_layers})'
+              if layers and layers[0] >= m.n_layers else '')
+    raise UserError(f'the weights hold {len(extra)} tensor(s) their config.json does not describe{beyond}, e.g. '
+                    f'{", ".join(repr(k) for k in extra[:3])}: importing would drop them. The weights do not '
+                    'match their config.json.')
 
 
 def _tensor(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:

@@ -111,6 +111,19 @@ def test_damaged_newest_step_falls_back_and_named_step_is_refused(run, tmp_path)
   assert os.path.isdir(os.path.join(copy, 'checkpoints', str(N)))   # evaluation moves nothing
 
 
+def test_a_damaged_step_record_is_named_not_a_decoder_error(run, tmp_path):
+  # json's decoder leaves StopIteration(0) as the context of its error: the
+  # reason shown is the record, named, as training says it.
+  copy = str(tmp_path / 'run')
+  shutil.copytree(run, copy)
+  with open(os.path.join(copy, 'checkpoints', str(N), 'meta', 'metadata'), 'w') as fh:
+    fh.write('garbage{')
+  out = mjax_eval('--workdir', copy)
+  assert out['step'] == 3
+  error = out['skipped'][0]['error']
+  assert 'meta/metadata is not JSON' in error and 'StopIteration' not in error, error
+
+
 def test_config_of_another_model_is_refused(run):
   with pytest.raises(UserError, match=r"another model.*params\['embedding'\] is \(384, 128\)"):
     mjax_eval('--workdir', run, '--gin.ModelConfig.d_model=256')

@@ -323,7 +323,9 @@ def test_import_refuses_a_config_json_that_does_not_describe_its_weights(tmp_pat
       (case('heads', num_attention_heads=3), 'describes a model mjax cannot build'),
       (case('text', num_hidden_layers='2'), "num_hidden_layers = '2'"),
       (case('none', hidden_size=None), 'hidden_size = None'),
-      (case('tiny_vocab', vocab_size=100), "'gpt_neox.embed_in.weight' has shape (300, 64)")]:
+      (case('tiny_vocab', vocab_size=100), "'gpt_neox.embed_in.weight' has shape (300, 64)"),
+      (case('fewer_layers', num_hidden_layers=1), 'does not describe (layers 1-3, where config.json has '
+                                                   'num_hidden_layers = 1)')]:
     with pytest.raises(UserError, match=re.escape(said)):
       export.gin_bindings(p)
   listed = str(tmp_path / 'listed')
