@@ -325,6 +325,32 @@ def host_memory_bytes() -> Optional[int]:
     return None
 
 
+def available_memory_bytes() -> Optional[int]:
+  """Memory this process may still allocate without the OOM killer: the
+  kernel's MemAvailable, or less where a cgroup (v2) limit leaves less;
+  the physical memory where the OS says nothing more, else None."""
+  have = None
+  try:
+    with open('/proc/meminfo') as fh:
+      for line in fh:
+        if line.startswith('MemAvailable:'):
+          have = int(line.split()[1]) * 1024
+          break
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    with open('/sys/fs/cgroup/memory.max') as fh:
+      limit = fh.read().strip()
+    with open('/sys/fs/cgroup/memory.current') as fh:
+      used = int(fh.read().strip())
+    if limit != 'max':
+      left = max(0, int(limit) - used)
+      have = left if have is None else min(have, left)
+  except (OSError, ValueError):
+    pass
+  return have if have is not None else host_memory_bytes()
+
+
 def memory_per_device(devices: Sequence[jax.Device]) -> tuple[Optional[int], str]:
   """What one device can hold: the backend's limit (GPU), else this host's
   physical memory shared by its local devices (CPU); None when unknown."""

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mjax import data as data_lib
 from mjax import evaluate, flags
 from mjax.config import Config, ModelConfig
-from mjax.devices import host_memory_bytes
+from mjax.devices import available_memory_bytes, memory_per_device
 from mjax.errors import UserError
 from mjax.model import Transformer
 from mjax.model.attention import cache_slots
@@ -139,14 +139,33 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
              for arrays in _cache_layout(cfg, batch, max_len).values() for shape, dtype, _ in arrays.values())
 
 
-def _check_cache_fits(cfg: ModelConfig, batch: int, max_len: int) -> None:
-  """The KV cache must fit this host's memory (it is built there, then
-  placed on the devices); otherwise say what to lower, before allocating."""
-  need, have = cache_bytes(cfg, batch, max_len), host_memory_bytes()
+def _check_cache_fits(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> None:
+  """The KV cache must fit where it lives: on CPU in this host's free
+  memory, on an accelerator in each device's share; otherwise say what to
+  lower, before anything is allocated (on CPU an allocation past the free
+  memory is the OOM killer's, with no message at all)."""
+  need = cache_bytes(cfg.model, batch, max_len)
+  devices = list(mesh.devices.flat)
+  weights = ''
+  if devices[0].platform == 'cpu':
+    have, where = available_memory_bytes(), 'this host\'s free memory'
+    local = sum(1 for d in devices if d.process_index == jax.process_index())
+    # The weights live there too: read in fp32, then cast for compute.
+    from mjax.model.flops import count_params
+    held = count_params(cfg.model)['params'] * (4 + np.dtype(dtype_of(cfg.model.dtype)).itemsize)
+    weights = f' with the weights ({held / 2**30:,.1f} GiB)'
+    need = (need + held) * local // len(devices)   # this process holds its devices' shards
+  else:
+    rules = logical_rules(cfg.mesh)
+    shards = {k: nn.logical_to_mesh_sharding(P(*v), mesh, rules) for k, v in CACHE_AXES.items()}
+    need = sum(math.prod(shards[k].shard_shape(shape)) * np.dtype(dtype).itemsize
+               for arrays in _cache_layout(cfg.model, batch, max_len).values()
+               for k, (shape, dtype, _) in arrays.items())
+    have, where = memory_per_device(devices)[0], 'one device\'s memory'
   if have is not None and need > have:
-    raise UserError(f'the KV cache for {batch} row(s) of up to {max_len:,} tokens needs '
-                    f'{need / 2**30:,.1f} GiB, more than this host\'s {have / 2**30:,.1f} GiB of memory: '
-                    f'lower --max_new_tokens (or the prompts\' length).')
+    raise UserError(f'the KV cache for {batch} row(s) of up to {max_len:,} tokens needs {need / 2**30:,.1f} GiB'
+                    f'{weights}, more than {where} ({have / 2**30:,.1f} GiB): lower --max_new_tokens (or the '
+                    f'prompts\' length, or their number).')
 
 
 def left_pad(prompts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -205,6 +224,14 @@ class Generator:
     with jax.set_mesh(self.mesh):
       return jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p))(params)
 
+  def _new_cache(self, batch: int, max_len: int) -> dict:
+    """`init_cache` made on the devices, each its own shard: no host copy
+    of the whole cache (on CPU that doubled its memory)."""
+    layout = _cache_layout(self.cfg.model, batch, max_len)
+    make = lambda: {block: {k: jnp.full(shape, fill, dtype) for k, (shape, dtype, fill) in arrays.items()}
+                    for block, arrays in layout.items()}
+    return jax.jit(make, out_shardings=self.cache_shardings)()
+
   def put(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from the same numpy array on every process."""
     return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
@@ -237,7 +264,7 @@ class Generator:
       positions = np.concatenate([positions[:, :1] - np.arange(extra, 0, -1), positions], axis=1)
       width += extra
     chunk = min(width, prefill_chunk)
-    cache = jax.tree.map(self.put, init_cache(self.cfg.model, b, width + max_new), self.cache_shardings)
+    cache = self._new_cache(b, width + max_new)
     key = jax.random.key(self.sampling.seed)
     out, done = [], np.arange(b) >= (b if live is None else live)
     next_pos = (positions[:, -1:] + 1).astype(np.int32)
@@ -454,7 +481,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   program = make_program(cfg, mesh)
   rows = _padded_batch(encoded, mesh)
   longest = max(len(e) for e in encoded) + args.max_new_tokens
-  _check_cache_fits(cfg.model, len(rows), longest)   # before the checkpoint is read
+  _check_cache_fits(cfg, mesh, len(rows), longest)   # before the checkpoint is read
   choice = evaluate.choose(args, cfg)
   picked, params, verified, _ = evaluate.restore(program, choice)
   evaluate.say(f'{PROG}: step {picked.step} from {picked.path} '
@@ -467,8 +494,18 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   gen = Generator(cfg, mesh, info.vocab_size, sampling)
   eos = info.eos_id if args.stop_at_eos else None
   printer = Printer(tokenizer, prompts, args.format, eos)
-  _, times = gen.run(gen.compute_params(params), rows, args.max_new_tokens, eos,
-                     on_tokens=lambda ids: printer.add(ids[:len(prompts)]), live=len(prompts))
+  try:
+    _, times = gen.run(gen.compute_params(params), rows, args.max_new_tokens, eos,
+                       on_tokens=lambda ids: printer.add(ids[:len(prompts)]), live=len(prompts))
+  except jax.errors.JaxRuntimeError as e:
+    # The cache fitted, but a step's working memory (attention over every
+    # slot of it) did not: what to lower is the same.
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    raise UserError(f'generation ran out of memory ({str(e).splitlines()[0][:200]}) with a KV cache of '
+                    f'{cache_bytes(cfg.model, len(rows), longest) / 2**30:,.1f} GiB for {len(rows)} row(s) of up '
+                    f'to {longest:,} tokens: lower --max_new_tokens (or the prompts\' length, or their '
+                    f'number).') from None
   result = printer.finish(eos)
   n = sum(r['tokens'] for r in result)
   evaluate.say(f'{PROG}: prefill {times["prefill_s"] * 1e3:.0f} ms (compile included), then '

@@ -190,6 +190,20 @@ def test_prompt_file_and_bad_input(run, tmp_path, repo_root, monkeypatch):
   # are named before anything is allocated.
   with pytest.raises(UserError, match=r'KV cache for .* tokens needs .* lower --max_new_tokens'):
     mjax_generate('--workdir', run, '--prompt', 'x', '--max_new_tokens', str(10 ** 12))
+  # On CPU the cache counts against the memory still free, not the
+  # machine's: past it the OOM killer ends the process with no word.
+  real = generate.available_memory_bytes
+  monkeypatch.setattr(generate, 'available_memory_bytes', lambda: 1 << 10)
+  with pytest.raises(UserError, match=r"more than this host's free memory \(0\.0 GiB\)"):
+    mjax_generate('--workdir', run, '--prompt', 'x', '--max_new_tokens', '40')
+  monkeypatch.setattr(generate, 'available_memory_bytes', real)
+  # A step's working memory past what is left: the same advice, no traceback.
+  def exhausted(*a, **k):
+    raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 82054647232 bytes.')
+  monkeypatch.setattr(generate.Generator, 'run', exhausted)
+  with pytest.raises(UserError, match=r'generation ran out of memory \(RESOURCE_EXHAUSTED.*lower --max_new_tokens'):
+    mjax_generate('--workdir', run, '--prompt', 'x', '--max_new_tokens', '4')
+  monkeypatch.undo()
   with pytest.raises(UserError, match=r'prompt 2 .* is not valid text'):
     mjax_generate('--workdir', run, '--prompt', 'fine', '--prompt', 'bad \udcff bytes')
   # The installed command: a missing step exits 2 naming the saved ones.
