@@ -19,6 +19,10 @@ This module imports nothing from mjax: every layer may raise these.
 """
 
 import argparse
+import errno
+
+# A filesystem that takes no more of a run's files: no restart cures these.
+REFUSED_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class UserError(ValueError):
@@ -46,6 +50,18 @@ def few_processes(failed, count: int) -> bool:
   (a directory only process 0's machine has is the input's fault), so a
   job of two never blames a host."""
   return 0 < len(failed) and 2 * len(failed) < count
+
+
+def refused_write(e: OSError, path: str, what: str) -> Exception:
+  """What to raise for a write to `path` that failed with `e`: a UserError
+  naming the file and what to do where its filesystem is full, over quota
+  or read-only (a restart would fail the same way); `e` itself otherwise."""
+  if e.errno not in REFUSED_WRITE:
+    return e
+  return UserError(f'{what} cannot be written to {path!r}: {e.strerror or e} (errno {e.errno}). The '
+                   f'checkpoints saved so far are kept; free space there (or give --workdir on another '
+                   f'filesystem, with CheckpointConfig.directory where the checkpoints are) and run the same '
+                   f'command again: it resumes from the newest checkpoint.')
 
 
 class RefusingParser(argparse.ArgumentParser):

@@ -14,6 +14,8 @@ from typing import Optional
 
 import numpy as np
 
+from mjax.errors import refused_write
+
 # Key of the marker row a resumed (or restarted) run appends: rows written
 # before it for steps past its value are superseded.
 SUPERSEDES = 'supersedes_after_step'
@@ -74,7 +76,10 @@ class MetricsWriter:
     if not self.enabled:
       return
     record = {'step': int(step), **{prefix + k: _py(v) for k, v in scalars.items()}}
-    self._jsonl.write(json.dumps(record) + '\n')
+    try:
+      self._jsonl.write(json.dumps(record) + '\n')
+    except OSError as e:
+      raise refused_write(e, self._jsonl.name, 'the metrics') from None
     numbers = {prefix + k: float(v) for k, v in scalars.items()
                if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)}
     for k, v in numbers.items():

@@ -219,6 +219,26 @@ def test_ctrl_c_inside_a_garbage_collector_callback_is_not_lost(repo_root):
   assert 'interrupted' in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full (a device that is always full)')
+def test_a_full_disk_under_the_run_files_is_one_paragraph_naming_the_file(tmp_path):
+  # The timings and metrics are written every step: a filesystem that fills
+  # up mid-run used to end the trainer with a traceback and exit 1 (a crash
+  # the driver restarts, into the same full disk). /dev/full refuses every
+  # write with ENOSPC, as a full disk does.
+  from mjax.errors import UserError
+  from mjax.ft.phases import PhaseTimer
+  from mjax.metrics import MetricsWriter
+  timer = PhaseTimer(str(tmp_path), 0, every=1)
+  timer._fh = open('/dev/full', 'a', buffering=1)
+  with pytest.raises(UserError, match=r"per-rank step timings cannot be written to '.*process-00000.jsonl': "
+                                      r"No space left on device .*checkpoints saved so far are kept"):
+    timer.end_step(1)
+  writer = MetricsWriter(str(tmp_path))
+  writer._jsonl = open('/dev/full', 'a', buffering=1)
+  with pytest.raises(UserError, match=r"the metrics cannot be written to '/dev/full': No space left on device"):
+    writer.write(1, {'loss': 1.0})
+
+
 def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_path):
   from mjax.metrics import MetricsWriter, read_metrics as read
   first = MetricsWriter(str(tmp_path))

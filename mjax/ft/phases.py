@@ -10,6 +10,8 @@ import os
 import socket
 import time
 
+from mjax.errors import refused_write
+
 
 class PhaseTimer:
   """Always-on, per-process timers of the phases of each step.
@@ -48,7 +50,8 @@ class PhaseTimer:
     self._rows: list[dict] = []
     directory = os.path.join(workdir, 'timings')
     os.makedirs(directory, exist_ok=True)
-    self._fh = open(os.path.join(directory, f'process-{process_index:05d}.jsonl'), 'a', buffering=1)
+    self.path = os.path.join(directory, f'process-{process_index:05d}.jsonl')
+    self._fh = open(self.path, 'a', buffering=1)
 
   def phase(self, name: str):
     """Context manager timing one phase of the current step."""
@@ -84,7 +87,11 @@ class PhaseTimer:
       self.flush()
 
   def flush(self) -> None:
-    self._fh.writelines(json.dumps(r) + '\n' for r in self._rows)
+    try:
+      self._fh.writelines(json.dumps(r) + '\n' for r in self._rows)
+    except OSError as e:
+      self._rows.clear()
+      raise refused_write(e, self.path, 'the per-rank step timings') from None
     self._rows.clear()
 
   def close(self) -> None:
