@@ -138,6 +138,9 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
     n = _whole_heldout_batches(cfg, n)
   batches = make_batches(cfg, args.split, n, program.data_share())   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
+  changed = tokenizer_change(picked.path, cfg)
+  if changed:
+    say(f'{PROG}: warning: {changed}; the loss below is of that other tokenization.')
   say(f'{PROG}: step {picked.step} from {picked.path} '
       f'({"checksums verified" if verified else "saved without checksums"}); '
       f'{n} {args.split} batches of {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens '
@@ -147,6 +150,23 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
                        time.perf_counter() - t0)
   say(f'{PROG}: loss {loss:.4f} over {tokens:,} tokens, {report["seconds"]:.1f}s')
   return report if jax.process_index() == 0 else None
+
+
+def tokenizer_change(step_dir: str, cfg: Config) -> Optional[str]:
+  """What differs between the tokenizer a step was trained with (its meta
+  record) and the one the config names now, or None (the same, or a step
+  saved before steps recorded it)."""
+  from mjax.data.tokenizer import TokenizerInfo
+  try:
+    saved = step_json(step_dir, 'meta/metadata').get('tokenizer')
+    then = TokenizerInfo(**saved)
+  except Exception:  # noqa: BLE001 -- no record (an older step) or not one: nothing to compare
+    return None
+  now = data_lib.load_tokenizer(cfg.data.tokenizer).info
+  if now.same_as(then):
+    return None
+  return (f'DataConfig.tokenizer is {now.describe()}, but step {os.path.basename(step_dir.rstrip("/"))} was trained '
+          f'with {then.describe()}: the same ids would stand for other text')
 
 
 def say(msg: str) -> None:

@@ -484,6 +484,9 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   _check_cache_fits(cfg, mesh, len(rows), longest)   # before the checkpoint is read
   choice = evaluate.choose(args, cfg)
   picked, params, verified, _ = evaluate.restore(program, choice)
+  changed = evaluate.tokenizer_change(picked.path, cfg)
+  if changed:
+    evaluate.say(f'{PROG}: warning: {changed}; the text below is decoded with the tokenizer named now.')
   evaluate.say(f'{PROG}: step {picked.step} from {picked.path} '
                f'({"checksums verified" if verified else "saved without checksums"}); {len(prompts)} '
                f'prompt(s), up to {args.max_new_tokens} new tokens, mesh {dict(mesh.shape)}, KV cache '

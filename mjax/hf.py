@@ -364,6 +364,12 @@ def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:
   check_out(args.out)
   program = make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()[:1]))
   picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg))
+  changed = evaluate.tokenizer_change(picked.path, cfg)
+  if changed:
+    # The exported directory would ship that tokenizer beside the weights,
+    # and every user of the model would decode its ids with it.
+    raise UserError(f'{changed}. The export would ship that tokenizer with the model: give the one it was '
+                    f'trained with (--gin.DataConfig.tokenizer=<that file>, or put it back in place).')
   conf = export_hf(jax.device_get(program.canonical_params(params)), cfg, args.out, args.drop_sliding_window)
   evaluate.say(f'{PROG}: step {picked.step} ({picked.path}, '
                f'{"checksums verified" if verified else "saved without checksums"}) -> {args.out} '

@@ -292,7 +292,9 @@ class Trainer:
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
-    meta = {'config': config_lib.to_dict(cfg)}
+    # Which tokenizer made the ids this model learns: evaluation, generation
+    # and export check theirs against it (a file edited or replaced since).
+    meta = {'config': config_lib.to_dict(cfg), 'tokenizer': data_lib.load_tokenizer(cfg.data.tokenizer).info.to_json()}
     try:
       return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
     except Exception:

@@ -124,6 +124,31 @@ def test_a_damaged_step_record_is_named_not_a_decoder_error(run, tmp_path):
   assert 'meta/metadata is not JSON' in error and 'StopIteration' not in error, error
 
 
+def test_a_tokenizer_other_than_the_trained_one_is_said_and_refused_for_export(run, tmp_path, capsys):
+  # Each step records the tokenizer that made its ids; one edited or
+  # replaced since would decode them as other text.
+  from mjax import hf
+  with open(os.path.join(run, 'checkpoints', str(N), 'meta', 'metadata')) as fh:
+    assert json.load(fh)['tokenizer']['name'] == 'bytes'
+  assert evaluate.tokenizer_change(os.path.join(run, 'checkpoints', str(N)), C.load_config(['tiny.gin'], SMALL)) is None
+  copy = str(tmp_path / 'run')
+  shutil.copytree(run, copy)
+  meta_path = os.path.join(copy, 'checkpoints', str(N), 'meta', 'metadata')
+  with open(meta_path) as fh:
+    meta = json.load(fh)
+  meta['tokenizer'] = {'name': 'tok.json', 'path': '/data/tok.json', 'vocab_size': 256, 'eos_id': 0, 'sha256': 'ab' * 32}
+  with open(meta_path, 'w') as fh:
+    json.dump(meta, fh)
+  capsys.readouterr()
+  assert mjax_eval('--workdir', copy)['step'] == N
+  said = capsys.readouterr().err
+  assert "warning: DataConfig.tokenizer is 'bytes' (258 ids), but step 6 was trained with /data/tok.json" in said, said
+  args, bindings = hf.parse_export_args([str(tmp_path / 'hf'), '--workdir', copy, '--drop_sliding_window'])
+  with pytest.raises(UserError, match=r'trained with /data/tok.json .*The export would ship that tokenizer'):
+    hf.export_main(args, bindings)
+  assert not os.path.exists(tmp_path / 'hf')
+
+
 def test_config_of_another_model_is_refused(run):
   with pytest.raises(UserError, match=r"another model.*params\['embedding'\] is \(384, 128\)"):
     mjax_eval('--workdir', run, '--gin.ModelConfig.d_model=256')
