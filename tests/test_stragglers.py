@@ -6,7 +6,9 @@ share the step's wall time, and a process with extra host work ends its
 steps that much after the others.
 """
 
+import collections
 import json
+import math
 import os
 
 import numpy as np
@@ -466,3 +468,307 @@ def test_a_rank_whose_host_stalled_is_named_by_its_short_wait():
   (found,) = st.find_stragglers(rows)
   assert found.process == 1 and found.reason == 'device' and found.slowdown > 0.3
   assert 0.9 < found.ratio < 1.1     # its compute time is the others'
+
+
+# --- the driver's fast path against the analysis written row by row --------------
+#
+# The driver's TimingTail keeps columns as it reads and the analysis works
+# on them (RowTable); what follows is the analysis as first written, row by
+# row, which the fast path must agree with exactly, damaged lines and all.
+
+def _ref_valid_row(row):
+  def number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+  def count(x, below):
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < below
+
+  return (isinstance(row, dict) and count(row.get('step'), 2**53) and count(row.get('process'), 2**31)
+          and number(row.get('time')) and isinstance(row.get('host', ''), str)
+          and isinstance(row.get('phases'), dict)
+          and all(isinstance(k, str) and number(v) and v >= 0 for k, v in row['phases'].items()))
+
+
+def _ref_parse_row(line):
+  for start in (0, line.rfind('{"step"')):
+    if start < 0:
+      break
+    try:
+      row = json.loads(line[start:])
+    except ValueError:
+      continue
+    if _ref_valid_row(row):
+      if 'device' in row and not st._valid_sample(row['device']):
+        del row['device']
+      return row
+  return None
+
+
+def _ref_grid(rows, steps):
+  processes = np.array(sorted({int(r['process']) for r in rows}), dtype=np.int64)
+  steps = np.asarray(steps, dtype=np.int64)
+  pi = {p: i for i, p in enumerate(processes.tolist())}
+  si = {s: i for i, s in enumerate(steps.tolist())}
+  names = st.phases_of(rows)
+  shape = (len(processes), len(steps))
+  end = np.full(shape, np.nan)
+  seconds = {name: np.full(shape, np.nan) for name in (st.STEP, *names)}
+  present = np.zeros(shape, bool)
+  for r in rows:
+    j = si.get(int(r['step']))
+    if j is None:
+      continue
+    i = pi[int(r['process'])]
+    present[i, j] = True
+    end[i, j] = float(r['time'])
+    seconds[st.STEP][i, j] = float(sum(r['phases'].values()))
+    for name, v in r['phases'].items():
+      seconds[name][i, j] = float(v)
+  for name in names:
+    seconds[name][present & np.isnan(seconds[name])] = 0.0
+  return {'processes': processes, 'steps': steps, 'end': end, 'seconds': seconds}
+
+
+def _ref_loo_median(x):
+  P, S = x.shape
+  order = np.argsort(x, axis=0, kind='stable')
+  s = np.take_along_axis(x, order, axis=0)
+  rank = np.empty_like(order)
+  np.put_along_axis(rank, order, np.broadcast_to(np.arange(P)[:, None], (P, S)), axis=0)
+  m = np.sum(~np.isnan(x), axis=0) - 1
+
+  def kth_remaining(k):
+    k = np.broadcast_to(np.maximum(k, 0), (P, S))
+    idx = np.clip(np.where(k < rank, k, k + 1), 0, P - 1)
+    return np.take_along_axis(s, idx, axis=0)
+
+  med = 0.5 * (kth_remaining((m - 1) // 2) + kth_remaining(m // 2))
+  med[:, m < 1] = np.nan
+  med[np.isnan(x)] = np.nan
+  return med
+
+
+def _ref_compare(rows, steps):
+  g = _ref_grid(rows, steps)
+  end, seconds = g['end'], g['seconds']
+  total = seconds[st.STEP]
+
+  def per_step(extra_s, ref):
+    return extra_s / np.maximum(ref - np.clip(extra_s, 0, None), 0.1 * ref)
+
+  with np.errstate(invalid='ignore', divide='ignore'):
+    ref_total = _ref_loo_median(total)
+    ref_total = np.where(ref_total > 0, ref_total, np.nan)
+    late_s = end - _ref_loo_median(end)
+    excess = {st.STEP: (total - ref_total) / ref_total}
+    for ph, x in seconds.items():
+      if ph != st.STEP:
+        excess[ph] = per_step(x - _ref_loo_median(x), ref_total)
+    signals = {'late': per_step(late_s, ref_total), **excess}
+    stacked = np.stack(list(signals.values()))
+    slowdown = np.where(np.all(np.isnan(stacked), axis=0), np.nan,
+                        np.nanmax(np.where(np.isnan(stacked), -np.inf, stacked), axis=0))
+    ratio = total / ref_total
+  return {'processes': g['processes'], 'steps': g['steps'], 'ratio': ratio, 'lateness_s': late_s,
+          'signals': signals, 'slowdown': slowdown}
+
+
+def _ref_latest_steps(rows, window, quorum):
+  counts = collections.Counter(int(r['step']) for r in rows)
+  return sorted(s for s, c in counts.items() if c >= quorum)[-window:]
+
+
+def _ref_consistently_slow(slow, margin, consistency, least):
+  valid = ~np.isnan(slow)
+  if valid.sum() < max(1, least):
+    return None
+  med, share = float(np.median(slow[valid])), float(np.mean(slow[valid] > margin / 2))
+  return (med, share) if med > margin and share >= consistency else None
+
+
+def _ref_host_stragglers(rows, margin, window, consistency):
+  n_proc = len({r['process'] for r in rows})
+  if n_proc < 2:
+    return []
+  steps = _ref_latest_steps(rows, window, max(2, (n_proc + 1) // 2))
+  if len(steps) < window:
+    return []
+  recent = [r for r in rows if int(r['step']) >= steps[0]]
+  sig = _ref_compare(recent, steps)
+  hosts = {int(r['process']): r.get('host', '?') for r in recent}
+  found = []
+  for i, p in enumerate(sig['processes'].tolist()):
+    verdict = _ref_consistently_slow(sig['slowdown'][i], margin, consistency, window // 2)
+    if verdict is not None:
+      med, share = verdict
+      by_signal = {k: float(st._nanmedian(v[i])) for k, v in sig['signals'].items()}
+      found.append(st.Straggler(
+          process=p, host=hosts.get(p, '?'), slowdown=med,
+          reason=max(by_signal, key=lambda k: -np.inf if np.isnan(by_signal[k]) else by_signal[k]),
+          ratio=float(st._nanmedian(sig['ratio'][i])), lateness=by_signal['late'],
+          lateness_s=float(st._nanmedian(sig['lateness_s'][i])), slow_share=share,
+          first_step=int(sig['steps'][0]), last_step=int(sig['steps'][-1])))
+  return found
+
+
+def _ref_device_stragglers(rows, margin, consistency, samples=st.DEVICE_SAMPLES):
+  sig = st.device_compare(st.dedupe_rows(rows), samples)
+  if sig is None:
+    return []
+  hosts = {int(r['process']): r.get('host', '?') for r in rows}
+  procs, devs = sig['processes'].tolist(), sig['devices'].tolist()
+  verdicts = [_ref_consistently_slow(sig['slowdown'][i], margin, consistency, (samples + 1) // 2)
+              for i in range(len(procs))]
+  found = {}
+  for i, (p, dev, verdict) in enumerate(zip(procs, devs, verdicts)):
+    if verdict is None or (p in found and verdict[0] <= found[p].slowdown):
+      continue
+    siblings = [verdicts[k] is not None for k in range(len(procs)) if procs[k] == p and k != i]
+    whole = dev < 0 or (bool(siblings) and sum(siblings) >= len(siblings) / 2)
+    med, share = verdict
+    found[p] = st.Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=st.DEVICE,
+                            ratio=float(st._nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
+                            slow_share=share, first_step=int(sig['steps'][0]),
+                            last_step=int(sig['steps'][-1]), device=None if whole else dev)
+  return sorted(found.values(), key=lambda s: -s.slowdown)
+
+
+def _ref_find_stragglers(rows, margin, window, consistency=0.8):
+  rows = st.dedupe_rows(rows)
+  found = {}
+  for s in _ref_host_stragglers(rows, margin, window, consistency) + _ref_device_stragglers(rows, margin, consistency):
+    if s.process not in found or s.slowdown > found[s.process].slowdown:
+      found[s.process] = s
+  return sorted(found.values(), key=lambda s: -s.slowdown)
+
+
+def _ref_job_pace(rows, window):
+  rows = st.dedupe_rows(rows)
+  n_proc = len({r['process'] for r in rows})
+  if not n_proc or window < 1:
+    return None
+  steps = _ref_latest_steps(rows, window, (n_proc + 1) // 2)
+  if len(steps) < window:
+    return None
+  by_step = collections.defaultdict(list)
+  for r in rows:
+    by_step[int(r['step'])].append(st.step_duration(r))
+  return float(np.median([np.median(by_step[s]) for s in steps]))
+
+
+def _same(a, b):
+  """Equal, NaN matching NaN."""
+  if isinstance(a, float) and isinstance(b, float):
+    return a == b or (a != a and b != b)
+  if isinstance(a, (list, tuple)):
+    return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  if isinstance(a, dict):
+    return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  return a == b
+
+
+def _damaged(rng, row):
+  """A line as a crash, a foreign writer or a bad disk leaves it."""
+  text = json.dumps(row)
+  kind = rng.integers(9)
+  if kind == 0:
+    return text[:rng.integers(1, len(text))]                        # cut short
+  if kind == 1:
+    return text[:rng.integers(1, len(text))] + json.dumps(row)      # cut short, the next row after it
+  if kind == 2:
+    return json.dumps({**row, 'step': [True, -1, 2**53, 1.5, '3', None][rng.integers(6)]})
+  if kind == 3:
+    return json.dumps({**row, 'process': [True, -2, 2**31, 2.0][rng.integers(4)]})
+  if kind == 4:
+    return json.dumps({**row, 'time': [float('nan'), float('inf'), 'x', None, False][rng.integers(5)]})
+  if kind == 5:
+    bad = [-0.5, float('nan'), float('-inf'), 'x', True, None, [1]][rng.integers(7)]
+    return json.dumps({**row, 'phases': {**row['phases'], 'data': bad}})
+  if kind == 6:
+    return json.dumps({**row, 'host': [3, None, ['h']][rng.integers(3)]})
+  if kind == 7:
+    return ['[1, 2]', '"text"', '17', 'null', '{}', '\x00\xff junk', '[' * 100000, ''][rng.integers(8)]
+  return json.dumps({**row, 'device': [{'compute': 'x'}, [1], {'compute': 1.0, 'collective': 0.1, 'devices': {'a': {}}}]
+                     [rng.integers(3)]})
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_row_checks_agree_with_the_plain_ones_on_damaged_lines(seed):
+  rng = np.random.default_rng(seed)
+  rows = with_gpu_samples(lockstep_rows(n=3, steps=30, seed=seed), gpus=2, every=3)
+  lines = [json.dumps(r) for r in rows] + [_damaged(rng, rows[rng.integers(len(rows))]) for _ in range(400)]
+  for line in lines:
+    try:
+      want = _ref_parse_row(line)
+    except RecursionError:   # the first checks let a line nested this deep stop the analysis
+      want = None
+    assert st._parse_row(line) == want, line[:200]
+  # A number too large for float arithmetic, which the first checks let
+  # through to stop the analysis, is no row either.
+  assert st._parse_row(json.dumps({**rows[0], 'time': 10**400})) is None
+  assert st._parse_row(json.dumps({**rows[0], 'phases': {'data': 10**400}})) is None
+  assert st._parse_row(json.dumps({**rows[0], 'time': 10**300})) == {**rows[0], 'time': 10**300}
+
+
+@pytest.mark.parametrize('seed', range(8))
+def test_the_driver_tails_verdicts_are_those_of_the_plain_analysis(tmp_path, seed):
+  rng = np.random.default_rng(seed)
+  n, window = int(rng.integers(2, 10)), int(rng.integers(4, 12))
+  slow = int(rng.integers(n))
+  rows = lockstep_rows(n=n, steps=120, slow=slow, factor=float(rng.uniform(1.1, 1.6)), slow_from=int(rng.integers(1, 80)),
+                       slow_phase=['after', 'data'][rng.integers(2)], seed=seed,
+                       pause=(int(rng.integers(n)), int(rng.integers(1, 120)), 3.0))
+  rows = with_gpu_samples(rows, gpus=int(rng.integers(1, 4)), every=int(rng.integers(3, 15)), seed=seed,
+                          slow=(int(rng.integers(n)), 0) if rng.random() < 0.5 else None)
+  for r in rows:
+    if rng.random() < 0.05:
+      r['phases']['gc'] = round(float(rng.uniform(0, 0.3)), 6)      # a phase in some steps only
+    if rng.random() < 0.02:
+      r['phases'] = {}
+  # A resumed run writes some steps again, later; a foreign file holds
+  # another process's rows; one process stops writing early.
+  again = [dict(r, time=r['time'] + 500.0) for r in rows if 40 < r['step'] <= 50 and rng.random() < 0.5]
+  stop = int(rng.integers(60, 121))
+  written = [r for r in rows if r['process'] != n - 1 or r['step'] <= stop]
+  keep = [p for p in range(n) if p != 1 or rng.random() < 0.5]    # the attempt's processes
+  margin = float(rng.choice([0.05, 0.1, 0.2]))
+  tail = st.TimingTail(str(tmp_path), keep=2 * window + 8, from_end=False)
+  os.makedirs(tmp_path / 'timings')
+  files = {p: open(tmp_path / 'timings' / f'process-{p:05d}.jsonl', 'a') for p in range(n)}
+  files['foreign'] = open(tmp_path / 'timings' / 'process-00077.jsonl', 'a')
+  checks = flagged = 0
+  for s in range(1, 121):
+    for r in [r for r in written if r['step'] == s] + [r for r in again if r['step'] + 25 == s]:
+      line = json.dumps(r)
+      if rng.random() < 0.03:
+        line = _damaged(rng, r)
+      files[r['process']].write(line + '\n')
+      if r['process'] == 0 and rng.random() < 0.2:
+        files['foreign'].write(json.dumps(dict(r, process=int(rng.integers(n)), host='elsewhere')) + '\n')
+    if rng.random() < 0.3:
+      files[int(rng.integers(n))].write('{"step": 9')               # half a row, the rest later or never
+    if s % 5 and s < 120:
+      continue
+    for fh in files.values():
+      fh.flush()
+    rows_seen = [r for r in tail.update() if r['process'] in keep]
+    table = tail.table(keep)
+    want = _ref_find_stragglers(rows_seen, margin, window)
+    assert _same([x.to_json() for x in st.find_stragglers(table, margin, window)], [x.to_json() for x in want])
+    assert _same([x.to_json() for x in st.find_stragglers(rows_seen, margin, window)], [x.to_json() for x in want])
+    assert _same(st.job_pace(table, window), _ref_job_pace(rows_seen, window))
+    assert _same(st.job_pace(rows_seen, window), _ref_job_pace(rows_seen, window))
+    checks, flagged = checks + 1, flagged + bool(want)
+  for fh in files.values():
+    fh.close()
+  assert checks == 24 and flagged   # the comparison saw verdicts, not only empty lists
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_leave_one_out_medians_agree_with_the_plain_ones(seed):
+  rng = np.random.default_rng(seed)
+  for P in (1, 2, 3, 5, 8, 33):
+    x = rng.choice([0.0, 0.5, 1.0, 2.0, np.nan, np.inf], size=(P, 7)) if seed % 2 else rng.random((P, 7))
+    x[rng.random((P, 7)) < 0.2] = np.nan
+    np.testing.assert_array_equal(st._loo_median(x), _ref_loo_median(x))
+    np.testing.assert_array_equal(st._row_medians(x), st._nanmedian(x, axis=1))

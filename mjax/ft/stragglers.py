@@ -57,11 +57,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fnmatch
 import glob
+import itertools
 import json
-import math
+import operator
 import os
 import re
+import stat
+import sys
 import warnings
 from typing import Iterable, Optional, Sequence
 
@@ -181,11 +185,16 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
 class TimingTail:
   """Incremental reader of a run's timing files, for a poller (the driver).
 
-  Each `update` reads only what the files gained since the previous one and
+  Each `read` reads only what the files gained since the previous one and
   keeps the last `keep` rows of every process, so a check costs what the
   processes wrote in between, not the run's length (at 1,536 processes,
   re-reading whole files took 17 s a check). Started `from_end`, it sees
   only rows written from now on: one attempt's, not an earlier one's.
+
+  Beside the rows it keeps the columns the analysis reads of them
+  (`table`), taken from each row once, as it is read: at 12,288 processes
+  the tail holds ~600k rows, and going through all their dicts again at
+  every check cost seconds.
   """
 
   def __init__(self, workdir: str, keep: int, from_end: bool = True):
@@ -193,45 +202,152 @@ class TimingTail:
     self.keep = keep
     self._offsets: dict[str, int] = {}
     self._partial: dict[str, bytes] = {}
-    self._rows: dict[str, collections.deque] = {}
-    # Sampled rows come every FaultConfig.device_timing_every steps, far
-    # apart: the last few are kept apart from the latest rows.
-    self._sampled: dict[str, collections.deque] = {}
+    # In the order the files first gained rows: the order `update` returns
+    # them in, so that of two rows of one (process, step) in two files the
+    # same one wins.
+    self._files: dict[str, _FileTail] = {}
     if from_end:
-      for path in self._paths():
-        self._offsets[path] = os.path.getsize(path)
+      for path, size in self._sizes():
+        self._offsets[path] = size
 
-  def _paths(self) -> list[str]:
-    return [p for p in glob.glob(os.path.join(self.directory, 'process-*.jsonl')) if os.path.isfile(p)]
+  def _sizes(self) -> list[tuple[str, int]]:
+    """(path, size) of every process-*.jsonl regular file, in directory
+    order: one stat a file, for a listing taken at every check."""
+    out = []
+    try:
+      with os.scandir(self.directory) as entries:
+        for e in entries:
+          if _TIMING_FILE(e.name):
+            try:
+              info = e.stat()
+            except OSError:    # gone since the listing
+              continue
+            if stat.S_ISREG(info.st_mode):
+              out.append((e.path, info.st_size))
+    except OSError:
+      pass   # no timings directory (yet)
+    return out
 
-  def update(self) -> list[dict]:
-    """The kept rows of every process, after reading what was appended."""
-    for path in self._paths():
+  def read(self) -> None:
+    """Reads what the files gained since the previous call."""
+    for path, size in self._sizes():
       offset = self._offsets.get(path, 0)
-      try:
-        size = os.path.getsize(path)
-      except OSError:    # gone since the listing
-        continue
       if size < offset:            # replaced or truncated: start it again
-        offset, self._partial[path] = 0, b''
+        offset, self._offsets[path], self._partial[path] = 0, 0, b''
       if size == offset:
         continue
-      with open(path, 'rb') as fh:
-        fh.seek(offset)
-        data = fh.read(size - offset)
+      data = _read_at(path, offset, size - offset)
+      if data is None:             # gone since the listing
+        continue
       self._offsets[path] = offset + len(data)
-      lines = (self._partial.pop(path, b'') + data).split(b'\n')
-      self._partial[path] = lines.pop()   # a row still being written
-      kept = self._rows.setdefault(path, collections.deque(maxlen=self.keep))
-      sampled = self._sampled.setdefault(path, collections.deque(maxlen=2 * DEVICE_SAMPLES))
+      f = self._files.get(path)
+      if f is None:
+        f = self._files[path] = _FileTail(self.keep)
+      buf = self._partial.pop(path, b'') + data
+      cut = buf.rfind(b'\n')
+      self._partial[path] = buf[cut + 1:]   # a row still being written
+      if cut < 0:
+        continue
+      body = buf[:cut]
+      # One decode for the whole read where it can make no difference: a
+      # line's undecodable bytes are replaced line by line, as load_rows does.
+      lines = body.decode('ascii').split('\n') if body.isascii() else \
+          [line.decode('utf-8', errors='replace') for line in body.split(b'\n')]
       for line in lines:
-        row = _parse_row(line.decode('utf-8', errors='replace'))
+        row = _parse_row(line)
         if row is not None:
-          kept.append(row)
-          if 'device' in row:
-            sampled.append(row)
-    recent = [r for kept in self._rows.values() for r in kept]
-    return [r for rows in self._sampled.values() for r in rows] + recent
+          f.add(row)
+
+  def update(self) -> list[dict]:
+    """The kept rows of every process, after reading what was appended:
+    every process's kept device samples first, then its latest rows."""
+    self.read()
+    files = self._files.values()
+    return [r for f in files for r in f.samples] + [r for f in files for r in f.rows]
+
+  def table(self, processes: Optional[Iterable[int]] = None) -> RowTable:
+    """What `update` returns (as of the last `read`), of `processes` (None:
+    all), as a RowTable, from the columns kept as the rows were read."""
+    files = list(self._files.values())
+    chain = itertools.chain.from_iterable
+    sampled = list(chain(f.samples for f in files))
+    rows = sampled + list(chain(f.rows for f in files))
+    head = _columns(sampled)
+    n = len(rows) - len(sampled)
+
+    def column(part, dtype):
+      return np.concatenate([head[part], np.fromiter(chain(getattr(f, part) for f in files), dtype, n)])
+
+    names = set(head['phases']).union(*(f.phases for f in files))
+    phases = {}
+    for name in names:
+      kept = np.fromiter(chain(f.phases[name] if name in f.phases else itertools.repeat(np.nan, len(f.rows))
+                               for f in files), float, n)
+      phases[name] = np.concatenate([head['phases'].get(name, np.full(len(sampled), np.nan)), kept])
+    return RowTable(column('process', np.int64), column('step', np.int64), column('time', float),
+                    column('total', float), column('sampled', bool), phases, rows, processes)
+
+
+_TIMING_FILE = re.compile(fnmatch.translate('process-*.jsonl')).match
+_STALE_PHASES = 16   # a file's phase columns beyond which those no kept row has are dropped
+
+
+def _read_at(path: str, offset: int, size: int) -> Optional[bytes]:
+  """Up to `size` bytes of a file from `offset`; None when it cannot be opened."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return None
+  try:
+    parts = []
+    while size > 0:
+      part = os.pread(fd, size, offset)
+      if not part:
+        break
+      parts.append(part)
+      offset, size = offset + len(part), size - len(part)
+    return b''.join(parts)
+  except OSError:
+    return None
+  finally:
+    os.close(fd)
+
+
+class _FileTail:
+  """What a TimingTail keeps of one file: its last rows, and beside them the
+  columns the analysis reads (see RowTable), in the same order."""
+
+  __slots__ = ('rows', 'process', 'step', 'time', 'total', 'sampled', 'phases', 'samples')
+
+  def __init__(self, keep: int):
+    self.rows = collections.deque(maxlen=keep)
+    self.process, self.step, self.time, self.total, self.sampled = (
+        collections.deque(maxlen=keep) for _ in range(5))
+    self.phases: dict[str, collections.deque] = {}   # seconds, NaN in a row without that phase
+    # Sampled rows come every FaultConfig.device_timing_every steps, far
+    # apart: the last few are kept apart from the latest rows.
+    self.samples = collections.deque(maxlen=2 * DEVICE_SAMPLES)
+
+  def add(self, row: dict) -> None:
+    """A row that passed _valid_row."""
+    phases, columns = row['phases'], self.phases
+    if not phases.keys() <= columns.keys():
+      if len(columns) >= _STALE_PHASES:   # a stray phase name costs nothing for long
+        for name in [k for k, col in columns.items() if all(v != v for v in col)]:
+          del columns[name]
+      for name in phases.keys() - columns.keys():
+        columns[name] = collections.deque([np.nan] * len(self.rows), maxlen=self.rows.maxlen)
+    for name, col in columns.items():
+      col.append(phases.get(name, np.nan))
+    self.rows.append(row)
+    self.process.append(row['process'])
+    self.step.append(row['step'])
+    self.time.append(float(row['time']))
+    self.total.append(float(sum(phases.values())))
+    sampled = 'device' in row   # _parse_row keeps a "device" only where it is a sample
+    self.sampled.append(sampled)
+    if sampled:
+      self.samples.append(row)
 
 
 def _parse_row(line: str) -> Optional[dict]:
@@ -241,35 +357,65 @@ def _parse_row(line: str) -> Optional[dict]:
   next run's first row is then appended to it. That row is recovered from
   the end of the line.
   """
-  for start in (0, line.rfind('{"step"')):
-    if start < 0:
-      break
-    try:
-      row = json.loads(line[start:])
-    except ValueError:
-      continue
-    if _valid_row(row):
-      if 'device' in row and not _valid_sample(row['device']):
-        del row['device']   # a damaged sample costs the sample, not the row
-      return row
-  return None
+  row = _loads(line)
+  if not _valid_row(row):
+    start = line.rfind('{"step"')
+    if start <= 0:   # no row after the damage (at 0: the line just read)
+      return None
+    row = _loads(line[start:])
+    if not _valid_row(row):
+      return None
+  if 'device' in row and not _valid_sample(row['device']):
+    del row['device']   # a damaged sample costs the sample, not the row
+  return row
+
+
+def _loads(text: str):
+  try:
+    return json.loads(text)
+  except (ValueError, RecursionError):   # not JSON; nested past the parser's depth
+    return None
+
+
+# What the checks below accept is what json.loads returns, whose types are
+# exact: `type(x) is int` leaves out bools (true, false) as isinstance
+# would not. An int counts as a number only as large as float arithmetic on
+# it (a step's phases summed) stays finite: a larger one, converted, would
+# stop the analysis.
+_FLOAT_MAX = sys.float_info.max
+_INT_MAX = 2**1000
 
 
 def _number(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+  t = type(x)
+  if t is float:
+    return -_FLOAT_MAX <= x <= _FLOAT_MAX   # not NaN, not infinite
+  return t is int and -_INT_MAX <= x <= _INT_MAX
 
 
 def _count(x, below: int) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < below
+  return type(x) is int and 0 <= x < below
 
 
 def _valid_row(row) -> bool:
   """Whether a parsed line has the shape PhaseTimer writes: anything else
-  (a damaged or foreign line) would stop the report, or the driver's watch."""
-  return (isinstance(row, dict) and _count(row.get('step'), 2**53) and _count(row.get('process'), 2**31)
-          and _number(row.get('time')) and isinstance(row.get('host', ''), str)
-          and isinstance(row.get('phases'), dict)
-          and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in row['phases'].items()))
+  (a damaged or foreign line) would stop the report, or the driver's watch.
+  Checked for every row the driver reads (~120k at every check at 12,288
+  processes), so with plain comparisons."""
+  if type(row) is not dict:
+    return False
+  phases = row.get('phases')
+  if not (_count(row.get('step'), 2**53) and _count(row.get('process'), 2**31) and _number(row.get('time'))
+          and type(row.get('host', '')) is str and type(phases) is dict):
+    return False
+  for v in phases.values():   # a JSON object's keys are strings
+    t = type(v)
+    if t is float:
+      if not 0 <= v <= _FLOAT_MAX:
+        return False
+    elif t is not int or not 0 <= v <= _INT_MAX:
+      return False
+  return True
 
 
 def _valid_sample(d) -> bool:
@@ -312,7 +458,113 @@ def phases_of(rows: Iterable[dict]) -> list[str]:
   seen = set()
   for r in rows:
     seen.update(r['phases'])
-  return [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+  return _in_phase_order(seen)
+
+
+def _in_phase_order(names) -> list[str]:
+  names = set(names)
+  return [p for p in PHASE_ORDER if p in names] + sorted(names - set(PHASE_ORDER))
+
+
+class RowTable:
+  """Timing rows as the columns the analysis reads, one row per (process,
+  step) (the last one written), sorted by (process, step).
+
+  find_stragglers, device_stragglers and job_pace take one in place of
+  rows: the driver's TimingTail keeps these columns as it reads (`table`),
+  so that a check does not go through every kept row's dict again.
+
+  Attributes, arrays over the rows:
+    process, step: int64.
+    time: the step's end, unix seconds.
+    total: the step's seconds, its phases summed (`step_duration`).
+    phases: {phase: seconds, NaN in a row whose step it did not run in}.
+    sampled: whether the row holds a device sample ("device").
+  """
+
+  def __init__(self, process: np.ndarray, step: np.ndarray, time: np.ndarray, total: np.ndarray,
+               sampled: np.ndarray, phases: dict, rows: Sequence[dict],
+               processes: Optional[Iterable[int]] = None):
+    """Columns of `rows`, in the order they were written; `processes`: keep
+    only the rows of these (None: all)."""
+    index = np.arange(len(process))
+    if processes is not None:
+      index = np.flatnonzero(np.isin(process, np.fromiter(processes, np.int64)))
+    index = index[_last_of_each(process[index], step[index])]
+    self._index, self._rows = index, rows
+    self.process, self.step = process[index], step[index]
+    self.time, self.total, self.sampled = time[index], total[index], sampled[index]
+    self.phases = {name: v[index] for name, v in phases.items()}
+    self._step_counts = None
+
+  @classmethod
+  def from_rows(cls, rows: Iterable[dict], processes: Optional[Iterable[int]] = None) -> RowTable:
+    rows = list(rows)
+    c = _columns(rows)
+    return cls(c['process'], c['step'], c['time'], c['total'], c['sampled'], c['phases'], rows, processes)
+
+  def __len__(self) -> int:
+    return len(self.process)
+
+  def rows(self, at: Optional[Iterable[int]] = None) -> list[dict]:
+    """The rows themselves (at these positions)."""
+    index = self._index if at is None else self._index[np.asarray(at, np.int64)]
+    return [self._rows[i] for i in index.tolist()]
+
+  def processes(self) -> np.ndarray:
+    return np.unique(self.process)
+
+  def latest_steps(self, window: int, quorum: int) -> np.ndarray:
+    """The latest `window` steps that at least `quorum` processes reported:
+    rows arrive in batches, so the newest steps may be missing a few processes."""
+    if self._step_counts is None:
+      self._step_counts = np.unique(self.step, return_counts=True)
+    steps, counts = self._step_counts
+    return steps[counts >= quorum][-window:]
+
+  def host(self, process: int) -> str:
+    """The host its latest row names."""
+    end = int(np.searchsorted(self.process, process, side='right'))
+    if not end or self.process[end - 1] != process:
+      return '?'
+    return self._rows[int(self._index[end - 1])].get('host', '?')
+
+  def sampled_rows(self) -> list[dict]:
+    """The rows holding a device sample, sorted by (process, step)."""
+    return self.rows(np.flatnonzero(self.sampled))
+
+
+def _columns(rows: Sequence[dict]) -> dict:
+  """RowTable's columns of rows, in their order (through C-level maps: a
+  report's or a test's rows may be hundreds of thousands)."""
+  n = len(rows)
+  phases = list(map(operator.itemgetter('phases'), rows))
+  devices = map(operator.methodcaller('get', 'device'), rows)
+  return {'process': np.fromiter(map(int, map(operator.itemgetter('process'), rows)), np.int64, n),
+          'step': np.fromiter(map(int, map(operator.itemgetter('step'), rows)), np.int64, n),
+          'time': np.fromiter(map(float, map(operator.itemgetter('time'), rows)), float, n),
+          'total': np.fromiter(map(float, map(sum, map(dict.values, phases))), float, n),
+          'sampled': np.fromiter(map(isinstance, devices, itertools.repeat(dict)), bool, n),
+          'phases': {name: np.fromiter(map(operator.methodcaller('get', name, np.nan), phases), float, n)
+                     for name in set().union(*phases)}}
+
+
+def _last_of_each(process: np.ndarray, step: np.ndarray) -> np.ndarray:
+  """Positions of the last row of each (process, step), sorted by (process, step)."""
+  n = len(process)
+  if not n:
+    return np.zeros(0, np.int64)
+  low, span = int(step.min()), int(step.max()) - int(step.min()) + 1
+  if int(process.min()) >= 0 and (int(process.max()) + 1) * span < 2**62:
+    key = process * span + (step - low)
+    order = np.argsort(key, kind='stable')   # each file is a run already in order
+    key = key[order]
+    last = np.append(key[1:] != key[:-1], True)
+  else:
+    order = np.lexsort((np.arange(n), step, process))
+    p, s = process[order], step[order]
+    last = np.append((p[1:] != p[:-1]) | (s[1:] != s[:-1]), True)
+  return order[last]
 
 
 def grid(rows: Sequence[dict], steps: Optional[Sequence[int]] = None) -> dict:
@@ -328,31 +580,39 @@ def grid(rows: Sequence[dict], steps: Optional[Sequence[int]] = None) -> dict:
     (process, step) without a row is NaN everywhere; a phase that did not
     run in a row's step is 0.
   """
-  processes = np.array(sorted({int(r['process']) for r in rows}), dtype=np.int64)
-  if steps is None:
-    steps = sorted({int(r['step']) for r in rows})
-  steps = np.asarray(steps, dtype=np.int64)
-  pi = {p: i for i, p in enumerate(processes.tolist())}
-  si = {s: i for i, s in enumerate(steps.tolist())}
-  names = phases_of(rows)
+  return _grid(RowTable.from_rows(rows), steps)
+
+
+def _grid(t: RowTable, steps: Optional[Sequence[int]] = None, first: Optional[int] = None) -> dict:
+  """`grid` of a table's rows, those from step `first` on where given."""
+  sel = slice(None) if first is None else np.flatnonzero(t.step >= first)
+  process, step = t.process[sel], t.step[sel]
+  processes = np.unique(process)
+  steps = np.unique(step) if steps is None else np.asarray(steps, dtype=np.int64)
+  i = np.searchsorted(processes, process)
+  if np.all(steps[1:] > steps[:-1]):
+    j = np.minimum(np.searchsorted(steps, step), max(len(steps) - 1, 0))
+    on = steps[j] == step if len(steps) else np.zeros(len(step), bool)
+  else:   # the step columns as given, where the same step twice keeps the last
+    column = {s: k for k, s in enumerate(steps.tolist())}
+    j = np.fromiter((column.get(s, -1) for s in step.tolist()), np.int64, len(step))
+    on = j >= 0
+  i, j = i[on], j[on]
   shape = (len(processes), len(steps))
-  end = np.full(shape, np.nan)
-  seconds = {name: np.full(shape, np.nan) for name in (STEP, *names)}
+
+  def spread(values):
+    out = np.full(shape, np.nan)
+    out[i, j] = values[sel][on]
+    return out
+
   present = np.zeros(shape, bool)
-  for r in rows:
-    j = si.get(int(r['step']))
-    if j is None:
-      continue
-    i = pi[int(r['process'])]
-    present[i, j] = True
-    end[i, j] = float(r['time'])
-    phases = r['phases']
-    seconds[STEP][i, j] = float(sum(phases.values()))
-    for name, v in phases.items():
-      seconds[name][i, j] = float(v)
+  present[i, j] = True
+  names = _in_phase_order(name for name, v in t.phases.items() if not np.all(np.isnan(v[sel])))
+  seconds = {STEP: spread(t.total)}
   for name in names:
+    seconds[name] = spread(t.phases[name])
     seconds[name][present & np.isnan(seconds[name])] = 0.0
-  return {'processes': processes, 'steps': steps, 'end': end, 'seconds': seconds}
+  return {'processes': processes, 'steps': steps, 'end': spread(t.time), 'seconds': seconds}
 
 
 def matrices(rows: Sequence[dict], metric: str = STEP,
@@ -389,18 +649,17 @@ def _loo_median(x: np.ndarray) -> np.ndarray:
     where the entry is NaN or no other value exists.
   """
   P, S = x.shape
-  order = np.argsort(x, axis=0, kind='stable')           # NaNs sort last
-  s = np.take_along_axis(x, order, axis=0)
-  rank = np.empty_like(order)
-  np.put_along_axis(rank, order, np.broadcast_to(np.arange(P)[:, None], (P, S)), axis=0)
+  s = np.sort(x, axis=0)                                  # NaNs sort last
   m = np.sum(~np.isnan(x), axis=0) - 1                    # values left per column
+  columns = np.arange(S)
 
   def kth_remaining(k):
-    # The k-th smallest of the remaining values is at sorted index k, or k + 1
-    # when the removed entry sits at or before k.
-    k = np.broadcast_to(np.maximum(k, 0), (P, S))
-    idx = np.clip(np.where(k < rank, k, k + 1), 0, P - 1)
-    return np.take_along_axis(s, idx, axis=0)
+    # The k-th smallest of the remaining values is the k-th of the column
+    # where that lies below the entry removed, else the (k + 1)-th; which
+    # of several equal values is removed makes no difference.
+    k = np.maximum(k, 0)
+    at, after = s[np.minimum(k, P - 1), columns], s[np.minimum(k + 1, P - 1), columns]
+    return np.where(at < x, at, after)
 
   med = 0.5 * (kth_remaining((m - 1) // 2) + kth_remaining(m // 2))
   med[:, m < 1] = np.nan
@@ -433,7 +692,11 @@ def compare(rows: Sequence[dict], steps: Optional[Sequence[int]] = None) -> dict
     lateness and phases, less this process's extra time, which the others
     spent waiting for it.
   """
-  g = grid(rows, steps)
+  return _compare(grid(rows, steps))
+
+
+def _compare(g: dict) -> dict:
+  """`compare` of a `grid`."""
   processes, steps, end, seconds = g['processes'], g['steps'], g['end'], g['seconds']
   total = seconds[STEP]
 
@@ -545,58 +808,85 @@ def device_compare(rows: Sequence[dict], samples: int = DEVICE_SAMPLES) -> Optio
           'steps': np.array(steps), 'ratio': compute / ref, 'slowdown': slowdown}
 
 
-def _consistently_slow(slow: np.ndarray, margin: float, consistency: float,
-                       least: int) -> Optional[tuple[float, float]]:
-  """(median slowdown, share of its judged steps slower than margin / 2) of
-  one process over a window, when it is a straggler: at least `least`
-  judged steps, a median above `margin`, and that share at least
-  `consistency`. None otherwise."""
-  valid = ~np.isnan(slow)
-  if valid.sum() < max(1, least):
-    return None   # too few of its rows in the window to judge it
-  med, share = float(np.median(slow[valid])), float(np.mean(slow[valid] > margin / 2))
-  return (med, share) if med > margin and share >= consistency else None
+def _row_medians(x: np.ndarray) -> np.ndarray:
+  """np.nanmedian of each row of a 2-D array (NaN for a row of NaNs), all
+  rows at once: row by row, thousands of rows took a second of calls."""
+  R, S = x.shape
+  n = np.count_nonzero(~np.isnan(x), axis=1)
+  if not S:
+    return np.full(R, np.nan)
+  ordered = np.sort(x, axis=1)                             # NaNs sort last
+  rows = np.arange(R)
+  low, high = ordered[rows, np.maximum((n - 1) // 2, 0)], ordered[rows, n // 2]
+  # np.median's: the middle value, or the mean of the middle two.
+  with np.errstate(invalid='ignore'):
+    median = np.where(n % 2 == 1, high, (low + high) / 2)
+  median[n == 0] = np.nan
+  return median
 
 
-def device_stragglers(rows: Sequence[dict], margin: float = 0.2, consistency: float = 0.8,
+def _slow_verdicts(slow: np.ndarray, margin: float, consistency: float,
+                   least: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Which rows of `slow` ([R, S]: a process's or a rank's slowdown in each
+  step of a window, NaN where not judged) are stragglers: at least `least`
+  judged steps, a median above `margin`, and a share of its judged steps
+  slower than margin / 2 of at least `consistency`.
+
+  Returns:
+    (flagged [R] bool, median [R], share [R]).
+  """
+  judged = np.count_nonzero(~np.isnan(slow), axis=1)
+  median = _row_medians(slow)
+  share = np.count_nonzero(slow > margin / 2, axis=1) / np.maximum(judged, 1)
+  flagged = (judged >= max(1, least)) & (median > margin) & (share >= consistency)
+  return flagged, median, share
+
+
+def device_stragglers(rows: Sequence[dict] | RowTable, margin: float = 0.2, consistency: float = 0.8,
                       samples: int = DEVICE_SAMPLES) -> list[Straggler]:
   """Processes the others waited for inside the step in the latest `samples`
   sampled steps (see `device_compare`): median slowdown above `margin`,
-  above margin / 2 in at least `consistency` of them (all, for three)."""
+  above margin / 2 in at least `consistency` of them (all, for three).
+  `rows` may be a RowTable."""
   if margin <= 0 or samples < 1 or not 0 < consistency <= 1:
     raise ValueError(f'device_stragglers: margin {margin!r} must be > 0, samples {samples!r} >= 1 and '
                      f'consistency {consistency!r} in (0, 1].')
-  sig = device_compare(dedupe_rows(rows), samples)
+  table = rows if isinstance(rows, RowTable) else None
+  sig = device_compare(table.sampled_rows() if table is not None else dedupe_rows(rows), samples)
   if sig is None:
     return []
-  hosts = {int(r['process']): r.get('host', '?') for r in rows}
+  if table is not None:
+    host = table.host
+  else:
+    hosts = {int(r['process']): r.get('host', '?') for r in rows}
+    host = lambda p: hosts.get(p, '?')
   procs, devs = sig['processes'].tolist(), sig['devices'].tolist()
-  verdicts = [_consistently_slow(sig['slowdown'][i], margin, consistency, (samples + 1) // 2)
-              for i in range(len(procs))]
+  flagged, median, share = _slow_verdicts(sig['slowdown'], margin, consistency, (samples + 1) // 2)
+  ranks, slow_ranks = collections.Counter(procs), collections.Counter(p for p, f in zip(procs, flagged) if f)
   found: dict[int, Straggler] = {}
-  for i, (p, dev, verdict) in enumerate(zip(procs, devs, verdicts)):
-    if verdict is None or (p in found and verdict[0] <= found[p].slowdown):
+  for i in np.flatnonzero(flagged).tolist():
+    p, dev, med = procs[i], devs[i], float(median[i])
+    if p in found and med <= found[p].slowdown:
       continue   # a process once, by its slowest device
     # A device is named where it stands out from its process's other
     # devices; where most of them are slow too (a host that stalled, a
     # node-wide throttle), the process is.
-    siblings = [verdicts[k] is not None for k in range(len(procs)) if procs[k] == p and k != i]
-    whole = dev < 0 or (bool(siblings) and sum(siblings) >= len(siblings) / 2)
-    med, share = verdict
-    found[p] = Straggler(process=p, host=hosts.get(p, '?'), slowdown=med, reason=DEVICE,
+    siblings, slow_siblings = ranks[p] - 1, slow_ranks[p] - 1
+    whole = dev < 0 or (siblings > 0 and slow_siblings >= siblings / 2)
+    found[p] = Straggler(process=p, host=host(p), slowdown=med, reason=DEVICE,
                          ratio=float(_nanmedian(sig['ratio'][i])), lateness=0.0, lateness_s=0.0,
-                         slow_share=share, first_step=int(sig['steps'][0]),
+                         slow_share=float(share[i]), first_step=int(sig['steps'][0]),
                          last_step=int(sig['steps'][-1]), device=None if whole else dev)
   return sorted(found.values(), key=lambda s: -s.slowdown)
 
 
-def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
+def find_stragglers(rows: Sequence[dict] | RowTable, margin: float = 0.2, window: int = 20,
                     consistency: float = 0.8) -> list[Straggler]:
   """Processes consistently slower than the others over the last steps.
 
   Args:
     rows: timing rows of any number of processes (duplicates allowed: the
-      last row of a (process, step) wins).
+      last row of a (process, step) wins), or a RowTable of them.
     margin: FaultConfig.straggler_margin: how much slower than the others,
       in step times (0.2: 20%), the median over the window must be.
     window: FaultConfig.straggler_window: how many of the latest steps to
@@ -612,43 +902,44 @@ def find_stragglers(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
   if margin <= 0 or window < 1 or not 0 < consistency <= 1:
     raise ValueError(f'find_stragglers: margin {margin!r} must be > 0, window {window!r} >= 1 and '
                      f'consistency {consistency!r} in (0, 1].')
-  rows = dedupe_rows(rows)
+  table = rows if isinstance(rows, RowTable) else RowTable.from_rows(rows)
   found = {}
-  for s in _host_stragglers(rows, margin, window, consistency) + device_stragglers(rows, margin, consistency):
+  for s in _host_stragglers(table, margin, window, consistency) + device_stragglers(table, margin, consistency):
     if s.process not in found or s.slowdown > found[s.process].slowdown:
       found[s.process] = s
   return sorted(found.values(), key=lambda s: -s.slowdown)
 
 
-def _host_stragglers(rows: Sequence[dict], margin: float, window: int, consistency: float) -> list[Straggler]:
-  n_proc = len({r['process'] for r in rows})
+def _host_stragglers(rows: Sequence[dict] | RowTable, margin: float, window: int,
+                     consistency: float) -> list[Straggler]:
+  table = rows if isinstance(rows, RowTable) else RowTable.from_rows(rows)
+  n_proc = len(table.processes())
   if n_proc < 2:
     return []
-  steps = _latest_steps(rows, window, max(2, (n_proc + 1) // 2))
+  steps = table.latest_steps(window, max(2, (n_proc + 1) // 2))
   if len(steps) < window:
     return []
-  recent = [r for r in rows if int(r['step']) >= steps[0]]
-  sig = compare(recent, steps)
-  hosts = {int(r['process']): r.get('host', '?') for r in recent}
+  sig = _compare(_grid(table, steps, first=steps[0]))
+  flagged, median, share = _slow_verdicts(sig['slowdown'], margin, consistency, window // 2)
+  at = np.flatnonzero(flagged)
+  signals = {k: _row_medians(v[at]).tolist() for k, v in sig['signals'].items()}
+  ratio, lateness_s = _row_medians(sig['ratio'][at]).tolist(), _row_medians(sig['lateness_s'][at]).tolist()
   found = []
-  for i, p in enumerate(sig['processes'].tolist()):
-    verdict = _consistently_slow(sig['slowdown'][i], margin, consistency, window // 2)
-    if verdict is not None:
-      med, share = verdict
-      by_signal = {k: float(_nanmedian(v[i])) for k, v in sig['signals'].items()}
-      found.append(Straggler(
-          process=p, host=hosts.get(p, '?'), slowdown=med,
-          reason=max(by_signal, key=lambda k: -np.inf if np.isnan(by_signal[k]) else by_signal[k]),
-          ratio=float(_nanmedian(sig['ratio'][i])), lateness=by_signal['late'],
-          lateness_s=float(_nanmedian(sig['lateness_s'][i])), slow_share=share,
-          first_step=int(sig['steps'][0]), last_step=int(sig['steps'][-1])))
+  for n, i in enumerate(at.tolist()):
+    p = int(sig['processes'][i])
+    by_signal = {k: v[n] for k, v in signals.items()}
+    found.append(Straggler(
+        process=p, host=table.host(p), slowdown=float(median[i]),
+        reason=max(by_signal, key=lambda k: -np.inf if np.isnan(by_signal[k]) else by_signal[k]),
+        ratio=ratio[n], lateness=by_signal['late'], lateness_s=lateness_s[n], slow_share=float(share[i]),
+        first_step=int(sig['steps'][0]), last_step=int(sig['steps'][-1])))
   return found
 
 
-def job_pace(rows: Sequence[dict], window: int = 20) -> Optional[float]:
+def job_pace(rows: Sequence[dict] | RowTable, window: int = 20) -> Optional[float]:
   """The job's step time: per step the median over processes, then the
   median over the latest `window` steps that at least half the processes
-  reported; None before there are that many.
+  reported; None before there are that many. `rows` may be a RowTable.
 
   What find_stragglers cannot see, this can: a process slowed inside the
   step's work (a throttled accelerator, a host stopped while its device
@@ -656,17 +947,18 @@ def job_pace(rows: Sequence[dict], window: int = 20) -> Optional[float]:
   no process ends late or works longer than the others, but the whole job's
   steps get longer. Compared with the same job's pace earlier in the attempt
   (`_StragglerWatch`), it shows as a slowdown of the job."""
-  rows = dedupe_rows(rows)
-  n_proc = len({r['process'] for r in rows})
+  table = rows if isinstance(rows, RowTable) else RowTable.from_rows(rows)
+  n_proc = len(table.processes())
   if not n_proc or window < 1:
     return None
-  steps = _latest_steps(rows, window, (n_proc + 1) // 2)
+  steps = table.latest_steps(window, (n_proc + 1) // 2)
   if len(steps) < window:
     return None
-  by_step: dict[int, list[float]] = collections.defaultdict(list)
-  for r in rows:
-    by_step[int(r['step'])].append(step_duration(r))
-  return float(np.median([np.median(by_step[s]) for s in steps]))
+  at = np.flatnonzero(np.isin(table.step, steps))
+  at = at[np.argsort(table.step[at], kind='stable')]      # by step, each in process order
+  bounds = np.searchsorted(table.step[at], steps)
+  totals = np.split(table.total[at], bounds[1:])
+  return float(np.median([np.median(x) for x in totals]))
 
 
 # ----------------------------------------------------------------------------
@@ -699,14 +991,16 @@ def summary_table(rows: Sequence[dict], margin: float = 0.2, window: int = 20,
   rows = dedupe_rows(rows)
   if not rows:
     return []
-  sig = compare(rows)
+  t = RowTable.from_rows(rows)
+  g = _grid(t)
+  sig = _compare(g)
   processes, steps = sig['processes'], sig['steps']
-  seconds = grid(rows)['seconds']
+  seconds = g['seconds']
   values = seconds.get(metric, seconds[STEP] * 0)
   phase_vals = {ph: v for ph, v in seconds.items() if ph != STEP}
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
-  flagged = {s.process: s for s in find_stragglers(rows, margin, window)}
-  judged = (len(processes) >= 2 and len(steps) >= window) or device_compare(rows) is not None
+  flagged = {s.process: s for s in find_stragglers(t, margin, window)}
+  judged = (len(processes) >= 2 and len(steps) >= window) or device_compare(t.sampled_rows()) is not None
   samples = collections.defaultdict(list)
   for r in rows:
     if isinstance(r.get('device'), dict):
