@@ -350,7 +350,9 @@ class FaultConfig:
   progress_timeout_s: float = 120.0     # heartbeats but no new step: hang (or 3 x the last step's time
                                         # where longer; an evaluation: collective_timeout_s; a save:
                                         # CheckpointConfig.io_timeout_s)
-  collective_timeout_s: float = 600.0   # what the job tolerates by itself (jax's peer heartbeat)
+  collective_timeout_s: float = 600.0   # what the job tolerates by itself (jax's peer heartbeat);
+                                        # also how long a driver whose own loop is held up (slow
+                                        # storage) keeps acknowledging its trainers
   timing_every: int = 10                # steps between per-process timing flushes
   device_timing_every: int = 100        # trace one step's device time per process every this many
                                         # steps, naming a rank slowed inside the step (0: off;

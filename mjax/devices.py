@@ -338,16 +338,30 @@ def available_memory_bytes() -> Optional[int]:
           break
   except (OSError, ValueError, IndexError):
     pass
+  # The process's own cgroup (v2) and every one above it: under SLURM or
+  # systemd without a cgroup namespace the job's limit is not the root's.
+  groups = ['']
   try:
-    with open('/sys/fs/cgroup/memory.max') as fh:
-      limit = fh.read().strip()
-    with open('/sys/fs/cgroup/memory.current') as fh:
-      used = int(fh.read().strip())
-    if limit != 'max':
-      left = max(0, int(limit) - used)
-      have = left if have is None else min(have, left)
-  except (OSError, ValueError):
+    with open('/proc/self/cgroup') as fh:
+      for line in fh:
+        if line.startswith('0::'):
+          path = line[3:].strip().strip('/')
+          parts = path.split('/') if path else []
+          groups = ['/'.join(parts[:i]) for i in range(len(parts), -1, -1)]
+  except OSError:
     pass
+  for group in groups:
+    base = os.path.join('/sys/fs/cgroup', group)
+    try:
+      with open(os.path.join(base, 'memory.max')) as fh:
+        limit = fh.read().strip()
+      with open(os.path.join(base, 'memory.current')) as fh:
+        used = int(fh.read().strip())
+      if limit != 'max':
+        left = max(0, int(limit) - used)
+        have = left if have is None else min(have, left)
+    except (OSError, ValueError):
+      continue
   return have if have is not None else host_memory_bytes()
 
 

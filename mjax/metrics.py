@@ -59,14 +59,17 @@ class MetricsWriter:
     # starts at `resume_step` (0: from scratch) over an existing file first
     # writes a marker that supersedes the earlier rows past that step, so
     # `read_metrics` reads the file as one uninterrupted run.
-    self._jsonl = open(path, 'a', buffering=1)
-    if self._jsonl.tell():
-      with open(path, 'rb') as fh:   # a line a crash cut short must not swallow the marker
-        fh.seek(-1, os.SEEK_END)
-        if fh.read(1) != b'\n':
-          self._jsonl.write('\n')
-      self._jsonl.write(json.dumps({'step': int(resume_step), SUPERSEDES: int(resume_step),
-                                    'time': time.time()}) + '\n')
+    try:
+      self._jsonl = open(path, 'a', buffering=1)
+      if self._jsonl.tell():
+        with open(path, 'rb') as fh:   # a line a crash cut short must not swallow the marker
+          fh.seek(-1, os.SEEK_END)
+          if fh.read(1) != b'\n':
+            self._jsonl.write('\n')
+        self._jsonl.write(json.dumps({'step': int(resume_step), SUPERSEDES: int(resume_step),
+                                      'time': time.time()}) + '\n')
+    except OSError as e:
+      raise refused_write(e, path, 'the metrics') from None
     from tensorboardX import SummaryWriter
     self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
     if wandb_project:

@@ -801,8 +801,15 @@ class Agent:
     next_relay = time.monotonic()
     lost_at: Optional[float] = None
     supervised = True
+    # The trainers' heartbeats are read and acknowledged by the server's own
+    # thread: for timeout_s after the driver was last heard saying the job
+    # is supervised, whatever this loop is doing meanwhile (a blocking
+    # relay, a slow start), so that trainers notice a lost driver when they
+    # would without us, and before _orphaned's deadlines count from `heard`.
+    self.beats.stall_s = self.timeout_s
+    self.beats.acking = True
+    self.beats.watching()   # heard just now: the handshake
     while not self._exit and self._signal is None:
-      # (The trainers' heartbeats are read by the server's own thread.)
       ready, _, _ = select.select([ch.sock], [], [], 0.05)
       now = time.monotonic()
       if ch.sock in ready:
@@ -815,15 +822,13 @@ class Agent:
             if msg.get('kind') == 'ack':
               supervised = bool(msg.get('supervised', True))
             self._command(msg)
+          self.beats.acking = supervised
+          if supervised:
+            self.beats.watching(at=heard)   # not later: commands above may have taken a while
         except (OSError, ChannelError) as e:
           print(f'mjax-agent: {self.host}: connection to the driver ended ({e})', file=sys.stderr, flush=True)
           lost_at = now
           break
-      # The trainers' heartbeats: acknowledged here only while the driver is
-      # heard, so that trainers notice a lost driver as they would without us.
-      self.beats.acking = supervised and now - heard < self.timeout_s
-      self.beats.stall_s = self.timeout_s   # and while this loop goes on
-      self.beats.watching()
       for payload, _, _ in self.beats.receive(0.0):
         if payload is not None:
           self._merge(payload)

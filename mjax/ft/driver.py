@@ -687,15 +687,11 @@ class Driver:
   def _watch(self, att: Attempt, watch: '_StragglerWatch', flagged: set):
     tick = min(0.1, self.fault_cfg.heartbeat_interval_s / 4)
     next_scan = 0.0
-    last = time.monotonic()
+    self._last_watch = time.monotonic()
     while True:
       if self._signal is not None:
         return 'preempted'
-      self.server.watching()
-      now = time.monotonic()
-      if now - last > self.fault_cfg.heartbeat_timeout_s:
-        self._stalled(att, now - last)
-      last = now
+      self._watching(att)
       for payload, reason, sender in self.server.receive(tick):
         now = time.monotonic()
         if payload is None:
@@ -720,7 +716,8 @@ class Driver:
       if now < next_scan:
         continue
       next_scan = now + tick
-      self._progress_events(att)
+      self._progress_events(att)   # writes events and reads facts: where slow storage holds the loop
+      self._watching(att)
       codes = {i: h.poll() for i, h in att.handles.items()}
       for i, c in codes.items():
         if c is not None and att.monitor.procs[i].exited is None:
@@ -740,15 +737,27 @@ class Driver:
       if fault is not None:
         return fault
 
+  def _watching(self, att: Attempt) -> None:
+    """The loop is here: the heartbeat server may acknowledge on; a gap
+    since the last call longer than heartbeat_timeout_s is said."""
+    self.server.watching()
+    now = time.monotonic()
+    if now - self._last_watch > self.fault_cfg.heartbeat_timeout_s:
+      self._stalled(att, now - self._last_watch)
+    self._last_watch = now
+
   def _stalled(self, att: Attempt, seconds: float) -> None:
     """The loop itself was held up (storage under events.jsonl or the facts
     files, a paused driver): said, since every timeout was late by as much."""
     allowance = self.fault_cfg.collective_timeout_s
-    self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3),
+    acked = (f'its heartbeat server kept acknowledging the trainers, as it does for up to '
+             f'collective_timeout_s = {allowance:g}s' if seconds < allowance else
+             f'its heartbeat server stopped acknowledging the trainers after collective_timeout_s = '
+             f'{allowance:g}s, so they save and stop by themselves (exit status 4) and are restarted')
+    self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3), trainers_kept=seconds < allowance,
                      detail=f'the driver\'s loop was held up {seconds:,.1f}s (longer than heartbeat_timeout_s = '
-                            f'{self.fault_cfg.heartbeat_timeout_s:g}s); its heartbeat server kept acknowledging '
-                            f'the trainers, as it does for up to collective_timeout_s = {allowance:g}s, and '
-                            f'the checks resume now. Slow storage under {self.workdir} is the usual cause.')
+                            f'{self.fault_cfg.heartbeat_timeout_s:g}s); {acked}; the checks resume now. Slow '
+                            f'storage under {self.workdir} is the usual cause.')
 
   def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
     codes = {i: self._describe_status(c) for i, c in failed.items()}

@@ -28,7 +28,8 @@ mjax/ft/driver.py:
   caught_up        training is back at the step it had reached before a fault
   driver_stalled   the driver's own loop was held up longer than
                    heartbeat_timeout_s (slow storage under its workdir); the
-                   trainers were acknowledged meanwhile, the checks were late
+                   trainers were acknowledged meanwhile up to
+                   collective_timeout_s (trainers_kept), the checks were late
   finish / giveup / preempted   how the driver ended
 """
 

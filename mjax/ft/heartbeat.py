@@ -149,13 +149,18 @@ def open_envelope(data: bytes, key: bytes, what: str = 'heartbeat') -> str:
   return text
 
 
-def merge_beats(prev: Optional[dict], new: dict) -> dict:
+def merge_beats(prev: Optional[dict], new: dict, cap: Optional[int] = MAX_LOSSES) -> dict:
   """The newer heartbeat of one process, carrying every loss of both (the
-  spike and NaN checks need each one) and `final` if either had it."""
+  spike and NaN checks need each one; the newest `cap` of them, None: all)
+  and `final` if either had it. Losses that are not a list count as none."""
   if prev is None:
     return new
-  losses = [*(prev.get('losses') or []), *(new.get('losses') or [])][-MAX_LOSSES:]
-  return {**new, 'losses': losses, 'final': bool(prev.get('final')) or bool(new.get('final'))}
+  def losses(beat):
+    got = beat.get('losses')
+    return got if isinstance(got, list) else []
+  merged = [*losses(prev), *losses(new)]
+  return {**new, 'losses': merged[-cap:] if cap else merged,
+          'final': bool(prev.get('final')) or bool(new.get('final'))}
 
 
 def sign(payload: dict, secret_hex: str) -> bytes:
@@ -486,15 +491,17 @@ class HeartbeatServer:
     self._beats: dict[tuple, tuple[dict, tuple]] = {}   # sender id -> (newest payload, losses merged; address)
     self._rejected: collections.deque[tuple[str, tuple]] = collections.deque(maxlen=MAX_REJECTED)
     self.rejected_dropped = 0
+    self.thread_errors = 0   # batches the thread could not hand over (it goes on)
     self.heartbeats = 0    # authentic heartbeats taken, in all (several of a sender may be merged into one)
     self.acks_sent = 0
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name='mjax-heartbeat-server', daemon=True)
     self._thread.start()
 
-  def watching(self) -> None:
-    """The owner's loop is alive and watching: called every tick it does."""
-    self._watched = time.monotonic()
+  def watching(self, at: Optional[float] = None) -> None:
+    """The owner's loop is alive and watching: called every tick it does
+    (`at`: when it last was, time.monotonic(); default now)."""
+    self._watched = time.monotonic() if at is None else at
 
   def supervised(self) -> bool:
     """Whether heartbeats are acknowledged now."""
@@ -503,8 +510,9 @@ class HeartbeatServer:
   def receive(self, timeout: float) -> list[tuple[Optional[dict], Optional[str], tuple]]:
     """[(payload, None, sender) or (None, reason, sender)] of everything
     that arrived since the last call, waiting at most `timeout` for the
-    first: the rejections in arrival order, then the newest heartbeat of
-    each sender with every loss it reported meanwhile."""
+    first: the rejections in arrival order (the last MAX_REJECTED), then
+    the newest heartbeat of each sender with every loss it reported
+    meanwhile."""
     with self._ready:
       if not self._beats and not self._rejected and timeout > 0:
         self._ready.wait(timeout)
@@ -514,14 +522,23 @@ class HeartbeatServer:
       self._beats = {}
     return out
 
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
   def _run(self) -> None:
     while not self._stop.is_set():
       try:
         ready, _, _ = select.select([self.sock], [], [], 0.2)
-      except (OSError, ValueError):   # closed under us
-        return
+      except (OSError, ValueError):
+        if self._stop.is_set() or self.sock.fileno() < 0:
+          return   # closed under us
+        time.sleep(0.05)   # a passing error: the acknowledgements must go on
+        continue
       if ready:
-        self._read()
+        try:
+          self._read()
+        except Exception:  # noqa: BLE001 -- a thread that ends stops every acknowledgement, and the job
+          self.thread_errors += 1
 
   def _read(self) -> None:
     """Reads what is waiting, at most RECEIVE_BATCH datagrams, then hands
@@ -558,9 +575,12 @@ class HeartbeatServer:
             self.rejected_dropped += 1
           self._rejected.append((reason, sender))
           continue
-        key = ('sender', payload['sender']) if payload.get('sender') is not None else ('nonce', payload['nonce'])
+        key = (('sender', str(payload['sender'])) if payload.get('sender') is not None
+               else ('nonce', str(payload['nonce'])))
         prev = self._beats.get(key)
-        self._beats[key] = (merge_beats(prev[0] if prev else None, payload), sender)
+        # Uncapped: a loop held up for minutes gets every loss reported
+        # meanwhile (a spike's first step decides where a rollback goes).
+        self._beats[key] = (merge_beats(prev[0] if prev else None, payload, cap=None), sender)
       self._ready.notify_all()
 
   def _ack(self, payload: dict, sender: tuple) -> None:

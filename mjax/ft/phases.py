@@ -49,9 +49,12 @@ class PhaseTimer:
     self._acc = collections.defaultdict(float)
     self._rows: list[dict] = []
     directory = os.path.join(workdir, 'timings')
-    os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, f'process-{process_index:05d}.jsonl')
-    self._fh = open(self.path, 'a', buffering=1)
+    try:
+      os.makedirs(directory, exist_ok=True)
+      self._fh = open(self.path, 'a', buffering=1)
+    except OSError as e:
+      raise refused_write(e, self.path, 'the per-rank step timings') from None
 
   def phase(self, name: str):
     """Context manager timing one phase of the current step."""
