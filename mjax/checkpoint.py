@@ -98,7 +98,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mjax import distributed, jsonfile
 from mjax.config import CheckpointConfig, ConfigError
-from mjax.errors import HostFault, UserError, few_processes
+from mjax.errors import UNWRITABLE, HostFault, UserError, few_processes
 
 log = logging.getLogger('mjax.checkpoint')
 
@@ -359,14 +359,7 @@ def _expand(path: str, workdir: str, key: str, strict: bool) -> str:
 
 
 _PROBE_BYTES = 1 << 20  # a full filesystem refuses a megabyte as surely as a checkpoint
-_NO_SPACE = 'No space left on device'   # strerror(ENOSPC): in what Orbax and TensorStore raise and log
-
-
-# What a save meets when its directory stops taking files midway (errno,
-# and strerror: Orbax and TensorStore wrap the OSError in other exceptions).
-_UNWRITABLE = {errno.ENOSPC: _NO_SPACE, errno.EDQUOT: 'Disk quota exceeded',
-               errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
-               errno.EPERM: 'Operation not permitted'}
+_NO_SPACE = UNWRITABLE[errno.ENOSPC]   # in what Orbax and TensorStore raise and log
 
 
 def _unwritable(exc: BaseException) -> Optional[str]:
@@ -376,10 +369,10 @@ def _unwritable(exc: BaseException) -> Optional[str]:
   while exc is not None and id(exc) not in seen:
     seen.add(id(exc))
     code = getattr(exc, 'errno', None)
-    if code in _UNWRITABLE:
-      return _UNWRITABLE[code]
+    if code in UNWRITABLE:
+      return UNWRITABLE[code]
     text = str(exc)
-    found = next((said for said in _UNWRITABLE.values() if said in text), None)
+    found = next((said for said in UNWRITABLE.values() if said in text), None)
     if found:
       return found
     exc = exc.__cause__ or exc.__context__
@@ -1267,7 +1260,7 @@ class _FullDiskLogFilter(logging.Filter):
       return True
     if record.exc_info and record.exc_info[1] is not None:
       text += f' {record.exc_info[1]}'
-    return not any(said in text for said in _UNWRITABLE.values())
+    return not any(said in text for said in UNWRITABLE.values())
 
 
 def quiet_failed_io_aftermath() -> None:

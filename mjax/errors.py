@@ -21,8 +21,12 @@ This module imports nothing from mjax: every layer may raise these.
 import argparse
 import errno
 
-# A filesystem that takes no more of a run's files: no restart cures these.
-REFUSED_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+# What a write meets when its directory stops taking files (errno, and
+# strerror: libraries such as Orbax and TensorStore wrap the OSError in
+# exceptions of their own, whose text still says it). No restart cures these.
+UNWRITABLE = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded',
+              errno.EROFS: 'Read-only file system', errno.EACCES: 'Permission denied',
+              errno.EPERM: 'Operation not permitted'}
 
 
 class UserError(ValueError):
@@ -54,12 +58,12 @@ def few_processes(failed, count: int) -> bool:
 
 def refused_write(e: OSError, path: str, what: str) -> Exception:
   """What to raise for a write to `path` that failed with `e`: a UserError
-  naming the file and what to do where its filesystem is full, over quota
-  or read-only (a restart would fail the same way); `e` itself otherwise."""
-  if e.errno not in REFUSED_WRITE:
+  naming the file and what to do where its filesystem takes no more files
+  (UNWRITABLE: a restart would fail the same way); `e` itself otherwise."""
+  if e.errno not in UNWRITABLE:
     return e
   return UserError(f'{what} cannot be written to {path!r}: {e.strerror or e} (errno {e.errno}). The '
-                   f'checkpoints saved so far are kept; free space there (or give --workdir on another '
+                   f'checkpoints saved so far are kept; free space there or make it writable (or give --workdir on another '
                    f'filesystem, with CheckpointConfig.directory where the checkpoints are) and run the same '
                    f'command again: it resumes from the newest checkpoint.')
 

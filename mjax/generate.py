@@ -122,21 +122,23 @@ def _cache_layout(cfg: ModelConfig, batch: int, max_len: int) -> dict:
   return layout
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
-  """Empty KV caches for `batch` rows of up to `max_len` tokens (numpy).
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, full: Callable = np.full) -> dict:
+  """Empty KV caches for `batch` rows of up to `max_len` tokens (numpy, or
+  whatever `full` makes: jnp.full under jit puts them on the devices).
 
   {'block_i': {'k', 'v': (groups, batch, slots_i, kv_heads, head_dim) in the
   compute dtype, 'pos': (groups, batch, slots_i) int32, -1 = empty}}, where
   slots_i is the window of block i of each layer group, or max_len.
   """
-  return {block: {k: np.full(shape, fill, dtype) for k, (shape, dtype, fill) in arrays.items()}
+  return {block: {k: full(shape, fill, dtype) for k, (shape, dtype, fill) in arrays.items()}
           for block, arrays in _cache_layout(cfg, batch, max_len).items()}
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
-  """Bytes of `init_cache(cfg, batch, max_len)`, without allocating it."""
-  return sum(math.prod(shape) * np.dtype(dtype).itemsize
-             for arrays in _cache_layout(cfg, batch, max_len).values() for shape, dtype, _ in arrays.values())
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, shards: Optional[dict] = None) -> int:
+  """Bytes of `init_cache(cfg, batch, max_len)`, without allocating it; with
+  `shards` ({'k', 'v', 'pos': sharding}), of one device's shard of it."""
+  return sum(math.prod(shards[k].shard_shape(shape) if shards else shape) * np.dtype(dtype).itemsize
+             for arrays in _cache_layout(cfg, batch, max_len).values() for k, (shape, dtype, _) in arrays.items())
 
 
 def _check_cache_fits(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> None:
@@ -158,9 +160,7 @@ def _check_cache_fits(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> None
   else:
     rules = logical_rules(cfg.mesh)
     shards = {k: nn.logical_to_mesh_sharding(P(*v), mesh, rules) for k, v in CACHE_AXES.items()}
-    need = sum(math.prod(shards[k].shard_shape(shape)) * np.dtype(dtype).itemsize
-               for arrays in _cache_layout(cfg.model, batch, max_len).values()
-               for k, (shape, dtype, _) in arrays.items())
+    need = cache_bytes(cfg.model, batch, max_len, shards)
     have, where = memory_per_device(devices)[0], 'one device\'s memory'
   if have is not None and need > have:
     raise UserError(f'the KV cache for {batch} row(s) of up to {max_len:,} tokens needs {need / 2**30:,.1f} GiB'
@@ -227,9 +227,7 @@ class Generator:
   def _new_cache(self, batch: int, max_len: int) -> dict:
     """`init_cache` made on the devices, each its own shard: no host copy
     of the whole cache (on CPU that doubled its memory)."""
-    layout = _cache_layout(self.cfg.model, batch, max_len)
-    make = lambda: {block: {k: jnp.full(shape, fill, dtype) for k, (shape, dtype, fill) in arrays.items()}
-                    for block, arrays in layout.items()}
+    make = lambda: init_cache(self.cfg.model, batch, max_len, full=jnp.full)
     return jax.jit(make, out_shardings=self.cache_shardings)()
 
   def put(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
