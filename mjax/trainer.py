@@ -49,6 +49,7 @@ from mjax.data import sources as data_sources
 from mjax import distributed, protocol
 from mjax.config import Config, ConfigError
 from mjax.devices import drop_cached_peak, memory_per_device, peak_flops
+from mjax.errors import UserError
 from mjax.ft.device_time import DeviceSampler
 from mjax.ft.gc_control import StepGC
 from mjax.ft.heartbeat import HeartbeatClient
@@ -124,7 +125,10 @@ class StartupPhase:
 
 
 class Trainer:
-  """Builds everything a run needs, then `train()` runs the loop."""
+  """Builds everything a run needs, then `train()` runs the loop, once: a
+  Trainer holds the data iterator, checkpointer and heartbeats of one run
+  through its steps. To train on, build a new one (it resumes from the
+  workdir's last checkpoint)."""
 
   def __init__(self, cfg: Config, workdir: str):
     self.cfg, self.workdir = cfg, workdir
@@ -148,6 +152,7 @@ class Trainer:
     # is lost after heartbeat_timeout_s instead of the whole start-up
     # allowance; and a start-up timeout gets every process's Python stacks.
     self._startup = StartupPhase()
+    self._trained = False
     self.heartbeat = HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index())
     try:
       self._build()
@@ -268,6 +273,15 @@ class Trainer:
   def train(self) -> Summary:
     """Trains from `start_step` to TrainConfig.steps, or until a stop signal."""
     cfg, program, start = self.cfg, self.program, self.start_step
+    if self._trained:
+      # A second pass would train steps start+1.. again on the state the
+      # first one left, past data, into a closed checkpointer and metrics
+      # that already hold those steps.
+      raise UserError(
+          f'Trainer.train() has run already on this Trainer (from step {start}, in {self.workdir}); a Trainer '
+          'trains once. Build a new Trainer(cfg, workdir) to train on: it resumes from the last checkpoint '
+          '(raise TrainConfig.steps for more steps).')
+    self._trained = True
     if self.finished:
       # Re-running a finished run: say so, and touch neither metrics nor checkpoints.
       where = (f'CheckpointConfig.restore_from is at step {start}' if self.restored_explicitly

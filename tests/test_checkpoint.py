@@ -18,6 +18,7 @@ from mjax import train, trainer
 from mjax import checkpoint as checkpoint_lib
 from mjax.checkpoint import Checkpointer, saved_steps
 from mjax.parallel import make_mesh
+from mjax.errors import UserError
 from mjax.metrics import read_metrics
 
 N = 8
@@ -71,8 +72,16 @@ def uninterrupted(tmp_path_factory):
 def test_fsdp_resume_is_bitwise(uninterrupted, tmp_path):
   full_dir, full_state = uninterrupted
   workdir = str(tmp_path)
-  first, first_state = fit(cfg8('TrainConfig.steps = 3'), workdir)   # a clean stop at step 3
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 3'), workdir)
+  first = t.train()   # a clean stop at step 3
   assert first.final_step == 3
+  # A Trainer trains once: a second call would train steps 1-3 again on top
+  # of step 3's state, into the same metrics and checkpoints. Refused, with
+  # the way on, and nothing touched.
+  before = (losses(workdir), sorted(os.listdir(os.path.join(workdir, 'checkpoints'))))
+  with pytest.raises(UserError, match=r'has run already.*Build a new Trainer'):
+    t.train()
+  assert (losses(workdir), sorted(os.listdir(os.path.join(workdir, 'checkpoints')))) == before
   second, second_state = fit(cfg8(f'TrainConfig.steps = {N}'), workdir)
   assert second.start_step == 3
   assert losses(workdir) == losses(full_dir)                  # every step, bit for bit

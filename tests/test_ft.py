@@ -218,6 +218,33 @@ def test_heartbeats_are_acknowledged_while_the_owner_is_busy_and_kept_in_bounded
     server.close()
 
 
+def test_the_driver_logs_rejections_once_per_kind_and_counts_those_it_never_read():
+  """A flood of bad datagrams is one `heartbeat_rejected` event per kind per
+  5 s, each saying how many it stands for; those the server let go of while
+  the loop was held up are counted on the next event, not lost."""
+  class Events:
+    def __init__(self):
+      self.got = []
+
+    def emit(self, kind, **fields):
+      self.got.append((kind, fields))
+
+  d = driver.Driver.__new__(driver.Driver)
+  d.events, d._rejected, d._unread_seen = Events(), {}, 0
+  d.server = type('Server', (), {'rejected_dropped': 0})()
+  for i in range(3):
+    d._rejected_heartbeat(f'malformed: {i} bytes', ('10.0.0.1', 9))
+  d._rejected_heartbeat('stale: 40 s old', ('10.0.0.2', 9))
+  d.server.rejected_dropped = 70
+  d._rejected['malformed'][0] -= 6   # 5 s on
+  d._rejected_heartbeat('malformed: 9 bytes', ('10.0.0.1', 9))
+  d._rejected['malformed'][0] -= 6
+  d._rejected_heartbeat('malformed: 1 bytes', ('10.0.0.1', 9))
+  assert [(f['reason'], f['suppressed_before'], f.get('unread')) for _, f in d.events.got] == [
+      ('malformed: 0 bytes', 0, None), ('stale: 40 s old', 0, None), ('malformed: 9 bytes', 2, 70),
+      ('malformed: 1 bytes', 0, None)]
+
+
 def test_no_driver_no_client(monkeypatch):
   monkeypatch.delenv(hb.ADDRESS_ENV, raising=False)
   assert hb.HeartbeatClient.from_env(_Timer(), C.FaultConfig(), 0) is None

@@ -409,6 +409,7 @@ class Driver:
     self._signal: Optional[int] = None
     self._signals = 0
     self._rejected: dict[str, list] = {}
+    self._unread_seen = 0   # the server's rejected_dropped already reported
     self._suspect: dict[str, int] = {}   # host -> diagnoses in a row slow under load
     self._undiagnosed: set[str] = set()  # hosts whose agent was away when they were to be diagnosed
     self._launched = False
@@ -827,8 +828,12 @@ class Driver:
       self._rejected[kind] = [last, suppressed + 1]
       return
     self._rejected[kind] = [now, 0]
+    # Rejections the server let go of while this loop was held up (it keeps
+    # the last 1,024): counted, of no kind, on the next event written.
+    unread = self.server.rejected_dropped - self._unread_seen
+    self._unread_seen += unread
     self.events.emit('heartbeat_rejected', reason=reason, sender=f'{sender[0]}:{sender[1]}',
-                     suppressed_before=suppressed)
+                     suppressed_before=suppressed, **({'unread': unread} if unread else {}))
 
   def _progress_events(self, att: Attempt) -> None:
     m = att.monitor

@@ -10,7 +10,9 @@ mjax/ft/driver.py:
   launch           an attempt starts: attempt, hosts, process pids, overrides
   running          every process of the attempt has sent a heartbeat
   startup          process 0's start-up report (restore, compile, ...)
-  heartbeat_rejected  a heartbeat that failed authentication or parsing
+  heartbeat_rejected  a heartbeat that failed authentication or parsing (one
+                   per kind per 5 s: suppressed_before counts the others;
+                   unread, those dropped while the driver's loop was held up)
   fault            kind (exit, heartbeat_lost, startup_timeout, hang,
                    nonfinite_loss, loss_spike, straggler, bad_input,
                    host_fault, host_lost),
