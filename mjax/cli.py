@@ -127,9 +127,13 @@ def entry_point(prog: str):
         result = main(argv)
         if watch is not None and watch.signum is not None:
           # A Ctrl-C or SIGTERM whose exception Python dropped (raised in a
-          # garbage-collector callback; JAX registers one): the tool ran on
-          # to its end, and would have exited 0 as if never stopped.
-          raise KeyboardInterrupt if watch.signum == signal.SIGINT else Terminated
+          # garbage-collector callback; JAX registers one), or one that came
+          # as the tool returned: it ran on to its end, and would have
+          # exited 0 as if never stopped. The status says it was stopped;
+          # the line, that what it wrote is whole.
+          status, what = _stop_status(watch.signum)
+          print(f'{prog}: {what} as it finished; its work was done in full', file=sys.stderr, flush=True)
+          sys.exit(status)
         return result
       except (UserError, Fault) as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)

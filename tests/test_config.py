@@ -199,7 +199,7 @@ def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys):
     assert signal.getsignal(sig) is before
 
 
-def test_a_tool_that_loses_the_interrupt_still_ends():
+def test_a_tool_that_loses_the_interrupt_still_ends(capsys):
   # Python drops an exception raised inside a garbage-collector callback
   # (JAX registers one): the tool ran on to the end. The signal watch ends
   # it after the grace, with the same line and status.
@@ -230,6 +230,7 @@ def test_a_tool_that_loses_the_interrupt_still_ends():
   with pytest.raises(SystemExit) as e:
     finishes([])
   assert e.value.code == 130
+  assert 'mjax-tool: interrupted as it finished; its work was done in full' in capsys.readouterr().err
 
 
 def test_settings_that_would_train_silently_wrong_are_refused_for_training():
