@@ -29,7 +29,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog=prog, description=description,
       epilog='Overrides: --gin_param="TrainConfig.steps = 30" or --gin.TrainConfig.steps=30 '
-             '(both repeatable, applied after the gin files, last one wins).')
+             '(both repeatable, applied after the gin files in their order on the command line: the last one wins).')
   p.add_argument('--gin_file', action='append', default=[],
                  help=f'gin config file, repeatable (default: configs/{DEFAULT_GIN}); '
                       'a bare name is looked up in the configs/ folder')
@@ -38,24 +38,32 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-  """Parses `p`'s flags; every `--gin.KEY=VALUE` (or `--gin.KEY VALUE`) becomes
-  a binding after those of --gin_param. Anything else unknown is a usage error."""
-  args, rest = p.parse_known_args(list(argv))
-  bindings = list(args.gin_param)
+  """Parses `p`'s flags; the bindings of --gin_param and of every
+  `--gin.KEY=VALUE` (or `--gin.KEY VALUE`) in their order on the command
+  line, so that the last one given wins, whichever form each is in.
+  Anything else unknown is a usage error."""
+  argv, spelled = list(argv), []
   i = 0
-  while i < len(rest):
-    tok = rest[i]
-    if not tok.startswith(GIN_PREFIX):
-      p.error(f'unrecognized argument {tok!r}; see --help')
-    key, eq, value = tok[len(GIN_PREFIX):].partition('=')
-    if not eq:
-      if i + 1 >= len(rest):
-        p.error(f'{tok} needs a value: {tok}=VALUE')
-      i += 1
-      value = rest[i]
-    bindings.append(config_lib.override_to_binding(key, value))
+  while i < len(argv):
+    tok = argv[i]
+    if tok == '--':
+      spelled.extend(argv[i:])
+      break
+    if tok.startswith(GIN_PREFIX):
+      key, eq, value = tok[len(GIN_PREFIX):].partition('=')
+      if not eq:
+        if i + 1 >= len(argv):
+          p.error(f'{tok} needs a value: {tok}=VALUE')
+        i += 1
+        value = argv[i]
+      # As a --gin_param of its own, where it stands: argparse keeps the order.
+      tok = '--gin_param=' + config_lib.override_to_binding(key, value)
+    spelled.append(tok)
     i += 1
-  return args, bindings
+  args, rest = p.parse_known_args(spelled)
+  if rest:
+    p.error(f'unrecognized argument {rest[0]!r}; see --help')
+  return args, list(args.gin_param)
 
 
 def gin_files(args: argparse.Namespace) -> list[str]:

@@ -35,6 +35,16 @@ def test_both_override_forms_and_later_wins():
   assert cfg.model.n_kv_heads is None
   assert cfg.optim.learning_rate == 1e-3
   assert cfg.data.source == 'stdlib'   # bare word taken as a string
+  # The last one on the command line wins, whichever form it is in (a
+  # --gin_param after a --gin. override is not overridden by it).
+  for argv, steps in ((['--gin.TrainConfig.steps=5', '--gin_param', 'TrainConfig.steps = 10'], 10),
+                      (['--gin_param=TrainConfig.steps = 10', '--gin.TrainConfig.steps', '5'], 5),
+                      (['--gin.TrainConfig.steps=5', '--gin_param=TrainConfig.steps = 7',
+                        '--gin.TrainConfig.steps=6'], 6)):
+    _, bindings = flags.parse(flags.parser('t', 't'), argv)
+    assert C.load_config(['tiny.gin'], bindings, num_devices=8).train.steps == steps, argv
+  with pytest.raises(SystemExit):
+    flags.parse(flags.parser('t', 't'), ['--gin.TrainConfig.steps=5', '--stepz', '3'])
 
 
 def test_ints_accepted_for_floats():

@@ -106,6 +106,16 @@ def test_config_imports_only_the_error_base():
   assert import_graph()['mjax.config'] <= {'mjax.errors'}
 
 
+# The README's "leaves": what everything else may build on. They import
+# nothing of mjax but each other.
+LEAVES = {'mjax.config', 'mjax.devices', 'mjax.jsonfile', 'mjax.protocol', 'mjax.errors'}
+
+
+def test_the_leaves_import_only_leaves():
+  graph = import_graph()
+  assert {leaf: graph[leaf] - LEAVES for leaf in LEAVES} == {leaf: set() for leaf in LEAVES}
+
+
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
   """Each module imported first, with no other mjax module loaded: an import
   that only works in some order fails here. The device facts and the
