@@ -1776,3 +1776,19 @@ def test_a_host_whose_clock_is_far_off_fails_its_diagnosis():
   passed, detail = check(1100.0)
   assert not passed and 'its clock is +90s off the driver\'s' in detail and 'NTP' in detail
   assert not check(900.0)[0] and check(float('nan'))[0] and driver.Driver._clock_check(fake, {}, 0, 1)[0]
+
+
+def test_every_event_the_driver_writes_is_documented():
+  """events.jsonl's kinds are listed in mjax/ft/events.py, the page a person
+  reading the log opens: none written that is not there."""
+  pkg = os.path.dirname(driver.__file__)
+  emitted = set()
+  for name in os.listdir(pkg):
+    if name.endswith('.py'):
+      # emit('kind', ...) and emit('a' if ... else 'b', ...)
+      for kinds in re.findall(r"emit\(\s*'([a-z_]+)'(?:\s+if\s+[^,]+?\s+else\s+'([a-z_]+)')?",
+                              open(os.path.join(pkg, name)).read()):
+        emitted |= set(kinds) - {''}
+  documented = set(re.findall(r'[a-z_]+', events_lib.__doc__))
+  assert {'start', 'fault', 'job_slowdown', 'job_pace_recovered', 'driver_stalled'} <= emitted
+  assert emitted - documented == set()

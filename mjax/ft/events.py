@@ -19,7 +19,11 @@ mjax/ft/driver.py:
                    the processes and hosts named, details
   stack_dump       where a process was when asked to dump its stacks (hang)
   stopped          every process is gone: exit codes, seconds it took
+  agents           under agents, before a launch: the hosts whose agent is
+                   connected, the ones chosen, the ones missing
   diagnosis        one host's mjax-diagnose result
+  link_check       a host's links, checked in a pair with a healthy host
+                   (passed true / false, or null: not checked)
   diagnosis_suspect  every host failed: none blocked (a shared cause)
   host_blocked     a host added to <workdir>/blocked_hosts.json
   elastic          the healthy hosts are more than the job can be laid out
@@ -27,6 +31,8 @@ mjax/ft/driver.py:
   rollback         a numerical fault: checkpoint step, data batches skipped
   restart          attempt, back-off, restarts in all and in a row
   straggler        a process flagged as slow (evicted only if configured)
+  job_slowdown / job_pace_recovered   the whole job's step time against its
+                   earlier pace (every process slower alike: no straggler)
   caught_up        training is back at the step it had reached before a fault
   driver_stalled   the driver's own loop was held up longer than
                    heartbeat_timeout_s (slow storage under its workdir); the
