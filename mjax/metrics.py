@@ -70,8 +70,7 @@ class MetricsWriter:
                                       'time': time.time()}) + '\n')
     except OSError as e:
       raise refused_write(e, path, 'the metrics') from None
-    from tensorboardX import SummaryWriter
-    self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+    self._tb = _summary_writer(os.path.join(workdir, 'tensorboard'))
     if wandb_project:
       self._wandb = _wandb_run(workdir, wandb_project, config)
 
@@ -98,6 +97,24 @@ class MetricsWriter:
       self._tb.close()
       if self._wandb is not None:
         self._wandb.finish()
+
+
+def _summary_writer(path: str):
+  """tensorboardX's SummaryWriter, imported without torch. tensorboardX
+  imports torch, where it is installed, only to accept torch tensors (mjax
+  logs floats); that import alone took 2.6-2.8 s of every run's start-up
+  on 2 cores (and hundreds of MB), in the process every other one waits for
+  at its first step. A torch the process already imported stays as it is."""
+  import sys
+  hide = 'torch' not in sys.modules
+  if hide:
+    sys.modules['torch'] = None   # `import torch` raises ImportError: tensorboardX goes without
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if hide and 'torch' in sys.modules and sys.modules['torch'] is None:
+      del sys.modules['torch']    # a later `import torch` (the user's own) imports it as usual
+  return SummaryWriter(path)
 
 
 def _wandb_run(workdir: str, project: str, config: Optional[dict]):

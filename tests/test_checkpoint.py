@@ -1202,3 +1202,35 @@ def test_a_tier_few_processes_cannot_write_is_their_hosts_fault(tmp_path, monkey
   said[1] = said[2]
   with pytest.raises(C.ConfigError, match=r'in process\(es\) \[1, 2\] of 3'):
     checkpoint_lib.check_writable(dirs)
+
+
+def test_a_replicated_state_is_saved_without_compiling_a_program_per_slice(tmp_path):
+  """Orbax cuts an array replicated over devices into one slice per replica,
+  each by a program compiled per shape, offset and device in the save's
+  blocking part: 3.9 s of a 0.7M-parameter model's first save on 8 CPU
+  devices. Arrays whose slices would be under MIN_SLICE_BYTES are written
+  whole by one replica: the first save compiles nothing, and restores
+  bit for bit."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]), ('data',))
+  rng = np.random.default_rng(0)
+  host = {'w': rng.standard_normal((64, 96), np.float32), 'b': rng.standard_normal((96,), np.float32),
+          'mu': {'w': rng.standard_normal((64, 96), np.float32)}, 'step': np.int32(7)}
+  state = jax.device_put(host, NamedSharding(mesh, P()))
+  checkpoint_lib.fingerprints(state)   # its own program, compiled once per state's structure
+  compiles = []
+  listener = lambda event, duration, **_: compiles.append(event) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  ck = Checkpointer(cfg8().checkpoint, str(tmp_path))
+  try:
+    ck.save(1, state, {}, {}, force=True)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  ck.wait()
+  assert compiles == []
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  restored = ck.restore_latest(abstract)
+  ck.close()
+  assert restored.step == 1
+  for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(host)):
+    np.testing.assert_array_equal(np.asarray(a), b)

@@ -142,3 +142,19 @@ for name in ('jax', 'jaxlib'):
       cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert light.returncode == 0, light.stderr[-3000:]
   assert 'jax' not in light.stdout, light.stdout
+
+
+def test_the_metrics_writer_does_not_import_torch(tmp_path):
+  """tensorboardX imports torch where it is installed (2.6-2.8 s of every
+  run's start-up here); mjax logs floats, so it goes without. A later
+  `import torch` still works, and a torch imported first stays."""
+  pytest.importorskip('torch')
+  code = ('import sys\nfrom mjax.metrics import MetricsWriter, read_metrics\n'
+          f'w = MetricsWriter({str(tmp_path)!r})\nw.write(1, {{"loss": 2.5}})\nw.close()\n'
+          'assert "torch" not in sys.modules, "torch imported"\n'
+          'import torch\nassert torch.zeros(1).numpy().tolist() == [0.0]\n'
+          f'assert read_metrics({str(tmp_path)!r}) == [{{"step": 1, "loss": 2.5}}]\n'
+          f'w = MetricsWriter({str(tmp_path / "b")!r})\nw.close()\nprint("ok")\n')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == 'ok', out.stderr[-2000:]
+  assert os.listdir(tmp_path / 'tensorboard')
