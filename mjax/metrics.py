@@ -103,7 +103,7 @@ def _summary_writer(path: str):
   """tensorboardX's SummaryWriter, imported without torch. tensorboardX
   imports torch, where it is installed, only to accept torch tensors (mjax
   logs floats); that import alone took 2.6-2.8 s of every run's start-up
-  on 2 cores (and hundreds of MB), in the process every other one waits for
+  on 2 cores (and 180 MiB), in the process every other one waits for
   at its first step. A torch the process already imported stays as it is."""
   import sys
   hide = 'torch' not in sys.modules
