@@ -142,30 +142,35 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, shards: Optional[dic
 
 
 def _check_cache_fits(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> None:
-  """The KV cache must fit where it lives: on CPU in this host's free
-  memory, on an accelerator in each device's share; otherwise say what to
-  lower, before anything is allocated (on CPU an allocation past the free
-  memory is the OOM killer's, with no message at all)."""
-  need = cache_bytes(cfg.model, batch, max_len)
+  """The KV cache and the weights must fit where they live: on CPU in this
+  host's free memory, on an accelerator in each device's; otherwise say
+  what to lower, before anything is allocated (on CPU an allocation past
+  the free memory is the OOM killer's, with no message at all).
+
+  Each device holds its shard of both: the weights as read (fp32) and as
+  cast for compute (`Generator.compute_params`), the cache by its own layout. A CPU process's devices
+  all live in the host's memory, so there a weight replicated over the
+  data-parallel devices counts once per device that holds it."""
+  from mjax.parallel.param_layout import param_infos
+  rules = logical_rules(cfg.mesh)
+  shape = dict(mesh.shape)
+  compute = np.dtype(dtype_of(cfg.model.dtype)).itemsize
+  # The compute copy is a new buffer whatever its dtype (a jit's output).
+  weights = sum(p.size * (p.itemsize + compute) // p.shards(shape) for p in param_infos(cfg.model, rules))
+  shards = {k: nn.logical_to_mesh_sharding(P(*v), mesh, rules) for k, v in CACHE_AXES.items()}
+  cache = cache_bytes(cfg.model, batch, max_len, shards)
   devices = list(mesh.devices.flat)
-  weights = ''
   if devices[0].platform == 'cpu':
-    have, where = available_memory_bytes(), 'this host\'s free memory'
     local = sum(1 for d in devices if d.process_index == jax.process_index())
-    # The weights live there too: read in fp32, then cast for compute.
-    from mjax.model.flops import count_params
-    held = count_params(cfg.model)['params'] * (4 + np.dtype(dtype_of(cfg.model.dtype)).itemsize)
-    weights = f' with the weights ({held / 2**30:,.1f} GiB)'
-    need = (need + held) * local // len(devices)   # this process holds its devices' shards
+    have, where, times = available_memory_bytes(), 'this host\'s free memory', local
   else:
-    rules = logical_rules(cfg.mesh)
-    shards = {k: nn.logical_to_mesh_sharding(P(*v), mesh, rules) for k, v in CACHE_AXES.items()}
-    need = cache_bytes(cfg.model, batch, max_len, shards)
-    have, where = memory_per_device(devices)[0], 'one device\'s memory'
+    have, where, times = memory_per_device(devices)[0], 'one device\'s memory', 1
+  need = (cache + weights) * times
   if have is not None and need > have:
-    raise UserError(f'the KV cache for {batch} row(s) of up to {max_len:,} tokens needs {need / 2**30:,.1f} GiB'
-                    f'{weights}, more than {where} ({have / 2**30:,.1f} GiB): lower --max_new_tokens (or the '
-                    f'prompts\' length, or their number).')
+    raise UserError(f'the KV cache for {batch} row(s) of up to {max_len:,} tokens needs {cache * times / 2**30:,.1f} '
+                    f'GiB, and the weights {weights * times / 2**30:,.1f} GiB beside it, more than {where} '
+                    f'({have / 2**30:,.1f} GiB): lower --max_new_tokens (or the prompts\' length, or their '
+                    f'number), or shard the weights over more devices (MeshConfig.fsdp, MeshConfig.tensor).')
 
 
 def left_pad(prompts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

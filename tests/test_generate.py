@@ -283,3 +283,19 @@ def test_prompts_start_where_documents_start_in_training():
   assert encode_prompt(tok, 'ab', False).tolist() == [eos, *tok.encode('ab')]
   assert encode_prompt(tok, 'ab', True).tolist() == list(tok.encode('ab'))
   assert encode_prompt(tok, '', True).tolist() == [eos]
+
+
+def test_the_memory_check_counts_each_devices_weights_and_cache(monkeypatch):
+  """On CPU every device's buffers are the host's memory: 125m's weights
+  replicated over 8 data-parallel devices are 8 copies (fp32 and the
+  compute copy, ~6 GiB), sharded over fsdp = 8 one copy. Refused, and
+  accepted, by what each layout holds."""
+  monkeypatch.setattr(generate, 'available_memory_bytes', lambda: 2 << 30)
+  from mjax.parallel import make_mesh
+  load = lambda *b: C.load_config(['125m.gin'], list(b), num_devices=8)
+  cfg = load('MeshConfig.data = 8')
+  with pytest.raises(UserError, match=r'and the weights ([5-7])\.\d GiB beside it, more than this host\'s free '
+                                      r'memory \(2\.0 GiB\).*MeshConfig\.fsdp'):
+    generate._check_cache_fits(cfg, make_mesh(cfg.mesh), 8, 256)
+  cfg = load('MeshConfig.data = 1', 'MeshConfig.fsdp = 8')
+  generate._check_cache_fits(cfg, make_mesh(cfg.mesh), 8, 256)
