@@ -28,8 +28,6 @@ import sys
 import tempfile
 import time
 
-import gin
-
 from mjax import config as config_lib
 from mjax import data
 from mjax.config import DataConfig
@@ -80,9 +78,6 @@ def main(argv=None) -> None:
       tps = args.mfu * H100_PEAK / fpt
       how = f'1 x H100, {args.mfu:.0%} MFU assumed, {fpt / 1e9:.2f} GFLOP/token'
     consumers.append((name, cfg.train.global_batch_size, cfg.data.seq_len, tps, how))
-  # The gin bindings of the last file would otherwise become the defaults of
-  # every DataConfig built below.
-  gin.clear_config()
 
   with tempfile.TemporaryDirectory() as tmp:
     shard_dir = os.path.join(tmp, 'stdlib_shards')

@@ -454,7 +454,21 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
   Raises:
     ConfigError: with a one-paragraph explanation.
   """
+  # A single name is one file or one binding, not a sequence of letters.
+  gin_files = [os.fspath(f) for f in ([gin_files] if isinstance(gin_files, (str, os.PathLike)) else gin_files)]
+  bindings = [bindings] if isinstance(bindings, str) else list(bindings)
   gin.clear_config()
+  try:
+    cfg = _bound_config(gin_files, bindings)
+  finally:
+    # The dataclasses are gin configurables: left bound, every later
+    # `ModelConfig()` built by hand would take this file's values.
+    gin.clear_config()
+  return validate(cfg, num_devices=num_devices)
+
+
+def _bound_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Config:
+  """`load_config`'s parse: the Config the files and bindings make, unchecked."""
   cfg_dir = default_config_dir()
   if cfg_dir:
     gin.add_config_file_search_path(cfg_dir)
@@ -491,7 +505,7 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
                         f'({name} = VALUE) or on the command line (--gin_param "{name} = VALUE"), or '
                         f'check its spelling.') from None
     raise ConfigError(f'could not build the config: {e}') from None
-  return validate(cfg, num_devices=num_devices)
+  return cfg
 
 
 def _check_nothing_unused(command_line_macros: set) -> None:
@@ -827,6 +841,8 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   if mesh.virtual_stages > 1 and mesh.pipeline * mesh.dcn_pipeline == 1:
     _fail('MeshConfig.virtual_stages', mesh.virtual_stages, 'needs MeshConfig.pipeline > 1; use 1')
   if num_devices is not None:
+    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
+      _fail('num_devices', num_devices, 'must be the number of devices the job has: a whole number, 1 or more')
     shape = resolve_mesh_shape(mesh, num_devices)
     sizes = dict(zip(mesh.AXES, (i * j for i, j in zip(shape, mesh.dcn_shape()))))
     batch_shards = sizes['data'] * sizes['fsdp']

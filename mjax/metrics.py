@@ -26,7 +26,9 @@ def read_metrics(workdir: str) -> list[dict]:
   later start superseded are left out, as are the markers and any line a
   crash cut short."""
   rows: list[dict] = []
-  with open(os.path.join(workdir, 'metrics.jsonl')) as fh:
+  # Bytes that are no UTF-8 (a line garbled on disk) fail that line's JSON,
+  # not the file.
+  with open(os.path.join(os.fspath(workdir), 'metrics.jsonl'), errors='replace') as fh:
     for line in fh:
       try:
         row = json.loads(line)
@@ -35,10 +37,16 @@ def read_metrics(workdir: str) -> list[dict]:
       if not isinstance(row, dict):
         continue
       if SUPERSEDES in row:
-        rows = [r for r in rows if r.get('step', 0) <= row[SUPERSEDES]]
+        after = row[SUPERSEDES]
+        if isinstance(after, int) and not isinstance(after, bool):   # a damaged marker supersedes nothing
+          rows = [r for r in rows if not _number(r.get('step', 0)) or r.get('step', 0) <= after]
       else:
         rows.append(row)
   return rows
+
+
+def _number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class MetricsWriter:

@@ -37,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 import jax
@@ -75,6 +76,14 @@ class NonFiniteLoss(FloatingPointError):
     super().__init__(f'{what} is {value} at step {step}')
     self.step = step
 
+  def resumes_from(self, saved: Optional[int]) -> None:
+    """Says what a restart by hand would replay: the batches from the newest
+    checkpoint (`saved`; None: none, from the start) to this step."""
+    start = saved or 0
+    self.args = (f'{self.args[0]}; a restart from {f"the checkpoint of step {start}" if saved else "the start"} '
+                 f'replays batches {start + 1}-{self.step}: TrainConfig.skip_batches = {self.step - start} '
+                 f'skips them (mjax-launch does so itself)',)
+
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
@@ -102,12 +111,7 @@ class Summary:
 
 def run(cfg: Config, workdir: str) -> Summary:
   """Trains `cfg` in `workdir` (resuming from it when it holds checkpoints)."""
-  trainer = Trainer(cfg, workdir)
-  try:
-    return trainer.train()
-  finally:   # however it ended, the workdir is free for the next run of this process
-    if trainer.ckpt is not None:
-      trainer.ckpt.release_lock()
+  return Trainer(cfg, workdir).train()   # which frees the workdir however it ends
 
 
 class StartupPhase:
@@ -130,11 +134,18 @@ class Trainer:
   through its steps. To train on, build a new one (it resumes from the
   workdir's last checkpoint)."""
 
-  def __init__(self, cfg: Config, workdir: str):
+  def __init__(self, cfg: Config, workdir: str | os.PathLike):
+    # A Config of one's own (dataclasses.replace on a loaded one) gets the
+    # checks a loaded one had, the mesh's against this job's devices, before
+    # anything is written; a path object or ~ is a path like any other.
+    cfg = config_lib.validate(cfg, num_devices=jax.device_count())
+    workdir = os.path.expanduser(os.fspath(workdir))
     self.cfg, self.workdir = cfg, workdir
     self.is_main = jax.process_index() == 0
     self._t_start = time.perf_counter()
     self._marks: dict[str, float] = {}
+    self.ckpt: Optional[checkpoint_lib.Checkpointer] = None
+    self.heartbeat: Optional[HeartbeatClient] = None
 
     setup_compilation_cache(cfg.train.compilation_cache_dir)
     # flags.load checks it for the command line; a Trainer built from a
@@ -153,11 +164,13 @@ class Trainer:
     # allowance; and a start-up timeout gets every process's Python stacks.
     self._startup = StartupPhase()
     self._trained = False
-    self.heartbeat = HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index())
+    self._claim = _Claim(workdir)
+    weakref.finalize(self, self._claim.release)
     try:
+      self.heartbeat = HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index())
       self._build()
-    except BaseException:
-      self.close_heartbeat()
+    except BaseException:   # the workdir is free again for this process's next run
+      self.close()
       raise
 
   def _build(self) -> None:
@@ -179,12 +192,8 @@ class Trainer:
     self._mark('program', then='startup:restore')
 
     self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
-    try:
-      self._start(devices)
-    except BaseException:   # the workdir is free again for this process's next run
-      if self.ckpt is not None:
-        self.ckpt.release_lock()
-      raise
+    self._claim.ckpt = self.ckpt
+    self._start(devices)
 
   def _start(self, devices: list) -> None:
     """`__init__` once the run lock is held: the state (resumed or fresh),
@@ -272,7 +281,7 @@ class Trainer:
 
   def train(self) -> Summary:
     """Trains from `start_step` to TrainConfig.steps, or until a stop signal."""
-    cfg, program, start = self.cfg, self.program, self.start_step
+    start = self.start_step
     if self._trained:
       # A second pass would train steps start+1.. again on the state the
       # first one left, past data, into a closed checkpointer and metrics
@@ -282,6 +291,13 @@ class Trainer:
           'trains once. Build a new Trainer(cfg, workdir) to train on: it resumes from the last checkpoint '
           '(raise TrainConfig.steps for more steps).')
     self._trained = True
+    try:
+      return self._train()
+    finally:   # however it ended (a second Ctrl-C too): the workdir is free for the next run
+      self.close()
+
+  def _train(self) -> Summary:
+    cfg, start = self.cfg, self.start_step
     if self.finished:
       # Re-running a finished run: say so, and touch neither metrics nor checkpoints.
       where = (f'CheckpointConfig.restore_from is at step {start}' if self.restored_explicitly
@@ -311,7 +327,7 @@ class Trainer:
     meta = {'config': config_lib.to_dict(cfg), 'tokenizer': data_lib.load_tokenizer(cfg.data.tokenizer).info.to_json()}
     try:
       return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
-    except Exception:
+    except Exception as e:
       # A NaN loss, a data file gone bad, any crash of the loop: the saves
       # still being written hold states that were good when they began (each
       # was checked finite first), and the newest of them is where a restart
@@ -321,7 +337,16 @@ class Trainer:
       # the checkpoint phase, as the heartbeats tell the driver.
       with timer.phase('checkpoint'):
         self._finish_saves()
+      if isinstance(e, NonFiniteLoss):
+        e.resumes_from(self._newest_saved())
       raise
+
+  def _newest_saved(self) -> Optional[int]:
+    """The newest complete checkpoint's step, once the saves are done."""
+    try:
+      return max((step for step, _ in self.ckpt.steps()), default=None) if self.ckpt is not None else None
+    except Exception:  # noqa: BLE001 -- only for a message; the error leaving is the loop's
+      return None
 
   def _finish_saves(self) -> None:
     """Completes the saves in flight after the loop failed; a save that
@@ -524,6 +549,21 @@ class Trainer:
     if self.heartbeat is not None:
       self.heartbeat.close()
       self.heartbeat = None
+
+  def close(self) -> None:
+    """Frees the workdir for another run, in this process or another: its
+    lock and this process's claim; the heartbeats end. Saves still in
+    flight are not waited for (`train()` waits for its own; an interrupted
+    one may lose the save it was writing, never an earlier one).
+    Idempotent; `train()` calls it as it ends, however it ends."""
+    self.close_heartbeat()
+    self._claim.release()
+
+  def __enter__(self) -> 'Trainer':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def startup_report(self, first_step_done: float) -> dict:
     """Seconds spent getting to the first completed step, by part.
@@ -749,6 +789,38 @@ class StepProfiler:
     if self.active:   # the run stopped inside the traced steps
       self._stop()
     return False
+
+
+# The workdirs this process's live Trainers hold. The run lock
+# (mjax/checkpoint.py) keeps other processes out; within one process it is
+# re-entrant (a Checkpointer that reads a run's steps beside it), so a
+# second Trainer on the same workdir, in a notebook, trained over the first
+# one's checkpoints and metrics.
+_WORKDIRS: set[str] = set()
+
+
+class _Claim:
+  """One Trainer's hold on its workdir: the in-process claim and, once the
+  Trainer has one, its Checkpointer's run lock. Released by `close()`, or
+  when the Trainer is collected (one built and dropped, never trained)."""
+
+  def __init__(self, workdir: str):
+    self.key = os.path.realpath(workdir)
+    if self.key in _WORKDIRS:
+      raise ConfigError(
+          f'{workdir} is in use by another Trainer of this process, not yet trained or closed: one workdir '
+          f'trains one run at a time. Call train() or close() on that one first (or build it as '
+          f'`with Trainer(cfg, workdir) as t:`), or give this run its own workdir.')
+    _WORKDIRS.add(self.key)
+    self.ckpt: Optional[checkpoint_lib.Checkpointer] = None
+    self.held = True
+
+  def release(self) -> None:
+    if self.held:
+      self.held = False
+      _WORKDIRS.discard(self.key)
+    if self.ckpt is not None:
+      self.ckpt.release_lock()   # idempotent
 
 
 def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:

@@ -27,14 +27,3 @@ def ft_reference(tmp_path_factory, repo_root):
   mjax-launch, for every test that ends a recovered run bitwise equal to it."""
   import test_ft
   return test_ft.run_reference(tmp_path_factory.mktemp('ref'), repo_root)
-
-
-@pytest.fixture(scope='module', autouse=True)
-def fresh_gin():
-  """Clears gin's bindings after each test module: config dataclasses are gin
-  configurable, so a later module's `MeshConfig(...)` would otherwise pick up
-  the last `load_config` bindings of an earlier one (test_parallel's
-  pipeline = 4 turned test_model's 4-device mesh into 16 devices)."""
-  yield
-  import gin
-  gin.clear_config()

@@ -257,3 +257,14 @@ def test_settings_that_would_train_silently_wrong_are_refused_for_training():
   # A smoke test shorter than its warm-up still trains, and 0 means unset.
   check('OptimConfig.warmup_steps = 100', 'OptimConfig.decay_steps = 50', 'TrainConfig.steps = 20')
   check('OptimConfig.decay_steps = 0', 'TrainConfig.steps = 1000')
+
+
+def test_load_config_leaves_no_bindings_behind_and_takes_single_names():
+  """The config classes are gin configurables: bindings left in gin made a
+  `ModelConfig()` built by hand after a load take that file's values."""
+  cfg = C.load_config('tiny.gin', 'TrainConfig.steps = 3')   # one file, one binding: not sequences of letters
+  assert cfg.train.steps == 3 and C.TrainConfig().steps == 300
+  C.load_config(['tiny.gin'], ['ModelConfig.d_model = 128'])
+  assert C.ModelConfig().d_model == 256
+  with pytest.raises(C.ConfigError, match=r'num_devices = 0 is not allowed'):
+    C.load_config(['tiny.gin'], [], num_devices=0)

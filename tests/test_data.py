@@ -364,17 +364,23 @@ def test_a_position_names_its_data_and_says_when_the_data_changed(tmp_path):
   note = data.restore_position(data.make_train_iterator(DC(source=str(src), seq_len=32, file_pattern='*.txt', shuffle_seed=7), 8),
                                state, 8, 32)
   assert note.startswith('warning: the data is not what this position was saved with'), note
+  # Read afresh in the same process too (a notebook training on after the
+  # data changed), not served from the corpus read before.
   (src / '3.txt').write_text('one more document ' * 400)
-  from mjax.data import corpus
-  corpus._load.cache_clear()    # a new process: it reads the directory afresh
   note = data.restore_position(data.make_train_iterator(cfg, 8), state, 8, 32)
   assert 'warning: the data is not what' in note and f'{src}: ' in note and ' in 4 files' in note, note
   # Another seq_len cuts other windows of the same data: said as before, no warning.
   src_cfg16 = DC(source=str(src), seq_len=16, file_pattern='*.txt')
   (src / '3.txt').unlink()
-  corpus._load.cache_clear()
   note = data.restore_position(data.make_train_iterator(src_cfg16, 8), state, 8, 16)
   assert note.startswith('seq_len changed from 32 to 16'), note
+  # A file edited in place (same names) is read again as well.
+  before = next(data.make_train_iterator(cfg, 8))['inputs'].copy()
+  (src / '0.txt').write_text('x' * 4000)
+  (src / '1.txt').write_text('x' * 4000)
+  (src / '2.txt').write_text('x' * 4000)
+  after = next(data.make_train_iterator(cfg, 8))['inputs']
+  assert len(np.unique(after)) <= 3 < len(np.unique(before))
 
 
 def test_a_data_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):

@@ -384,3 +384,49 @@ def test_processes_that_see_different_data_stop_at_start(monkeypatch):
                                       r"process\(es\) \[1\] have \[\{'root': '/data', 'files': 9"):
     trainer._check_same_data(mine)
   trainer._check_same_data(first)   # the same data: nothing to say
+
+
+def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_path, monkeypatch):
+  """The notebook path. A Config changed by hand gets load_config's checks,
+  the mesh's against the devices there are, before anything is written. A
+  second Trainer on a workdir a live one of this process holds is refused
+  (the run lock is re-entrant within a process: the second trained over the
+  first's checkpoints and metrics); a Trainer dropped untrained, closed, or
+  done frees it. `~` and path objects are paths."""
+  import dataclasses
+  import gc
+  from mjax import checkpoint
+  cfg = _small('TrainConfig.steps = 2', 'TrainConfig.eval_every = 0')
+  hand = lambda section, **kw: dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
+  with pytest.raises(C.ConfigError, match=r'ModelConfig.n_heads = 3 is not allowed: must divide'):
+    trainer.Trainer(hand('model', n_heads=3), tmp_path / 'bad')
+  with pytest.raises(C.ConfigError, match=r'TrainConfig.global_batch_size = 12 is not allowed.*data x fsdp = 8'):
+    trainer.Trainer(hand('train', global_batch_size=12), tmp_path / 'bad')
+  assert not (tmp_path / 'bad').exists()
+  monkeypatch.setenv('HOME', str(tmp_path))
+  first = trainer.Trainer(cfg, '~/run')
+  assert first.workdir == str(tmp_path / 'run')
+  with pytest.raises(C.ConfigError, match=r'in use by another Trainer of this process'):
+    trainer.Trainer(cfg, tmp_path / 'run' / '.')
+  del first
+  gc.collect()
+  assert str(tmp_path / 'run') not in checkpoint._held_locks
+  with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
+    assert t.start_step == 0 and t.train().final_step == 3
+  assert str(tmp_path / 'run') not in checkpoint._held_locks and not trainer._WORKDIRS
+  with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
+    assert t.start_step == 3   # resumed; closed without training
+
+
+def test_read_metrics_skips_the_damage_it_can_meet(tmp_path):
+  """Lines garbled on disk (bytes that are no UTF-8, a marker whose step is
+  no number) are left out, as a line a crash cut short is; the rest reads
+  as one run."""
+  from mjax.metrics import read_metrics
+  good = [{'step': 1, 'loss': 3.0}, {'step': 2, 'loss': 2.5}, {'step': 2, 'loss': 2.4}]
+  lines = [json.dumps(good[0]).encode(), json.dumps(good[1]).encode(), b'\xff\xfe{"step": 9',
+           b'{"step": 2, "supersedes_after_step": null}', b'{"step": 1, "supersedes_after_step": "1"}',
+           b'{"step": "x", "loss": 1.0}', b'{"step": 1, "supersedes_after_step": 1}', json.dumps(good[2]).encode(),
+           b'{"step": 3, "lo']
+  (tmp_path / 'metrics.jsonl').write_bytes(b'\n'.join(lines))
+  assert read_metrics(tmp_path) == [good[0], {'step': 'x', 'loss': 1.0}, good[2]]
