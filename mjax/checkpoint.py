@@ -200,18 +200,24 @@ def _async_options(timeout_s: float) -> ocp.options.AsyncOptions:
 # in the save's blocking part (never cached: under the persistent cache's
 # minimum compile time). For a 0.7M-parameter model on 8 data-parallel CPU
 # devices that was 264 slices, 56 compiles, 3.9 of the first save's 4.4 s.
-# A slice under 1 MiB gains nothing from being cut (it is microseconds of
-# copy and write): such an array is written whole by one replica. Large
-# arrays are still shared out. (Orbax leaves replica-parallel off anyway
-# where JAX_PLATFORMS names a GPU.)
+# In a single process every slice goes to the same host's disk, so cutting
+# a small array gains nothing (microseconds of copy and write): a slice under
+# 1 MiB is written whole by one replica there. Across processes the cut is
+# what spreads a data-parallel job's write over its hosts (without it, the
+# hosts of replica 0 would write the whole state), so it stays as Orbax does
+# it. (Orbax leaves replica-parallel off anyway where JAX_PLATFORMS names a
+# GPU.)
 MIN_SLICE_BYTES = 1 << 20
 
 
 def _whole_small_slices() -> None:
-  """Sets MIN_SLICE_BYTES on Orbax's handler of jax.Array, which the
-  persistent and shared fast tiers save with (it takes the floor only as a
-  constructor argument; replacing the handler would drop its metadata
-  store). An Orbax without the setting keeps its own behaviour."""
+  """Sets MIN_SLICE_BYTES, in a single-process job, on Orbax's handler of
+  jax.Array, which the persistent and shared fast tiers save with (it takes
+  the floor only as a constructor argument; replacing the handler would
+  drop its metadata store). An Orbax without the setting keeps its own
+  behaviour."""
+  if jax.process_count() > 1:
+    return
   handler = ocp.type_handlers.get_type_handler(jax.Array)
   if getattr(handler, '_min_slice_bytes_for_replica_parallel', 0) is None:
     handler._min_slice_bytes_for_replica_parallel = MIN_SLICE_BYTES

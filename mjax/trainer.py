@@ -76,13 +76,17 @@ class NonFiniteLoss(FloatingPointError):
     super().__init__(f'{what} is {value} at step {step}')
     self.step = step
 
-  def resumes_from(self, saved: Optional[int]) -> None:
-    """Says what a restart by hand would replay: the batches from the newest
-    checkpoint (`saved`; None: none, from the start) to this step."""
-    start = saved or 0
-    self.args = (f'{self.args[0]}; a restart from {f"the checkpoint of step {start}" if saved else "the start"} '
-                 f'replays batches {start + 1}-{self.step}: TrainConfig.skip_batches = {self.step - start} '
-                 f'skips them (mjax-launch does so itself)',)
+  def resumes_from(self, saved: Optional[int], start: int, skipped: int) -> None:
+    """Says what a restart by hand would replay: the batches between the
+    newest checkpoint (`saved`; None: none this run could see, so where it
+    started, `start`, having skipped `skipped` batches) and this step."""
+    base = start if saved is None else saved
+    # A checkpoint this run saved holds the data position past its skip; the
+    # one it started from does not.
+    n = self.step - base + (skipped if base == start else 0)
+    where = f'the checkpoint of step {base}' if base else 'the start'
+    self.args = (f'{self.args[0]}; a restart from {where} replays the {n} batch(es) that led here: '
+                 f'TrainConfig.skip_batches = {n} skips them (mjax-launch does so itself)',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +167,7 @@ class Trainer:
     # is lost after heartbeat_timeout_s instead of the whole start-up
     # allowance; and a start-up timeout gets every process's Python stacks.
     self._startup = StartupPhase()
-    self._trained = False
+    self._trained = self._closed = False
     self._claim = _Claim(workdir)
     weakref.finalize(self, self._claim.release)
     try:
@@ -282,18 +286,37 @@ class Trainer:
   def train(self) -> Summary:
     """Trains from `start_step` to TrainConfig.steps, or until a stop signal."""
     start = self.start_step
-    if self._trained:
+    if self._trained or self._closed:
       # A second pass would train steps start+1.. again on the state the
       # first one left, past data, into a closed checkpointer and metrics
-      # that already hold those steps.
+      # that already hold those steps; a closed Trainer holds no lock.
       raise UserError(
-          f'Trainer.train() has run already on this Trainer (from step {start}, in {self.workdir}); a Trainer '
-          'trains once. Build a new Trainer(cfg, workdir) to train on: it resumes from the last checkpoint '
-          '(raise TrainConfig.steps for more steps).')
+          f'Trainer.train() {"has run already" if self._trained else "after close()"} on this Trainer (from '
+          f'step {start}, in {self.workdir}); a Trainer trains once. Build a new Trainer(cfg, workdir) to train '
+          'on: it resumes from the last checkpoint (raise TrainConfig.steps for more steps).')
     self._trained = True
     try:
-      return self._train()
-    finally:   # however it ended (a second Ctrl-C too): the workdir is free for the next run
+      summary = self._train()
+    except Exception:   # its saves were completed on the way out (`_train`)
+      self.close()
+      raise
+    except BaseException:
+      # A second Ctrl-C in an interpreter that goes on (a notebook): out at
+      # once, but the workdir stays held until the saves in flight are on
+      # disk, or the next run would clean up a half-written step under them.
+      self.close_heartbeat()
+      threading.Thread(target=self._close_when_saved, name='mjax-trainer-close', daemon=True).start()
+      raise
+    self.close()
+    return summary
+
+  def _close_when_saved(self) -> None:
+    try:
+      if self.ckpt is not None:
+        self.ckpt.close()
+    except Exception:  # noqa: BLE001 -- a save that failed leaves the earlier steps; nobody to tell
+      pass
+    finally:
       self.close()
 
   def _train(self) -> Summary:
@@ -338,7 +361,7 @@ class Trainer:
       with timer.phase('checkpoint'):
         self._finish_saves()
       if isinstance(e, NonFiniteLoss):
-        e.resumes_from(self._newest_saved())
+        e.resumes_from(self._newest_saved(), self.start_step, self.cfg.train.skip_batches)
       raise
 
   def _newest_saved(self) -> Optional[int]:
@@ -552,11 +575,16 @@ class Trainer:
 
   def close(self) -> None:
     """Frees the workdir for another run, in this process or another: its
-    lock and this process's claim; the heartbeats end. Saves still in
-    flight are not waited for (`train()` waits for its own; an interrupted
-    one may lose the save it was writing, never an earlier one).
-    Idempotent; `train()` calls it as it ends, however it ends."""
+    lock and this process's claim; the heartbeats end. Idempotent;
+    `train()` calls it as it ends (once its saves are on disk), however it
+    ends."""
+    self._closed = True
     self.close_heartbeat()
+    if self.ckpt is not None and not self._trained:
+      try:
+        self.ckpt.close()   # nothing saved yet: its managers close at once
+      except Exception:  # noqa: BLE001 -- the lock is released below either way
+        pass
     self._claim.release()
 
   def __enter__(self) -> 'Trainer':

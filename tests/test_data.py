@@ -381,6 +381,11 @@ def test_a_position_names_its_data_and_says_when_the_data_changed(tmp_path):
   (src / '2.txt').write_text('x' * 4000)
   after = next(data.make_train_iterator(cfg, 8))['inputs']
   assert len(np.unique(after)) <= 3 < len(np.unique(before))
+  # And a source that is one file.
+  one = DC(source=str(src / '0.txt'), seq_len=32)
+  assert len(np.unique(next(data.make_train_iterator(one, 8))['inputs'])) <= 3
+  (src / '0.txt').write_text('document zero, written again ' * 200)
+  assert len(np.unique(next(data.make_train_iterator(one, 8))['inputs'])) > 3
 
 
 def test_a_data_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):

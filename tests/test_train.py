@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -410,12 +411,37 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
     trainer.Trainer(cfg, tmp_path / 'run' / '.')
   del first
   gc.collect()
-  assert str(tmp_path / 'run') not in checkpoint._held_locks
+  run = os.path.realpath(tmp_path / 'run')
+  assert run not in checkpoint._held_locks and run not in trainer._WORKDIRS
   with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
     assert t.start_step == 0 and t.train().final_step == 3
-  assert str(tmp_path / 'run') not in checkpoint._held_locks and not trainer._WORKDIRS
+  assert run not in checkpoint._held_locks and run not in trainer._WORKDIRS
   with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
     assert t.start_step == 3   # resumed; closed without training
+  from mjax.errors import UserError
+  with pytest.raises(UserError, match=r'after close\(\)'):
+    t.train()   # it holds no lock any more
+  # A second Ctrl-C in a notebook (KeyboardInterrupt out of the loop, a save
+  # just started): out at once; the workdir is freed once the save is on
+  # disk, and the next Trainer resumes from it.
+  every2 = dataclasses.replace(hand('train', steps=4), checkpoint=dataclasses.replace(cfg.checkpoint, save_every=2))
+  real = trainer.StepReporter.push
+
+  def push(self, step, metrics):
+    if step == 3:
+      raise KeyboardInterrupt
+    return real(self, step, metrics)
+  monkeypatch.setattr(trainer.StepReporter, 'push', push)
+  with pytest.raises(KeyboardInterrupt):
+    trainer.Trainer(every2, tmp_path / 'ki').train()
+  monkeypatch.setattr(trainer.StepReporter, 'push', real)
+  ki = os.path.realpath(tmp_path / 'ki')
+  deadline = time.time() + 60
+  while ki in trainer._WORKDIRS and time.time() < deadline:
+    time.sleep(0.05)
+  assert ki not in trainer._WORKDIRS and ki not in checkpoint._held_locks
+  with trainer.Trainer(every2, tmp_path / 'ki') as t:
+    assert t.start_step == 2
 
 
 def test_read_metrics_skips_the_damage_it_can_meet(tmp_path):

@@ -369,28 +369,35 @@ def keep_text(source: str, files: list[str], docs: list[bytes],
 # Room for every source of a large mixture: the trainer opens its sources for
 # the train stream and again for the held-out batches, and an evicted one was
 # read and tokenized twice (the train iterator holds the first copy anyway).
+# {(source, file_pattern, tokenizer, heldout_fraction): (file stamps, corpus)}.
+_CORPORA: dict = {}
+MAX_CORPORA = 64
 def _load(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
   """The corpus, from the cache while none of its files (nor the tokenizer)
   changed since it was read: a process that trains on after the data was
   edited (a notebook) reads the files as they are now. Checking costs a
   walk and a stat per file (the standard library's 1,790: ~10 ms)."""
   root, files = find_source_files(source, file_pattern, expand=False)
+  base = os.path.dirname(root) if os.path.isfile(root) else root   # a one-file source names itself
   stamps = []
   for f in files:
     try:
-      st = os.stat(os.path.join(root, f))
+      st = os.stat(os.path.join(base, f))
       stamps.append((f, st.st_size, st.st_mtime_ns))
     except OSError:   # gone or unreadable: reading it says so
       stamps.append((f, -1, -1))
   tok = os.path.abspath(os.path.expanduser(tokenizer))
-  tok_mtime = os.stat(tok).st_mtime_ns if tokenizer != BYTES and os.path.isfile(tok) else 0
-  return _load_read(source, file_pattern, tokenizer, heldout_fraction, tuple(stamps), tok_mtime)
+  stamps.append(('tokenizer', os.stat(tok).st_mtime_ns if tokenizer != BYTES and os.path.isfile(tok) else 0))
+  key, stamps = (source, file_pattern, tokenizer, heldout_fraction), tuple(stamps)
+  held = _CORPORA.pop(key, None)
+  corpus = held[1] if held is not None and held[0] == stamps else _read_corpus(*key)
+  _CORPORA[key] = (stamps, corpus)   # newest last; one version of each source
+  while len(_CORPORA) > MAX_CORPORA:
+    _CORPORA.pop(next(iter(_CORPORA)))
+  return corpus
 
 
-@functools.lru_cache(maxsize=64)
-def _load_read(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float,
-               stamps: tuple, tokenizer_mtime: int) -> Corpus:
-  del stamps, tokenizer_mtime   # cache key only
+def _read_corpus(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
   tok = load_tokenizer(tokenizer)
   root, files = find_source_files(source, file_pattern)
   files, docs = keep_text(root, files, read_documents(root, files))
