@@ -42,7 +42,8 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Nam
   `--gin.KEY=VALUE` (or `--gin.KEY VALUE`) in their order on the command
   line, so that the last one given wins, whichever form each is in.
   Anything else unknown is a usage error."""
-  argv, spelled = list(argv), []
+  # From Python, a number or a path object is its text, as a shell would pass it.
+  argv, spelled = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in argv], []
   i = 0
   while i < len(argv):
     tok = argv[i]

@@ -45,6 +45,10 @@ def test_both_override_forms_and_later_wins():
     assert C.load_config(['tiny.gin'], bindings, num_devices=8).train.steps == steps, argv
   with pytest.raises(SystemExit):
     flags.parse(flags.parser('t', 't'), ['--gin.TrainConfig.steps=5', '--stepz', '3'])
+  # From Python: numbers and path objects as a shell would pass them.
+  import pathlib
+  args, bindings = flags.parse(flags.parser('t', 't'), ['--gin_file', pathlib.Path('tiny.gin'), '--gin.TrainConfig.steps', 7])
+  assert args.gin_file == ['tiny.gin'] and bindings == ['TrainConfig.steps = 7']
 
 
 def test_ints_accepted_for_floats():
