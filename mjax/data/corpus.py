@@ -372,6 +372,8 @@ def keep_text(source: str, files: list[str], docs: list[bytes],
 # {(source, file_pattern, tokenizer, heldout_fraction): (file stamps, corpus)}.
 _CORPORA: dict = {}
 MAX_CORPORA = 64
+
+
 def _load(source: str, file_pattern: str, tokenizer: str, heldout_fraction: float) -> Corpus:
   """The corpus, from the cache while none of its files (nor the tokenizer)
   changed since it was read: a process that trains on after the data was
