@@ -63,6 +63,11 @@ CACHE_AXES = {'k': ('layers', 'batch', None, 'kv_heads', 'kv'),
               'pos': ('layers', 'batch', None)}
 
 
+def cache_shardings(mesh: Mesh, rules) -> dict:
+  """{'k', 'v', 'pos': NamedSharding} of one block's cache on `mesh`."""
+  return {k: nn.logical_to_mesh_sharding(P(*v), mesh, rules) for k, v in CACHE_AXES.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """How the next token is drawn from the logits."""
@@ -157,8 +162,7 @@ def _check_cache_fits(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> None
   compute = np.dtype(dtype_of(cfg.model.dtype)).itemsize
   # The compute copy is a new buffer whatever its dtype (a jit's output).
   weights = sum(p.size * (p.itemsize + compute) // p.shards(shape) for p in param_infos(cfg.model, rules))
-  shards = {k: nn.logical_to_mesh_sharding(P(*v), mesh, rules) for k, v in CACHE_AXES.items()}
-  cache = cache_bytes(cfg.model, batch, max_len, shards)
+  cache = cache_bytes(cfg.model, batch, max_len, cache_shardings(mesh, rules))
   devices = list(mesh.devices.flat)
   if devices[0].platform == 'cpu':
     local = sum(1 for d in devices if d.process_index == jax.process_index())
@@ -194,8 +198,7 @@ class Generator:
     model = Transformer(cfg.model)
     sharding = lambda names: nn.logical_to_mesh_sharding(P(*names), mesh, self.rules)
     self.rows = sharding(('batch', None))
-    self.cache_shardings = {f'block_{i}': {k: sharding(v) for k, v in CACHE_AXES.items()}
-                            for i in range(cfg.model.layer_period)}
+    self.cache_shardings = {f'block_{i}': cache_shardings(mesh, self.rules) for i in range(cfg.model.layer_period)}
     # The sampled ids are replicated: every process reads them (a batch
     # sharded over processes would not be addressable from one).
     first = NamedSharding(mesh, P())
