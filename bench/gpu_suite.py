@@ -94,6 +94,17 @@ EXPERIMENT_ROWS = [
     ('1p3b dots_attention unrolled, Triton warp specialization', '1p3b.gin',
      [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
      'optional'),
+    # Scanned layers (the default, and what models too deep to unroll need)
+    # pay for the scan with copies: each saved matrix-product output is
+    # copied into its stacked buffer and each sliced one back out (~26 and
+    # ~15-21 GB per step at batch 8 in a deviceless count, beside ~14 GB of
+    # zero-filled stacks; 1.06x against unrolled on the H100). Dynamic-slice
+    # fusion lets cuBLAS write into and read from the stack in place. Beside
+    # the '1p3b remat=dots' row; a deviceless compile with jaxlib 0.10.2
+    # fails ("BufferAllocation::Slice not assigned"), the GPU's may not.
+    ('1p3b remat=dots, dynamic-slice fusion', '1p3b.gin',
+     ['ModelConfig.remat_policy=dots', 'TrainConfig.xla_extra_flags="--xla_gpu_enable_dynamic_slice_fusion=true"'],
+     'optional'),
 ]
 SMOKE_MFU_ROWS = [
     ('tiny remat=none', 'tiny.gin', ['ModelConfig.remat_policy=none']),
