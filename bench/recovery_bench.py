@@ -3,9 +3,9 @@
   python bench/recovery_bench.py --processes 2 --steps 2000 --fault_every_s 300
 
 Two runs of the same job in fresh workdirs, the persistent compilation
-cache warmed first (see below), so a restart's compile is a cache hit (on
-CPU for process 0 only; the others compile in full and process 0 waits for
-them, see mjax/distributed.py):
+cache warmed first (see below), so a restart's compile is a cache hit in
+every process (on CPU each process writes its own entry, see
+mjax/distributed.py):
 
   baseline  no fault
   faulty    every --fault_every_s seconds of wall time a random training
@@ -17,6 +17,7 @@ step reached before it, split into:
   detection     kill -> fault event
   stop          fault -> every process gone (SIGTERM, SIGKILL after grace)
   diagnosis     mjax-diagnose on every host
+  link check    the all-reduce of each host the fault named with a healthy one
   backoff       restart_backoff_s
   start + init  interpreter, imports, jax.distributed (launch -> run())
   restore       checkpoint read (the trainer's `state_s`)
@@ -68,9 +69,8 @@ sys.path.insert(0, REPO)
 from mjax.ft import events as events_lib  # noqa: E402
 from mjax.metrics import read_metrics  # noqa: E402
 
-PARTS = ('detection', 'stop', 'diagnosis', 'backoff', 'start_init', 'restore', 'compile', 'compile_wait',
-         'other_setup',
-         'first_step', 'catch_up', 'total')
+PARTS = ('detection', 'stop', 'diagnosis', 'link_check', 'backoff', 'start_init', 'restore', 'compile',
+         'compile_wait', 'other_setup', 'first_step', 'catch_up', 'total')
 
 
 def launch_cmd(args, workdir, steps):
@@ -169,6 +169,8 @@ def breakdown(workdir, kills):
       continue
     diag = [e for e in after if e['event'] == 'diagnosis' and stopped['time'] <= e['time'] <= restart['time']]
     diag_end = max((e['time'] for e in diag), default=stopped['time'])
+    links = [e for e in after if e['event'] == 'link_check' and diag_end <= e['time'] <= restart['time']]
+    links_end = max((e['time'] for e in links), default=diag_end)
     first_step = launch['time'] + startup['launch_to_first_step_s']
     start_init = startup['launch_to_first_step_s'] - startup['run_to_first_step_s']
     wait = startup.get('compile_wait_s', 0.0)
@@ -176,7 +178,8 @@ def breakdown(workdir, kills):
              - startup['first_step_s'])
     out.append({
         'detection': fault['time'] - k['time'], 'stop': stopped['time'] - fault['time'],
-        'diagnosis': diag_end - stopped['time'], 'backoff': launch['time'] - diag_end,
+        'diagnosis': diag_end - stopped['time'], 'link_check': links_end - diag_end,
+        'backoff': launch['time'] - links_end,
         'start_init': start_init, 'restore': startup['state_s'], 'compile': startup['compile_s'], 'compile_wait': wait,
         'other_setup': other, 'catch_up': caught['time'] - first_step, 'total': caught['time'] - k['time'],
         'distributed_init': startup['distributed_init_s'], 'first_step': startup['first_step_s'],
