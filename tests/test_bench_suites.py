@@ -3,6 +3,7 @@ lent, rarely and under a deadline, so a row that a config change broke must
 fail here, on CPU, not there."""
 
 import collections
+import json
 import importlib.util
 import os
 import sys
@@ -15,14 +16,16 @@ from mjax import flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _suite():
-  spec = importlib.util.spec_from_file_location('gpu_suite', os.path.join(REPO, 'bench', 'gpu_suite.py'))
+def _bench_module(name):
+  """A bench script as a module (bench/ is not a package)."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'bench', f'{name}.py'))
   mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod      # dataclasses look their module up while the class is built
   spec.loader.exec_module(mod)
   return mod
 
 
-SUITE = _suite()
+SUITE = _bench_module('gpu_suite')
 
 
 @pytest.mark.parametrize('row', SUITE.MFU_ROWS + SUITE.EXPERIMENT_ROWS + SUITE.SMOKE_MFU_ROWS, ids=lambda r: r[0])
@@ -112,14 +115,6 @@ ENTRY %main (a: f32[8,256,1024], i: s32[], x: f32[256,1024]) -> f32[256,1024] {
   # read: one layer of the stack, the index, x; write: one layer.
   assert hlo_traffic.kernel_bytes(m, m.instruction('f')) == layer + 4 + layer + layer
   assert hlo_traffic.kernel_bytes(m, m.instruction('g')) == 8 * layer + layer + layer
-
-
-def _bench_module(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'bench', f'{name}.py'))
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod      # dataclasses look their module up while the class is built
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def test_trace_summary_finds_the_parts_of_a_step_run_as_cuda_graphs():
@@ -231,3 +226,29 @@ ENTRY %main (a: bf16[512,256], b: bf16[4096,256]) -> bf16[512,4096] {
   assert n == 1 and part == 'forward: head and loss'
   assert p.out_dtype == 'bf16' and p.out_dims == (512, 4096) and p.contracting == ((1,), (1,))
   assert p.flops == 2 * 512 * 4096 * 256
+
+
+def test_recovery_breakdown_splits_the_link_check_from_the_back_off(tmp_path):
+  """The recovery bench's parts of one recovery, from a driver's events (the
+  times of a measured run): the link check after the diagnosis is its own
+  part, and back-off is only the driver's wait before the relaunch."""
+  bench = _bench_module('recovery_bench')
+  startup = {'launch_to_first_step_s': 5.5, 'run_to_first_step_s': 4.5, 'state_s': 1.4, 'compile_s': 1.1,
+             'compile_wait_s': 0.1, 'first_step_s': 0.8, 'distributed_init_s': 0.1}
+  events = [(0.0, 'launch', {'attempt': 0}), (59.6, 'fault', {'reached_step': 180}),
+            (59.7, 'stopped', {}), (61.5, 'diagnosis', {}), (61.6, 'diagnosis', {}),
+            (64.1, 'link_check', {}), (64.1, 'restart', {'checkpoint_step': 175, 'backoff_s': 1.0}),
+            (65.1, 'launch', {'attempt': 1}), (72.1, 'startup', {'attempt': 1, **startup}),
+            (72.6, 'caught_up', {'attempt': 1})]
+  with open(tmp_path / 'events.jsonl', 'w') as fh:
+    for t, kind, fields in events:
+      fh.write(json.dumps({'time': 1000.0 + t, 'event': kind, **fields}) + '\n')
+  (part,) = bench.breakdown(str(tmp_path), [{'time': 1059.5}])
+  assert part['diagnosis'] == pytest.approx(1.9)
+  assert part['link_check'] == pytest.approx(2.5)
+  assert part['backoff'] == pytest.approx(1.0)
+  assert part['compile_wait'] == pytest.approx(0.1)
+  assert part['catch_up'] == pytest.approx(72.6 - (65.1 + 5.5))
+  assert part['total'] == pytest.approx(72.6 - 59.5)
+  assert part['steps_redone'] == 5
+  assert set(bench.PARTS) - {'total'} <= set(part)
