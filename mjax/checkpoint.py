@@ -273,17 +273,82 @@ def tier_directories(cfg: CheckpointConfig, workdir: str, strict: bool = False) 
   return dirs
 
 
-OWNER_FILE = '.mjax-run.json'   # in each tier directory: the workdir of the run whose steps it holds
+OWNER_FILE = '.mjax-run.json'   # in each tier directory: the workdir (and run id) of the run whose steps it holds
+# In the workdir: the id of the run that lives there, made by its first start.
+# A workdir's path names its default fast tier, which outlives a deleted
+# workdir in /dev/shm; the id tells a new run at the same path from the old
+# one, whose steps it must not resume as its own.
+RUN_ID_FILE = '.mjax-run-id'
+
+
+def _read_claim(directory: str) -> dict:
+  """`directory`'s claim (OWNER_FILE) as {'workdir': str, 'run': str or None}, or {}."""
+  try:
+    with open(os.path.join(directory, OWNER_FILE)) as fh:
+      found = json.load(fh)
+    workdir, run = found.get('workdir'), found.get('run')
+  except (OSError, ValueError, AttributeError):
+    return {}
+  if not isinstance(workdir, str):
+    return {}
+  return {'workdir': workdir, 'run': run if isinstance(run, str) and run else None}
 
 
 def _claim(directory: str) -> Optional[str]:
   """The workdir written in `directory`'s claim (OWNER_FILE), or None."""
+  return _read_claim(directory).get('workdir')
+
+
+def run_id(workdir: str) -> Optional[str]:
+  """The id of the run in `workdir` (RUN_ID_FILE), or None (none yet, or
+  written by an mjax from before run ids)."""
   try:
-    with open(os.path.join(directory, OWNER_FILE)) as fh:
-      found = json.load(fh).get('workdir')
+    with open(os.path.join(workdir, RUN_ID_FILE)) as fh:
+      found = json.load(fh).get('run')
   except (OSError, ValueError, AttributeError):
     return None
-  return found if isinstance(found, str) else None
+  return found if isinstance(found, str) and found else None
+
+
+def ensure_run_id(cfg: CheckpointConfig, workdir: str) -> str:
+  """The workdir's run id, made on the run's first start there (process 0).
+
+  A workdir without one whose tiers all name one run of this path in their
+  claims (the workdir was lost, its checkpoints kept elsewhere) takes that
+  run's id and resumes it, as before run ids; otherwise a new id."""
+  found = run_id(workdir)
+  if found is not None:
+    return found
+  me = os.path.realpath(workdir)
+  claims = [_read_claim(d) for d in _claimable(tier_directories(cfg, workdir)).values()]
+  runs = {c['run'] for c in claims if c and os.path.realpath(c['workdir']) == me and c['run']}
+  found = runs.pop() if len(runs) == 1 else secrets.token_hex(8)
+  jsonfile.write_atomic(os.path.join(workdir, RUN_ID_FILE), {'run': found})
+  return found
+
+
+def _claimable(dirs: dict[str, str]) -> dict[str, str]:
+  """The tier directories that hold claims: local ones, and a host-local
+  fast tier's directories per process (`host_directory`)."""
+  out = {}
+  for name, d in dirs.items():
+    if '://' in d or not os.path.isdir(d):
+      continue
+    out[name] = d
+    out.update({f'{name}/{n}': os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith('process-')})
+  return out
+
+
+def earlier_run(directory: str, workdir: str) -> Optional[str]:
+  """The run id in `directory`'s claim where that claim names this workdir's
+  path but another run than the one living there now (an earlier run at
+  the same path, whose workdir was deleted or moved), else None."""
+  if _inside(directory, workdir):
+    return None   # a tier inside the workdir is its run's, whichever id its claim has
+  claim, mine = _read_claim(directory), run_id(workdir)
+  if not claim or not claim['run'] or mine is None or claim['run'] == mine:
+    return None
+  return claim['run'] if os.path.realpath(claim['workdir']) == os.path.realpath(workdir) else None
 
 
 def _is_workdir(path: str) -> bool:
@@ -343,7 +408,10 @@ def foreign(directory: str, workdir: str) -> Optional[str]:
   found = owner(directory)
   # Real paths: a workdir spelled through a link (~, $PWD where /home is
   # one) is the same run.
-  return found if found is not None and os.path.realpath(found) != os.path.realpath(workdir) else None
+  if found is not None and os.path.realpath(found) != os.path.realpath(workdir):
+    return found
+  earlier = earlier_run(directory, workdir)
+  return f'{found} (an earlier run at that path, id {earlier})' if earlier else None
 
 
 def saved_steps(cfg: CheckpointConfig, workdir: str) -> list[tuple[int, str, str]]:
@@ -522,33 +590,50 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
   A directory nobody claimed yet (a new one, or one from before claims)
   becomes this run's."""
   me = os.path.realpath(workdir)
-  mine = {}
+  run = run_id(workdir)
+  problems = {}
   for name, d in dirs.items():
     if '://' in d:
       continue
-    other = foreign(d, me)
-    if other is not None:
-      mine[name] = other
+    problem = _owner_problem(name, d, workdir)
+    if problem is not None:
+      problems[name] = problem
       continue
     # Claimed even inside the workdir, where it is always this run's (a
     # moved workdir takes over another path's claim): another run pointed
-    # at it is refused. Outside, a claim of another path made it foreign.
-    claim = _claim(d)
-    if claim is None or os.path.realpath(claim) != me:
+    # at it is refused. Outside, a claim of another path (or of an earlier
+    # run at this path) made it foreign.
+    claim = _read_claim(d)
+    if not claim or os.path.realpath(claim['workdir']) != me or (run is not None and claim['run'] != run):
       try:
-        jsonfile.write_atomic(os.path.join(d, OWNER_FILE), {'workdir': me})
+        jsonfile.write_atomic(os.path.join(d, OWNER_FILE), {'workdir': me, 'run': run})
       except OSError:
         pass   # check_writable has said what is wrong with it
   reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
-      'ckpt/probe/owner', json.dumps(mine) if mine else None, timeout_s).items()}
-  for name, directory in dirs.items():
-    other = next((v[name] for _, v in sorted(reports.items()) if name in v), None)
-    if other is not None:
-      key = _tier_key(name)
-      where = (f'its claim {os.path.join(directory, OWNER_FILE)!r} says so' if _claim(directory)
-               else 'it lies in that run\'s workdir')
-      raise ConfigError(
-          f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of another run, '
+      'ckpt/probe/owner', json.dumps(problems) if problems else None, timeout_s).items()}
+  for name in dirs:
+    problem = next((v[name] for _, v in sorted(reports.items()) if name in v), None)
+    if problem is not None:
+      raise ConfigError(problem)
+
+
+def _owner_problem(name: str, directory: str, workdir: str) -> Optional[str]:
+  """Why tier `name` in `directory` is not this run's to save into, or None."""
+  key = _tier_key(name)
+  claim_file = os.path.join(directory, OWNER_FILE)
+  earlier = earlier_run(directory, workdir)
+  if earlier is not None:
+    return (f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of an earlier run '
+            f'at this same --workdir path {workdir!r} (run {earlier}, says {claim_file!r}), not of the run '
+            f'living there now (run {run_id(workdir)}, {os.path.join(workdir, RUN_ID_FILE)!r}): that '
+            f'workdir was deleted or moved since, and this run would resume its state as its own. Delete '
+            f'{directory!r} if that run is over; if it is this run\'s own (its {RUN_ID_FILE} was lost), '
+            f'delete {claim_file!r} to take the directory over.')
+  other = foreign(directory, workdir)
+  if other is None:
+    return None
+  where = f'its claim {claim_file!r} says so' if _claim(directory) else 'it lies in that run\'s workdir'
+  return (f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of another run, '
           f'workdir {other!r} ({where}): two runs there would resume from and delete each other\'s steps. '
           f'Give this run a directory of its own (e.g. one named after the run) or leave '
           f'CheckpointConfig.{key} unset (the default is one per workdir)' +
@@ -1275,25 +1360,36 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
   return Restored(step=int(step), state=state, data=out['data'] or None, meta=out['meta'] or {}, path=path)
 
 
-class _FullDiskLogFilter(logging.Filter):
+# What Orbax's failed read of an array says (its read tasks' exceptions).
+READ_FAILED = 'Encountered error while reading array index'
+
+
+class _FailedIoLogFilter(logging.Filter):
   """Drops Orbax's own error logs (with their tracebacks, one per thread of
   the save) of a write that found the disk full or unwritable:
   `_full_disk_is_bad_input` reports that once, naming the tier and the
-  steps kept."""
+  steps kept. Drops too asyncio's report of each read task of a damaged
+  step (a truncated file: one traceback of ~80 lines per array, up to
+  hundreds, as the collector finds them): the restore says why the step
+  cannot be used once (`read_error`) and falls back."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    # asyncio's: a write task of the failed save, collected with its error
-    # never retrieved ("Task exception was never retrieved").
+    # asyncio's: a write task of the failed save, or a read task of the
+    # failed restore, collected with its error never retrieved ("Task
+    # exception was never retrieved").
     text = record.getMessage()
     if f'{os.sep}orbax{os.sep}' not in (record.pathname if record.name != 'asyncio' else text):
       return True
     if record.exc_info and record.exc_info[1] is not None:
       text += f' {record.exc_info[1]}'
+    if record.name == 'asyncio' and READ_FAILED in text:
+      return False
     return not any(said in text for said in UNWRITABLE.values())
 
 
 def quiet_failed_io_aftermath() -> None:
-  """Keeps a save that found the disk full to one message.
+  """Keeps a save that found the disk full, or a restore of a damaged step,
+  to one message.
 
   Orbax logs the failed write from each of its save threads, with a
   traceback. Then it closes its asyncio loop while TensorStore is still
@@ -1307,8 +1403,8 @@ def quiet_failed_io_aftermath() -> None:
   hands every other unraisable exception on.
   """
   for logger in (logging.getLogger('absl'), logging.getLogger('asyncio')):
-    if not any(isinstance(f, _FullDiskLogFilter) for f in logger.filters):
-      logger.addFilter(_FullDiskLogFilter())
+    if not any(isinstance(f, _FailedIoLogFilter) for f in logger.filters):
+      logger.addFilter(_FailedIoLogFilter())
   previous = sys.unraisablehook
   if getattr(previous, 'mjax_closed_loop_filter', False):
     return
@@ -1321,7 +1417,7 @@ def quiet_failed_io_aftermath() -> None:
     # A read that failed leaves its sibling reads' coroutines to be closed
     # by the collector, each reporting the failure again: the read's error
     # itself has been said (read_error).
-    if str(exc).startswith('Encountered error while reading array index') and \
+    if str(exc).startswith(READ_FAILED) and \
         isinstance(exc.__cause__, GeneratorExit):
       return
     previous(unraisable)

@@ -293,8 +293,9 @@ class OtherModel(Exception):
 _OTHER_MODEL = 'other model: '
 
 
-def restore(program: Program, choice: Choice) -> tuple[Candidate, Any, bool, list[dict]]:
-  """The params of the newest candidate every process reads intact.
+def restore(program: Program, choice: Choice, prog: str = PROG) -> tuple[Candidate, Any, bool, list[dict]]:
+  """The params of the newest candidate every process reads intact (a
+  step skipped is said under `prog`, the tool's name).
 
   Returns:
     (the step used, its params in the program's layout, whether checksums
@@ -326,7 +327,7 @@ def restore(program: Program, choice: Choice) -> tuple[Candidate, Any, bool, lis
           f'the checkpoint; overrides may change the data and the mesh, not ModelConfig shapes.')
     skipped.append({'step': cand.step, 'path': cand.path,
                     'error': error or f'unreadable in process(es) {sorted(verdicts)}'})
-    say(f'{PROG}: step {cand.step} ({cand.path}) cannot be used: {skipped[-1]["error"]}')
+    say(f'{prog}: step {cand.step} ({cand.path}) cannot be used: {skipped[-1]["error"]}')
   errors = '; '.join(f'step {s["step"]} at {s["path"]}: {s["error"]}' for s in skipped)
   what = 'that checkpoint cannot be read' if choice.explicit else 'no saved checkpoint can be read'
   raise UserError(f'{choice.where}: {what} ({errors}). Saved steps: {choice.available}.')

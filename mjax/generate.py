@@ -489,7 +489,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   longest = max(len(e) for e in encoded) + args.max_new_tokens
   _check_cache_fits(cfg, mesh, len(rows), longest)   # before the checkpoint is read
   choice = evaluate.choose(args, cfg)
-  picked, params, verified, _ = evaluate.restore(program, choice)
+  picked, params, verified, _ = evaluate.restore(program, choice, PROG)
   changed = evaluate.tokenizer_change(picked.path, cfg)
   if changed:
     evaluate.say(f'{PROG}: warning: {changed}; the text below is decoded with the tokenizer named now.')

@@ -363,7 +363,7 @@ def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:
   architecture(cfg.model, args.drop_sliding_window)     # refuse before reading anything
   check_out(args.out)
   program = make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()[:1]))
-  picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg))
+  picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg), PROG)
   changed = evaluate.tokenizer_change(picked.path, cfg)
   if changed:
     # The exported directory would ship that tokenizer beside the weights,

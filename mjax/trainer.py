@@ -867,8 +867,12 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
             f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
             f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
       checkpoint_lib.check_same_model(cfg, workdir)
+      checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
     except ConfigError as e:
       verdict = str(e)
+    except OSError as e:
+      verdict = (f'--workdir {workdir!r}: its run id ({checkpoint_lib.RUN_ID_FILE}) cannot be written: '
+                 f'{e.strerror or e}. Free space there, or give another --workdir.')
   verdict = distributed.broadcast_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)
   if verdict:
     raise ConfigError(verdict)

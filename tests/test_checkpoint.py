@@ -644,6 +644,54 @@ def test_a_fast_tier_left_by_a_deleted_workdir_is_refused(tmp_path):
   assert sorted(os.listdir(fast)) == ['.mjax-run.json', '1', '2'] and not (workdir / 'config.json').exists()
 
 
+def test_a_new_run_at_a_deleted_runs_path_never_resumes_that_runs_fast_tier(tmp_path):
+  # Run A left its fast tier (outside the workdir, named after the path);
+  # its workdir was deleted and run B started there with the fast tier
+  # off, so B's persistent tier held a step of its own. B then turned the
+  # fast tier on: it resumed A's newer step 2 as its own. Each workdir now
+  # has a run id, which the tiers' claims carry.
+  import shutil
+  from mjax.checkpoint import OWNER_FILE, RUN_ID_FILE, run_id, saved_steps
+  workdir, fast = tmp_path / 'run', tmp_path / 'fast'
+  with_fast = ('CheckpointConfig.fast_every = 1', f"CheckpointConfig.fast_directory = '{fast}'")
+  trainer.run(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 100', *with_fast), str(workdir))
+  run_a = run_id(str(workdir))
+  assert run_a and json.load(open(fast / OWNER_FILE))['run'] == run_a
+  shutil.rmtree(workdir)
+  out, _ = fit(cfg8('TrainConfig.steps = 1', 'CheckpointConfig.save_every = 1'), workdir)
+  run_b = run_id(str(workdir))
+  assert out.start_step == 0 and run_b not in (None, run_a)
+  cfg = cfg8('TrainConfig.steps = 3', 'CheckpointConfig.save_every = 1', *with_fast)
+  with pytest.raises(C.ConfigError, match=rf"holds the checkpoints of an earlier run at this same --workdir "
+                                          rf"path .*\(run {run_a}, .*not of the run living there now \(run {run_b}, "
+                                          rf".*{RUN_ID_FILE}.*Delete '{fast}' if that run is over"):
+    trainer.run(cfg, str(workdir))
+  assert sorted(os.listdir(fast)) == ['.mjax-run.json', '1', '2']            # A's steps untouched
+  # Readers (mjax-eval, -generate, -export, the driver) see B's steps only.
+  assert [(s, t) for s, t, _ in saved_steps(cfg.checkpoint, str(workdir))] == [(1, 'persistent')]
+  shutil.rmtree(fast)
+  out, _ = fit(cfg, workdir)
+  assert out.start_step == 1 and json.load(open(fast / OWNER_FILE))['run'] == run_b
+
+
+def test_a_lost_workdir_whose_tiers_name_one_run_resumes_it(tmp_path):
+  # The workdir gone, its checkpoints kept elsewhere (claimed by its path):
+  # a new start there takes that run's id and resumes it, as before run ids.
+  from mjax.checkpoint import OWNER_FILE, ensure_run_id, run_id
+  workdir = str(tmp_path / 'run')
+  ckpt = C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), fast_every=1, fast_directory=str(tmp_path / 'fast'))
+  for d in ('ckpt', 'fast'):
+    (tmp_path / d).mkdir()
+    (tmp_path / d / OWNER_FILE).write_text(json.dumps({'workdir': workdir, 'run': 'a1'}))
+  os.makedirs(workdir)
+  assert ensure_run_id(ckpt, workdir) == 'a1' == run_id(workdir)
+  # Claims of two runs (or of another path) name no run to take: a new id,
+  # and those tiers are then refused as the earlier runs'.
+  os.unlink(os.path.join(workdir, '.mjax-run-id'))
+  (tmp_path / 'fast' / OWNER_FILE).write_text(json.dumps({'workdir': workdir, 'run': 'c3'}))
+  assert ensure_run_id(ckpt, workdir) not in ('a1', 'c3')
+
+
 def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupted, tmp_path):
   """CheckpointConfig.restore_from: a checkpoint directory (its newest step)
   continues exactly, data position included; a wrong path is refused; the
@@ -959,7 +1007,7 @@ def test_a_checkpoint_filesystem_remounted_read_only_midway_ends_the_run_at_once
   assert re.search(r'saved steps: (\d+, )*4, 2\)', out) and 'Traceback' not in out, out[-3000:]
 
 
-def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
+def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
   import asyncio
   import logging
   import types
@@ -981,7 +1029,7 @@ def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
   sys.unraisablehook(types.SimpleNamespace(exc_value=other))
   assert seen == [elsewhere, other]
   absl = logging.getLogger('absl')
-  assert sum(isinstance(f, ck._FullDiskLogFilter) for f in absl.filters) == 1
+  assert sum(isinstance(f, ck._FailedIoLogFilter) for f in absl.filters) == 1
   full = (ValueError, ValueError('Failed to write: No space left on device'), None)
   orbax_file = os.path.join(os.sep, 'site-packages', 'orbax', 'checkpoint', 'async_checkpointer.py')
   from_orbax = logging.LogRecord('absl', logging.ERROR, orbax_file, 1, 'save failed', None, full)
@@ -995,6 +1043,15 @@ def test_the_quieting_hooks_drop_only_the_failed_saves_aftermath(monkeypatch):
   unread = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1, task, None, None)
   own = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1, task.replace(orbax_file, __file__), None, None)
   assert not aio.filter(unread) and aio.filter(own)
+  # A read task of a damaged step (a truncated file), collected with its
+  # error unread: the restore said once why the step cannot be used.
+  read = ('Task exception was never retrieved\nfuture: <Task finished coro=<async_deserialize() done, defined at '
+          f'{orbax_file}:394> exception=Exception("Encountered error while reading array index: (slice(0, 1, 1),). '
+          'See full TensorStore details: ...")>')
+  unread_read = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1, read, None, None)
+  other_task = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1,
+                                 read.replace('Encountered error while reading', 'Something else in'), None, None)
+  assert not aio.filter(unread_read) and aio.filter(other_task)
 
 
 def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
