@@ -155,7 +155,15 @@ def entry_point(prog: str):
   return wrap
 
 
+# Held by the first path that leaves on a stop signal: the handler, run by
+# the main thread, and _SignalWatch's thread both see the same Ctrl-C, and
+# each printed the line before either reached os._exit.
+_LEAVING = threading.Lock()
+
+
 def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:
+  if not _LEAVING.acquire(blocking=False):
+    threading.Event().wait()   # the other path is leaving: os._exit ends this one too
   status, what = _stop_status(signum)
   what += ' (SIGTERM)' if signum == signal.SIGTERM else ''
   print(f'{prog}: {what}; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
