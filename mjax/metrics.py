@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 from typing import Optional
@@ -78,7 +79,11 @@ class MetricsWriter:
                                       'time': time.time()}) + '\n')
     except OSError as e:
       raise refused_write(e, path, 'the metrics') from None
-    self._tb = _summary_writer(os.path.join(workdir, 'tensorboard'))
+    tb_dir = os.path.join(workdir, 'tensorboard')
+    try:
+      self._tb = EventFile(tb_dir)
+    except OSError as e:
+      raise refused_write(e, tb_dir, 'the TensorBoard events') from None
     if wandb_project:
       self._wandb = _wandb_run(workdir, wandb_project, config)
 
@@ -92,8 +97,10 @@ class MetricsWriter:
       raise refused_write(e, self._jsonl.name, 'the metrics') from None
     numbers = {prefix + k: float(v) for k, v in scalars.items()
                if isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)}
-    for k, v in numbers.items():
-      self._tb.add_scalar(k, v, int(step))
+    try:
+      self._tb.scalars(numbers, int(step))
+    except OSError as e:
+      raise refused_write(e, self._tb.path, 'the TensorBoard events') from None
     if self._wandb is not None and numbers:
       # `step` is a metric, not W&B's own step counter: a run resumed from an
       # earlier checkpoint logs steps again, which W&B's counter would drop.
@@ -102,27 +109,91 @@ class MetricsWriter:
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()
-      self._tb.close()
+      try:
+        self._tb.close()
+      except OSError as e:
+        raise refused_write(e, self._tb.path, 'the TensorBoard events') from None
       if self._wandb is not None:
         self._wandb.finish()
 
 
-def _summary_writer(path: str):
-  """tensorboardX's SummaryWriter, imported without torch. tensorboardX
-  imports torch, where it is installed, only to accept torch tensors (mjax
-  logs floats); that import alone took 2.6-2.8 s of every run's start-up
-  on 2 cores (and 180 MiB), in the process every other one waits for
-  at its first step. A torch the process already imported stays as it is."""
+class EventFile:
+  """Scalars to a TensorBoard event file, written by the caller's thread
+  with tensorboardX's record writer and protos.
+
+  tensorboardX's SummaryWriter writes from a thread of its own through a
+  queue of 10 events. A disk that filled under it killed that thread, and
+  the next add_scalar waited on the full queue forever: the run hung at a
+  step with no message (where a full disk under metrics.jsonl or the
+  timings ends it with one paragraph and exit 2), and at exit its atexit
+  flush printed more tracebacks. Here a failed write is an OSError in the
+  caller. Events are flushed to disk every FLUSH_S seconds, as
+  SummaryWriter's default does, and on close."""
+
+  FLUSH_S = 120.0
+
+  def __init__(self, logdir: str):
+    _import_tensorboardx()
+    from tensorboardX.proto import event_pb2, summary_pb2
+    from tensorboardX.record_writer import RecordWriter
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    os.makedirs(logdir, exist_ok=True)
+    # The name SummaryWriter gives its files (TensorBoard reads any events.out.tfevents.*).
+    self.path = os.path.join(logdir, f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}')
+    self._records = RecordWriter(self.path)
+    self._flushed = time.monotonic()
+    self._write(self._event(wall_time=time.time(), file_version='brain.Event:2'), flush=True)
+
+  def scalars(self, values: dict[str, float], step: int) -> None:
+    if values:
+      summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+      self._write(self._event(wall_time=time.time(), step=step, summary=summary),
+                  flush=time.monotonic() - self._flushed > self.FLUSH_S)
+
+  def _write(self, event, flush: bool) -> None:
+    if self._records is None:
+      return   # a write failed before: the run is ending with that error
+    try:
+      self._records.write(event.SerializeToString())
+      if flush:
+        self._records.flush()
+        self._flushed = time.monotonic()
+    except OSError:
+      self._drop()
+      raise
+
+  def _drop(self) -> None:
+    # The file closes though its buffer cannot be written: nothing is left
+    # to fail again (with a traceback) when the interpreter collects it.
+    records, self._records = self._records, None
+    try:
+      records.close()
+    except OSError:
+      pass
+
+  def close(self) -> None:
+    if self._records is not None:
+      try:
+        self._records.flush()
+      finally:
+        self._drop()
+
+
+def _import_tensorboardx() -> None:
+  """Imports tensorboardX without torch. tensorboardX imports torch, where
+  it is installed, only to accept torch tensors (mjax logs floats); that
+  import alone took 2.6-2.8 s of every run's start-up on 2 cores (and 180
+  MiB), in the process every other one waits for at its first step. A
+  torch the process already imported stays as it is."""
   import sys
   hide = 'torch' not in sys.modules
   if hide:
     sys.modules['torch'] = None   # `import torch` raises ImportError: tensorboardX goes without
   try:
-    from tensorboardX import SummaryWriter
+    import tensorboardX  # noqa: F401
   finally:
     if hide and 'torch' in sys.modules and sys.modules['torch'] is None:
       del sys.modules['torch']    # a later `import torch` (the user's own) imports it as usual
-  return SummaryWriter(path)
 
 
 def _wandb_run(workdir: str, project: str, config: Optional[dict]):

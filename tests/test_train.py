@@ -240,6 +240,19 @@ def test_a_full_disk_under_the_run_files_is_one_paragraph_naming_the_file(tmp_pa
   writer._jsonl = open('/dev/full', 'a', buffering=1)
   with pytest.raises(UserError, match=r"the metrics cannot be written to '/dev/full': No space left on device"):
     writer.write(1, {'loss': 1.0})
+  # The TensorBoard events: tensorboardX's writer thread died on the full
+  # disk and the next step waited on its queue forever, with no message;
+  # at exit its flush printed tracebacks. Now the step's write fails with
+  # the same paragraph, and the process ends without a word more.
+  code = ('from mjax.metrics import MetricsWriter\nfrom mjax.errors import UserError\n'
+          f'w = MetricsWriter({str(tmp_path / "tb")!r})\n'
+          'w._tb._records._writer = open("/dev/full", "wb")\nw._tb.FLUSH_S = 0\n'
+          'try:\n  w.write(1, {"loss": 1.0})\nexcept UserError as e:\n  print(e)\n'
+          'w.write(2, {"loss": 1.0})\n')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and re.match(r"the TensorBoard events cannot be written to '.*/tb/tensorboard/"
+                                          r"events.out.tfevents.*': No space left on device", out.stdout), out
+  assert out.stderr == '', out.stderr[-2000:]
 
 
 def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_path):
