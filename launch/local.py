@@ -47,7 +47,14 @@ def main(argv=None) -> int:
     p.error('the command after -- is empty')
   if args.processes < 1 or (args.devices is not None and args.devices < 1):
     p.error('--processes and --devices must be at least 1')
-  procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port)
+  try:
+    procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port)
+  except OSError as e:
+    what = (f'the command {command[0]!r} cannot be started' if e.filename in (None, command[0])
+            else f'{e.filename!r} cannot be made')
+    print(f'launch/local.py: error: {what}: {e.strerror or e}. Give a program on PATH (or its path) after --, '
+          f'and a --log_dir this user can write.', file=sys.stderr)
+    return 2
 
   def forward(signum, frame):
     for proc in procs:

@@ -146,20 +146,24 @@ def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Se
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
   procs = []
-  for i in range(num_processes):
-    child_env = local_env(i, num_processes, coordinator, devices_per_process, env)
-    # Lines as they are written, not 8 KiB later: the log is what one reads
-    # when a process hangs.
-    child_env['PYTHONUNBUFFERED'] = '1'
-    if log_dir:
-      proc = start_logged(argv, child_env, os.path.join(log_dir, f'process-{i}.log'))
-    else:
-      proc = subprocess.Popen(list(argv), env=child_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-      pump = threading.Thread(target=_pump, args=(proc.stdout, f'[{i}] ', sys.stdout), daemon=True)
-      pump.start()
-      proc.mjax_pump = pump  # joined by wait_all, so no output is lost
-    procs.append(proc)
+  try:
+    for i in range(num_processes):
+      child_env = local_env(i, num_processes, coordinator, devices_per_process, env)
+      # Lines as they are written, not 8 KiB later: the log is what one reads
+      # when a process hangs.
+      child_env['PYTHONUNBUFFERED'] = '1'
+      if log_dir:
+        proc = start_logged(argv, child_env, os.path.join(log_dir, f'process-{i}.log'))
+      else:
+        proc = subprocess.Popen(list(argv), env=child_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f'[{i}] ', sys.stdout), daemon=True)
+        pump.start()
+        proc.mjax_pump = pump  # joined by wait_all, so no output is lost
+      procs.append(proc)
+  except BaseException:
+    _kill(procs)   # none left waiting for peers that never start
+    raise
   return procs
 
 

@@ -284,6 +284,20 @@ def test_local_py_exits_with_the_failing_status(repo_root):
   assert 'exit statuses [5, -9]' in proc.stderr
 
 
+
+def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):
+  # A missing program, one that is not executable, and a log directory that
+  # cannot be made were tracebacks (FileNotFoundError, PermissionError) and
+  # exit 1; when a later process failed to start, the earlier ones ran on.
+  cases = [(['--', 'mjax-no-such-tool'], "the command 'mjax-no-such-tool' cannot be started: No such file"),
+           (['--', str(tmp_path)], f"the command '{tmp_path}' cannot be started: Permission denied"),
+           (['--log_dir', '/proc/no-such', '--', PY, '-c', 'pass'], "'/proc/no-such' cannot be made")]
+  for args, says in cases:
+    proc = subprocess.run([PY, 'launch/local.py', '--processes', '2', *args], cwd=repo_root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr and 'Traceback' not in proc.stderr, proc.stderr
+
+
 # --- a real job: 2 processes x 4 devices == 1 process x 8 devices -----------------------
 
 STEPS = 4
