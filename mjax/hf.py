@@ -213,14 +213,18 @@ def _bytes_to_unicode() -> dict[int, str]:
   return dict(zip(bs, map(chr, cs)))
 
 
-def write_tokenizer(out: str, spec: str, eos_id: int) -> None:
+def write_tokenizer(out: str, spec: str, eos_id: int, eos_first: bool = False) -> None:
   """tokenizer.json + tokenizer_config.json for mjax's tokenizer.
 
   'bytes' becomes a byte-level BPE with no merges, so every UTF-8 byte is
   its own id (0..255) as in mjax, with EOS 256 and PAD 257 as special
-  tokens; a tokenizer.json made by mjax-tokenizer is copied as it is.
+  tokens; a tokenizer.json made by mjax-tokenizer is copied, its model as
+  it is. With `eos_first` the tokenizer puts EOS before a text, as
+  mjax-generate does where the model was trained without document
+  attention (a document follows an EOS there): `model.generate` on
+  `tokenizer(prompt)` then continues a prompt as mjax-generate does.
   """
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: PLC0415
   from mjax.data.tokenizer import BYTES, EOS_ID, PAD_ID  # noqa: PLC0415
   if spec == BYTES:
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
@@ -230,12 +234,14 @@ def write_tokenizer(out: str, spec: str, eos_id: int) -> None:
     from tokenizers import AddedToken  # noqa: PLC0415
     tok.add_special_tokens([AddedToken('<|endoftext|>', special=True), AddedToken('<|pad|>', special=True)])
     assert tok.token_to_id('<|endoftext|>') == EOS_ID and tok.token_to_id('<|pad|>') == PAD_ID
-    tok.save(os.path.join(out, 'tokenizer.json'))
     eos, pad = '<|endoftext|>', '<|pad|>'
   else:
-    shutil.copyfile(os.path.expanduser(spec), os.path.join(out, 'tokenizer.json'))
-    eos = Tokenizer.from_file(os.path.join(out, 'tokenizer.json')).id_to_token(eos_id)
-    pad = None
+    tok = Tokenizer.from_file(os.path.expanduser(spec))
+    eos, pad = tok.id_to_token(eos_id), None
+  if eos_first:
+    tok.post_processor = processors.TemplateProcessing(single=f'{eos} $A', pair=f'{eos} $A {eos} $B:1',
+                                                       special_tokens=[(eos, eos_id)])
+  tok.save(os.path.join(out, 'tokenizer.json'))
   conf = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': eos, 'bos_token': eos,
           'model_max_length': 1_000_000, 'clean_up_tokenization_spaces': False}
   if pad:
@@ -276,7 +282,7 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
     with open(os.path.join(tmp, 'generation_config.json'), 'w') as fh:
       json.dump({'bos_token_id': info.eos_id, 'eos_token_id': info.eos_id}, fh, indent=2)
     save_file(hf_tensors(params, m, arch), os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
-    write_tokenizer(tmp, cfg.data.tokenizer, info.eos_id)
+    write_tokenizer(tmp, cfg.data.tokenizer, info.eos_id, eos_first=not cfg.data.document_attention)
     # mkdtemp and the writers make some of it private; the model is for others to read too.
     for name in os.listdir(tmp):
       os.chmod(os.path.join(tmp, name), 0o666 & ~umask)

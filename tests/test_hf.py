@@ -174,8 +174,11 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   assert result['architecture'] == 'GPTNeoXForCausalLM' and result['step'] == 2
   tok = transformers.AutoTokenizer.from_pretrained(out)
   text = 'def héllo():'
-  assert tok(text)['input_ids'] == list(text.encode('utf-8'))
-  assert tok.eos_token_id == 256 and tok.decode(list(text.encode('utf-8'))) == text
+  # EOS first, as mjax-generate feeds a prompt to a model trained without
+  # document attention: model.generate(**tok(prompt)) continues it alike.
+  assert tok(text)['input_ids'] == [256] + list(text.encode('utf-8'))
+  assert tok(text, add_special_tokens=False)['input_ids'] == list(text.encode('utf-8'))
+  assert tok.eos_token_id == 256 and tok.decode(tok(text)['input_ids'], skip_special_tokens=True) == text
   with open(os.path.join(out, 'config.json')) as fh:
     assert json.load(fh)['eos_token_id'] == 256
   # The trained weights: mjax's logits from the checkpoint, on a text within the window.
@@ -184,7 +187,10 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   from mjax.train import make_program
   program = make_program(cfg, make_mesh(cfg.mesh))
   _, params, _, _ = evaluate.restore(program, evaluate.choose(evaluate.parse_args(['--workdir', workdir])[0], cfg))
-  ids = jnp.asarray([[256] + list(text.encode('utf-8'))], jnp.int32)
+  from mjax.data import load_tokenizer
+  from mjax.generate import encode_prompt
+  ids = jnp.asarray([encode_prompt(load_tokenizer('bytes'), text, cfg.data.document_attention)], jnp.int32)
+  assert ids[0].tolist() == tok(text)['input_ids']
   ours = np.asarray(Transformer(cfg.model).apply({'params': jax.device_get(params)}, ids))
   assert _relative(_hf_logits(out, ids), ours) < 1e-4
 
