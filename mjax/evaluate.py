@@ -141,6 +141,10 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   changed = tokenizer_change(picked.path, cfg)
   if changed:
     say(f'{PROG}: warning: {changed}; the loss below is of that other tokenization.')
+  trained = trained_seq_len(picked.path)
+  if trained is not None and cfg.data.seq_len > trained:
+    say(f'{PROG}: note: DataConfig.seq_len = {cfg.data.seq_len} is longer than the {trained} step '
+        f'{picked.step} was trained on; positions past that are extrapolated.')
   say(f'{PROG}: step {picked.step} from {picked.path} '
       f'({"checksums verified" if verified else "saved without checksums"}); '
       f'{n} {args.split} batches of {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens '
@@ -167,6 +171,15 @@ def tokenizer_change(step_dir: str, cfg: Config) -> Optional[str]:
     return None
   return (f'DataConfig.tokenizer is {now.describe()}, but step {os.path.basename(step_dir.rstrip("/"))} was trained '
           f'with {then.describe()}: the same ids would stand for other text')
+
+
+def trained_seq_len(step_dir: str) -> Optional[int]:
+  """The sequence length a step was trained with (its meta record), or None."""
+  try:
+    found = step_json(step_dir, 'meta/metadata')['config']['data']['seq_len']
+  except Exception:  # noqa: BLE001 -- no record, or not one: nothing to compare
+    return None
+  return found if isinstance(found, int) else None
 
 
 def say(msg: str) -> None:

@@ -93,6 +93,18 @@ def test_train_split_and_batch_count(run):
   assert math.isfinite(out['loss']) and out['loss'] != mjax_eval('--workdir', run)['loss']
 
 
+def test_a_longer_sequence_than_trained_is_said(run, capsys):
+  # Rotary positions past the trained length are extrapolated: the loss
+  # there is no measure of the model at its own length.
+  capsys.readouterr()
+  out = mjax_eval('--workdir', run, '--batches', '1', '--gin.DataConfig.seq_len=128')
+  assert math.isfinite(out['loss'])
+  assert ('note: DataConfig.seq_len = 128 is longer than the 64 step 6 was trained on; positions past that '
+          'are extrapolated') in capsys.readouterr().err
+  mjax_eval('--workdir', run, '--batches', '1', '--gin.DataConfig.seq_len=32')
+  assert 'extrapolated' not in capsys.readouterr().err
+
+
 def test_damaged_newest_step_falls_back_and_named_step_is_refused(run, tmp_path):
   copy = str(tmp_path / 'run')
   shutil.copytree(run, copy)
