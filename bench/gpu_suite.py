@@ -100,8 +100,9 @@ EXPERIMENT_ROWS = [
     # ~15-21 GB per step at batch 8 in a deviceless count, beside ~14 GB of
     # zero-filled stacks; 1.06x against unrolled on the H100). Dynamic-slice
     # fusion lets cuBLAS write into and read from the stack in place. Beside
-    # the '1p3b remat=dots' row; a deviceless compile with jaxlib 0.10.2
-    # fails ("BufferAllocation::Slice not assigned"), the GPU's may not.
+    # the '1p3b remat=dots' row (--mfu_rows '=1p3b remat=dots,dynamic-slice'
+    # --experiments); a deviceless compile with jaxlib 0.10.2 fails
+    # ("BufferAllocation::Slice not assigned"), the GPU's may not.
     ('1p3b remat=dots, dynamic-slice fusion', '1p3b.gin',
      ['ModelConfig.remat_policy=dots', 'TrainConfig.xla_extra_flags="--xla_gpu_enable_dynamic_slice_fusion=true"'],
      'optional'),
@@ -358,10 +359,18 @@ def row_flags(overrides: list[str]) -> dict:
   return out
 
 
+def select_rows(rows: list, spec: str) -> list:
+  """The rows `spec` names: comma-separated substrings of their names, or
+  =NAME for one row exactly (a name that others contain, '1p3b remat=dots')."""
+  if not spec:
+    return rows
+  return [r for r in rows if any(r[0] == sel[1:] if sel.startswith('=') else sel in r[0]
+                                 for sel in spec.split(','))]
+
+
 def check_mfu(suite: Suite):
   rows = SMOKE_MFU_ROWS if suite.args.smoke else MFU_ROWS + (EXPERIMENT_ROWS if suite.args.experiments else [])
-  if suite.args.mfu_rows:
-    rows = [r for r in rows if any(sel in r[0] for sel in suite.args.mfu_rows.split(','))]
+  rows = select_rows(rows, suite.args.mfu_rows)
   results = []
   from mjax.parallel import xla_flags
   for i, (name, gin, overrides, *extra) in enumerate(rows):
@@ -559,7 +568,8 @@ def main(argv=None):
   p.add_argument('--steps', type=int, default=10, help='timed steps per MFU row')
   p.add_argument('--sections', default='attention,train,mfu,variants',
                  help='comma-separated, from attention, train, mfu, variants, dots')
-  p.add_argument('--mfu_rows', default='', help='comma-separated substrings of MFU row names to run')
+  p.add_argument('--mfu_rows', default='',
+                 help='comma-separated substrings of MFU row names to run (=NAME: that row alone)')
   p.add_argument('--profile', action='store_true', help='trace the rows marked for it (jax.profiler)')
   p.add_argument('--experiments', action='store_true',
                  help='also the MFU rows of XLA options under trial (EXPERIMENT_ROWS; they fail nothing)')

@@ -50,8 +50,8 @@ def main(argv=None) -> int:
   try:
     procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port)
   except OSError as e:
-    what = (f'the command {command[0]!r} cannot be started' if e.filename in (None, command[0])
-            else f'{e.filename!r} cannot be made')
+    what = (f'the command {command[0]!r} cannot be started' if e.filename == command[0]
+            else f'{e.filename!r} cannot be made' if e.filename else 'the job cannot be started')
     print(f'launch/local.py: error: {what}: {e.strerror or e}. Give a program on PATH (or its path) after --, '
           f'and a --log_dir this user can write.', file=sys.stderr)
     return 2

@@ -85,6 +85,7 @@ import secrets
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Optional
@@ -299,32 +300,59 @@ def _claim(directory: str) -> Optional[str]:
   return _read_claim(directory).get('workdir')
 
 
-def run_id(workdir: str) -> Optional[str]:
-  """The id of the run in `workdir` (RUN_ID_FILE), or None (none yet, or
+def _run_record(workdir: str) -> dict:
+  """RUN_ID_FILE as {'run': str, 'fresh': bool}, or {} (none yet, or
   written by an mjax from before run ids)."""
   try:
     with open(os.path.join(workdir, RUN_ID_FILE)) as fh:
-      found = json.load(fh).get('run')
+      found = json.load(fh)
+    run = found.get('run')
   except (OSError, ValueError, AttributeError):
-    return None
-  return found if isinstance(found, str) and found else None
+    return {}
+  return {'run': run, 'fresh': found.get('fresh') is True} if isinstance(run, str) and run else {}
 
 
-def ensure_run_id(cfg: CheckpointConfig, workdir: str) -> str:
-  """The workdir's run id, made on the run's first start there (process 0).
+def run_id(workdir: str) -> Optional[str]:
+  """The id of the run in `workdir` (RUN_ID_FILE), or None."""
+  return _run_record(workdir).get('run')
+
+
+def ensure_run_id(cfg: CheckpointConfig, workdir: str) -> dict:
+  """The workdir's run record {'run': id, 'fresh': bool}, made on the run's first start there (process 0,
+  which hands it to the others: a host-local tier's hosts need not share
+  the workdir).
 
   A workdir without one whose tiers all name one run of this path in their
   claims (the workdir was lost, its checkpoints kept elsewhere) takes that
-  run's id and resumes it, as before run ids; otherwise a new id."""
-  found = run_id(workdir)
-  if found is not None:
+  run's id and resumes it, as before run ids. Otherwise a new id; 'fresh'
+  where the workdir holds no run yet (no config.json): such a run never
+  wrote a claim without an id, so one of its path without an id is an
+  earlier run's, from an mjax before run ids (`earlier_run`)."""
+  found = _run_record(workdir)
+  if found:
     return found
   me = os.path.realpath(workdir)
   claims = [_read_claim(d) for d in _claimable(tier_directories(cfg, workdir)).values()]
   runs = {c['run'] for c in claims if c and os.path.realpath(c['workdir']) == me and c['run']}
-  found = runs.pop() if len(runs) == 1 else secrets.token_hex(8)
-  jsonfile.write_atomic(os.path.join(workdir, RUN_ID_FILE), {'run': found})
-  return found
+  record = {'run': runs.pop(), 'fresh': False} if len(runs) == 1 else \
+      {'run': secrets.token_hex(8), 'fresh': not _is_workdir(workdir)}
+  # Made whole under a private name, then linked into place, never over a
+  # file: of two first starts at once, one id stands and the other start
+  # reads it (and is then refused by the workdir's run lock).
+  path = os.path.join(workdir, RUN_ID_FILE)
+  try:
+    fd, tmp = tempfile.mkstemp(dir=workdir, prefix=f'{RUN_ID_FILE}.')
+    with os.fdopen(fd, 'w') as fh:
+      json.dump(record, fh)
+    try:
+      jsonfile.place_new(tmp, path)
+    except FileExistsError:
+      os.unlink(tmp)
+      return _run_record(workdir) or record
+  except OSError as e:
+    raise ConfigError(f'--workdir {workdir!r}: its run id ({RUN_ID_FILE}) cannot be written: '
+                      f'{e.strerror or e}. Free space there or make it writable, or give another --workdir.') from None
+  return record
 
 
 def _claimable(dirs: dict[str, str]) -> dict[str, str]:
@@ -339,16 +367,24 @@ def _claimable(dirs: dict[str, str]) -> dict[str, str]:
   return out
 
 
-def earlier_run(directory: str, workdir: str) -> Optional[str]:
-  """The run id in `directory`'s claim where that claim names this workdir's
-  path but another run than the one living there now (an earlier run at
-  the same path, whose workdir was deleted or moved), else None."""
+def earlier_run(directory: str, workdir: str, record: Optional[dict] = None) -> Optional[str]:
+  """Where `directory`'s claim names this workdir's path but an earlier run
+  there than the one living there now (whose workdir was deleted or moved
+  since), that run's id, or 'unknown' for a claim from an mjax before run
+  ids (which only a fresh workdir's run can tell apart); else None.
+  `record`: this run's {'run', 'fresh'} where known (the trainer's
+  processes get it from process 0), else read from the workdir."""
   if _inside(directory, workdir):
     return None   # a tier inside the workdir is its run's, whichever id its claim has
-  claim, mine = _read_claim(directory), run_id(workdir)
-  if not claim or not claim['run'] or mine is None or claim['run'] == mine:
+  claim = _read_claim(directory)
+  if not claim or os.path.realpath(claim['workdir']) != os.path.realpath(workdir):
     return None
-  return claim['run'] if os.path.realpath(claim['workdir']) == os.path.realpath(workdir) else None
+  record = record or _run_record(workdir)
+  if not record:
+    return None
+  if claim['run'] is None:
+    return 'unknown' if record['fresh'] else None
+  return claim['run'] if claim['run'] != record['run'] else None
 
 
 def _is_workdir(path: str) -> bool:
@@ -399,10 +435,11 @@ def _inside(directory: str, workdir: str) -> bool:
   return os.path.commonpath([os.path.realpath(directory), w]) == w
 
 
-def foreign(directory: str, workdir: str) -> Optional[str]:
+def foreign(directory: str, workdir: str, record: Optional[dict] = None) -> Optional[str]:
   """The other run's workdir where `directory` belongs to another run than
   `workdir`'s, else None. A directory inside the workdir is its own, unless
-  it is inside another run's workdir within this one."""
+  it is inside another run's workdir within this one. An earlier run at
+  the workdir's path is another run (`earlier_run`; `record` as there)."""
   if _inside(directory, workdir):
     return _enclosing_workdir(directory, below=workdir)
   found = owner(directory)
@@ -410,7 +447,7 @@ def foreign(directory: str, workdir: str) -> Optional[str]:
   # one) is the same run.
   if found is not None and os.path.realpath(found) != os.path.realpath(workdir):
     return found
-  earlier = earlier_run(directory, workdir)
+  earlier = earlier_run(directory, workdir, record)
   return f'{found} (an earlier run at that path, id {earlier})' if earlier else None
 
 
@@ -583,19 +620,23 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
           f'directory' + (' (or set fast_every = 0).' if name == 'fast' else '.'))
 
 
-def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) -> None:
+def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0,
+                record: Optional[dict] = None) -> None:
   """Claims each tier directory for this run, or raises ConfigError, in
-  every process alike, where another run (another workdir) saves there:
-  two runs in one directory resume from and delete each other's steps.
-  A directory nobody claimed yet (a new one, or one from before claims)
-  becomes this run's."""
+  every process alike, where another run (another workdir, or an earlier
+  run at this workdir's path) saves there: two runs in one directory
+  resume from and delete each other's steps. A directory nobody claimed
+  yet (a new one, or one from before claims) becomes this run's.
+  `record`: this run's {'run', 'fresh'} (`ensure_run_id`), else read
+  from the workdir."""
   me = os.path.realpath(workdir)
-  run = run_id(workdir)
+  record = record or _run_record(workdir)
+  run = record.get('run')
   problems = {}
   for name, d in dirs.items():
     if '://' in d:
       continue
-    problem = _owner_problem(name, d, workdir)
+    problem = _owner_problem(name, d, workdir, record)
     if problem is not None:
       problems[name] = problem
       continue
@@ -617,21 +658,25 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0) ->
       raise ConfigError(problem)
 
 
-def _owner_problem(name: str, directory: str, workdir: str) -> Optional[str]:
+def _owner_problem(name: str, directory: str, workdir: str, record: dict) -> Optional[str]:
   """Why tier `name` in `directory` is not this run's to save into, or None."""
-  key = _tier_key(name)
-  claim_file = os.path.join(directory, OWNER_FILE)
-  earlier = earlier_run(directory, workdir)
-  if earlier is not None:
-    return (f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of an earlier run '
-            f'at this same --workdir path {workdir!r} (run {earlier}, says {claim_file!r}), not of the run '
-            f'living there now (run {run_id(workdir)}, {os.path.join(workdir, RUN_ID_FILE)!r}): that '
-            f'workdir was deleted or moved since, and this run would resume its state as its own. Delete '
-            f'{directory!r} if that run is over; if it is this run\'s own (its {RUN_ID_FILE} was lost), '
-            f'delete {claim_file!r} to take the directory over.')
-  other = foreign(directory, workdir)
+  other = foreign(directory, workdir, record)
   if other is None:
     return None
+  key = _tier_key(name)
+  claim_file = os.path.join(directory, OWNER_FILE)
+  earlier = earlier_run(directory, workdir, record)
+  if earlier is not None:
+    # A host-local tier's claims are per process: all of it is that run's.
+    tier = os.path.dirname(directory) if re.fullmatch(r'process-\d+', os.path.basename(directory)) else directory
+    which = (f'run {earlier}' if earlier != 'unknown' else
+             'an mjax from before run ids, while this workdir is new')
+    return (f'CheckpointConfig.{key} = {tier!r} (the {name} tier) holds the checkpoints of an earlier run at '
+            f'this same --workdir path {workdir!r} ({which}, says {claim_file!r}), not of the run living there '
+            f'now (run {record["run"]}, {os.path.join(workdir, RUN_ID_FILE)!r}): that workdir was deleted or '
+            f'moved since, and this run would resume that state as its own. Delete {tier!r}'
+            + (' on each host' if tier != directory else '') + f' if that run is over; if it is this run\'s '
+            f'own (its {RUN_ID_FILE} was lost), delete {OWNER_FILE} there to take the directory over.')
   where = f'its claim {claim_file!r} says so' if _claim(directory) else 'it lies in that run\'s workdir'
   return (f'CheckpointConfig.{key} = {directory!r} (the {name} tier) holds the checkpoints of another run, '
           f'workdir {other!r} ({where}): two runs there would resume from and delete each other\'s steps. '
@@ -1429,7 +1474,8 @@ def quiet_failed_io_aftermath() -> None:
 class Checkpointer:
   """Saves and restores train state, data-iterator state and config."""
 
-  def __init__(self, cfg: CheckpointConfig, workdir: str):
+  def __init__(self, cfg: CheckpointConfig, workdir: str, run: Optional[dict] = None):
+    """`run`: the run's id record from process 0 (`ensure_run_id`), else read from the workdir."""
     self.cfg = cfg
     self.workdir = workdir
     self.tiers: list[_Tier] = []
@@ -1444,7 +1490,7 @@ class Checkpointer:
     check_apart(dirs)
     check_not_inside_a_tier(workdir)
     check_writable(dirs)
-    check_owner(dirs, workdir)
+    check_owner(dirs, workdir, record=run)
     self._locked = lock_run(dirs, workdir)
     try:
       self._open_tiers(cfg, dirs, host)

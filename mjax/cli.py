@@ -166,9 +166,11 @@ def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:
     threading.Event().wait()   # the other path is leaving: os._exit ends this one too
   status, what = _stop_status(signum)
   what += ' (SIGTERM)' if signum == signal.SIGTERM else ''
-  print(f'{prog}: {what}; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
-  sys.stdout.flush()
-  os._exit(status)
+  try:
+    print(f'{prog}: {what}; the last committed checkpoint, if any, is kept', file=sys.stderr, flush=True)
+    sys.stdout.flush()
+  finally:   # also where the print fails (a pipe gone with the terminal, `| tee`): the other path waits on us
+    os._exit(status)
 
 
 def _exit_on_ctrl_c(prog: str) -> None:

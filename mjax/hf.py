@@ -239,9 +239,14 @@ def write_tokenizer(out: str, spec: str, eos_id: int, eos_first: bool = False) -
     tok = Tokenizer.from_file(os.path.expanduser(spec))
     eos, pad = tok.id_to_token(eos_id), None
   if eos_first:
-    tok.post_processor = processors.TemplateProcessing(single=f'{eos} $A', pair=f'{eos} $A {eos} $B:1',
-                                                       special_tokens=[(eos, eos_id)])
-  tok.save(os.path.join(out, 'tokenizer.json'))
+    first = processors.TemplateProcessing(single=f'{eos} $A', pair=f'{eos} $A {eos} $B:1',
+                                          special_tokens=[(eos, eos_id)])
+    # After the tokenizer's own post-processing (a ByteLevel offset trim), if any.
+    tok.post_processor = first if tok.post_processor is None else processors.Sequence([tok.post_processor, first])
+  if spec == BYTES or eos_first:
+    tok.save(os.path.join(out, 'tokenizer.json'))
+  else:
+    shutil.copyfile(os.path.expanduser(spec), os.path.join(out, 'tokenizer.json'))
   conf = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': eos, 'bos_token': eos,
           'model_max_length': 1_000_000, 'clean_up_tokenization_spaces': False}
   if pad:

@@ -157,7 +157,7 @@ class Trainer:
     # gather does not fail: it makes NaNs, read as a numerical fault).
     data_sources.check_vocab(cfg.model, cfg.data)
     config_lib.check_for_training(cfg)
-    _check_workdir(cfg, workdir, self.is_main)
+    self._run = _check_workdir(cfg, workdir, self.is_main)
     if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
       protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
     # Heartbeats from here on (under mjax-launch), not from the first step:
@@ -195,7 +195,7 @@ class Trainer:
     self._check_state_fits(devices)
     self._mark('program', then='startup:restore')
 
-    self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir) if cfg.checkpoint.enabled else None
+    self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir, self._run) if cfg.checkpoint.enabled else None
     self._claim.ckpt = self.ckpt
     self._start(devices)
 
@@ -851,14 +851,16 @@ class _Claim:
       self.ckpt.release_lock()   # idempotent
 
 
-def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
+def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
   """Process 0 checks the workdir (writable; no checkpoints of another model)
-  and every process raises the same ConfigError, so none is left waiting in
-  the next collective."""
+  and makes its run id; every process raises the same ConfigError, so none
+  is left waiting in the next collective, or gets the run's id record
+  (`checkpoint.ensure_run_id`): the hosts of a host-local fast tier need
+  not share the workdir."""
   _check_utf8(workdir, '--workdir')
   for tier, directory in checkpoint_lib.tier_directories(cfg.checkpoint, workdir).items():
     _check_utf8(directory, f'the {tier} checkpoint directory')
-  verdict = ''
+  verdict, record = '', {}
   if is_main:
     problem = checkpoint_lib.write_problem(workdir)
     try:
@@ -867,15 +869,14 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> None:
             f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
             f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
       checkpoint_lib.check_same_model(cfg, workdir)
-      checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
+      record = checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
     except ConfigError as e:
       verdict = str(e)
-    except OSError as e:
-      verdict = (f'--workdir {workdir!r}: its run id ({checkpoint_lib.RUN_ID_FILE}) cannot be written: '
-                 f'{e.strerror or e}. Free space there, or give another --workdir.')
-  verdict = distributed.broadcast_str('workdir/verdict', verdict, cfg.fault.collective_timeout_s)
-  if verdict:
-    raise ConfigError(verdict)
+  said = json.loads(distributed.broadcast_str('workdir/verdict', json.dumps({'verdict': verdict, 'run': record}),
+                                              cfg.fault.collective_timeout_s))
+  if said['verdict']:
+    raise ConfigError(said['verdict'])
+  return said['run']
 
 
 def _check_utf8(path: str, what: str) -> None:

@@ -252,3 +252,11 @@ def test_recovery_breakdown_splits_the_link_check_from_the_back_off(tmp_path):
   assert part['total'] == pytest.approx(72.6 - 59.5)
   assert part['steps_redone'] == 5
   assert set(bench.PARTS) - {'total'} <= set(part)
+
+
+def test_mfu_rows_are_chosen_by_substring_or_exactly():
+  rows = SUITE.MFU_ROWS + SUITE.EXPERIMENT_ROWS
+  names = lambda spec: [r[0] for r in SUITE.select_rows(rows, spec)]
+  assert names('=1p3b remat=dots,dynamic-slice') == ['1p3b remat=dots', '1p3b remat=dots, dynamic-slice fusion']
+  assert len(names('1p3b remat=dots')) > 2 and names('') == [r[0] for r in rows]
+  assert names('=1p3b remat') == []

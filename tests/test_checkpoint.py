@@ -674,22 +674,51 @@ def test_a_new_run_at_a_deleted_runs_path_never_resumes_that_runs_fast_tier(tmp_
   assert out.start_step == 1 and json.load(open(fast / OWNER_FILE))['run'] == run_b
 
 
-def test_a_lost_workdir_whose_tiers_name_one_run_resumes_it(tmp_path):
+def test_a_lost_workdir_whose_tiers_name_one_run_resumes_it(tmp_path, monkeypatch):
   # The workdir gone, its checkpoints kept elsewhere (claimed by its path):
   # a new start there takes that run's id and resumes it, as before run ids.
-  from mjax.checkpoint import OWNER_FILE, ensure_run_id, run_id
+  from mjax.checkpoint import OWNER_FILE, RUN_ID_FILE, check_owner, ensure_run_id, run_id
   workdir = str(tmp_path / 'run')
   ckpt = C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), fast_every=1, fast_directory=str(tmp_path / 'fast'))
+  claim = lambda d, run: (tmp_path / d / OWNER_FILE).write_text(json.dumps({'workdir': workdir, 'run': run}))
   for d in ('ckpt', 'fast'):
     (tmp_path / d).mkdir()
-    (tmp_path / d / OWNER_FILE).write_text(json.dumps({'workdir': workdir, 'run': 'a1'}))
+    claim(d, 'a1')
   os.makedirs(workdir)
-  assert ensure_run_id(ckpt, workdir) == 'a1' == run_id(workdir)
-  # Claims of two runs (or of another path) name no run to take: a new id,
-  # and those tiers are then refused as the earlier runs'.
-  os.unlink(os.path.join(workdir, '.mjax-run-id'))
-  (tmp_path / 'fast' / OWNER_FILE).write_text(json.dumps({'workdir': workdir, 'run': 'c3'}))
-  assert ensure_run_id(ckpt, workdir) not in ('a1', 'c3')
+  assert ensure_run_id(ckpt, workdir) == {'run': 'a1', 'fresh': False} and run_id(workdir) == 'a1'
+  check_owner({'persistent': str(tmp_path / 'ckpt'), 'fast': str(tmp_path / 'fast')}, workdir)
+  # Claims of two runs name no run to take: a new id, and both tiers are
+  # then refused as earlier runs', each naming its run.
+  os.unlink(os.path.join(workdir, RUN_ID_FILE))
+  claim('fast', 'c3')
+  new = ensure_run_id(ckpt, workdir)
+  assert new['run'] not in ('a1', 'c3') and new['fresh']
+  for tier, was in (('ckpt', 'a1'), ('fast', 'c3')):
+    with pytest.raises(C.ConfigError, match=rf"an earlier run at this same --workdir path .*\(run {was}, .*"
+                                            rf"\(run {new['run']}, "):
+      check_owner({'persistent': str(tmp_path / tier)}, workdir)
+  # A claim without an id (an mjax from before run ids) of this path: an
+  # earlier run's where the workdir is new, this run's own where the run
+  # was there before the upgrade (it takes the claim over, with its id).
+  claim('fast', None)
+  with pytest.raises(C.ConfigError, match=r'\(an mjax from before run ids, while this workdir is new, says'):
+    check_owner({'fast': str(tmp_path / 'fast')}, workdir)
+  os.unlink(os.path.join(workdir, RUN_ID_FILE))
+  (tmp_path / 'run' / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
+  claim('ckpt', None)
+  old = ensure_run_id(C.CheckpointConfig(directory=str(tmp_path / 'ckpt')), workdir)
+  assert not old['fresh']
+  check_owner({'fast': str(tmp_path / 'fast')}, workdir)
+  assert json.load(open(tmp_path / 'fast' / OWNER_FILE))['run'] == old['run']
+  # Two first starts at once: the id made first stands, never replaced,
+  # and the later start takes it (its run lock then refuses it).
+  os.unlink(os.path.join(workdir, RUN_ID_FILE))
+  (tmp_path / 'run' / RUN_ID_FILE).write_text(json.dumps({'run': 'first', 'fresh': False}))
+  read = checkpoint_lib._run_record
+  calls = iter([{}])   # this start read before the other one wrote
+  monkeypatch.setattr(checkpoint_lib, '_run_record', lambda w: next(calls, None) or read(w))
+  assert ensure_run_id(ckpt, workdir)['run'] == 'first' == run_id(workdir)
+  assert sorted(os.listdir(workdir)) == [RUN_ID_FILE, 'config.json']   # no temporary file left
 
 
 def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupted, tmp_path):
