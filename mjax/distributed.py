@@ -488,6 +488,12 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
     # Without cross-process CPU collectives a multi-process CPU job fails at
     # its first all-reduce; this setting is ignored by GPU backends.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # jax's pre-emption service takes SIGTERM for itself at initialize (a C
+  # handler over the one mjax-train set for start-up) and only notes it for
+  # a sync point mjax never asks for: a SIGTERM in start-up (a pre-emption,
+  # scancel) was swallowed and the job trained on. mjax stops on signals
+  # its own way (trainer.StopAgreement), so jax's service stays off.
+  jax.config.update('jax_enable_preemption_service', False)
   t0 = time.perf_counter()
   deadline = time.monotonic() + timeout_s
   if spec.process_id == 0:

@@ -298,6 +298,20 @@ def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):
     assert proc.returncode == 2 and says in proc.stderr and 'Traceback' not in proc.stderr, proc.stderr
 
 
+
+def test_sigterm_after_joining_the_job_ends_start_up(repo_root):
+  # jax's pre-emption service took SIGTERM over at jax.distributed.initialize
+  # and only noted it: a pre-emption (scancel) in start-up was swallowed and
+  # the job trained on. mjax-train's start-up handler leaves with 143.
+  code = ('import os, signal, time\nfrom mjax import cli, distributed\n'
+          'cli._exit_on_ctrl_c("mjax-train")\ndistributed.initialize_from_env()\n'
+          'os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\nprint("trained on", flush=True)\n')
+  proc = subprocess.run([PY, 'launch/local.py', '--processes', '2', '--', PY, '-c', code], cwd=repo_root,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 143 and 'trained on' not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
+  assert proc.stdout.count('terminated (SIGTERM)') == 2, proc.stdout[-2000:]
+
+
 # --- a real job: 2 processes x 4 devices == 1 process x 8 devices -----------------------
 
 STEPS = 4
