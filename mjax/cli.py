@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Optional, Sequence
 
 from mjax import flags, protocol
@@ -117,6 +118,24 @@ def entry_point(prog: str):
 
     @functools.wraps(main)
     def run(argv: Optional[Sequence[str]] = None):
+      if argv is not None:
+        return _run(argv)   # a caller in Python: its process is its own to end
+      try:
+        return _run(argv)
+      except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if status and _in_a_job():
+          if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+          _quit_job(status)
+        raise
+      except Exception:
+        if not _in_a_job():
+          raise
+        traceback.print_exc()
+        _quit_job(protocol.EXIT_FAILED)
+
+    def _run(argv: Optional[Sequence[str]]):
       in_main = threading.current_thread() is threading.main_thread()
       old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
       for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
@@ -159,6 +178,27 @@ def entry_point(prog: str):
 # the main thread, and _SignalWatch's thread both see the same Ctrl-C, and
 # each printed the line before either reached os._exit.
 _LEAVING = threading.Lock()
+
+
+def _in_a_job() -> bool:
+  """Whether this process joined a multi-process JAX job."""
+  jax_mod = sys.modules.get('jax')
+  return jax_mod is not None and jax_mod.distributed.is_initialized()
+
+
+def _quit_job(status: int) -> None:
+  """Ends a process of a multi-process job that failed, now. Left to the
+  interpreter's exit, jax's shutdown waited there for the other processes,
+  still training or stuck in a collective, while this process's heartbeats
+  went on: the driver saw no exit and, after progress_timeout_s, took the
+  others for hung (naming the healthy process). What a failed run must keep
+  is on disk by then: the loop completes a save in flight before its error
+  leaves it, and the run's files are written a line (an event) at a time."""
+  try:
+    sys.stdout.flush()
+    sys.stderr.flush()
+  finally:
+    os._exit(status)
 
 
 def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:

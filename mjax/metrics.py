@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import time
 
 from typing import Optional
@@ -119,64 +120,61 @@ class MetricsWriter:
 
 class EventFile:
   """Scalars to a TensorBoard event file, written by the caller's thread
-  with tensorboardX's record writer and protos.
+  with tensorboardX's protos and record checksum.
 
   tensorboardX's SummaryWriter writes from a thread of its own through a
   queue of 10 events. A disk that filled under it killed that thread, and
   the next add_scalar waited on the full queue forever: the run hung at a
   step with no message (where a full disk under metrics.jsonl or the
   timings ends it with one paragraph and exit 2), and at exit its atexit
-  flush printed more tracebacks. Here a failed write is an OSError in the
-  caller. Events are flushed to disk every FLUSH_S seconds, as
-  SummaryWriter's default does, and on close."""
+  flush printed more tracebacks. Here each event is one unbuffered write
+  of its record, so a failed write is an OSError in the caller and nothing
+  waits in a buffer for an exit that may skip it (a failed process of a
+  job ends with os._exit); the file is synced every FLUSH_S seconds, as
+  SummaryWriter's default, and on close."""
 
   FLUSH_S = 120.0
 
   def __init__(self, logdir: str):
     _import_tensorboardx()
     from tensorboardX.proto import event_pb2, summary_pb2
-    from tensorboardX.record_writer import RecordWriter
-    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    from tensorboardX.record_writer import masked_crc32c
+    self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
     os.makedirs(logdir, exist_ok=True)
     # The name SummaryWriter gives its files (TensorBoard reads any events.out.tfevents.*).
     self.path = os.path.join(logdir, f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}')
-    self._records = RecordWriter(self.path)
-    self._flushed = time.monotonic()
-    self._write(self._event(wall_time=time.time(), file_version='brain.Event:2'), flush=True)
+    self._fh = open(self.path, 'ab', buffering=0)
+    self._synced = time.monotonic()
+    self._write(self._event(wall_time=time.time(), file_version='brain.Event:2'))
 
   def scalars(self, values: dict[str, float], step: int) -> None:
     if values:
       summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-      self._write(self._event(wall_time=time.time(), step=step, summary=summary),
-                  flush=time.monotonic() - self._flushed > self.FLUSH_S)
+      self._write(self._event(wall_time=time.time(), step=step, summary=summary))
 
-  def _write(self, event, flush: bool) -> None:
-    if self._records is None:
+  def _write(self, event) -> None:
+    if self._fh is None:
       return   # a write failed before: the run is ending with that error
+    data = event.SerializeToString()
+    header = struct.pack('<Q', len(data))   # TFRecord: length, its checksum, data, its checksum
+    record = header + struct.pack('<I', self._crc(header)) + data + struct.pack('<I', self._crc(data))
     try:
-      self._records.write(event.SerializeToString())
-      if flush:
-        self._records.flush()
-        self._flushed = time.monotonic()
+      self._fh.write(record)
+      if time.monotonic() - self._synced > self.FLUSH_S:
+        os.fsync(self._fh.fileno())
+        self._synced = time.monotonic()
     except OSError:
-      self._drop()
+      self._fh.close()
+      self._fh = None
       raise
 
-  def _drop(self) -> None:
-    # The file closes though its buffer cannot be written: nothing is left
-    # to fail again (with a traceback) when the interpreter collects it.
-    records, self._records = self._records, None
-    try:
-      records.close()
-    except OSError:
-      pass
-
   def close(self) -> None:
-    if self._records is not None:
+    if self._fh is not None:
       try:
-        self._records.flush()
+        os.fsync(self._fh.fileno())
       finally:
-        self._drop()
+        self._fh.close()
+        self._fh = None
 
 
 def _import_tensorboardx() -> None:

@@ -312,6 +312,20 @@ def test_sigterm_after_joining_the_job_ends_start_up(repo_root):
   assert proc.stdout.count('terminated (SIGTERM)') == 2, proc.stdout[-2000:]
 
 
+
+def test_a_process_that_fails_leaves_the_job_at_once(repo_root):
+  # A failed process waited at exit in jax's shutdown for the others (still
+  # training, or here asleep) while its heartbeats went on: the driver saw
+  # no exit, and after progress_timeout_s took the healthy process for hung.
+  code = ('import time\nfrom mjax import cli, distributed\n@cli.entry_point("mjax-test")\n'
+          'def main(argv=None):\n  distributed.initialize_from_env()\n  import jax\n'
+          '  if jax.process_index() == 0:\n    raise RuntimeError("boom")\n  time.sleep(300)\nmain()\n')
+  proc = subprocess.run([PY, 'launch/local.py', '--processes', '2', '--', PY, '-c', code], cwd=repo_root,
+                        capture_output=True, text=True, timeout=100)
+  assert proc.returncode == 1 and 'exit statuses [1, -9]' in proc.stderr, (proc.stdout[-2000:], proc.stderr)
+  assert 'RuntimeError: boom' in proc.stdout, proc.stdout[-2000:]
+
+
 # --- a real job: 2 processes x 4 devices == 1 process x 8 devices -----------------------
 
 STEPS = 4

@@ -246,7 +246,7 @@ def test_a_full_disk_under_the_run_files_is_one_paragraph_naming_the_file(tmp_pa
   # the same paragraph, and the process ends without a word more.
   code = ('from mjax.metrics import MetricsWriter\nfrom mjax.errors import UserError\n'
           f'w = MetricsWriter({str(tmp_path / "tb")!r})\n'
-          'w._tb._records._writer = open("/dev/full", "wb")\nw._tb.FLUSH_S = 0\n'
+          'w._tb._fh = open("/dev/full", "wb", buffering=0)\n'
           'try:\n  w.write(1, {"loss": 1.0})\nexcept UserError as e:\n  print(e)\n'
           'w.write(2, {"loss": 1.0})\n')
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
