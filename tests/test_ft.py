@@ -1778,3 +1778,46 @@ def test_every_event_the_driver_writes_is_documented():
                 for k in line.split(' / ')}
   assert {'start', 'fault', 'job_slowdown', 'job_pace_recovered', 'driver_stalled'} <= emitted
   assert emitted - documented == set()
+
+
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full (a device that is always full)')
+def test_the_event_log_outlives_a_full_disk_and_a_deleted_file(tmp_path, capsys):
+  # A full workdir made the driver die of its own event log (a traceback,
+  # exit 1, its trainers left running); a deleted events.jsonl took every
+  # later event with it.
+  path = str(tmp_path / 'events.jsonl')
+  log = events_lib.EventLog(path)
+  log.emit('start')
+  os.unlink(path)
+  log.emit('launch', attempt=0)
+  assert [e['event'] for e in events_lib.read(path)] == ['launch']
+  log._fh.close()
+  log._fh, log.path = open('/dev/full', 'a', buffering=1), '/dev/full'
+  log.emit('fault', kind='exit')
+  log.emit('restart', attempt=1)
+  log.close()
+  err = capsys.readouterr().err
+  assert err.count("events cannot be written to '/dev/full': No space left on device") == 1, err
+  assert '"event": "fault"' in err and '"event": "restart"' in err
+
+
+def test_a_stop_in_the_back_off_ends_the_driver_without_a_relaunch(tmp_path, monkeypatch):
+  # The back-off (up to a minute) slept through SIGTERM and SIGINT, and the
+  # driver said 'restart', then 'preempted during waiting for hosts'.
+  monkeypatch.setenv('FAKE_MODE', 'crash_once')
+  monkeypatch.delenv('MJAX_FAULT', raising=False)
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  d = make_driver(tmp_path, '--processes', '1', '--grace_s', '1',
+                  train=[*QUICK, '--gin.FaultConfig.restart_backoff_s=60'])
+  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  emit = d.events.emit
+
+  def emit_then_stop(event, **fields):
+    out = emit(event, **fields)
+    if event == 'restart':   # SIGTERM as the back-off begins
+      threading.Timer(0.5, d._on_signal, args=(signal.SIGTERM, None)).start()
+    return out
+  d.events.emit = emit_then_stop
+  assert d.run() == d.opts.preempt_exit_status
+  (pre,) = events(tmp_path, 'preempted')
+  assert pre['during'] == 'back-off' and len(events(tmp_path, 'launch')) == 1, pre

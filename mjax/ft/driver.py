@@ -470,6 +470,9 @@ class Driver:
           self.events.emit('preempted', attempt=att.number, during='recovery')
           return self.opts.preempt_exit_status
         self._diagnose(att, fault)
+        if self._signal is not None:   # a stop asked for while the hosts were checked
+          self.events.emit('preempted', attempt=att.number, during='diagnosis')
+          return self.opts.preempt_exit_status
         if fault.kind in ('nonfinite_loss', 'loss_spike'):
           self._rollback(att, fault)
         # Recovered: caught up with the step reached before the last fault,
@@ -490,7 +493,13 @@ class Driver:
         backoff = min(MAX_BACKOFF_S, f.restart_backoff_s * 2 ** (streak - 1))
         self.events.emit('restart', attempt=restarts, restarts=restarts, in_a_row=streak, backoff_s=backoff,
                          fault=fault.kind, checkpoint_step=self._checkpoint_step())
-        time.sleep(backoff)
+        # Up to a minute: a stop signal ends it (time.sleep resumes after one).
+        end = time.monotonic() + backoff
+        while self._signal is None and time.monotonic() < end:
+          time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+        if self._signal is not None:
+          self.events.emit('preempted', attempt=restarts, during='back-off')
+          return self.opts.preempt_exit_status
     finally:
       for s, h in old.items():
         signal.signal(s, h)

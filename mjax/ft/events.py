@@ -46,9 +46,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 
 def _clean(v: Any) -> Any:
@@ -63,7 +64,14 @@ def _clean(v: Any) -> Any:
 
 
 class EventLog:
-  """Appends events to a JSONL file; safe to call from several threads."""
+  """Appends events to a JSONL file; safe to call from several threads.
+
+  The log is a record, not the supervision: a write that fails (the
+  workdir's disk full, its file system gone read-only) says so on stderr,
+  where the event goes too, and the caller goes on (the driver died of it
+  with its trainers left running). A log deleted or replaced meanwhile is
+  opened again at its path, so later events are not written into a file
+  nobody can read."""
 
   def __init__(self, path: str, echo=None):
     """Args:
@@ -76,20 +84,51 @@ class EventLog:
     self._fh = open(path, 'a', buffering=1)
     self._lock = threading.Lock()
     self._echo = echo
+    self._failing: Optional[str] = None   # the error of the last write, until one succeeds
 
   def emit(self, event: str, **fields) -> dict:
     rec = {'time': round(time.time(), 3), 'event': event, **_clean(fields)}
     line = json.dumps(rec, sort_keys=False)
     with self._lock:
-      self._fh.write(line + '\n')
-      self._fh.flush()
+      try:
+        self._reopen_if_gone()
+        self._fh.write(line + '\n')
+        self._fh.flush()
+        self._failing = None
+      except OSError as e:
+        self._lost(e, line)
     if self._echo is not None:
       self._echo(line)
     return rec
 
+  def _reopen_if_gone(self) -> None:
+    try:
+      same = os.path.samestat(os.fstat(self._fh.fileno()), os.stat(self.path))
+    except FileNotFoundError:
+      same = False
+    if not same:
+      self._close_quietly()
+      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+      self._fh = open(self.path, 'a', buffering=1)
+
+  def _lost(self, e: OSError, line: str) -> None:
+    said = f'{e.strerror or e} (errno {e.errno})'
+    if said != self._failing:
+      print(f'mjax: events cannot be written to {self.path!r}: {said}; they go to stderr until it can '
+            f'be written again', file=sys.stderr, flush=True)
+      self._failing = said
+    if self._echo is None:
+      print(line, file=sys.stderr, flush=True)
+
+  def _close_quietly(self) -> None:
+    try:
+      self._fh.close()
+    except OSError:
+      pass   # what it held is lost with the failed writes, which said so
+
   def close(self) -> None:
     with self._lock:
-      self._fh.close()
+      self._close_quietly()
 
 
 def read(path: str) -> list[dict]:
