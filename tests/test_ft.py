@@ -1821,3 +1821,18 @@ def test_a_stop_in_the_back_off_ends_the_driver_without_a_relaunch(tmp_path, mon
   assert d.run() == d.opts.preempt_exit_status
   (pre,) = events(tmp_path, 'preempted')
   assert pre['during'] == 'back-off' and len(events(tmp_path, 'launch')) == 1, pre
+
+
+def test_a_second_driver_on_a_supervised_workdir_is_refused_before_it_writes(tmp_path, monkeypatch):
+  # It wrote its events into the first job's events.jsonl (ending in its
+  # 'giveup') and its attempts into logs/ for two minutes before its
+  # trainers met the run lock.
+  held = driver._hold_driver_lock(str(tmp_path), str(tmp_path))
+  try:
+    d = make_driver(tmp_path, '--processes', '1', train=QUICK)
+    with pytest.raises(UserError, match=rf"is supervised by another mjax-launch \(pid {os.getpid()} on "):
+      d.run()
+    assert events_lib.read(str(tmp_path / 'events.jsonl')) == []
+  finally:
+    os.close(held)
+  assert fake_run(tmp_path, monkeypatch, 'exit0') == driver.EXIT_OK   # free again: the next one runs

@@ -329,6 +329,40 @@ class Attempt:
 # The driver
 # ----------------------------------------------------------------------------
 
+DRIVER_LOCK = '.mjax-driver.lock'   # in the workdir: held (flock) by the driver supervising it
+
+
+def _hold_driver_lock(workdir: str, shown: str) -> int:
+  """An flock on the workdir's DRIVER_LOCK, naming this driver in it, or
+  UserError where another driver holds it. A second mjax-launch on a job's
+  workdir wrote its own events into the first's events.jsonl (ending in its
+  'giveup'), its attempts into the first's logs/, and took the first's
+  processes for its own for two minutes before its trainers met the run
+  lock. The kernel drops the lock with the process, however it ends."""
+  import fcntl
+  path = os.path.join(workdir, DRIVER_LOCK)
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise UserError(f'--workdir {shown!r}: {path!r} cannot be made ({e.strerror or e}); the driver holds '
+                    f'it while it supervises the job: give a directory you can write.') from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    try:
+      holder = os.pread(fd, 200, 0).decode('utf-8', 'replace').strip()
+    except OSError:
+      holder = ''
+    os.close(fd)
+    raise UserError(f'--workdir {shown!r} is supervised by another mjax-launch ({holder or "its pid unknown"}, '
+                    f'says {path!r}): two drivers of one job would write into one events.jsonl and logs/ '
+                    f'and relaunch each other\'s trainers. Wait for it to end, stop it (SIGTERM saves and '
+                    f'ends the job), or give this one another --workdir.') from None
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, f'pid {os.getpid()} on {socket.gethostname()}'.encode(), 0)
+  return fd
+
+
 class Driver:
   """Runs, supervises and recovers one job; `run()` returns the exit status."""
 
@@ -418,6 +452,21 @@ class Driver:
   # --- main loop ----------------------------------------------------------------
 
   def run(self) -> int:
+    """Supervises the job to its end; the exit status (EXIT_*)."""
+    try:
+      lock = _hold_driver_lock(self.workdir, self.opts.workdir)
+    except UserError:
+      if self.agents is not None:
+        self.agents.close(linger_s=0.0)
+      self.server.close()
+      self.events.close()
+      raise
+    try:
+      return self._run()
+    finally:
+      os.close(lock)   # the lock goes with it
+
+  def _run(self) -> int:
     f = self.fault_cfg
     self.events.emit('start', processes=self.opts.processes, devices=self.opts.devices,
                      hosts=self.opts.hosts, spares=self.opts.spares, blocked=self.blocked.hosts(),
