@@ -827,24 +827,26 @@ QUICK = ['--gin.FaultConfig.heartbeat_interval_s=0.1', '--gin.FaultConfig.heartb
          '--gin.FaultConfig.restart_backoff_s=0.05', '--gin.FaultConfig.max_restarts=2']
 
 
-def fake_run(tmp_path, monkeypatch, mode, processes=1):
-  """The driver, in this process, over a stand-in trainer (no JAX)."""
+def fake_driver(tmp_path, monkeypatch, mode, processes=1, train=QUICK):
+  """The driver, in this process, over a stand-in trainer (no JAX) in `mode`."""
   monkeypatch.setenv('FAKE_MODE', mode)
   monkeypatch.delenv('MJAX_FAULT', raising=False)
-  d = make_driver(tmp_path, '--processes', str(processes), '--grace_s', '1', train=QUICK)
+  monkeypatch.setattr(FakeExecutor, 'failing', {})
+  d = make_driver(tmp_path, '--processes', str(processes), '--grace_s', '1', train=train)
   d.trainer = [sys.executable, '-c', FAKE_TRAINER]
-  return d.run()
+  return d
+
+
+def fake_run(tmp_path, monkeypatch, mode, processes=1):
+  """fake_driver's run: its exit status."""
+  return fake_driver(tmp_path, monkeypatch, mode, processes).run()
 
 
 def test_a_process_stuck_in_start_up_is_named_with_its_part_and_its_stacks(tmp_path, monkeypatch):
   # A restore that never returns: the process heartbeats (start-up phases),
   # so the start-up timeout names the part it was in and asks for its stacks.
-  monkeypatch.setenv('FAKE_MODE', 'stuck_in_start_up_once')
-  monkeypatch.delenv('MJAX_FAULT', raising=False)
-  monkeypatch.setattr(FakeExecutor, 'failing', {})
-  d = make_driver(tmp_path, '--processes', '1', '--grace_s', '1',
+  d = fake_driver(tmp_path, monkeypatch, 'stuck_in_start_up_once',
                   train=[*QUICK, '--gin.FaultConfig.collective_timeout_s=5'])
-  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
   assert d.run() == driver.EXIT_OK
   (fault,) = events(tmp_path, 'fault')
   assert fault['kind'] == 'startup_timeout' and fault['phases'] == {'0': 'startup:restore'}, fault
@@ -1804,12 +1806,7 @@ def test_the_event_log_outlives_a_full_disk_and_a_deleted_file(tmp_path, capsys)
 def test_a_stop_in_the_back_off_ends_the_driver_without_a_relaunch(tmp_path, monkeypatch):
   # The back-off (up to a minute) slept through SIGTERM and SIGINT, and the
   # driver said 'restart', then 'preempted during waiting for hosts'.
-  monkeypatch.setenv('FAKE_MODE', 'crash_once')
-  monkeypatch.delenv('MJAX_FAULT', raising=False)
-  monkeypatch.setattr(FakeExecutor, 'failing', {})
-  d = make_driver(tmp_path, '--processes', '1', '--grace_s', '1',
-                  train=[*QUICK, '--gin.FaultConfig.restart_backoff_s=60'])
-  d.trainer = [sys.executable, '-c', FAKE_TRAINER]
+  d = fake_driver(tmp_path, monkeypatch, 'crash_once', train=[*QUICK, '--gin.FaultConfig.restart_backoff_s=60'])
   emit = d.events.emit
 
   def emit_then_stop(event, **fields):

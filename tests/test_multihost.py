@@ -284,7 +284,6 @@ def test_local_py_exits_with_the_failing_status(repo_root):
   assert 'exit statuses [5, -9]' in proc.stderr
 
 
-
 def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):
   # A missing program, one that is not executable, and a log directory that
   # cannot be made were tracebacks (FileNotFoundError, PermissionError) and
@@ -298,6 +297,11 @@ def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):
     assert proc.returncode == 2 and says in proc.stderr and 'Traceback' not in proc.stderr, proc.stderr
 
 
+def _two_processes(repo_root, code: str) -> subprocess.CompletedProcess:
+  """Python `code` as the two processes of a job on this machine (launch/local.py)."""
+  return subprocess.run([PY, 'launch/local.py', '--processes', '2', '--', PY, '-c', code], cwd=repo_root,
+                        capture_output=True, text=True, timeout=120)
+
 
 def test_sigterm_after_joining_the_job_ends_start_up(repo_root):
   # jax's pre-emption service took SIGTERM over at jax.distributed.initialize
@@ -306,11 +310,9 @@ def test_sigterm_after_joining_the_job_ends_start_up(repo_root):
   code = ('import os, signal, time\nfrom mjax import cli, distributed\n'
           'cli._exit_on_ctrl_c("mjax-train")\ndistributed.initialize_from_env()\n'
           'os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\nprint("trained on", flush=True)\n')
-  proc = subprocess.run([PY, 'launch/local.py', '--processes', '2', '--', PY, '-c', code], cwd=repo_root,
-                        capture_output=True, text=True, timeout=120)
+  proc = _two_processes(repo_root, code)
   assert proc.returncode == 143 and 'trained on' not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
   assert proc.stdout.count('terminated (SIGTERM)') == 2, proc.stdout[-2000:]
-
 
 
 def test_a_process_that_fails_leaves_the_job_at_once(repo_root):
@@ -320,8 +322,7 @@ def test_a_process_that_fails_leaves_the_job_at_once(repo_root):
   code = ('import time\nfrom mjax import cli, distributed\n@cli.entry_point("mjax-test")\n'
           'def main(argv=None):\n  distributed.initialize_from_env()\n  import jax\n'
           '  if jax.process_index() == 0:\n    raise RuntimeError("boom")\n  time.sleep(300)\nmain()\n')
-  proc = subprocess.run([PY, 'launch/local.py', '--processes', '2', '--', PY, '-c', code], cwd=repo_root,
-                        capture_output=True, text=True, timeout=100)
+  proc = _two_processes(repo_root, code)
   assert proc.returncode == 1 and 'exit statuses [1, -9]' in proc.stderr, (proc.stdout[-2000:], proc.stderr)
   assert 'RuntimeError: boom' in proc.stdout, proc.stdout[-2000:]
 
