@@ -3,6 +3,7 @@ launcher, and a real 2-process run held to the 1-process run."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -312,7 +313,8 @@ def test_sigterm_after_joining_the_job_ends_start_up(repo_root):
           'os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\nprint("trained on", flush=True)\n')
   proc = _two_processes(repo_root, code)
   assert proc.returncode == 143 and 'trained on' not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
-  assert proc.stdout.count('terminated (SIGTERM)') == 2, proc.stdout[-2000:]
+  # (A process whose peer, the coordinator, left first may be ended by jax instead.)
+  assert 'terminated (SIGTERM)' in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_process_that_fails_leaves_the_job_at_once(repo_root):
@@ -323,7 +325,10 @@ def test_a_process_that_fails_leaves_the_job_at_once(repo_root):
           'def main(argv=None):\n  distributed.initialize_from_env()\n  import jax\n'
           '  if jax.process_index() == 0:\n    raise RuntimeError("boom")\n  time.sleep(300)\nmain()\n')
   proc = _two_processes(repo_root, code)
-  assert proc.returncode == 1 and 'exit statuses [1, -9]' in proc.stderr, (proc.stdout[-2000:], proc.stderr)
+  # The other process is stopped by the launcher (-9), or first by jax on
+  # seeing its peer gone (-6): either way the job ends now, not in 300 s.
+  assert proc.returncode == 1 and re.search(r'exit statuses \[1, -(9|6)\]', proc.stderr), \
+      (proc.stdout[-2000:], proc.stderr)
   assert 'RuntimeError: boom' in proc.stdout, proc.stdout[-2000:]
 
 
