@@ -312,8 +312,8 @@ def test_sigterm_after_joining_the_job_ends_start_up(repo_root):
           'cli._exit_on_ctrl_c("mjax-train")\ndistributed.initialize_from_env()\n'
           'os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(20)\nprint("trained on", flush=True)\n')
   proc = _two_processes(repo_root, code)
-  assert proc.returncode == 143 and 'trained on' not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
-  # (A process whose peer, the coordinator, left first may be ended by jax instead.)
+  # (A process whose peer left first may be ended by jax instead: -6, status 134.)
+  assert proc.returncode in (143, 134) and 'trained on' not in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
   assert 'terminated (SIGTERM)' in proc.stdout, proc.stdout[-2000:]
 
 
