@@ -332,7 +332,7 @@ def ensure_run_id(cfg: CheckpointConfig, workdir: str) -> dict:
   if found:
     return found
   me = os.path.realpath(workdir)
-  claims = [_read_claim(d) for d in _claimable(tier_directories(cfg, workdir)).values()]
+  claims = [_read_claim(d) for d in _claimable(tier_directories(cfg, workdir))]
   runs = {c['run'] for c in claims if c and os.path.realpath(c['workdir']) == me and c['run']}
   record = {'run': runs.pop(), 'fresh': False} if len(runs) == 1 else \
       {'run': secrets.token_hex(8), 'fresh': not _is_workdir(workdir)}
@@ -355,16 +355,16 @@ def ensure_run_id(cfg: CheckpointConfig, workdir: str) -> dict:
   return record
 
 
-def _claimable(dirs: dict[str, str]) -> dict[str, str]:
-  """The tier directories that hold claims: local ones, and a host-local
-  fast tier's directories per process (`host_directory`)."""
-  out = {}
-  for name, d in dirs.items():
-    if '://' in d or not os.path.isdir(d):
-      continue
-    out[name] = d
-    out.update({f'{name}/{n}': os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith('process-')})
-  return out
+def _with_host_dirs(directory: str) -> list[str]:
+  """`directory` and, where it is a host-local tier, its directories per
+  process (`host_directory`), each with its own steps and claim."""
+  return [directory] + [os.path.join(directory, n) for n in sorted(os.listdir(directory))
+                        if n.startswith('process-')]
+
+
+def _claimable(dirs: dict[str, str]) -> list[str]:
+  """The local tier directories that hold claims (`_with_host_dirs`)."""
+  return [d for tier in dirs.values() if '://' not in tier and os.path.isdir(tier) for d in _with_host_dirs(tier)]
 
 
 def earlier_run(directory: str, workdir: str, record: Optional[dict] = None) -> Optional[str]:
@@ -1118,7 +1118,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
     # workdir's path and outlives it in /dev/shm). A new run would resume
     # that run's state as its own. A host-local tier keeps its steps, and
     # its claims, in a directory per process.
-    dirs = [fast] + [os.path.join(fast, n) for n in sorted(os.listdir(fast)) if n.startswith('process-')]
+    dirs = _with_host_dirs(fast)
     if not any(foreign(d, workdir) for d in dirs):
       held = sorted({s for d in dirs for s in steps_in(d)}, reverse=True)
       if held:

@@ -130,10 +130,10 @@ class EventFile:
   flush printed more tracebacks. Here each event is one unbuffered write
   of its record, so a failed write is an OSError in the caller and nothing
   waits in a buffer for an exit that may skip it (a failed process of a
-  job ends with os._exit); the file is synced every FLUSH_S seconds, as
+  job ends with os._exit); the file is synced every SYNC_S seconds, as
   SummaryWriter's default, and on close."""
 
-  FLUSH_S = 120.0
+  SYNC_S = 120.0
 
   def __init__(self, logdir: str):
     _import_tensorboardx()
@@ -160,7 +160,7 @@ class EventFile:
     record = header + struct.pack('<I', self._crc(header)) + data + struct.pack('<I', self._crc(data))
     try:
       self._fh.write(record)
-      if time.monotonic() - self._synced > self.FLUSH_S:
+      if time.monotonic() - self._synced > self.SYNC_S:
         os.fsync(self._fh.fileno())
         self._synced = time.monotonic()
     except OSError:

@@ -157,7 +157,7 @@ class Trainer:
     # gather does not fail: it makes NaNs, read as a numerical fault).
     data_sources.check_vocab(cfg.model, cfg.data)
     config_lib.check_for_training(cfg)
-    self._run = _check_workdir(cfg, workdir, self.is_main)
+    self._run_record = _check_workdir(cfg, workdir, self.is_main)   # the run's id, from process 0
     if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
       protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
     # Heartbeats from here on (under mjax-launch), not from the first step:
@@ -195,7 +195,8 @@ class Trainer:
     self._check_state_fits(devices)
     self._mark('program', then='startup:restore')
 
-    self.ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint, workdir, self._run) if cfg.checkpoint.enabled else None
+    self.ckpt = (checkpoint_lib.Checkpointer(cfg.checkpoint, workdir, self._run_record)
+                 if cfg.checkpoint.enabled else None)
     self._claim.ckpt = self.ckpt
     self._start(devices)
 
