@@ -86,6 +86,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Optional
@@ -97,7 +98,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mjax import distributed, jsonfile
+from mjax import distributed, jsonfile, protocol
 from mjax.config import CheckpointConfig, ConfigError
 from mjax.errors import UNWRITABLE, HostFault, UserError, few_processes
 
@@ -513,6 +514,26 @@ def _unwritable(exc: BaseException) -> Optional[str]:
   return None
 
 
+def _unwritable_error(tier: Any, step: Optional[int], said: str) -> ConfigError:
+  """The one paragraph for a save into `tier` that failed with `said` (an
+  UNWRITABLE strerror): what failed, the steps kept, what to do."""
+  # From the disk: Orbax has already struck the steps beyond `keep` from
+  # its own list, though they are deleted only after a save commits.
+  try:
+    kept = ', '.join(map(str, steps_in(tier.directory))) or 'none'
+  except OSError:
+    kept = 'not readable now'
+  full = said in (_NO_SPACE, 'Disk quota exceeded')
+  return ConfigError(
+      f'the {tier.name} checkpoint tier ({tier.directory}) ' + ('is full' if full else 'takes no more files') +
+      f': a save ({"step " + str(step) + ", or the one before it still being written" if step is not None else "the last one"}) '
+      f'failed with "{said}". The steps saved before are intact (saved steps: {kept}); ' +
+      ('free space there (older steps can go: a restart resumes from the newest), ' if full else
+       'make it writable again, ') +
+      f'or point CheckpointConfig.{_tier_key(tier.name)} at another filesystem, then start again: the run '
+      f'resumes from the newest of them.')
+
+
 @contextlib.contextmanager
 def _full_disk_is_bad_input(tier: Any, step: Optional[int]):
   """A save that fails because its directory takes no more files (full,
@@ -527,21 +548,32 @@ def _full_disk_is_bad_input(tier: Any, step: Optional[int]):
     said = _unwritable(e)
     if said is None:
       raise
-    # From the disk: Orbax has already struck the steps beyond `keep` from
-    # its own list, though they are deleted only after a save commits.
-    try:
-      kept = ', '.join(map(str, steps_in(tier.directory))) or 'none'
-    except OSError:
-      kept = 'not readable now'
-    full = said in (_NO_SPACE, 'Disk quota exceeded')
-    raise ConfigError(
-        f'the {tier.name} checkpoint tier ({tier.directory}) ' + ('is full' if full else 'takes no more files') +
-        f': a save ({"step " + str(step) + ", or the one before it still being written" if step is not None else "the last one"}) '
-        f'failed with "{said}". The steps saved before are intact (saved steps: {kept}); ' +
-        ('free space there (older steps can go: a restart resumes from the newest), ' if full else
-         'make it writable again, ') +
-        f'or point CheckpointConfig.{_tier_key(tier.name)} at another filesystem, then start again: the run '
-        f'resumes from the newest of them.') from None
+    _FailedSave.said_here.set()   # the save watch has nothing left to say
+    raise _unwritable_error(tier, step, said) from None
+
+
+class _FailedSave:
+  """A background save of this process that found its directory taking no
+  more files, as Orbax logged it (`_FailedIoLogFilter` sees the record).
+
+  In a multi-process job that failure can never reach the main thread:
+  Orbax's finalize thread of the failed process goes on to its closing
+  barrier, while the processes whose writes succeeded wait in the
+  "write complete" barrier before it. Each waits for the other until
+  CheckpointConfig.io_timeout_s (30 minutes by default), saying nothing,
+  and the main thread waits on the finalize thread at its next save.
+  `Checkpointer._watch_saves` ends the process instead, with the message the
+  main thread would have given."""
+  seen = threading.Event()
+  said_here = threading.Event()   # the main thread raised it itself
+  text = ''
+  said = ''
+
+  @classmethod
+  def note(cls, text: str, said: str) -> None:
+    if not cls.seen.is_set():
+      cls.text, cls.said = text, said
+      cls.seen.set()
 
 
 def write_problem(directory: str) -> Optional[str]:
@@ -1429,7 +1461,10 @@ class _FailedIoLogFilter(logging.Filter):
       text += f' {record.exc_info[1]}'
     if record.name == 'asyncio' and READ_FAILED in text:
       return False
-    return not any(said in text for said in UNWRITABLE.values())
+    said = next((said for said in UNWRITABLE.values() if said in text), None)
+    if said is not None and record.threadName != 'MainThread':
+      _FailedSave.note(text, said)
+    return said is None
 
 
 def quiet_failed_io_aftermath() -> None:
@@ -1483,6 +1518,7 @@ class Checkpointer:
     self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
     self.is_main = jax.process_index() == 0
     self._locked: list[str] = []
+    self._closed = threading.Event()
     quiet_failed_io_aftermath()
     dirs = tier_directories(cfg, workdir, strict=True)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
@@ -1497,6 +1533,58 @@ class Checkpointer:
     except BaseException:
       unlock_run(self._locked)
       raise
+    if jax.process_count() > 1 and cfg.async_save:
+      _FailedSave.seen.clear()
+      _FailedSave.said_here.clear()
+      threading.Thread(target=self._watch_saves, name='mjax-save-watch', daemon=True).start()
+
+  # How long the save watch gives the main thread to report a failed save
+  # itself (it does when every process's save failed: their finalize threads
+  # then meet in the same barrier, and the error reaches the next save).
+  SAVE_WATCH_GRACE_S = 5.0
+
+  def _watch_saves(self) -> None:
+    """(A thread, in multi-process jobs.) Ends this process, with the
+    message its main thread would give, once a background save of its own
+    found its directory full or unwritable (`_FailedSave`): a failure no
+    other process shares hangs the job in Orbax's barriers otherwise. The
+    failed process leaving is what ends the others: the launcher, the
+    fault-tolerance driver (exit status 2: not restarted) or, failing both,
+    jax's coordination service when the process's heartbeats stop."""
+    while not _FailedSave.seen.wait(1.0):
+      if self._closed.is_set():
+        return
+    if _FailedSave.said_here.wait(self.SAVE_WATCH_GRACE_S) or self._closed.is_set():
+      return
+    tier, step = self._failed_save_at(_FailedSave.text)
+    error = _unwritable_error(tier, step, _FailedSave.said)
+    self._leave(f'{error} (Process {jax.process_index()} of {jax.process_count()} found it while the others '
+                f'waited for its save: it leaves now, which ends the job.)')
+
+  def _failed_save_at(self, text: str) -> tuple[_Tier, Optional[int]]:
+    """The tier and step of a failed save from Orbax's record of it, which
+    names the step's temporary directory; the first tier and no step where
+    it names none."""
+    for tier in sorted(self.tiers, key=lambda t: -len(t.directory)):
+      found = re.search(re.escape(tier.directory.rstrip(os.sep)) + re.escape(os.sep) + r'(\d+)\b', text)
+      if found:
+        return tier, int(found.group(1))
+      if tier.directory in text:
+        return tier, None
+    return self.tiers[0], None
+
+  @staticmethod
+  def _leave(message: str) -> None:
+    """Says `message` as the entry point would say an error and ends the
+    process now (status 2): the main thread is stuck in Orbax's wait, and a
+    normal exit would wait there too. What the run keeps is on disk: the
+    steps saved before, and its logs, written a line at a time."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'mjax'
+    try:
+      print(f'{prog}: error: {message}', file=sys.stderr, flush=True)
+      sys.stdout.flush()
+    finally:
+      os._exit(protocol.EXIT_USER_ERROR)
 
   def _open_tiers(self, cfg: CheckpointConfig, dirs: dict[str, str], host: set) -> None:
     check_shared({name: d for name, d in dirs.items() if name not in host})
@@ -1812,6 +1900,7 @@ class Checkpointer:
   def release_lock(self) -> None:
     """Lets go of the run lock only (a run that failed in this process, which
     goes on: a notebook, a test), touching nothing of Orbax's."""
+    self._closed.set()   # and stops the save watch: nothing here waits on a save any more
     unlock_run(self._locked)
     self._locked = []
 

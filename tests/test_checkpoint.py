@@ -1036,6 +1036,72 @@ def test_a_checkpoint_filesystem_remounted_read_only_midway_ends_the_run_at_once
   assert re.search(r'saved steps: (\d+, )*4, 2\)', out) and 'Traceback' not in out, out[-3000:]
 
 
+def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message(tmp_path, monkeypatch):
+  # In a multi-process job, a save that found the disk full in one process
+  # only never reached a main thread: that process's Orbax finalize thread
+  # went on to its closing barrier while the others waited in the "write
+  # complete" one, each until io_timeout_s (30 minutes), and nothing was
+  # said. The save watch hears Orbax's record of the failure (its save
+  # thread's, through the log filter) and ends the process with the message
+  # the main thread would have given, naming the tier and step.
+  import logging
+  import threading
+  import types
+  from mjax import checkpoint as ck
+  ck.quiet_failed_io_aftermath()
+  persistent = types.SimpleNamespace(name='persistent', directory=str(tmp_path / 'ck'))
+  fast = types.SimpleNamespace(name='fast', directory=str(tmp_path / 'ck-fast'))
+  (tmp_path / 'ck-fast' / '2').mkdir(parents=True)
+  orbax_file = os.path.join(os.sep, 'site-packages', 'orbax', 'checkpoint', 'async_checkpointer.py')
+  full = (ValueError, ValueError('RESOURCE_EXHAUSTED: write failed: [errno 28] No space left on device'), None)
+
+  def failed_save(thread):
+    record = logging.LogRecord(
+        'absl', logging.ERROR, orbax_file, 1, '[process=1] Failed to run 3 Handler Commit operations or the Commit '
+        f'callback in background save thread, directory: {fast.directory}/4.orbax-checkpoint-tmp-1764', None, full)
+    record.threadName = thread
+    assert not logging.getLogger('absl').filter(record)   # still dropped: the message says it once
+
+  monkeypatch.setattr(Checkpointer, 'SAVE_WATCH_GRACE_S', 0.2)
+  said = []
+  monkeypatch.setattr(Checkpointer, '_leave', staticmethod(said.append))
+
+  def watch():
+    ckpt = Checkpointer.__new__(Checkpointer)
+    ckpt.tiers, ckpt._closed, ckpt._locked = [persistent, fast], threading.Event(), []
+    checkpoint_lib._FailedSave.seen.clear()
+    checkpoint_lib._FailedSave.said_here.clear()
+    thread = threading.Thread(target=ckpt._watch_saves, daemon=True)
+    thread.start()
+    return ckpt, thread
+
+  ckpt, thread = watch()
+  failed_save('MainThread')    # raised where it happened: the main thread says it
+  time.sleep(1.5)
+  assert said == [] and thread.is_alive()
+  failed_save('async_save')
+  thread.join(timeout=10)
+  assert not thread.is_alive() and len(said) == 1, said
+  assert said[0].startswith('the fast checkpoint tier (') and 'a save (step 4, or the one before' in said[0]
+  assert 'failed with "No space left on device"' in said[0] and 'saved steps: 2)' in said[0]
+  assert 'Process 0 of 1 found it' in said[0] and 'CheckpointConfig.fast_directory' in said[0]
+
+  # The main thread raised it itself within the grace (every process's save
+  # failed, so their barriers met): one message, the main thread's.
+  ckpt, thread = watch()
+  failed_save('async_save')
+  with pytest.raises(C.ConfigError, match='is full'):
+    with checkpoint_lib._full_disk_is_bad_input(fast, 4):
+      raise OSError(28, 'No space left on device')
+  thread.join(timeout=10)
+  assert not thread.is_alive() and len(said) == 1
+  # A closed checkpointer's watch ends, saying nothing.
+  ckpt, thread = watch()
+  ckpt.release_lock()
+  thread.join(timeout=10)
+  assert not thread.is_alive() and len(said) == 1
+
+
 def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
   import asyncio
   import logging

@@ -576,6 +576,40 @@ def _train_two(workdir, *extra, steps=STEPS):
   return run.stdout
 
 
+@pytest.mark.slow
+def test_a_shared_checkpoint_disk_that_fills_ends_the_job_with_the_message(tmp_path):
+  # A 12 MB filesystem holds one checkpoint of this state (~8 MB) and not
+  # two. When one process's part of step 4 found it full and the other's
+  # did not, the two processes waited for each other in different Orbax
+  # barriers for io_timeout_s (30 minutes), saying nothing. Now the job
+  # ends in seconds with one message (exit 2: bad input, not restarted),
+  # and step 2 stays committed. (Which processes fail depends on the order
+  # of their writes: any, one or both; either way the same message.)
+  fs = tmp_path / 'fs'
+  fs.mkdir()
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=12m', 'tmpfs', str(fs)], capture_output=True).returncode:
+    pytest.skip('mounting a tmpfs needs root')
+  try:
+    cmd = [PY, 'launch/local.py', '--processes', '2', '--devices', '4', '--', os.path.join(BIN, 'mjax-train'),
+           *TRAIN, '--workdir', str(tmp_path / 'run'), '--gin.TrainConfig.steps=6',
+           '--gin.CheckpointConfig.save_every=2', f'--gin.CheckpointConfig.directory={fs / "ck"}']
+    run = subprocess.run(cmd, env=_clean_env(), cwd=os.path.dirname(os.path.dirname(__file__)),
+                         capture_output=True, text=True, timeout=240)
+    kept = sorted(os.listdir(fs / 'ck'))
+  finally:
+    subprocess.run(['umount', str(fs)], capture_output=True)
+  out = run.stdout + run.stderr
+  assert run.returncode == 2, out[-3000:]
+  said = re.findall(r'^\[(\d)\] mjax-train: error: (.*)$', run.stdout, re.M)
+  assert said, out[-3000:]
+  for _, message in said:
+    # Step 4's save, said by the watch of a process that failed alone, or
+    # by the main thread at the next save (6, "or the one before it").
+    assert re.match(re.escape(f'the persistent checkpoint tier ({fs / "ck"}) is full: a save (step ') + '[46],',
+                    message) and 'saved steps: 2)' in message, message
+  assert '2' in kept and 'Traceback' not in run.stdout, (kept, out[-3000:])
+
+
 def _steps(directory):
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
