@@ -553,26 +553,29 @@ def _full_disk_is_bad_input(tier: Any, step: Optional[int]):
 
 
 class _FailedSave:
-  """A background save of this process that found its directory taking no
-  more files, as Orbax logged it (`_FailedIoLogFilter` sees the record).
+  """A background save of this process that failed, as Orbax logged it
+  (`_FailedIoLogFilter` sees the record): `said` is the strerror where the
+  directory takes no more files (bad input), else None (a fault), and
+  `error` the exception's own words.
 
-  In a multi-process job that failure can never reach the main thread:
-  Orbax's finalize thread of the failed process goes on to its closing
-  barrier, while the processes whose writes succeeded wait in the
-  "write complete" barrier before it. Each waits for the other until
-  CheckpointConfig.io_timeout_s (30 minutes by default), saying nothing,
-  and the main thread waits on the finalize thread at its next save.
-  `Checkpointer._watch_saves` ends the process instead, with the message the
-  main thread would have given."""
+  In a multi-process job such a failure never reaches the main thread
+  unless every process shares it: Orbax's finalize thread of the failed
+  process goes on to its closing barrier, while the processes whose writes
+  succeeded wait in the "write complete" barrier before it. Each waits for
+  the other until CheckpointConfig.io_timeout_s (30 minutes by default),
+  saying nothing, and the main thread waits on the finalize thread at its
+  next save. `Checkpointer._watch_saves` ends the process instead, with the
+  message the main thread would have given."""
   seen = threading.Event()
   said_here = threading.Event()   # the main thread raised it itself
   text = ''
-  said = ''
+  said: Optional[str] = None
+  error = ''
 
   @classmethod
-  def note(cls, text: str, said: str) -> None:
+  def note(cls, text: str, said: Optional[str], error: str) -> None:
     if not cls.seen.is_set():
-      cls.text, cls.said = text, said
+      cls.text, cls.said, cls.error = text, said, error
       cls.seen.set()
 
 
@@ -1441,6 +1444,10 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
 READ_FAILED = 'Encountered error while reading array index'
 
 
+# Where Orbax's background save thread logs the failure of a save's writes.
+_ORBAX_SAVE_THREAD_FILE = 'async_checkpointer.py'
+
+
 class _FailedIoLogFilter(logging.Filter):
   """Drops Orbax's own error logs (with their tracebacks, one per thread of
   the save) of a write that found the disk full or unwritable:
@@ -1462,8 +1469,24 @@ class _FailedIoLogFilter(logging.Filter):
     if record.name == 'asyncio' and READ_FAILED in text:
       return False
     said = next((said for said in UNWRITABLE.values() if said in text), None)
-    if said is not None and record.threadName != 'MainThread':
-      _FailedSave.note(text, said)
+    # Orbax's record of a failed background save (its save thread's, with
+    # the exception): what `Checkpointer._watch_saves` acts on. A failure in
+    # the main thread is raised there; one Orbax logs and goes on from (an
+    # old step it could not delete) is no failed save.
+    if os.path.basename(record.pathname) == _ORBAX_SAVE_THREAD_FILE and record.levelno >= logging.ERROR and \
+        record.exc_info and record.exc_info[1] is not None and record.threadName != 'MainThread':
+      exc = record.exc_info[1]
+      if isinstance(exc, TimeoutError) and 'barrier' in str(exc):
+        # This process's writes went well; the barrier after them failed,
+        # because another process left (its own log says why) or never came.
+        # One line, not Orbax's traceback through jax's barrier.
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            f'[process={jax.process_index()}] a checkpoint save\'s writes are done here, but the processes '
+            f'did not all finish theirs ({exc}): another process of the job left or is stuck; its log says why.',
+            None, None, None)
+        return True
+      first = (str(exc).strip().splitlines() or [''])[0]
+      _FailedSave.note(text, said, f'{type(exc).__name__}: {first}'[:500])
     return said is None
 
 
@@ -1557,9 +1580,23 @@ class Checkpointer:
     if _FailedSave.said_here.wait(self.SAVE_WATCH_GRACE_S) or self._closed.is_set():
       return
     tier, step = self._failed_save_at(_FailedSave.text)
-    error = _unwritable_error(tier, step, _FailedSave.said)
-    self._leave(f'{error} (Process {jax.process_index()} of {jax.process_count()} found it while the others '
-                f'waited for its save: it leaves now, which ends the job.)')
+    here = f'process {jax.process_index()} of {jax.process_count()}'
+    if _FailedSave.said is not None:
+      error = _unwritable_error(tier, step, _FailedSave.said)
+      self._leave(f'{error} ({here.capitalize()} found it while the others waited for its save: it leaves now, '
+                  f'which ends the job.)', protocol.EXIT_USER_ERROR)
+      return
+    try:
+      kept = ', '.join(map(str, steps_in(tier.directory))) or 'none'
+    except OSError:
+      kept = 'not readable now'
+    self._leave(
+        f'a save into the {tier.name} checkpoint tier ({tier.directory}) '
+        f'{"(step " + str(step) + ") " if step is not None else ""}failed in {here}, the others waiting for it: '
+        f'{_FailedSave.error}. The steps saved before are intact (saved steps: {kept}). This process leaves now '
+        f'(exit status 1, a fault: the fault-tolerance driver restarts the job from the newest of them) rather '
+        f'than wait CheckpointConfig.io_timeout_s in Orbax\'s barriers; if it recurs, check that filesystem '
+        f'from this process\'s host.', protocol.EXIT_FAILED)
 
   def _failed_save_at(self, text: str) -> tuple[_Tier, Optional[int]]:
     """The tier and step of a failed save from Orbax's record of it, which
@@ -1574,17 +1611,17 @@ class Checkpointer:
     return self.tiers[0], None
 
   @staticmethod
-  def _leave(message: str) -> None:
+  def _leave(message: str, status: int) -> None:
     """Says `message` as the entry point would say an error and ends the
-    process now (status 2): the main thread is stuck in Orbax's wait, and a
-    normal exit would wait there too. What the run keeps is on disk: the
-    steps saved before, and its logs, written a line at a time."""
+    process now with `status`: the main thread is stuck in Orbax's wait,
+    and a normal exit would wait there too. What the run keeps is on disk:
+    the steps saved before, and its logs, written a line at a time."""
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'mjax'
     try:
       print(f'{prog}: error: {message}', file=sys.stderr, flush=True)
       sys.stdout.flush()
     finally:
-      os._exit(protocol.EXIT_USER_ERROR)
+      os._exit(status)
 
   def _open_tiers(self, cfg: CheckpointConfig, dirs: dict[str, str], host: set) -> None:
     check_shared({name: d for name, d in dirs.items() if name not in host})

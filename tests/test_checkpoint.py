@@ -1055,16 +1055,19 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
   orbax_file = os.path.join(os.sep, 'site-packages', 'orbax', 'checkpoint', 'async_checkpointer.py')
   full = (ValueError, ValueError('RESOURCE_EXHAUSTED: write failed: [errno 28] No space left on device'), None)
 
-  def failed_save(thread):
+  def failed_save(thread, exc_info=full):
     record = logging.LogRecord(
         'absl', logging.ERROR, orbax_file, 1, '[process=1] Failed to run 3 Handler Commit operations or the Commit '
-        f'callback in background save thread, directory: {fast.directory}/4.orbax-checkpoint-tmp-1764', None, full)
+        f'callback in background save thread, directory: {fast.directory}/4.orbax-checkpoint-tmp-1764', None,
+        exc_info)
     record.threadName = thread
-    assert not logging.getLogger('absl').filter(record)   # still dropped: the message says it once
+    # A full disk's record is dropped (the message says it once); any other
+    # failure's is left to say what it can.
+    assert logging.getLogger('absl').filter(record) == (exc_info is not full)
 
   monkeypatch.setattr(Checkpointer, 'SAVE_WATCH_GRACE_S', 0.2)
   said = []
-  monkeypatch.setattr(Checkpointer, '_leave', staticmethod(said.append))
+  monkeypatch.setattr(Checkpointer, '_leave', staticmethod(lambda message, status: said.append((message, status))))
 
   def watch():
     ckpt = Checkpointer.__new__(Checkpointer)
@@ -1082,9 +1085,41 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
   failed_save('async_save')
   thread.join(timeout=10)
   assert not thread.is_alive() and len(said) == 1, said
-  assert said[0].startswith('the fast checkpoint tier (') and 'a save (step 4, or the one before' in said[0]
-  assert 'failed with "No space left on device"' in said[0] and 'saved steps: 2)' in said[0]
-  assert 'Process 0 of 1 found it' in said[0] and 'CheckpointConfig.fast_directory' in said[0]
+  (message, status), = said
+  assert message.startswith('the fast checkpoint tier (') and 'a save (step 4, or the one before' in message
+  assert 'failed with "No space left on device"' in message and 'saved steps: 2)' in message
+  assert 'Process 0 of 1 found it' in message and 'CheckpointConfig.fast_directory' in message
+  assert status == 2    # bad input: a restart would fail the same way
+
+  # Any other failure of the write (an I/O error of the filesystem) is a
+  # fault: exit 1, which the driver restarts from the steps kept.
+  ckpt, thread = watch()
+  failed_save('async_save', (OSError, OSError(5, 'Input/output error'), None))
+  thread.join(timeout=10)
+  assert not thread.is_alive() and len(said) == 2
+  message, status = said.pop()
+  assert status == 1 and message.startswith(f'a save into the fast checkpoint tier ({fast.directory}) (step 4) '
+                                            'failed in process 0 of 1, the others waiting for it: OSError: [Errno 5] '
+                                            'Input/output error. The steps saved before are intact (saved steps: 2)')
+  # What Orbax logs and goes on from (an old step it could not delete) is
+  # no failed save; nor is the barrier after this process's writes, failed
+  # because another process left (that one says why): one line for it.
+  ckpt, thread = watch()
+  barrier = logging.LogRecord('absl', logging.ERROR, orbax_file, 1, 'Failed to run 3 Handler Commit operations', None,
+                              (TimeoutError, TimeoutError('Timed out while waiting for async_write_complete barrier.'),
+                               None))
+  barrier.threadName = 'async_save'
+  assert logging.getLogger('absl').filter(barrier) and barrier.exc_info is None
+  assert 'another process of the job left or is stuck' in barrier.getMessage()
+  gone = logging.LogRecord('absl', logging.ERROR, orbax_file.replace('async_checkpointer', 'storage_backend'), 1,
+                           f'Failed to remove checkpoint ({fast.directory}/2)', None,
+                           (OSError, OSError(13, 'Permission denied'), None))
+  gone.threadName = 'save_finalize'
+  logging.getLogger('absl').filter(gone)
+  time.sleep(1.5)
+  assert thread.is_alive() and len(said) == 1
+  ckpt.release_lock()
+  thread.join(timeout=10)
 
   # The main thread raised it itself within the grace (every process's save
   # failed, so their barriers met): one message, the main thread's.

@@ -857,23 +857,34 @@ def test_a_process_stuck_in_start_up_is_named_with_its_part_and_its_stacks(tmp_p
   assert events(tmp_path, 'finish')
 
 
-def _driver_held_up_once(tmp_path, monkeypatch, seconds, train):
+def _driver_held_up_once(tmp_path, monkeypatch, seconds, train, whole=False):
   """A driver over fake trainers whose loop is held up `seconds` once, in
-  the write of its 'running' event (as by a stalled mount under workdir)."""
+  the write of its 'running' event (as by a stalled mount under workdir);
+  `whole`: its heartbeat server's thread as well (the process stopped)."""
   monkeypatch.setenv('FAKE_MODE', 'orphanable')
   monkeypatch.delenv('MJAX_FAULT', raising=False)
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   d = make_driver(tmp_path, '--processes', '2', '--grace_s', '1', train=train)
   d.trainer = [sys.executable, '-c', FAKE_TRAINER]
-  emit, held = d.events.emit, []
+  emit, held, hold = d.events.emit, [], threading.Event()
 
   def slow_emit(event, **fields):
     if event == 'running' and not held:
       held.append(event)
+      hold.set()
       time.sleep(seconds)
+      hold.clear()
     return emit(event, **fields)
 
-  d.events.emit = slow_emit
+  read = d.server._read
+
+  def held_read():
+    if whole and hold.is_set():
+      while hold.is_set():
+        time.sleep(0.01)
+    return read()
+
+  d.events.emit, d.server._read = slow_emit, held_read
   return d.run()
 
 
@@ -884,7 +895,23 @@ def test_a_driver_held_up_by_its_storage_keeps_its_trainers(tmp_path, monkeypatc
   assert len(events(tmp_path, 'launch')) == 1 and not events(tmp_path, 'fault'), events(tmp_path, 'fault')
   (stall,) = events(tmp_path, 'driver_stalled')
   assert stall['seconds'] >= 2.5 and stall['trainers_kept'] and 'kept acknowledging' in stall['detail'], stall
+  assert not stall['process_held']
   assert events(tmp_path, 'finish')
+
+
+def test_a_driver_process_held_whole_says_that_its_trainers_were_let_go(tmp_path, monkeypatch):
+  # A SIGSTOP (Ctrl-Z) or a frozen container holds the heartbeat server's
+  # thread with the loop: nothing acknowledges the trainers, and they stop
+  # by themselves (exit status 4) a heartbeat timeout later. The event said
+  # they were kept, judging by the loop's hold alone (under
+  # collective_timeout_s).
+  assert _driver_held_up_once(tmp_path, monkeypatch, 2.5, QUICK, whole=True) == driver.EXIT_OK
+  (stall,) = events(tmp_path, 'driver_stalled')
+  assert stall['process_held'] and not stall['trainers_kept'], stall
+  assert 'the whole driver process was held' in stall['detail'] and 'SIGSTOP' in stall['detail'], stall
+  (fault,) = events(tmp_path, 'fault')
+  assert set(fault['exit'].values()) == {'status 4'}, fault
+  assert len(events(tmp_path, 'launch')) == 2 and events(tmp_path, 'finish')
 
 
 def test_a_driver_loop_stuck_past_the_collective_timeout_lets_its_trainers_go(tmp_path, monkeypatch):

@@ -799,24 +799,36 @@ class Driver:
   def _watching(self, att: Attempt) -> None:
     """The loop is here: the heartbeat server may acknowledge on; a gap
     since the last call longer than heartbeat_timeout_s is said."""
-    self.server.watching()
+    held = self.server.watching()
     now = time.monotonic()
     if now - self._last_watch > self.fault_cfg.heartbeat_timeout_s:
-      self._stalled(att, now - self._last_watch)
+      self._stalled(att, now - self._last_watch, held)
     self._last_watch = now
 
-  def _stalled(self, att: Attempt, seconds: float) -> None:
+  def _stalled(self, att: Attempt, seconds: float, held: float = 0.0) -> None:
     """The loop itself was held up (storage under events.jsonl or the facts
-    files, a paused driver): said, since every timeout was late by as much."""
-    allowance = self.fault_cfg.collective_timeout_s
-    acked = (f'its heartbeat server kept acknowledging the trainers, as it does for up to '
-             f'collective_timeout_s = {allowance:g}s' if seconds < allowance else
-             f'its heartbeat server stopped acknowledging the trainers after collective_timeout_s = '
-             f'{allowance:g}s, so they save and stop by themselves (exit status 4) and are restarted')
-    self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3), trainers_kept=seconds < allowance,
+    files, a paused driver): said, since every timeout was late by as much.
+    `held`: the longest the heartbeat server's thread went without a turn
+    meanwhile; past heartbeat_timeout_s, the whole process was held and
+    nothing acknowledged the trainers."""
+    allowance, timeout = self.fault_cfg.collective_timeout_s, self.fault_cfg.heartbeat_timeout_s
+    whole = held > timeout
+    if whole:
+      acked = (f'the whole driver process was held {held:,.1f}s (stopped, or its machine or container frozen), '
+               f'its heartbeat server with it: no acknowledgement reached the trainers for longer than '
+               f'heartbeat_timeout_s, so they save and stop by themselves (exit status 4) and are restarted')
+    elif seconds < allowance:
+      acked = (f'its heartbeat server kept acknowledging the trainers, as it does for up to '
+               f'collective_timeout_s = {allowance:g}s')
+    else:
+      acked = (f'its heartbeat server stopped acknowledging the trainers after collective_timeout_s = '
+               f'{allowance:g}s, so they save and stop by themselves (exit status 4) and are restarted')
+    self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3),
+                     trainers_kept=seconds < allowance and not whole, process_held=whole,
                      detail=f'the driver\'s loop was held up {seconds:,.1f}s (longer than heartbeat_timeout_s = '
-                            f'{self.fault_cfg.heartbeat_timeout_s:g}s); {acked}; the checks resume now. Slow '
-                            f'storage under {self.workdir} is the usual cause.')
+                            f'{timeout:g}s); {acked}; the checks resume now. ' +
+                            ('A SIGSTOP (Ctrl-Z), a paused container or a VM migration is the usual cause.' if whole
+                             else f'Slow storage under {self.workdir} is the usual cause.'))
 
   def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
     codes = {i: self._describe_status(c) for i, c in failed.items()}

@@ -37,7 +37,9 @@ mjax/ft/driver.py:
   driver_stalled   the driver's own loop was held up longer than
                    heartbeat_timeout_s (slow storage under its workdir); the
                    trainers were acknowledged meanwhile up to
-                   collective_timeout_s (trainers_kept), the checks were late
+                   collective_timeout_s (trainers_kept), the checks were late;
+                   process_held: the whole driver process was (SIGSTOP, a
+                   frozen container), so nothing acknowledged them
   finish / giveup / preempted   how the driver ended
 """
 

@@ -494,14 +494,26 @@ class HeartbeatServer:
     self.thread_errors = 0   # batches the thread could not hand over (it goes on)
     self.heartbeats = 0    # authentic heartbeats taken, in all (several of a sender may be merged into one)
     self.acks_sent = 0
+    # The longest the thread went without a turn since the owner last
+    # watched: the whole process held (SIGSTOP, a frozen VM or container)
+    # stops it with the loop, and then nobody acknowledged the trainers.
+    self._held = 0.0
+    self._turn = time.monotonic()   # the thread's last turn
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name='mjax-heartbeat-server', daemon=True)
     self._thread.start()
 
-  def watching(self, at: Optional[float] = None) -> None:
+  def watching(self, at: Optional[float] = None) -> float:
     """The owner's loop is alive and watching: called every tick it does
-    (`at`: when it last was, time.monotonic(); default now)."""
-    self._watched = time.monotonic() if at is None else at
+    (`at`: when it last was, time.monotonic(); default now). Returns the
+    longest the server's thread went without a turn since the last call
+    (seconds; ~TURN_S when all is well)."""
+    now = time.monotonic()
+    self._watched = now if at is None else at
+    # The thread's current wait counts too: after a stop, the owner's loop
+    # may run before the thread has had its turn.
+    held, self._held = max(self._held, now - self._turn), 0.0
+    return held
 
   def supervised(self) -> bool:
     """Whether heartbeats are acknowledged now."""
@@ -525,10 +537,14 @@ class HeartbeatServer:
   def alive(self) -> bool:
     return self._thread.is_alive()
 
+  TURN_S = 0.2   # the thread wakes at least this often
+
   def _run(self) -> None:
     while not self._stop.is_set():
+      now = time.monotonic()
+      self._held, self._turn = max(self._held, now - self._turn), now
       try:
-        ready, _, _ = select.select([self.sock], [], [], 0.2)
+        ready, _, _ = select.select([self.sock], [], [], self.TURN_S)
       except (OSError, ValueError):
         if self._stop.is_set() or self.sock.fileno() < 0:
           return   # closed under us
