@@ -152,7 +152,9 @@ def test_client_knows_when_the_driver_is_gone():
     attacker.close()
     acks = client.acks
     assert client.driver_lost() and client.seconds_since_ack() > 0.6
-    assert server.receive(0.0), 'the heartbeats were still taken meanwhile'
+    # (Waiting for one: on a loaded machine the reflecting loop above can
+    # read every heartbeat before the server's thread does.)
+    assert server.receive(1.0), 'the heartbeats are still taken meanwhile'
     # The loop is back: one authentic acknowledgement is enough.
     deadline = time.time() + 2
     while client.acks == acks and time.time() < deadline:
