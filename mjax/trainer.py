@@ -232,8 +232,6 @@ class Trainer:
       self._check_schedule(saved)
     if self.finished:
       return   # nothing to train: no data, no compilation, nothing written
-    if self.is_main:
-      config_lib.write(cfg, workdir)
     self._mark('state', then='startup:data')
 
     share, shares = self.program.data_share()   # this process's block of every batch
@@ -249,6 +247,12 @@ class Trainer:
                                              self.program.abstract_batch()).compile()
     self.compile_s = time.perf_counter() - t0
     self._check_step_fits(devices)
+    # The run's config, once everything it names has been found to work:
+    # a start that fails (data it cannot read, a step too large) leaves the
+    # workdir's config that of the run whose checkpoints are there, which
+    # mjax-eval, mjax-generate and mjax-export read.
+    if self.is_main:
+      config_lib.write(cfg, workdir)
     self._startup.current = 'startup:barrier'   # the report's compile_wait_s
     # Every process waits here for the slowest compile (one that missed the
     # compilation cache), so none sits in the first step's collectives long

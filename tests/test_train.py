@@ -14,6 +14,7 @@ import pytest
 from mjax import config as C
 from mjax import data as data_lib
 from mjax import trainer
+from mjax.errors import UserError
 
 REQUIRED_KEYS = {'step', 'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec', 'mfu'}
 
@@ -379,11 +380,28 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch)
   monkeypatch.setattr(trainer, 'memory_per_device', lambda devices: (64 * 2**20, 'a 64 MiB test device'))
   cfg = _small('DataConfig.seq_len = 2048', 'TrainConfig.steps = 2', 'TrainConfig.eval_every = 0',
                'CheckpointConfig.save_every = 1')
+  # The workdir of an earlier run: its config stays (mjax-eval, -generate
+  # and -export read it), however far the failed start got.
+  earlier = _small('TrainConfig.steps = 24')
+  C.write(earlier, str(tmp_path / 'run'))
+  with open(tmp_path / 'run' / 'config.gin') as fh:
+    before = fh.read()
   with pytest.raises(ConfigError, match=r'the train step needs [\d.]+ (GiB|MiB) per device .* activations and '
                                         r'temporaries.* more than the 64.0 MiB each device has \(a 64 MiB test '
                                         r'device\)\. Lower DataConfig.seq_len \(2048\)'):
     trainer.run(cfg, str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints' / '1')
+  with open(tmp_path / 'run' / 'config.gin') as fh:
+    assert fh.read() == before and 'DataConfig.seq_len = 64' in before
+  # So does data it cannot read.
+  (tmp_path / 'empty.txt').write_text('')
+  with pytest.raises(UserError, match='empty.txt'):
+    trainer.run(_small('TrainConfig.steps = 26', f"DataConfig.source = '{tmp_path / 'empty.txt'}'"),
+                str(tmp_path / 'run'))
+  with open(tmp_path / 'run' / 'config.gin') as fh:
+    assert fh.read() == before
+  with open(tmp_path / 'run' / 'config.json') as fh:
+    assert json.load(fh) == C.to_dict(earlier)
 
 
 def test_processes_that_see_different_data_stop_at_start(monkeypatch):
