@@ -121,7 +121,8 @@ class DataConfig:
   file_pattern: str = '*.py'
   # 'bytes' (UTF-8 bytes + EOS + PAD, 258 ids) or the path of a Hugging Face
   # tokenizer.json (mjax-tokenizer trains one). Applies to text sources; a
-  # shard directory was tokenized by mjax-prepare and must agree with it.
+  # shard directory was tokenized by mjax-prepare and must agree with it
+  # (left at 'bytes' for shards alone: the run takes the shards' tokenizer).
   tokenizer: str = 'bytes'
   seq_len: int = 256
   heldout_fraction: float = 0.02    # share of files held out for evaluation (text sources)

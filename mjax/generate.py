@@ -88,17 +88,23 @@ class Sampling:
       raise UserError(f'--seed {self.seed}: must be a 64-bit integer (|seed| < 2**63).')
 
 
-def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved: Sequence[int] = ()) -> jax.Array:
   """Next token ids (batch,) int32 from (batch, model_vocab) logits.
 
   Args:
-    logits: fp32 logits; ids >= `vocab` (the tokenizer's size) are masked.
+    logits: fp32 logits; ids >= `vocab` (the tokenizer's size) and the
+      `reserved` ones are masked.
     key: PRNG key (unused when greedy).
     s: the sampling settings.
     vocab: how many ids the tokenizer has.
+    reserved: ids below `vocab` that no text encodes to (the byte
+      tokenizer's PAD; `never_sampled`).
   """
   ids = jnp.arange(logits.shape[-1])
-  logits = jnp.where(ids < vocab, logits.astype(jnp.float32), -jnp.inf)
+  allowed = ids < vocab
+  for r in reserved:
+    allowed &= ids != r
+  logits = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
   if s.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / s.temperature
@@ -192,7 +198,7 @@ def left_pad(prompts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 class Generator:
   """The jitted prefill / decode steps of one model on one mesh."""
 
-  def __init__(self, cfg: Config, mesh: Mesh, vocab: int, sampling: Sampling):
+  def __init__(self, cfg: Config, mesh: Mesh, vocab: int, sampling: Sampling, reserved: Sequence[int] = ()):
     self.cfg, self.mesh, self.sampling = cfg, mesh, sampling
     self.rules = logical_rules(cfg.mesh)
     model = Transformer(cfg.model)
@@ -211,7 +217,7 @@ class Generator:
         tokens = tokens[:, None]
       logits, cache = model.apply({'params': params}, tokens, positions, cache=cache, last_only=True)
       last = logits[:, -1]
-      return sample(last, key, sampling, vocab), last, cache
+      return sample(last, key, sampling, vocab, reserved), last, cache
 
     # The cache is donated: each step updates it in place.
     self._advance = jax.jit(advance, donate_argnums=(3,),
@@ -474,7 +480,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
                     f'{cfg.mesh.pipeline} (virtual_stages {cfg.mesh.virtual_stages}). Leave MeshConfig.pipeline '
                     f'out of the command line, or set it to 1 (checkpoints load on any layout).')
   setup_compilation_cache(cfg.train.compilation_cache_dir)
-  tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+  tokenizer = data_lib.load_tokenizer(data_lib.run_tokenizer(cfg.data))   # a run on BPE shards: theirs
   info = tokenizer.info
   encoded = []
   for i, p in enumerate(prompts):
@@ -500,7 +506,8 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   if longest > cfg.data.seq_len:
     evaluate.say(f'{PROG}: note: texts reach {longest} tokens, longer than the {cfg.data.seq_len} the model '
                  f'was trained on; positions past that are extrapolated.')
-  gen = Generator(cfg, mesh, info.vocab_size, sampling)
+  reserved = [i for i in data_lib.never_sampled(info, cfg.model.vocab_size) if i < info.vocab_size]
+  gen = Generator(cfg, mesh, info.vocab_size, sampling, reserved)
   eos = info.eos_id if args.stop_at_eos else None
   printer = Printer(tokenizer, prompts, args.format, eos)
   try:

@@ -267,10 +267,13 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
   from safetensors import SafetensorError  # noqa: PLC0415
   from safetensors.numpy import save_file  # noqa: PLC0415
   from mjax.data import load_tokenizer  # noqa: PLC0415
+  from mjax.data.sources import run_tokenizer  # noqa: PLC0415
+  from mjax.data.tokenizer import never_sampled  # noqa: PLC0415
   m = cfg.model
   arch = architecture(m, drop_window)
   out = check_out(out)
-  info = load_tokenizer(cfg.data.tokenizer).info
+  spec = run_tokenizer(cfg.data)   # a run on BPE shards alone: theirs
+  info = load_tokenizer(spec).info
   if info.vocab_size > m.vocab_size:
     raise UserError(f'the tokenizer has {info.vocab_size} ids but ModelConfig.vocab_size is {m.vocab_size}.')
   parent = os.path.dirname(out)
@@ -285,9 +288,13 @@ def export_hf(params: dict, cfg: Config, out: str, drop_window: bool = False) ->
     with open(os.path.join(tmp, 'config.json'), 'w') as fh:
       json.dump(conf, fh, indent=2)
     with open(os.path.join(tmp, 'generation_config.json'), 'w') as fh:
-      json.dump({'bos_token_id': info.eos_id, 'eos_token_id': info.eos_id}, fh, indent=2)
+      # The ids no text encodes to (the embedding's padding past the
+      # tokenizer, the byte tokenizer's PAD): never sampled, as in
+      # mjax-generate, so that sampled text matches it.
+      json.dump({'bos_token_id': info.eos_id, 'eos_token_id': info.eos_id,
+                 'suppress_tokens': never_sampled(info, m.vocab_size)}, fh, indent=2)
     save_file(hf_tensors(params, m, arch), os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
-    write_tokenizer(tmp, cfg.data.tokenizer, info.eos_id, eos_first=not cfg.data.document_attention)
+    write_tokenizer(tmp, spec, info.eos_id, eos_first=not cfg.data.document_attention)
     # mkdtemp and the writers make some of it private; the model is for others to read too.
     for name in os.listdir(tmp):
       os.chmod(os.path.join(tmp, name), 0o666 & ~umask)

@@ -143,6 +143,11 @@ class Trainer:
     # checks a loaded one had, the mesh's against this job's devices, before
     # anything is written; a path object or ~ is a path like any other.
     cfg = config_lib.validate(cfg, num_devices=jax.device_count())
+    # Shards made with a tokenizer.json and DataConfig.tokenizer left at
+    # 'bytes': the run's config and checkpoints name the shards' tokenizer.
+    tokenizer = data_sources.run_tokenizer(cfg.data)
+    if tokenizer != cfg.data.tokenizer:
+      cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     workdir = os.path.expanduser(os.fspath(workdir))
     self.cfg, self.workdir = cfg, workdir
     self.is_main = jax.process_index() == 0

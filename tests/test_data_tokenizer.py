@@ -110,6 +110,45 @@ def test_shards_record_the_tokenizer_and_must_match_it(tmp_path, bpe_path, corpu
                                         heldout_fraction=0.2), 4)
 
 
+def test_a_run_on_shards_alone_takes_and_records_their_tokenizer(tmp_path, bpe_path, corpus_dir):
+  # Left at 'bytes', DataConfig.tokenizer of a run on BPE shards was
+  # recorded as 'bytes' in its config.gin and checkpoints: mjax-generate
+  # then read the model's ids as bytes ("????"), mjax-export shipped a byte
+  # tokenizer beside a BPE model, and both exited 0.
+  import shutil
+  from mjax.data.sources import run_tokenizer
+  tok = tmp_path / 'tok' / 'tokenizer.json'
+  tok.parent.mkdir()
+  shutil.copyfile(bpe_path, tok)
+  out = tmp_path / 'bpe'
+  data.prepare_shards(str(corpus_dir), str(out), str(tok), heldout_fraction=0.2)
+  assert run_tokenizer(DataConfig(source=str(out))) == str(tok)
+  assert run_tokenizer(DataConfig(mixture=f'{out}:1,{out}:2')) == str(tok)
+  # A tokenizer named is kept (the pipeline checks it against the shards);
+  # text sources and byte shards stay with bytes.
+  assert run_tokenizer(DataConfig(source=str(out), tokenizer=str(bpe_path))) == str(bpe_path)
+  assert run_tokenizer(DataConfig(source=str(corpus_dir))) == 'bytes'
+  byte_shards = tmp_path / 'bytes'
+  data.prepare_shards(str(corpus_dir), str(byte_shards), 'bytes', heldout_fraction=0.2)
+  assert run_tokenizer(DataConfig(source=str(byte_shards))) == 'bytes'
+  # The trainer writes what it resolved (and the checkpoints' meta record).
+  from mjax import trainer
+  cfg = C.load_config(['tiny.gin'], [f"DataConfig.source = '{out}'", 'ModelConfig.vocab_size = 384'])
+  t = trainer.Trainer.__new__(trainer.Trainer)
+  (tmp_path / 'afile').write_text('')
+  with pytest.raises(C.ConfigError, match='afile'):   # stops after the tokenizer, at the workdir (a file)
+    trainer.Trainer.__init__(t, cfg, str(tmp_path / 'afile'))
+  assert t.cfg.data.tokenizer == str(tok)
+  # Moved or changed since: said, with what to set.
+  tok.write_text(tok.read_text().replace('"<|endoftext|>"', '"<|end|>"', 1))
+  with pytest.raises(data.DataError, match=r'tokenized with .*tokenizer.json .*is no longer that file .*'
+                                           r'Set DataConfig.tokenizer to the path of that tokenizer.json'):
+    run_tokenizer(DataConfig(source=str(out)))
+  tok.unlink()
+  with pytest.raises(data.DataError, match=rf'and {tok} is gone\. Set DataConfig.tokenizer'):
+    run_tokenizer(DataConfig(source=str(out)))
+
+
 def test_missing_eos_is_an_error_naming_what_was_looked_for(tmp_path):
   path = _word_level(tmp_path / 'no_eos.json', {'[UNK]': 0, 'hello': 1})
   with pytest.raises(data.DataError) as err:

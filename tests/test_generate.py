@@ -85,9 +85,9 @@ def test_left_padded_prompts_decode_as_if_alone():
 
 # --- sampling ----------------------------------------------------------------------
 
-def _draws(logits, s, n=2000, vocab=None):
+def _draws(logits, s, n=2000, vocab=None, reserved=()):
   logits = jnp.asarray(np.broadcast_to(np.asarray(logits, np.float32), (n, len(logits))))
-  return np.asarray(sample(logits, jax.random.key(s.seed), s, vocab or logits.shape[-1]))
+  return np.asarray(sample(logits, jax.random.key(s.seed), s, vocab or logits.shape[-1], reserved))
 
 
 def test_greedy_and_filters():
@@ -103,6 +103,11 @@ def test_greedy_and_filters():
   np.testing.assert_allclose(counts, [0.05, 0.5, 0.3, 0.15], atol=0.02)
   # Ids past the tokenizer's vocabulary (padding of the embedding) never come out.
   assert set(_draws([0.0, 0.0, 10.0, 10.0], Sampling(temperature=1.0), vocab=2)) <= {0, 1}
+  # Nor do reserved ids within it (the byte tokenizer's PAD), greedy or not.
+  assert set(_draws([0.0, 0.0, 10.0, 10.0], Sampling(temperature=1.0), vocab=3, reserved=(2,))) <= {0, 1}
+  assert set(_draws([0.0, 5.0, 10.0], Sampling(temperature=0), reserved=(2,))) == {1}
+  from mjax.data import load_tokenizer, never_sampled
+  assert never_sampled(load_tokenizer('bytes').info, 384) == [257, *range(258, 384)]
   # Seeded: the same seed draws the same tokens.
   s = Sampling(temperature=1.0, seed=7)
   assert (_draws(logits, s) == _draws(logits, s)).all()

@@ -181,6 +181,10 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   assert tok.eos_token_id == 256 and tok.decode(tok(text)['input_ids'], skip_special_tokens=True) == text
   with open(os.path.join(out, 'config.json')) as fh:
     assert json.load(fh)['eos_token_id'] == 256
+  # Sampling skips the ids no text encodes to (PAD, the embedding's padding
+  # past 258), as mjax-generate does.
+  gen_cfg = transformers.GenerationConfig.from_pretrained(out)
+  assert gen_cfg.suppress_tokens == [257, *range(258, 384)] and gen_cfg.eos_token_id == 256
   # The trained weights: mjax's logits from the checkpoint, on a text within the window.
   from mjax import evaluate
   from mjax.parallel import make_mesh

@@ -490,7 +490,8 @@ def read_manifest(root: str) -> dict:
   return m
 
 
-def _tokenizer_info(m: dict) -> TokenizerInfo:
+def tokenizer_info(m: dict) -> TokenizerInfo:
+  """The identity of the tokenizer a manifest records."""
   t = m['tokenizer']
   return TokenizerInfo(str(t.get('name')), t.get('path'), t['vocab_size'], m['eos_id'],
                        t.get('sha256'))
@@ -553,7 +554,7 @@ def _full_check(path: str, entry: dict, tokens: ShardTokens, vocab_size: int, eo
 def _open(root: str, verify_checksums: bool, manifest_mtime: float) -> ShardSet:
   del manifest_mtime  # only part of the cache key: a re-prepared directory is read again
   m = read_manifest(root)
-  tok = _tokenizer_info(m)
+  tok = tokenizer_info(m)
   dtype = np.dtype(m['dtype']).newbyteorder('<')
   arrays = {s: [] for s in SPLITS}
   names = {s: [] for s in SPLITS}

@@ -95,6 +95,43 @@ def load_sources(cfg: DataConfig) -> list[tuple[TokenSource, float]]:
   return out
 
 
+def run_tokenizer(cfg: DataConfig) -> str:
+  """The tokenizer a run's ids come from, as DataConfig.tokenizer names it.
+
+  DataConfig.tokenizer, except where it is left at 'bytes' and every source
+  is a shard directory made with a tokenizer.json: then the file its
+  manifest names (the path it was prepared with). The trainer records this
+  in the run's config and checkpoints, where mjax-eval, mjax-generate and
+  mjax-export find what decodes the model's ids; recorded as 'bytes', they
+  read a BPE model's ids as bytes.
+
+  Raises:
+    DataError: that file is gone, or is no longer the one the shards were
+      made with (its sha256).
+  """
+  specs = [spec for spec, _ in cfg.source_weights()]
+  if cfg.tokenizer != BYTES or not all(s != 'stdlib' and shards_lib.is_shard_dir(s) for s in specs):
+    return cfg.tokenizer
+  root = os.path.abspath(os.path.expanduser(specs[0]))
+  info = shards_lib.tokenizer_info(shards_lib.read_manifest(root))
+  if info.name == BYTES or info.sha256 is None:
+    return cfg.tokenizer
+  path = info.path
+  if path and os.path.isfile(path):
+    try:
+      if load_tokenizer(path).info.same_as(info):
+        return path
+      problem = f'{path} is no longer that file (its sha256 differs)'
+    except DataError as e:
+      problem = f'{path} cannot be read ({e})'
+  else:
+    problem = f'{path or "the file it was prepared with"} is gone'
+  raise DataError(
+      f'shard directory {root} was tokenized with {info.describe()}, and {problem}. Set DataConfig.tokenizer to '
+      f'the path of that tokenizer.json (a copy of it: the sha256 is checked): the run records it, and '
+      f'mjax-eval, mjax-generate and mjax-export decode the model\'s ids with it.')
+
+
 def data_vocab(cfg: DataConfig) -> tuple[int, str]:
   """The vocabulary size the model must cover, without reading any tokens.
 

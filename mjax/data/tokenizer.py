@@ -73,6 +73,17 @@ class TokenizerInfo:
     return dataclasses.asdict(self)
 
 
+def never_sampled(info: TokenizerInfo, model_vocab: int) -> list[int]:
+  """The ids of a model's vocabulary that no text encodes to, which
+  generation must never pick: those past the tokenizer's (the embedding's
+  padding to a multiple of 128) and the byte tokenizer's reserved PAD. The
+  model learns near-zero probability for them, but sampling at a
+  temperature finds them now and then (PAD ~0.2% of one-token samples, the
+  padding ids up to ~15% of the mass early in training)."""
+  reserved = [PAD_ID] if info.name == BYTES else []
+  return reserved + list(range(info.vocab_size, model_vocab))
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
   """Little-endian storage type of token ids: uint16 up to 65535 ids, else uint32."""
   return np.dtype('<u2') if vocab_size <= 65535 else np.dtype('<u4')
