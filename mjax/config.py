@@ -724,6 +724,20 @@ def check_for_training(cfg: Config) -> None:
           f'must be above OptimConfig.warmup_steps = {o.warmup_steps} (the schedule decays from the end of '
           f'the warm-up to decay_steps; below it the rate would stay at its peak for all '
           f'{t.steps} steps), or unset (TrainConfig.steps)')
+  d = cfg.data
+  if d.mixture is not None:
+    if d.source != 'stdlib':
+      _fail('DataConfig.source', d.source,
+            f'must be left unset with DataConfig.mixture = {d.mixture!r}, which names every source the run reads '
+            f'(this one would not be read); add it to the mixture as SOURCE:WEIGHT, or set mixture = None')
+    seen = {}
+    for src, _ in d.source_weights():
+      key = os.path.realpath(os.path.expanduser(src)) if src != 'stdlib' else src
+      if key in seen:
+        _fail('DataConfig.mixture', d.mixture,
+              f'names the source {seen[key]!r} twice{"" if seen[key] == src else f" (as {src!r})"}: give it once, '
+              f'with the weights added')
+      seen[key] = src
 
 
 def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:

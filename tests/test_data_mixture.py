@@ -221,3 +221,15 @@ def test_mixture_parsing_and_missing_sources(tmp_path):
   assert cfg.data.mixture == 'stdlib:0.5,stdlib:0.5' and cfg.data.document_attention
   again = C.load_config([], [line for line in C.to_gin(cfg).splitlines() if line])
   assert again == cfg
+  # Training refuses what would be read otherwise than written (a run so
+  # configured before is still evaluated): a source twice, and a `source`
+  # beside a mixture, which was ignored without a word.
+  with pytest.raises(C.ConfigError, match=r"DataConfig.mixture = 'stdlib:0.5,stdlib:0.5' is not allowed: names "
+                                          r"the source 'stdlib' twice: give it once, with the weights added"):
+    C.check_for_training(cfg)
+  with pytest.raises(C.ConfigError, match=r"names the source '.*' twice \(as '.*/\.'\)"):
+    C.check_for_training(C.Config(data=DataConfig(mixture=f'{tmp_path}:1,{tmp_path}/.:1')))
+  with pytest.raises(C.ConfigError, match=rf"DataConfig.source = '{tmp_path}' is not allowed: must be left unset "
+                                          r"with DataConfig.mixture = 'stdlib:1'.*add it to the mixture"):
+    C.check_for_training(C.Config(data=DataConfig(source=str(tmp_path), mixture='stdlib:1')))
+  C.check_for_training(C.Config(data=DataConfig(mixture=f'stdlib:1,{tmp_path}:2')))
