@@ -986,6 +986,10 @@ def first_mismatch(expected: dict, state: Any, partial: bool = False) -> Optiona
   return None
 
 
+def _read_only_notice(record: logging.LogRecord) -> bool:
+  return not record.getMessage().startswith('Given directory is read only')
+
+
 def _no_item_metadata_warning(record: logging.LogRecord) -> bool:
   return not record.getMessage().startswith('Metadata file does not exist')
 
@@ -1990,8 +1994,17 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
     directory, step = base, int(leaf)
   else:
     directory, step = path, None
-  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                  item_names=('state', 'data', 'meta'))
+  # Read only, and said so in full: Orbax warns of each option it has to
+  # change for read_only, and that the directory is read only, which reads
+  # like a fault to whoever restores from another run.
+  absl_log = logging.getLogger('absl')
+  absl_log.addFilter(_read_only_notice)
+  try:
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        read_only=True, create=False, cleanup_tmp_directories=False, save_interval_steps=0),
+        item_names=('state', 'data', 'meta'))
+  finally:
+    absl_log.removeFilter(_read_only_notice)
   try:
     if step is None:
       # Process 0's newest, in every process: the run it comes from may

@@ -193,6 +193,10 @@ def config_sources(args: argparse.Namespace) -> tuple[list[str], list[str]]:
   """(gin files, bindings before the command line's) of the config to evaluate with."""
   if args.workdir:
     run_gin = os.path.join(args.workdir, 'config.gin')
+    if not os.path.isdir(args.workdir):
+      what = 'is not a directory' if os.path.exists(args.workdir) else 'does not exist'
+      raise UserError(f'--workdir {args.workdir!r} {what}: give the workdir of an mjax-train run, or '
+                      f'--checkpoint PATH with --gin_file.')
     if not os.path.isfile(run_gin):
       raise UserError(f'--workdir {args.workdir!r} has no config.gin: give the workdir of an mjax-train '
                       f'run, or --checkpoint PATH with --gin_file.')
@@ -335,7 +339,7 @@ def restore(program: Program, choice: Choice, prog: str = PROG) -> tuple[Candida
     if other is not None:
       raise UserError(
           f'{choice.where}: step {cand.step} ({cand.path}) was saved from another model than the config '
-          f'describes: {other[len(_OTHER_MODEL):]}. Evaluate with the config it was trained with: the '
+          f'describes: {other[len(_OTHER_MODEL):]}. Run {prog} with the config it was trained with: the '
           f'run\'s config.gin (--workdir) or, with --checkpoint and no --gin_file, the config saved in '
           f'the checkpoint; overrides may change the data and the mesh, not ModelConfig shapes.')
     skipped.append({'step': cand.step, 'path': cand.path,

@@ -378,10 +378,11 @@ def export_main(args: argparse.Namespace, bindings: Sequence[str]) -> dict:
   one_device = [f'MeshConfig.{a} = 1' for a in ('data', 'fsdp', 'tensor', 'pipeline', 'virtual_stages',
                                                  'dcn_data', 'dcn_fsdp', 'dcn_tensor', 'dcn_pipeline')]
   cfg = flags.load(files, [*saved, *bindings, *one_device], num_devices=1)
+  choice = evaluate.choose(args, cfg)   # a run with nothing saved: said first, whatever else is amiss
   architecture(cfg.model, args.drop_sliding_window)     # refuse before reading anything
   check_out(args.out)
   program = make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()[:1]))
-  picked, params, verified, _ = evaluate.restore(program, evaluate.choose(args, cfg), PROG)
+  picked, params, verified, _ = evaluate.restore(program, choice, PROG)
   changed = evaluate.tokenizer_change(picked.path, cfg)
   if changed:
     # The exported directory would ship that tokenizer beside the weights,

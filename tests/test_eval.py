@@ -161,9 +161,16 @@ def test_a_tokenizer_other_than_the_trained_one_is_said_and_refused_for_export(r
   assert not os.path.exists(tmp_path / 'hf')
 
 
-def test_config_of_another_model_is_refused(run):
-  with pytest.raises(UserError, match=r"another model.*params\['embedding'\] is \(384, 128\)"):
+def test_config_of_another_model_is_refused(run, tmp_path):
+  with pytest.raises(UserError, match=r"another model.*params\['embedding'\] is \(384, 128\).* Run mjax-eval with "
+                                      r"the config it was trained with"):
     mjax_eval('--workdir', run, '--gin.ModelConfig.d_model=256')
+  # A workdir that is not there is said to be so (not "has no config.gin").
+  with pytest.raises(UserError, match=rf"--workdir '{tmp_path}/nothing' does not exist: give the workdir"):
+    mjax_eval('--workdir', str(tmp_path / 'nothing'))
+  (tmp_path / 'afile').write_text('')
+  with pytest.raises(UserError, match=r"--workdir '.*/afile' is not a directory"):
+    mjax_eval('--workdir', str(tmp_path / 'afile'))
 
 
 def cli(repo_root: str, *argv: str) -> subprocess.CompletedProcess:

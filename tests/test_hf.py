@@ -155,6 +155,16 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
   assert {os.stat(tmp_path / 'ok' / n).st_mode & 0o777 for n in os.listdir(tmp_path / 'ok')} == {0o666 & ~umask}
 
 
+def test_a_run_with_nothing_saved_is_said_first(tmp_path):
+  # Before, the export asked for --drop_sliding_window first, then, given
+  # it, said there was nothing to export.
+  C.write(C.load_config(['tiny.gin'], []), str(tmp_path / 'run'))
+  args, bindings = export.parse_export_args([str(tmp_path / 'hf'), '--workdir', str(tmp_path / 'run')])
+  with pytest.raises(UserError, match=r"--workdir '.*/run' holds no saved checkpoint"):
+    export.export_main(args, bindings)
+  assert not os.path.exists(tmp_path / 'hf')
+
+
 def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   """A run trained through the trainer (tiny: parallel block, windows), exported
   through the command; the tokenizer maps text to the same byte ids."""
