@@ -43,7 +43,7 @@ from mjax import data as data_lib
 from mjax import distributed, flags
 from mjax.checkpoint import (FINGERPRINTS, first_mismatch, foreign, is_step_dir, quiet_failed_io_aftermath,
                              read_error, saved_steps, step_json, steps_in, tier_directories)
-from mjax.config import Config
+from mjax.config import Config, ConfigError
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
 from mjax.parallel import make_mesh
@@ -118,6 +118,32 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   return args, bindings
 
 
+# A mesh of one data axis over every device: what a tool that reads a
+# checkpoint runs on where the run's own mesh does not fit its devices.
+ALL_DATA = ('MeshConfig.data = -1', 'MeshConfig.fsdp = 1', 'MeshConfig.tensor = 1', 'MeshConfig.pipeline = 1',
+            'MeshConfig.virtual_stages = 1', 'MeshConfig.microbatches = 0', 'MeshConfig.dcn_data = 1',
+            'MeshConfig.dcn_fsdp = 1', 'MeshConfig.dcn_tensor = 1', 'MeshConfig.dcn_pipeline = 1',
+            "MeshConfig.pipeline_schedule = 'circular'")
+
+
+def setup_on_these_devices(files: Sequence[str], saved: Sequence[str], bindings: Sequence[str],
+                           prog: str = PROG) -> Config:
+  """flags.setup for a tool that reads a run's checkpoint: on the run's mesh
+  where it fits this job's devices. Where it does not (trained on 8 GPUs,
+  evaluated on one) and the command line names no mesh, data-parallel over
+  the devices there are, with a note: a checkpoint loads on any mesh."""
+  try:
+    return flags.setup(files, [*saved, *bindings])
+  except ConfigError as e:
+    if not str(e).startswith('MeshConfig = ') or any(b.replace(' ', '').startswith('MeshConfig.') for b in bindings):
+      raise
+    said = str(e).split(' is not allowed', 1)[0]
+  n = jax.device_count()
+  say(f'{prog}: the run\'s {said} does not fit the {n} device(s) here: running data-parallel on them instead '
+      f'(a checkpoint loads on any mesh; --gin.MeshConfig.* sets another)')
+  return flags.load(files, [*saved, *bindings, *ALL_DATA], num_devices=n)
+
+
 def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   """Evaluates what `args` name; the report in process 0, None in the others.
 
@@ -126,7 +152,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   """
   t0 = time.perf_counter()
   files, saved = config_sources(args)
-  cfg = flags.setup(files, [*saved, *bindings])
+  cfg = setup_on_these_devices(files, saved, bindings)
   setup_compilation_cache(cfg.train.compilation_cache_dir)
   choice = choose(args, cfg)
   mesh = make_mesh(cfg.mesh)

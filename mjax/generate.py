@@ -474,7 +474,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   prompts = read_prompts(args)
   files, saved = evaluate.config_sources(args)
   saved = [*saved, *_without_pipeline(flags.load(files, [*saved, *bindings]), bindings)]
-  cfg = flags.setup(files, [*saved, *bindings])
+  cfg = evaluate.setup_on_these_devices(files, saved, bindings, PROG)
   if cfg.mesh.pipelined:
     raise UserError(f'{PROG} runs on data / fsdp / tensor meshes; this config has MeshConfig.pipeline = '
                     f'{cfg.mesh.pipeline} (virtual_stages {cfg.mesh.virtual_stages}). Leave MeshConfig.pipeline '

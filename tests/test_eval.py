@@ -173,9 +173,10 @@ def test_config_of_another_model_is_refused(run, tmp_path):
     mjax_eval('--workdir', str(tmp_path / 'afile'))
 
 
-def cli(repo_root: str, *argv: str) -> subprocess.CompletedProcess:
+def cli(repo_root: str, *argv: str, devices: int = 8) -> subprocess.CompletedProcess:
+  env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
   return subprocess.run([sys.executable, '-c', 'from mjax.cli import eval_main; eval_main()', *argv],
-                        capture_output=True, text=True, cwd=repo_root, timeout=300)
+                        capture_output=True, text=True, cwd=repo_root, timeout=300, env=env)
 
 
 def test_cli_prints_one_json_document(run, repo_root):
@@ -184,6 +185,18 @@ def test_cli_prints_one_json_document(run, repo_root):
   out = json.loads(proc.stdout)   # the whole of stdout: one document, nothing else
   assert out['step'] == N and out['batches'] == 1 and out['tokens'] == TOKENS_PER_BATCH
   assert 'mjax-eval: loss' in proc.stderr
+  # On a machine with fewer devices than the run's mesh (fsdp = 8, named in
+  # its config.gin): data-parallel on those there are, said; the same loss.
+  # Before, the run's mesh was refused as if the user had written it.
+  two = cli(repo_root, '--workdir', run, '--batches', '1', devices=2)
+  assert two.returncode == 0, two.stderr[-3000:]
+  assert "the run's MeshConfig = {'data': 1, 'fsdp': 8, 'tensor': 1, 'pipeline': 1} does not fit the 2 device(s) " \
+         'here: running data-parallel on them instead' in two.stderr, two.stderr
+  got = json.loads(two.stdout)
+  assert got['mesh']['data'] == 2 and got['loss'] == pytest.approx(out['loss'], rel=1e-5)
+  # A mesh on the command line is the user's: refused as written.
+  bad = cli(repo_root, '--workdir', run, '--batches', '1', '--gin.MeshConfig.fsdp=4', devices=2)
+  assert bad.returncode == 2 and "MeshConfig = {'data': 1, 'fsdp': 4" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_cli_missing_step_exits_2_naming_the_saved_steps(run, repo_root):
