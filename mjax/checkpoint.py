@@ -1614,16 +1614,18 @@ class Checkpointer:
         return tier, None
     return self.tiers[0], None
 
-  @staticmethod
-  def _leave(message: str, status: int) -> None:
-    """Says `message` as the entry point would say an error and ends the
-    process now with `status`: the main thread is stuck in Orbax's wait,
-    and a normal exit would wait there too. What the run keeps is on disk:
-    the steps saved before, and its logs, written a line at a time."""
+  def _leave(self, message: str, status: int) -> None:
+    """Says `message` as the entry point would say an error (and tells a
+    supervising driver, which reports it) and ends the process now with
+    `status`: the main thread is stuck in Orbax's wait, and a normal exit
+    would wait there too. What the run keeps is on disk: the steps saved
+    before, and its logs, written a line at a time."""
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'mjax'
     try:
       print(f'{prog}: error: {message}', file=sys.stderr, flush=True)
       sys.stdout.flush()
+      if status == protocol.EXIT_USER_ERROR and protocol.under_driver():
+        protocol.Facts(self.workdir, jax.process_index()).record(protocol.USER_ERROR, message)
     finally:
       os._exit(status)
 
@@ -1744,7 +1746,8 @@ class Checkpointer:
     process here (so theirs are too), then this process's copies beyond
     `fast_keep` dropped. A save cut off later, in any process, leaves the
     newest `fast_keep` steps that every process has."""
-    tier.manager.wait_until_finished()
+    with _full_disk_is_bad_input(tier, None):   # this process's last save into it, failed
+      tier.manager.wait_until_finished()
     distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}', self.cfg.io_timeout_s)
     for old in sorted(tier.manager.all_steps(), reverse=True)[tier.keep:]:
       tier.manager.delete(old)

@@ -1071,7 +1071,7 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
 
   monkeypatch.setattr(Checkpointer, 'SAVE_WATCH_GRACE_S', 0.2)
   said = []
-  monkeypatch.setattr(Checkpointer, '_leave', staticmethod(lambda message, status: said.append((message, status))))
+  monkeypatch.setattr(Checkpointer, '_leave', lambda self, message, status: said.append((message, status)))
 
   def watch():
     ckpt = Checkpointer.__new__(Checkpointer)
@@ -1139,6 +1139,38 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
   ckpt.release_lock()
   thread.join(timeout=10)
   assert not thread.is_alive() and len(said) == 1
+
+
+def test_a_full_host_tier_found_before_the_next_save_is_bad_input(tmp_path):
+  # A host-local fast tier's failed save surfaced at the next one's wait:
+  # exit 1 with Orbax's traceback, restarted by the driver into the same
+  # full disk, three times. Now the one message and exit 2.
+  import types
+
+  def full():
+    raise ValueError('RESOURCE_EXHAUSTED: write failed: [errno 28] No space left on device')
+  tier = types.SimpleNamespace(name='fast', directory=str(tmp_path), keep=2, host=True,
+                               manager=types.SimpleNamespace(wait_until_finished=full, all_steps=lambda: []))
+  ckpt = Checkpointer.__new__(Checkpointer)
+  with pytest.raises(C.ConfigError, match=r'the fast checkpoint tier \(.*\) is full: a save \(the last one\)'):
+    ckpt._host_turn(tier)
+
+
+def test_the_save_watch_leaves_with_the_message_for_the_driver_too(tmp_path):
+  # Under the fault-tolerance driver the message is also a fact of the
+  # process, which the driver's bad_input event and give-up line report
+  # (they said only "exit status 2" before).
+  from mjax import protocol
+  code = ('import sys\nfrom mjax.checkpoint import Checkpointer\n'
+          'c = Checkpointer.__new__(Checkpointer)\n'
+          f'c.workdir = {str(tmp_path)!r}\n'
+          'c._leave("the persistent checkpoint tier (/x) is full", 2)\nprint("not left")\n')
+  env = {**os.environ, protocol.DRIVER_ADDRESS_ENV: '127.0.0.1:9'}
+  proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and 'not left' not in proc.stdout, proc
+  assert proc.stderr.endswith('error: the persistent checkpoint tier (/x) is full\n'), proc.stderr
+  facts = protocol.read_facts(str(tmp_path), 0)
+  assert facts[protocol.USER_ERROR] == 'the persistent checkpoint tier (/x) is full', facts
 
 
 def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
