@@ -63,7 +63,9 @@ RESTORE_BELOW_KEY = 'CheckpointConfig.restore_below'   # after a loss spike: res
 # --- facts ------------------------------------------------------------------------
 FACTS_DIR = 'protocol'
 STARTUP = 'startup'          # {part: seconds} to the first completed step
-NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan', 'what': 'loss' (or grad_norm, update_norm)}
+NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan', 'what': 'loss' (or grad_norm, update_norm),
+                             #  'resume_from': the checkpoint step a restart resumes from, as the
+                             #  trainer sees its tiers (a host-local one the driver cannot list)}
 USER_ERROR = 'user_error'    # the message of the bad input that ended the process (exit status 2)
 DEVICES = 'devices'          # the process's devices (jax.local_device_count()), recorded first:
                              # what the driver lays a job shrunk to fewer hosts out on
@@ -103,6 +105,10 @@ class Facts:
     earlier = read_facts(workdir, process, attempt())
     if earlier.get('process') == process:
       self._facts.update(earlier)
+
+  def get(self, name: str, default: Any = None) -> Any:
+    """A fact this process recorded in this attempt."""
+    return self._facts.get(name, default)
 
   def record(self, name: str, value: Any) -> None:
     self._facts[name] = value

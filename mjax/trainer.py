@@ -371,7 +371,15 @@ class Trainer:
       with timer.phase('checkpoint'):
         self._finish_saves()
       if isinstance(e, NonFiniteLoss):
-        e.resumes_from(self._newest_saved(), self.start_step, self.cfg.train.skip_batches)
+        saved = self._newest_saved()
+        e.resumes_from(saved, self.start_step, self.cfg.train.skip_batches)
+        if reporter.facts is not None:
+          # Where a restart resumes, as this process sees its checkpoints:
+          # the driver cannot list a host-local fast tier, and a rollback
+          # that skipped from the one it can see dropped good batches.
+          found = reporter.facts.get(protocol.NONFINITE) or {}
+          reporter.facts.record(protocol.NONFINITE, {**found, 'resume_from': saved if saved is not None
+                                                     else self.start_step})
       raise
 
   def _newest_saved(self) -> Optional[int]:

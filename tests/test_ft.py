@@ -755,6 +755,36 @@ def test_rollback_accumulates_skips(tmp_path, monkeypatch):
   d.server.close()
 
 
+def test_with_a_host_local_tier_the_rollback_and_the_restart_streak_follow_the_trainers(tmp_path, monkeypatch):
+  # The driver cannot list a host-local fast tier. A NaN at 55 with the
+  # persistent tier at 0 and the host tier at 40: the rollback skipped 55
+  # batches from "0" while the trainers resumed at 40, dropping 40 good
+  # ones. And a job dying at step 58 every time resumed from 40 every time
+  # and caught up every time, which reset the streak: it never gave up.
+  from mjax import protocol
+  host = ['--gin.CheckpointConfig.fast_every=20', "--gin.CheckpointConfig.fast_scope='host'"]
+  d = make_driver(tmp_path, train=host)
+  assert not d._progress_visible()
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+  for i in (0, 1):
+    protocol.Facts(str(tmp_path), i).record(protocol.NONFINITE, {'step': 55, 'loss': 'nan', 'what': 'loss',
+                                                                 'resume_from': 40})
+  d._rollback(att, detect.Fault('nonfinite_loss', [0], step=55))
+  assert d.skip == (40, 15) and d._resume_step() == 40
+  assert events(tmp_path, 'rollback')[-1]['checkpoint_step'] == 40
+  # The restart streak: attempts that resume from the step the one before
+  # resumed from saved nothing newer in between.
+  progressed = []
+  for number, resumed in enumerate((0, 40, 40, 40)):
+    att = driver.Attempt(number, ['slot0'], {0: None}, [], {}, detect.Monitor(d.fault_cfg, d.losses), [], 0.0)
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, str(number))
+    protocol.Facts(str(tmp_path), 0).record(protocol.STARTUP, {'resumed_step': resumed})
+    progressed.append(d._progressed(att))
+  assert progressed == [True, True, False, False]
+  d.server.close()
+
+
 def test_a_loss_spike_rolls_back_to_a_step_saved_before_it_began(tmp_path):
   # Saves at 6, 8 and 10; the spike ran from step 9 to 11. Step 10 is finite
   # but spiked, and step 9's loss was taken on the state saved as 8: the next
@@ -796,6 +826,9 @@ while Timer.current == 'startup:restore':
   time.sleep(0.05)
 if mode == 'long':                       # trains until pre-empted, then exits cleanly
   signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
+if mode == 'slow_stop':                  # its stop save takes for ever
+  signal.signal(signal.SIGTERM, lambda *a: None)
+  mode = 'long'
 for step in range(1, 4):
   Timer.step = step
   client.report_step(step, 1.0, 0.01)
@@ -1031,6 +1064,25 @@ def test_sigterm_to_the_driver_preempts_the_job(tmp_path, monkeypatch):
   assert fake_run(tmp_path, monkeypatch, 'long', processes=2) == driver.EXIT_OK
   (ev,) = events(tmp_path, 'preempted')
   assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and not events(tmp_path, 'fault')
+
+
+def test_a_second_signal_cuts_the_preemption_and_is_said(tmp_path, monkeypatch):
+  # Ctrl-C twice: the trainers were killed before their stop save, and the
+  # driver exited 1, as when it gives up after restarts, without a word.
+  import threading
+
+  def preempt_twice():
+    while not events(tmp_path, 'running'):
+      time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+
+  threading.Thread(target=preempt_twice, daemon=True).start()
+  assert fake_run(tmp_path, monkeypatch, 'slow_stop', processes=2) == protocol.EXIT_INTERRUPTED
+  (ev,) = events(tmp_path, 'preempted')
+  assert 'a second signal cut the wait' in ev['detail'] and 'resumes from the newest checkpoint' in ev['detail'], ev
 
 
 def test_sigterm_to_the_whole_process_group_ends_the_driver(tmp_path):

@@ -439,6 +439,11 @@ class Driver:
     # After a loss spike: the step the next attempt resumes below (the steps
     # saved during the spike are set aside), until an attempt has resumed.
     self.restore_below: Optional[int] = None
+    # Where tiers the driver cannot list are (host-local): the checkpoint the
+    # trainers last said a restart resumes from, and the step the last
+    # attempt resumed from (their start-up facts).
+    self._resume_hint: Optional[int] = None
+    self._last_resumed: Optional[int] = None
     self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
     self._signal: Optional[int] = None
     self._signals = 0
@@ -528,11 +533,10 @@ class Driver:
         # and saved a checkpoint newer than the one it started from. The
         # heartbeats' step lags the real one by a few steps, so catching up
         # alone is also what an attempt that dies at the same step every
-        # time does; a newer checkpoint is progress no restart undoes. Where
-        # the driver cannot see the checkpoints a restart resumes from
-        # (_progress_visible), catching up is all it has.
-        if att.recovered and (not self._progress_visible()
-                              or self._checkpoint_step() > att.checkpoint_at_launch):
+        # time does; a newer checkpoint is progress no restart undoes (where
+        # the driver cannot list them, see _progressed).
+        progressed = self._progressed(att)   # (every fault: it follows the attempts' resumed steps)
+        if att.recovered and progressed:
           streak = 0
         if streak >= f.max_restarts:
           return self._give_up(f'max_restarts = {f.max_restarts} restarts in a row without getting back '
@@ -540,8 +544,10 @@ class Driver:
         restarts += 1
         streak += 1
         backoff = min(MAX_BACKOFF_S, f.restart_backoff_s * 2 ** (streak - 1))
+        # (None: the checkpoints are where the driver cannot list them.)
         self.events.emit('restart', attempt=restarts, restarts=restarts, in_a_row=streak, backoff_s=backoff,
-                         fault=fault.kind, checkpoint_step=self._checkpoint_step())
+                         fault=fault.kind,
+                         checkpoint_step=self._checkpoint_step() if self._progress_visible() else None)
         # Up to a minute: a stop signal ends it (time.sleep resumes after one).
         end = time.monotonic() + backoff
         while self._signal is None and time.monotonic() < end:
@@ -579,6 +585,33 @@ class Driver:
     if not ck.enabled:
       return False
     return not ck.fast_every or (ck.fast_scope == 'shared' and self.opts.executor == 'local')
+
+  def _resume_step(self) -> int:
+    """The checkpoint step the next attempt resumes from, as far as the
+    driver knows: the newest it sees (below restore_below), or, with tiers
+    it cannot list, the one the trainers last said (a rollback's)."""
+    found = self._checkpoint_step(self.restore_below)
+    if self._resume_hint is not None and not self._progress_visible():
+      found = max(found, self._resume_hint)
+    return found
+
+  def _progressed(self, att: Attempt) -> bool:
+    """Whether the job got further than a restart undoes, judged at the
+    fault that ended `att`: a checkpoint newer than the one it started from.
+    Where the driver cannot list the checkpoints (a host-local fast tier),
+    the steps the trainers resumed from (their start-up facts) stand in: an
+    attempt that resumed from a newer step than the one before it shows
+    that one saved. Later by an attempt, but a job that dies at the same
+    step every time resumes from the same step every time, and gives up.
+    Without checkpoints, catching up is all there is."""
+    if self._progress_visible():
+      return self._checkpoint_step() > att.checkpoint_at_launch
+    if not self.cfg.checkpoint.enabled:
+      return True
+    resumed = next((r for r in ((self._facts(att, i).get(protocol.STARTUP) or {}).get('resumed_step')
+                                for i in att.handles) if isinstance(r, int)), None)
+    before, self._last_resumed = self._last_resumed, resumed if resumed is not None else self._last_resumed
+    return resumed is None or before is None or resumed > before
 
   def _checkpoint_step(self, below: Optional[int] = None) -> int:
     """The newest complete checkpoint over both tiers (0: none yet), below
@@ -687,7 +720,7 @@ class Driver:
     executors = [self.executor_factory(h) for h in hosts]
     coordinator = executors[0].coordinator(launch.free_port())
     skip = 0
-    resume_at = self._checkpoint_step(self.restore_below)
+    resume_at = self._resume_step()
     if self.skip is not None and self.skip[0] == resume_at:
       skip = self.skip[1]   # still resuming from the rolled-back checkpoint
     if skip:
@@ -1301,6 +1334,14 @@ class Driver:
       # step older than that is saved, the newest is all there is.
       self.restore_below = first - 1
     ckpt = self._checkpoint_step(self.restore_below)
+    if not self._progress_visible() and fault.kind == 'nonfinite_loss':
+      # A host-local fast tier the driver cannot list: where the trainers
+      # say a restart resumes (skipping from the persistent tier's older
+      # step instead dropped every good batch in between).
+      said = [r for r in ((self._facts(att, i).get(protocol.NONFINITE) or {}).get('resume_from')
+                          for i in att.handles) if isinstance(r, int)]
+      if said:
+        ckpt = self._resume_hint = min(said)
     bad = fault.step if fault.step is not None else (att.monitor.max_step() or ckpt) + 1
     # Steps after `ckpt` read batches `skip` further on than their number
     # when this checkpoint was already rolled back to once.
@@ -1317,9 +1358,21 @@ class Driver:
     until a second signal says not to wait)."""
     self._terminate(att, self.fault_cfg.collective_timeout_s + self.cfg.checkpoint.io_timeout_s,
                     patient=lambda: self._signals < 2)
-    self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att))
     clean = all(h.returncode == 0 for h in att.handles.values())
-    return self.opts.preempt_exit_status if clean else EXIT_GAVE_UP
+    fields = {}
+    if not clean:
+      # Said: the status alone read as "gave up after restarts".
+      cut = self._signals >= 2
+      newest = self._checkpoint_step() if self._progress_visible() else None
+      fields['detail'] = (
+          ('a second signal cut the wait: the processes were killed before their stop save completed'
+           if cut else 'not every process stopped cleanly (its exit status above)') +
+          (f'; the newest checkpoint is step {newest}' if newest else '') +
+          '; mjax-launch on this workdir resumes from the newest checkpoint')
+    self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att), **fields)
+    if clean:
+      return self.opts.preempt_exit_status
+    return protocol.EXIT_INTERRUPTED if self._signals >= 2 else EXIT_GAVE_UP
 
 
 class _StragglerWatch:
