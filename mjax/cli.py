@@ -273,6 +273,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     sys.exit(protocol.EXIT_NONFINITE)
   except KeyboardInterrupt:   # only where something put Python's default SIGINT handler back
     _interrupted(prog)
+  except Exception as e:
+    from mjax import distributed
+    if distributed.peer_gone(e):   # the driver blames the peer that left, not this process
+      _tell_driver(workdir, protocol.PEER_LOST, str(e).strip().splitlines()[0][:300] if str(e).strip() else '')
+    raise
   if summary.driver_lost:
     print(f'{prog}: stopped after step {summary.final_step}: the fault-tolerance driver is gone '
           f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',

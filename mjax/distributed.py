@@ -516,6 +516,19 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
   return out
 
 
+# What a collective says when the process at its other end is gone: a
+# peer that crashed or was killed first (gloo on CPU, NCCL on GPU).
+_PEER_GONE = re.compile(r'(gloo|nccl|collective|all-?reduce|all-?gather|reduce-?scatter).*'
+                        r'(connection (reset|closed|refused)|socket closed|broken pipe|remote process exited|'
+                        r'peer (closed|left|died))', re.I | re.S)
+
+
+def peer_gone(exc: BaseException) -> bool:
+  """Whether `exc` is a collective failing because another process of the
+  job left (the cause is that process's, not this one's)."""
+  return bool(_PEER_GONE.search(f'{type(exc).__name__}: {exc}'))
+
+
 # ----------------------------------------------------------------------------
 # Agreement between processes, through jax's coordination service
 # ----------------------------------------------------------------------------

@@ -67,6 +67,8 @@ NONFINITE = 'nonfinite'      # {'step': N, 'loss': 'nan', 'what': 'loss' (or gra
                              #  'resume_from': the checkpoint step a restart resumes from, as the
                              #  trainer sees its tiers (a host-local one the driver cannot list)}
 USER_ERROR = 'user_error'    # the message of the bad input that ended the process (exit status 2)
+PEER_LOST = 'peer_lost'      # the collective error that ended the process: a peer left first (its
+                             # own exit is the fault; this one's is its consequence)
 DEVICES = 'devices'          # the process's devices (jax.local_device_count()), recorded first:
                              # what the driver lays a job shrunk to fewer hosts out on
 HOST_FAULT = 'host_fault'    # {'processes': [i, ...], 'what': message}: a fault of those processes'

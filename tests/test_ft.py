@@ -785,6 +785,28 @@ def test_with_a_host_local_tier_the_rollback_and_the_restart_streak_follow_the_t
   d.server.close()
 
 
+def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp_path, monkeypatch):
+  # Process 1 killed; process 0's next all-reduce fails on the closed
+  # connection and it exits 1 in the same poll. The fault named both, and
+  # the link check found no healthy host to pair with.
+  from mjax import distributed
+  gloo = RuntimeError('UNKNOWN: Gloo all-reduce failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] '
+                      'Read error [127.0.0.1]:61107: Connection reset by peer')
+  assert distributed.peer_gone(gloo)
+  assert not distributed.peer_gone(RuntimeError('Connection reset by peer'))   # not a collective's
+  assert not distributed.peer_gone(ValueError('all-reduce of a wrong shape'))
+  d = make_driver(tmp_path)
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+  protocol.Facts(str(tmp_path), 0).record(protocol.PEER_LOST, str(gloo))
+  fault = d._exit_fault(att, {0: 1, 1: -9})
+  assert fault.processes == [1] and fault.extra['peers_left_after'] == [0], fault
+  # Every one of them saying so: nothing to tell apart, all are named.
+  protocol.Facts(str(tmp_path), 1).record(protocol.PEER_LOST, str(gloo))
+  assert d._exit_fault(att, {0: 1, 1: 1}).processes == [0, 1]
+  d.server.close()
+
+
 def test_a_loss_spike_rolls_back_to_a_step_saved_before_it_began(tmp_path):
   # Saves at 6, 8 and 10; the spike ran from step 9 to 11. Step 10 is finite
   # but spiked, and step 9's loss was taken on the state saved as 8: the next

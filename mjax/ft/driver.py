@@ -893,6 +893,13 @@ class Driver:
       codes.update({i: 'host lost' for i in lost})
       return detect.Fault('host_lost', lost, 'the host\'s agent went away (connection lost or silent for '
                           'heartbeat_timeout_s)', extra={'exit': codes})
+    # Processes whose collectives failed because a peer left first (their
+    # facts say so) are the fault's consequence: blaming them too left no
+    # healthy host for the link check, and diagnosed healthy ones.
+    followed = {i for i in failed if self._facts(att, i).get(protocol.PEER_LOST) is not None}
+    if followed and len(followed) < len(failed):
+      return detect.Fault('exit', sorted(set(failed) - followed), 'exited abnormally',
+                          extra={'exit': codes, 'peers_left_after': sorted(followed)})
     return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
 
   def _facts(self, att: Attempt, process: int) -> dict:
