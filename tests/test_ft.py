@@ -1275,6 +1275,12 @@ def test_a_long_evaluation_and_a_long_last_save_are_not_hangs(tmp_path, repo_roo
   assert events(tmp_path, 'fault') == [] and len(events(tmp_path, 'launch')) == 1, events(tmp_path, 'fault')
   assert events(tmp_path, 'finish')[0]['step'] == N
   assert [r['step'] for r in read_metrics(tmp_path) if 'eval_loss' in r] == [6, N]
+  # The driver again on the finished run: nothing to train, and the step it
+  # finished at said (no step runs to say it: it was null).
+  again = subprocess.run(launch_cmd(tmp_path, 1), cwd=repo_root, env=child_env(), capture_output=True, text=True,
+                         timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert [e['step'] for e in events(tmp_path, 'finish')] == [N, N]
 
 
 @pytest.mark.slow

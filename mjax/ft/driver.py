@@ -506,7 +506,10 @@ class Driver:
           self.restore_below = None   # resumed: the spiked steps are set aside
         if outcome == 'finished':
           self._stop(att, 'finished')
-          self.events.emit('finish', attempt=att.number, restarts=restarts, step=att.monitor.max_step())
+          step = att.monitor.max_step()
+          if step is None and self._progress_visible():   # already finished: no step ran
+            step = self._checkpoint_step() or None
+          self.events.emit('finish', attempt=att.number, restarts=restarts, step=step)
           self._over = True
           return EXIT_OK
         if outcome == 'preempted':
