@@ -257,9 +257,11 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   workdir = args.workdir or os.path.join('runs', flags.run_name(args))
   _exit_on_ctrl_c(prog)
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
+  heartbeat = None
   try:
+    heartbeat, startup = _early_heartbeat(args, bindings)
     cfg = flags.setup(flags.gin_files(args), bindings)
-    summary = trainer.run(cfg, workdir)
+    summary = trainer.run(cfg, workdir, heartbeat, startup)
   except UserError as e:   # the driver reports the message when it gives up
     _tell_driver(workdir, protocol.USER_ERROR, str(e))
     raise
@@ -278,11 +280,29 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
     if distributed.peer_gone(e):   # the driver blames the peer that left, not this process
       _tell_driver(workdir, protocol.PEER_LOST, str(e).strip().splitlines()[0][:300] if str(e).strip() else '')
     raise
+  finally:
+    if heartbeat is not None:   # the trainer's to close once it has it; not yet, where it failed before
+      heartbeat.close()
   if summary.driver_lost:
     print(f'{prog}: stopped after step {summary.final_step}: the fault-tolerance driver is gone '
           f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',
           file=sys.stderr)
     sys.exit(protocol.EXIT_DRIVER_LOST)
+
+
+def _early_heartbeat(args: argparse.Namespace, bindings: Sequence[str]):
+  """(HeartbeatClient, StartupPhase) beating from before this process joins
+  the job, under mjax-launch; (None, None) otherwise. A process stopped or
+  wedged in jax.distributed.initialize was never heard from: the healthy
+  ones timed out waiting for it, and the driver blamed them."""
+  if not protocol.under_driver():
+    return None, None
+  from mjax.distributed import PROCESS_ID
+  from mjax.ft.heartbeat import HeartbeatClient
+  from mjax.trainer import StartupPhase
+  early = flags.load(flags.gin_files(args), bindings)   # FaultConfig's intervals; checked again in setup
+  startup = StartupPhase('startup:join')
+  return HeartbeatClient.from_env(startup, early.fault, int(os.environ.get(PROCESS_ID, '0') or 0)), startup
 
 
 def _tell_driver(workdir: str, fact: str, value) -> None:

@@ -113,9 +113,11 @@ class Summary:
   startup: Optional[dict] = None   # seconds to the first step, by phase
 
 
-def run(cfg: Config, workdir: str) -> Summary:
-  """Trains `cfg` in `workdir` (resuming from it when it holds checkpoints)."""
-  return Trainer(cfg, workdir).train()   # which frees the workdir however it ends
+def run(cfg: Config, workdir: str, heartbeat: Optional[HeartbeatClient] = None,
+        startup: Optional['StartupPhase'] = None) -> Summary:
+  """Trains `cfg` in `workdir` (resuming from it when it holds checkpoints).
+  `heartbeat` and `startup`: see `Trainer`."""
+  return Trainer(cfg, workdir, heartbeat, startup).train()   # which frees the workdir however it ends
 
 
 class StartupPhase:
@@ -125,11 +127,13 @@ class StartupPhase:
   # In the order they come; 'startup:barrier' is the wait for every other
   # process's compile: one that missed the compilation cache holds the
   # others there, and the start-up timeout then names it by its phase.
-  ORDER = ('startup:mesh', 'startup:program', 'startup:restore', 'startup:data', 'startup:compile',
-           'startup:barrier', 'startup:first_step')
+  # 'startup:join' is joining the job (jax.distributed.initialize), where
+  # mjax-train's heartbeats begin: a process stopped there is named by them.
+  ORDER = ('startup:join', 'startup:mesh', 'startup:program', 'startup:restore', 'startup:data',
+           'startup:compile', 'startup:barrier', 'startup:first_step')
 
-  def __init__(self):
-    self.current, self.step, self.ticks = 'startup:mesh', None, None
+  def __init__(self, current: str = 'startup:mesh'):
+    self.current, self.step, self.ticks = current, None, None
 
 
 class Trainer:
@@ -138,7 +142,11 @@ class Trainer:
   through its steps. To train on, build a new one (it resumes from the
   workdir's last checkpoint)."""
 
-  def __init__(self, cfg: Config, workdir: str | os.PathLike):
+  def __init__(self, cfg: Config, workdir: str | os.PathLike, heartbeat: Optional[HeartbeatClient] = None,
+               startup: Optional[StartupPhase] = None):
+    """`heartbeat`: a client already beating (mjax-train starts one before
+    joining the job), reporting `startup`; the Trainer takes it over and
+    closes it. Default: one of its own, under mjax-launch."""
     # A Config of one's own (dataclasses.replace on a loaded one) gets the
     # checks a loaded one had, the mesh's against this job's devices, before
     # anything is written; a path object or ~ is a path like any other.
@@ -171,12 +179,14 @@ class Trainer:
     # process is in; a stopped process (or one whose interpreter is wedged)
     # is lost after heartbeat_timeout_s instead of the whole start-up
     # allowance; and a start-up timeout gets every process's Python stacks.
-    self._startup = StartupPhase()
+    self._startup = startup if startup is not None else StartupPhase()
+    self._startup.current = 'startup:mesh'
     self._trained = self._closed = False
     self._claim = _Claim(workdir)
     weakref.finalize(self, self._claim.release)
     try:
-      self.heartbeat = HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index())
+      self.heartbeat = (heartbeat if heartbeat is not None else
+                        HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index()))
       self._build()
     except BaseException:   # the workdir is free again for this process's next run
       self.close()

@@ -804,6 +804,16 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   # Every one of them saying so: nothing to tell apart, all are named.
   protocol.Facts(str(tmp_path), 1).record(protocol.PEER_LOST, str(gloo))
   assert d._exit_fault(att, {0: 1, 1: 1}).processes == [0, 1]
+  # Process 1 stopped before its first heartbeat; process 0 gave up waiting
+  # for it to join the job (exit 1): the silent one is the suspect.
+  att = fake_attempt(d, ['slot0', 'slot1'])
+  att.monitor.procs[0].first_beat, att.monitor.procs[0].phase = 1.0, 'startup:join'
+  fault = d._exit_fault(att, {0: 1})
+  assert (fault.kind, fault.processes) == ('startup_timeout', [1]), fault
+  assert 'never heard from: process(es) 1, while process(es) 0 gave up waiting for them to join' in fault.detail
+  # Past the join, an exit is the process's own.
+  att.monitor.procs[0].phase = 'startup:compile'
+  assert d._exit_fault(att, {0: 1}).processes == [0]
   d.server.close()
 
 

@@ -896,6 +896,18 @@ class Driver:
       codes.update({i: 'host lost' for i in lost})
       return detect.Fault('host_lost', lost, 'the host\'s agent went away (connection lost or silent for '
                           'heartbeat_timeout_s)', extra={'exit': codes})
+    # Failed while joining the job, with processes never heard from: those
+    # are what the others waited for (jax does not say whom), stopped or
+    # wedged before their first heartbeat. Blaming the ones that timed out
+    # restarted onto the bad host again and again.
+    procs = att.monitor.procs
+    silent = sorted(p.process for p in procs.values() if p.first_beat is None and p.exited is None)
+    if silent and all(procs[i].phase == 'startup:join' for i in failed if i in procs):
+      return detect.Fault('startup_timeout', silent,
+                          f'never heard from: process(es) {", ".join(map(str, silent[:8]))}'
+                          f'{" and more" if len(silent) > 8 else ""}, while process(es) '
+                          f'{", ".join(map(str, sorted(failed)[:8]))} gave up waiting for them to join the job',
+                          extra={'exit': codes, 'heartbeating': sorted(set(procs) - set(silent))})
     # Processes whose collectives failed because a peer left first (their
     # facts say so) are the fault's consequence: blaming them too left no
     # healthy host for the link check, and diagnosed healthy ones.

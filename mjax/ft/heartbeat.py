@@ -418,7 +418,10 @@ class HeartbeatClient:
     return time.monotonic() - self._last_ack
 
   def close(self) -> None:
-    """Stops the thread and tells the driver this process is wrapping up."""
+    """Stops the thread and tells the driver this process is wrapping up
+    (once: a second call changes nothing)."""
+    if self._sock.fileno() < 0:
+      return
     self._stop.set()
     self._thread.join(timeout=max(1.0, 2 * self.interval_s))
     self._send(final=True)
