@@ -986,6 +986,13 @@ def first_mismatch(expected: dict, state: Any, partial: bool = False) -> Optiona
   return None
 
 
+def _no_size_logging_notice(record: logging.LogRecord) -> bool:
+  # Orbax's warning on every save of a host-local tier (each process its
+  # own primary host): it crowded the lines that matter out of the
+  # driver's last_logs of a fault.
+  return not record.getMessage().startswith('Global object size logging disabled')
+
+
 def _read_only_notice(record: logging.LogRecord) -> bool:
   return not record.getMessage().startswith('Given directory is read only')
 
@@ -1635,6 +1642,9 @@ class Checkpointer:
     for name, directory in dirs.items():
       keep, every = (cfg.keep, cfg.save_every) if name == 'persistent' else (cfg.fast_keep, cfg.fast_every)
       if name in host:
+        absl_log = logging.getLogger('absl')
+        if _no_size_logging_notice not in absl_log.filters:
+          absl_log.addFilter(_no_size_logging_notice)
         self.tiers.append(_Tier(name, directory, every, keep,
                                 _host_manager(directory, cfg.async_save, cfg.io_timeout_s), host=True))
         continue
