@@ -416,7 +416,7 @@ class Trainer:
     """`train`'s steps, final save and evaluation."""
     cfg, program, start = self.cfg, self.program, self.start_step
     step = start
-    with StopAgreement(heartbeat) as stop, profiler, sampler, injector or contextlib.nullcontext(), \
+    with StopAgreement(heartbeat, WorkdirWatch(self.workdir)) as stop, profiler, sampler, injector or contextlib.nullcontext(), \
         StepGC(cfg.train.gc_every_steps) as collector:
       if heartbeat is not None:
         # Past start-up only now that SIGTERM saves: the driver's 'running'
@@ -467,6 +467,15 @@ class Trainer:
 
     # A stop agreed after the last step stops nothing: the run is complete,
     # and finishing it (the final evaluation) is what a restart would skip.
+    if stop.workdir_gone:
+      reporter.close()
+      if self.is_main:
+        config_lib.write(cfg, self.workdir)   # eval, generate and export read it
+      where = (f'step {step} was saved in {self.ckpt.tiers[0].directory}, and the same command goes on '
+               f'from it' if self.ckpt is not None and self.ckpt.tiers else 'nothing was saved (checkpoints are off)')
+      raise UserError(f'the workdir {self.workdir} was deleted (or replaced) while the run trained; noticed after '
+                      f'step {step}, the run stopped there. Its metrics, logs and config before then are gone; '
+                      f'{where}.')
     if stop.stopped and step < cfg.train.steps:
       reporter.close()
       why = f'received {stop.name}' if stop.signal is not None else f'stopping: {stop.name}'
@@ -944,6 +953,42 @@ def _check_same_data(fingerprint: dict) -> None:
         f'order that all must build alike: give every host the same data, complete, before the job starts.')
 
 
+class WorkdirWatch:
+  """Whether the run's workdir was deleted (or replaced) under it, looked
+  at no more than every CHECK_S. Its metrics, logs and config then went
+  on into deleted files without a word, and the job ended "finished" with
+  none of them; the loop stops instead (StopAgreement), saves, and says so.
+
+  It holds the run's config.json open: a deleted file keeps its inode while
+  open, with no name left (st_nlink 0), which a directory made again at
+  the same path (by a save) cannot hide, as its inode number can repeat."""
+  CHECK_S = 5.0
+  MARK = 'config.json'
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    try:
+      self._fd: Optional[int] = os.open(os.path.join(workdir, self.MARK), os.O_RDONLY)
+    except OSError:
+      self._fd = None   # none here (another host's workdir): nothing to watch
+    self._next = time.monotonic() + self.CHECK_S
+
+  def gone(self) -> bool:
+    now = time.monotonic()
+    if self._fd is None or now < self._next:
+      return False
+    self._next = now + self.CHECK_S
+    try:
+      return os.fstat(self._fd).st_nlink == 0
+    except OSError:
+      return False
+
+  def close(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
 class StopAgreement:
   """SIGTERM / SIGINT (pre-emption, Ctrl-C) ask the loop to finish the step,
   save and exit 0. A second signal gets the default behaviour (kill now).
@@ -960,12 +1005,15 @@ class StopAgreement:
   KEY = 'mjax/stop/after_step'
   DONE = 'done'            # written on the way out: wakes every watcher, stops nobody
   DRIVER_LOST = 'driver_lost'
+  WORKDIR_GONE = 'workdir_gone'
   POLL_MS = 10_000
 
-  def __init__(self, heartbeat: Optional[HeartbeatClient] = None):
+  def __init__(self, heartbeat: Optional[HeartbeatClient] = None, workdir: Optional['WorkdirWatch'] = None):
     self.signal = None
     self.driver_lost = False
+    self.workdir_gone = False
     self._heartbeat = heartbeat
+    self._workdir = workdir
     self._old = {}
     self._stop_after: Optional[int] = None
     self._why_elsewhere: Optional[str] = None   # why the process that proposed the stop stopped
@@ -980,12 +1028,16 @@ class StopAgreement:
       return signal.Signals(self.signal).name
     if self.driver_lost:
       return 'no word from the fault-tolerance driver for heartbeat_timeout_s'
+    if self.workdir_gone:
+      return 'the workdir was deleted under the running job'
     return f'another process of the job was asked to stop ({self._why_elsewhere or "a signal"})'
 
   def _requested(self) -> bool:
     if self.signal is None and not self.driver_lost and self._heartbeat is not None:
       self.driver_lost = self._heartbeat.driver_lost()
-    return self.signal is not None or self.driver_lost
+    if self.signal is None and not self.driver_lost and not self.workdir_gone and self._workdir is not None:
+      self.workdir_gone = self._workdir.gone()
+    return self.signal is not None or self.driver_lost or self.workdir_gone
 
   def agreed(self, step: int) -> bool:
     """Whether to stop after `step`. One process: once asked. Several: after
@@ -1005,7 +1057,8 @@ class StopAgreement:
       client = distributed.coordination_client()
       # The reason travels with the step: every process stops for the same
       # one (a lost driver means exit status 4 everywhere, not only here).
-      why = self.DRIVER_LOST if self.driver_lost else signal.Signals(self.signal).name
+      why = (self.DRIVER_LOST if self.driver_lost else self.WORKDIR_GONE if self.workdir_gone else
+             signal.Signals(self.signal).name)
       try:
         client.key_value_set(self.KEY, f'{step + self.MARGIN} {why}')
       except jax.errors.JaxRuntimeError as e:
@@ -1022,6 +1075,8 @@ class StopAgreement:
     self._why_elsewhere = why or None
     if why == self.DRIVER_LOST:
       self.driver_lost = True
+    if why == self.WORKDIR_GONE:
+      self.workdir_gone = True
     return int(step)
 
   def _watch(self) -> None:
@@ -1053,6 +1108,8 @@ class StopAgreement:
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+    if self._workdir is not None:
+      self._workdir.close()
     if self._watcher is not None:
       # A thread still waiting in the coordination service when jax shuts it
       # down at exit aborts the process: wake it (every process leaves the

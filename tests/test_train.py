@@ -404,6 +404,33 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch)
     assert json.load(fh) == C.to_dict(earlier)
 
 
+def test_a_workdir_deleted_under_the_run_stops_it_with_a_save_and_says_so(tmp_path, monkeypatch):
+  # Deleted mid-run, the workdir's metrics, logs and config went on into
+  # deleted files, and the run ended "done" (exit 0) with none of them.
+  import shutil
+  monkeypatch.setattr(trainer.WorkdirWatch, 'CHECK_S', 0.0)
+  assert not trainer.WorkdirWatch(str(tmp_path / 'w')).gone()   # no run there (yet): nothing to watch
+  (tmp_path / 'w').mkdir()
+  (tmp_path / 'w' / 'config.json').write_text('{}')
+  watch = trainer.WorkdirWatch(str(tmp_path / 'w'))
+  assert not watch.gone()
+  shutil.rmtree(tmp_path / 'w')
+  (tmp_path / 'w').mkdir()   # made again (by a save): another directory, perhaps with the same inode number
+  assert watch.gone()
+  watch.close()
+  # The loop: stopped after the step it was noticed, that step saved, the
+  # config written again, one message (exit 2: nothing to restart).
+  calls = []
+  monkeypatch.setattr(trainer.WorkdirWatch, 'gone', lambda self: calls.append(1) or len(calls) >= 3)
+  workdir = tmp_path / 'run'
+  with pytest.raises(UserError, match=rf'the workdir {workdir} was deleted \(or replaced\) while the run trained; '
+                                      r'noticed after step 3, the run stopped there\..*step 3 was saved in '
+                                      rf'{workdir}/checkpoints, and the same command goes on from it'):
+    trainer.run(_small('TrainConfig.steps = 8', 'CheckpointConfig.save_every = 5', 'TrainConfig.eval_every = 0'),
+                str(workdir))
+  assert (workdir / 'checkpoints' / '3').is_dir() and (workdir / 'config.gin').is_file()
+
+
 def test_processes_that_see_different_data_stop_at_start(monkeypatch):
   # Each process builds the whole order and reads its rows of it: a host
   # that sees other files would mix rows of another order into every batch.
