@@ -467,7 +467,7 @@ class Trainer:
 
     # A stop agreed after the last step stops nothing: the run is complete,
     # and finishing it (the final evaluation) is what a restart would skip.
-    if stop.workdir_gone:
+    if stop.stopped and step < cfg.train.steps and stop.reason == StopAgreement.WORKDIR_GONE:
       reporter.close()
       if self.is_main:
         config_lib.write(cfg, self.workdir)   # eval, generate and export read it
@@ -1012,6 +1012,7 @@ class StopAgreement:
     self.signal = None
     self.driver_lost = False
     self.workdir_gone = False
+    self.reason: Optional[str] = None   # why the stop agreed on was asked for (every process alike)
     self._heartbeat = heartbeat
     self._workdir = workdir
     self._old = {}
@@ -1049,16 +1050,22 @@ class StopAgreement:
     self.stopped = self._agreed(step)
     return self.stopped
 
+  def _why(self) -> str:
+    return (self.DRIVER_LOST if self.driver_lost else self.WORKDIR_GONE if self.workdir_gone else
+            signal.Signals(self.signal).name)
+
   def _agreed(self, step: int) -> bool:
     if jax.process_count() == 1:
-      return self._requested()
+      if self._requested():
+        self.reason = self.reason or self._why()
+        return True
+      return False
     if self._stop_after is None and not self._proposed and self._requested():
       self._proposed = True
       client = distributed.coordination_client()
       # The reason travels with the step: every process stops for the same
       # one (a lost driver means exit status 4 everywhere, not only here).
-      why = (self.DRIVER_LOST if self.driver_lost else self.WORKDIR_GONE if self.workdir_gone else
-             signal.Signals(self.signal).name)
+      why = self._why()
       try:
         client.key_value_set(self.KEY, f'{step + self.MARGIN} {why}')
       except jax.errors.JaxRuntimeError as e:
@@ -1073,6 +1080,7 @@ class StopAgreement:
       return None
     step, _, why = value.partition(' ')
     self._why_elsewhere = why or None
+    self.reason = why or None
     if why == self.DRIVER_LOST:
       self.driver_lost = True
     if why == self.WORKDIR_GONE:

@@ -429,6 +429,12 @@ def test_a_workdir_deleted_under_the_run_stops_it_with_a_save_and_says_so(tmp_pa
     trainer.run(_small('TrainConfig.steps = 8', 'CheckpointConfig.save_every = 5', 'TrainConfig.eval_every = 0'),
                 str(workdir))
   assert (workdir / 'checkpoints' / '3').is_dir() and (workdir / 'config.gin').is_file()
+  # Noticed after the last step: the run is complete, and finishes as one.
+  calls.clear()
+  monkeypatch.setattr(trainer.WorkdirWatch, 'gone', lambda self: calls.append(1) or len(calls) >= 8)
+  done = trainer.run(_small('TrainConfig.steps = 8', 'CheckpointConfig.save_every = 5', 'TrainConfig.eval_every = 0'),
+                     str(tmp_path / 'run2'))
+  assert done.final_step == 8 and np.isfinite(done.eval_loss) and not done.preempted
 
 
 def test_processes_that_see_different_data_stop_at_start(monkeypatch):
