@@ -192,7 +192,8 @@ def tokenizer_change(step_dir: str, cfg: Config) -> Optional[str]:
     then = TokenizerInfo(**saved)
   except Exception:  # noqa: BLE001 -- no record (an older step) or not one: nothing to compare
     return None
-  now = data_lib.load_tokenizer(data_lib.run_tokenizer(cfg.data)).info
+  from mjax.data.sources import tokenizer_identity
+  now = tokenizer_identity(cfg.data)
   if now.same_as(then):
     return None
   return (f'DataConfig.tokenizer is {now.describe()}, but step {os.path.basename(step_dir.rstrip("/"))} was trained '

@@ -151,14 +151,19 @@ class Trainer:
     # checks a loaded one had, the mesh's against this job's devices, before
     # anything is written; a path object or ~ is a path like any other.
     cfg = config_lib.validate(cfg, num_devices=jax.device_count())
-    # Shards made with a tokenizer.json and DataConfig.tokenizer left at
-    # 'bytes': the run's config and checkpoints name the shards' tokenizer.
-    tokenizer = data_sources.run_tokenizer(cfg.data)
-    if tokenizer != cfg.data.tokenizer:
-      cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     workdir = os.path.expanduser(os.fspath(workdir))
     self.cfg, self.workdir = cfg, workdir
     self.is_main = jax.process_index() == 0
+    # The config the run records (config.gin, checkpoints), which mjax-eval,
+    # -generate and -export read: shards made with a tokenizer.json and
+    # DataConfig.tokenizer left at 'bytes' name the shards' tokenizer there.
+    # Process 0's alone is written; the others train on `cfg` as given.
+    self.recorded = cfg
+    if self.is_main:
+      tokenizer, note = data_sources.shard_tokenizer(cfg.data)
+      if note is not None:
+        print(f'mjax: warning: {note}', flush=True)
+      self.recorded = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     self._t_start = time.perf_counter()
     self._marks: dict[str, float] = {}
     self.ckpt: Optional[checkpoint_lib.Checkpointer] = None
@@ -267,7 +272,7 @@ class Trainer:
     # workdir's config that of the run whose checkpoints are there, which
     # mjax-eval, mjax-generate and mjax-export read.
     if self.is_main:
-      config_lib.write(cfg, workdir)
+      config_lib.write(self.recorded, workdir)
     self._startup.current = 'startup:barrier'   # the report's compile_wait_s
     # Every process waits here for the slowest compile (one that missed the
     # compilation cache), so none sits in the first step's collectives long
@@ -367,7 +372,8 @@ class Trainer:
     sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
     # Which tokenizer made the ids this model learns: evaluation, generation
     # and export check theirs against it (a file edited or replaced since).
-    meta = {'config': config_lib.to_dict(cfg), 'tokenizer': data_lib.load_tokenizer(cfg.data.tokenizer).info.to_json()}
+    meta = {'config': config_lib.to_dict(self.recorded),
+            'tokenizer': data_sources.tokenizer_identity(cfg.data).to_json()}
     try:
       return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
     except Exception as e:
@@ -470,7 +476,7 @@ class Trainer:
     if stop.stopped and step < cfg.train.steps and stop.reason == StopAgreement.WORKDIR_GONE:
       reporter.close()
       if self.is_main:
-        config_lib.write(cfg, self.workdir)   # eval, generate and export read it
+        config_lib.write(self.recorded, self.workdir)   # eval, generate and export read it
       where = (f'step {step} was saved in {self.ckpt.tiers[0].directory}, and the same command goes on '
                f'from it' if self.ckpt is not None and self.ckpt.tiers else 'nothing was saved (checkpoints are off)')
       raise UserError(f'the workdir {self.workdir} was deleted (or replaced) while the run trained; noticed after '

@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 
 import gin
 import numpy as np
@@ -138,15 +139,21 @@ def test_a_run_on_shards_alone_takes_and_records_their_tokenizer(tmp_path, bpe_p
   (tmp_path / 'afile').write_text('')
   with pytest.raises(C.ConfigError, match='afile'):   # stops after the tokenizer, at the workdir (a file)
     trainer.Trainer.__init__(t, cfg, str(tmp_path / 'afile'))
-  assert t.cfg.data.tokenizer == str(tok)
-  # Moved or changed since: said, with what to set.
+  assert t.recorded.data.tokenizer == str(tok) and t.cfg.data.tokenizer == 'bytes'
+  from mjax.data.sources import shard_tokenizer, tokenizer_identity
+  assert tokenizer_identity(DataConfig(source=str(out))) == data.load_tokenizer(str(tok)).info
+  # Moved or changed since: training goes on ('bytes' recorded, the shards'
+  # identity in the checkpoints), with a note; decoding tools refuse.
   tok.write_text(tok.read_text().replace('"<|endoftext|>"', '"<|end|>"', 1))
-  with pytest.raises(data.DataError, match=r'tokenized with .*tokenizer.json .*is no longer that file .*'
-                                           r'Set DataConfig.tokenizer to the path of that tokenizer.json'):
+  spec, note = shard_tokenizer(DataConfig(source=str(out)))
+  assert spec == 'bytes' and re.search(r'tokenized with .*tokenizer.json .*is no longer that file .*'
+                                       r'Set DataConfig.tokenizer to the path of that tokenizer.json', note), note
+  with pytest.raises(data.DataError, match='is no longer that file'):
     run_tokenizer(DataConfig(source=str(out)))
   tok.unlink()
-  with pytest.raises(data.DataError, match=rf'and {tok} is gone\. Set DataConfig.tokenizer'):
+  with pytest.raises(data.DataError, match=rf'and {tok} is not there\. Set DataConfig.tokenizer'):
     run_tokenizer(DataConfig(source=str(out)))
+  assert tokenizer_identity(DataConfig(source=str(out))).sha256 == hashlib.sha256(bpe_path.read_bytes()).hexdigest()
 
 
 def test_missing_eos_is_an_error_naming_what_was_looked_for(tmp_path):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 
@@ -95,41 +95,62 @@ def load_sources(cfg: DataConfig) -> list[tuple[TokenSource, float]]:
   return out
 
 
-def run_tokenizer(cfg: DataConfig) -> str:
-  """The tokenizer a run's ids come from, as DataConfig.tokenizer names it.
+def shard_tokenizer(cfg: DataConfig) -> tuple[str, Optional[str]]:
+  """(the tokenizer a run's ids come from, as DataConfig.tokenizer names
+  it; a note where that cannot be confirmed here).
 
   DataConfig.tokenizer, except where it is left at 'bytes' and every source
   is a shard directory made with a tokenizer.json: then the file its
-  manifest names (the path it was prepared with). The trainer records this
-  in the run's config and checkpoints, where mjax-eval, mjax-generate and
-  mjax-export find what decodes the model's ids; recorded as 'bytes', they
-  read a BPE model's ids as bytes.
-
-  Raises:
-    DataError: that file is gone, or is no longer the one the shards were
-      made with (its sha256).
+  manifest names (the path it was prepared with), where it is still there
+  with the same sha256. Recorded as 'bytes', mjax-eval, mjax-generate and
+  mjax-export read a BPE model's ids as bytes. Where the file is gone or
+  changed, 'bytes' stays, with a note saying what to set: training needs
+  no tokenizer (the shards hold ids), so that is no reason to refuse it.
   """
   specs = [spec for spec, _ in cfg.source_weights()]
   if cfg.tokenizer != BYTES or not all(s != 'stdlib' and shards_lib.is_shard_dir(s) for s in specs):
-    return cfg.tokenizer
+    return cfg.tokenizer, None
   root = os.path.abspath(os.path.expanduser(specs[0]))
   info = shards_lib.tokenizer_info(shards_lib.read_manifest(root))
   if info.name == BYTES or info.sha256 is None:
-    return cfg.tokenizer
+    return cfg.tokenizer, None
   path = info.path
   if path and os.path.isfile(path):
     try:
       if load_tokenizer(path).info.same_as(info):
-        return path
+        return path, None
       problem = f'{path} is no longer that file (its sha256 differs)'
     except DataError as e:
       problem = f'{path} cannot be read ({e})'
   else:
-    problem = f'{path or "the file it was prepared with"} is gone'
-  raise DataError(
+    problem = f'{path or "the file it was prepared with"} is not there'
+  return cfg.tokenizer, (
       f'shard directory {root} was tokenized with {info.describe()}, and {problem}. Set DataConfig.tokenizer to '
-      f'the path of that tokenizer.json (a copy of it: the sha256 is checked): the run records it, and '
-      f'mjax-eval, mjax-generate and mjax-export decode the model\'s ids with it.')
+      f'the path of that tokenizer.json (a copy of it: the sha256 is checked): mjax-eval, mjax-generate and '
+      f'mjax-export decode the model\'s ids with it.')
+
+
+def tokenizer_identity(cfg: DataConfig) -> TokenizerInfo:
+  """The identity of the tokenizer that made a run's ids (what checkpoints
+  record): the shards' own, from their manifest, for a run on shards
+  alone with DataConfig.tokenizer left at 'bytes', whether or not its file
+  is at hand; else DataConfig.tokenizer's."""
+  specs = [spec for spec, _ in cfg.source_weights()]
+  if cfg.tokenizer == BYTES and all(s != 'stdlib' and shards_lib.is_shard_dir(s) for s in specs):
+    return shards_lib.tokenizer_info(shards_lib.read_manifest(os.path.abspath(os.path.expanduser(specs[0]))))
+  return load_tokenizer(cfg.tokenizer).info
+
+
+def run_tokenizer(cfg: DataConfig) -> str:
+  """`shard_tokenizer`'s tokenizer, for a tool that decodes ids.
+
+  Raises:
+    DataError: the shards' tokenizer.json cannot be confirmed (its note).
+  """
+  spec, note = shard_tokenizer(cfg)
+  if note is not None:
+    raise DataError(note)
+  return spec
 
 
 def data_vocab(cfg: DataConfig) -> tuple[int, str]:
