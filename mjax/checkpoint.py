@@ -1553,6 +1553,9 @@ class Checkpointer:
     self.is_main = jax.process_index() == 0
     self._locked: list[str] = []
     self._closed = threading.Event()
+    # The exit status for the save watch, where the run is already ending
+    # for a reason of its own (a non-finite loss: 3, rolled back).
+    self.leave_status: Optional[int] = None
     quiet_failed_io_aftermath()
     dirs = tier_directories(cfg, workdir, strict=True)
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
@@ -1592,6 +1595,11 @@ class Checkpointer:
       return
     tier, step = self._failed_save_at(_FailedSave.text)
     here = f'process {jax.process_index()} of {jax.process_count()}'
+    if self.leave_status is not None:   # the run is ending for a reason of its own (a NaN): that one's status
+      self._leave(f'a save into the {tier.name} checkpoint tier ({tier.directory}) failed in {here} '
+                  f'({_FailedSave.said or _FailedSave.error}) while the run was ending; the steps saved before '
+                  f'are intact.', self.leave_status)
+      return
     if _FailedSave.said is not None:
       error = _unwritable_error(tier, step, _FailedSave.said)
       self._leave(f'{error} ({here.capitalize()} found it while the others waited for its save: it leaves now, '

@@ -325,6 +325,11 @@ class TrainConfig:
   # fault-tolerance driver sets it after a NaN / loss-spike rollback, so that
   # the restart does not replay the batches that led to the fault.
   skip_batches: int = 0
+  # Only when starting from this step (None: whatever the start): the
+  # checkpoint the driver's rollback counted the skip from. A start from a
+  # newer one (a host-local tier the driver cannot list) holds its own data
+  # position, past the bad batches: skipping there would drop good ones.
+  skip_batches_after: Optional[int] = None
   # jax.profiler trace of `profile_steps` steps starting at `profile_from_step`
   # (0: the first step after compilation, whose caches are warm) into
   # <workdir>/profile: TensorBoard's profile plugin or ui.perfetto.dev read it.
@@ -804,7 +809,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
-  _positive(t, 'eval_every', 'skip_batches', 'profile_steps', 'profile_from_step', 'gc_every_steps',
+  _positive(t, 'eval_every', 'skip_batches', 'skip_batches_after', 'profile_steps', 'profile_from_step', 'gc_every_steps',
             allow_zero=True)
   _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)

@@ -58,6 +58,7 @@ DIAGNOSE_FAIL_ENV = 'MJAX_DIAGNOSE_FAIL'     # test-only diagnostic failure (mja
 
 # --- gin binding the driver adds after a rollback --------------------------------
 SKIP_BATCHES_KEY = 'TrainConfig.skip_batches'
+SKIP_AFTER_KEY = 'TrainConfig.skip_batches_after'   # the skip holds for a start from this step only
 RESTORE_BELOW_KEY = 'CheckpointConfig.restore_below'   # after a loss spike: resume from before it
 
 # --- facts ------------------------------------------------------------------------

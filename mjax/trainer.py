@@ -384,19 +384,32 @@ class Trainer:
       # leaves. Cut off by the interpreter's exit instead, it was lost, and
       # Orbax's writer threads printed their tracebacks over the error. In
       # the checkpoint phase, as the heartbeats tell the driver.
+      nonfinite = isinstance(e, NonFiniteLoss)
+      if nonfinite:
+        # Where a restart resumes, as this process sees its checkpoints (the
+        # driver cannot list a host-local fast tier, and a rollback that
+        # skipped from the one it can see dropped good batches): said as
+        # the saves stand now, since the driver may stop this process while
+        # the one in flight completes (left incomplete, it is not resumed
+        # from), then again once it has.
+        self._record_resume_from(reporter)
+      if self.ckpt is not None and nonfinite:
+        self.ckpt.leave_status = protocol.EXIT_NONFINITE   # a save failing now must not hide the NaN
       with timer.phase('checkpoint'):
         self._finish_saves()
-      if isinstance(e, NonFiniteLoss):
-        saved = self._newest_saved()
-        e.resumes_from(saved, self.start_step, self.cfg.train.skip_batches)
-        if reporter.facts is not None:
-          # Where a restart resumes, as this process sees its checkpoints:
-          # the driver cannot list a host-local fast tier, and a rollback
-          # that skipped from the one it can see dropped good batches.
-          found = reporter.facts.get(protocol.NONFINITE) or {}
-          reporter.facts.record(protocol.NONFINITE, {**found, 'resume_from': saved if saved is not None
-                                                     else self.start_step})
+      if nonfinite:
+        e.resumes_from(self._record_resume_from(reporter), self.start_step, self.cfg.train.skip_batches)
       raise
+
+  def _record_resume_from(self, reporter: 'StepReporter') -> Optional[int]:
+    """The newest complete checkpoint (`_newest_saved`), also in the
+    NONFINITE fact for the driver as the step a restart resumes from."""
+    saved = self._newest_saved()
+    if reporter.facts is not None:
+      found = reporter.facts.get(protocol.NONFINITE) or {}
+      reporter.facts.record(protocol.NONFINITE, {**found, 'resume_from': saved if saved is not None
+                                                 else self.start_step})
+    return saved
 
   def _newest_saved(self) -> Optional[int]:
     """The newest complete checkpoint's step, once the saves are done."""
@@ -591,10 +604,15 @@ class Trainer:
       note = data_lib.restore_position(it, data_state, cfg.train.global_batch_size, cfg.data.seq_len)
       if note:
         self.say(f'mjax: {note}')
-    for _ in range(cfg.train.skip_batches):
+    skip, after = cfg.train.skip_batches, cfg.train.skip_batches_after
+    if skip and after is not None and after != self.start_step:
+      self.say(f'mjax: TrainConfig.skip_batches = {skip} holds for a start from step {after} '
+               f'(TrainConfig.skip_batches_after); this run starts from step {self.start_step}: nothing skipped')
+      skip = 0
+    for _ in range(skip):
       next(it)
-    if cfg.train.skip_batches:
-      self.say(f'mjax: skipped {cfg.train.skip_batches} batches (TrainConfig.skip_batches)')
+    if skip:
+      self.say(f'mjax: skipped {skip} batches (TrainConfig.skip_batches)')
     return it
 
   def _save(self, step: int, meta: dict, force: bool = False) -> None:

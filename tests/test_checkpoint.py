@@ -285,6 +285,21 @@ def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_pat
                                                   r'TrainConfig.skip_batches = 2 skips them'):
     fit(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2'), str(tmp_path))
   assert sorted(n for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == ['2']
+  # The driver's skip holds for a start from the step it counted from: a
+  # start from another (a host-local step it could not list) skips nothing,
+  # where it dropped good batches; from that step, it skips them.
+  monkeypatch.delenv('MJAX_FAULT')
+  said = []
+  monkeypatch.setattr(trainer.Trainer, 'say', lambda self, msg: said.append(msg))
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2', 'TrainConfig.skip_batches = 2',
+                           'TrainConfig.skip_batches_after = 1'), str(tmp_path))
+  t.close()
+  assert t.start_step == 2 and t.train_iter.get_state()['next_index'] == 2
+  assert any('holds for a start from step 1' in m and 'nothing skipped' in m for m in said), said
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2', 'TrainConfig.skip_batches = 2',
+                           'TrainConfig.skip_batches_after = 2'), str(tmp_path))
+  t.close()
+  assert t.train_iter.get_state()['next_index'] == 4 and 'mjax: skipped 2 batches (TrainConfig.skip_batches)' in said
 
 
 def test_a_crash_with_a_save_in_flight_completes_the_save_and_says_only_its_error(tmp_path, repo_root):
@@ -1079,7 +1094,7 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
 
   def watch():
     ckpt = Checkpointer.__new__(Checkpointer)
-    ckpt.tiers, ckpt._closed, ckpt._locked = [persistent, fast], threading.Event(), []
+    ckpt.tiers, ckpt._closed, ckpt._locked, ckpt.leave_status = [persistent, fast], threading.Event(), [], None
     checkpoint_lib._FailedSave.seen.clear()
     checkpoint_lib._FailedSave.said_here.clear()
     thread = threading.Thread(target=ckpt._watch_saves, daemon=True)

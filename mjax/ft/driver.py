@@ -594,7 +594,8 @@ class Driver:
     driver knows: the newest it sees (below restore_below), or, with tiers
     it cannot list, the one the trainers last said (a rollback's)."""
     found = self._checkpoint_step(self.restore_below)
-    if self._resume_hint is not None and not self._progress_visible():
+    if self._resume_hint is not None and not self._progress_visible() and \
+        (self.restore_below is None or self._resume_hint < self.restore_below):
       found = max(found, self._resume_hint)
     return found
 
@@ -727,7 +728,7 @@ class Driver:
     if self.skip is not None and self.skip[0] == resume_at:
       skip = self.skip[1]   # still resuming from the rolled-back checkpoint
     if skip:
-      bindings = [*bindings, f'{protocol.SKIP_BATCHES_KEY} = {skip}']
+      bindings = [*bindings, f'{protocol.SKIP_BATCHES_KEY} = {skip}', f'{protocol.SKIP_AFTER_KEY} = {resume_at}']
     if self.restore_below is not None:
       bindings = [*bindings, f'{protocol.RESTORE_BELOW_KEY} = {self.restore_below}']
     argv = [*self.trainer, *self.opts.train_args, '--workdir', self.workdir,
