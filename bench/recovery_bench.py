@@ -183,7 +183,9 @@ def breakdown(workdir, kills):
         'start_init': start_init, 'restore': startup['state_s'], 'compile': startup['compile_s'], 'compile_wait': wait,
         'other_setup': other, 'catch_up': caught['time'] - first_step, 'total': caught['time'] - k['time'],
         'distributed_init': startup['distributed_init_s'], 'first_step': startup['first_step_s'],
-        'steps_redone': (fault.get('reached_step') or 0) - restart['checkpoint_step'],
+        # (None: checkpoints the driver cannot list, a host-local tier.)
+        'steps_redone': (None if restart.get('checkpoint_step') is None else
+                         (fault.get('reached_step') or 0) - restart['checkpoint_step']),
     })
   return out
 

@@ -135,9 +135,9 @@ def setup_on_these_devices(files: Sequence[str], saved: Sequence[str], bindings:
   try:
     return flags.setup(files, [*saved, *bindings])
   except ConfigError as e:
-    if not str(e).startswith('MeshConfig = ') or any(b.replace(' ', '').startswith('MeshConfig.') for b in bindings):
+    said = str(e).split(' is not allowed', 1)[0]   # 'MeshConfig = {...}', or one of its multi-slice keys
+    if not said.startswith('MeshConfig') or any(b.replace(' ', '').startswith('MeshConfig.') for b in bindings):
       raise
-    said = str(e).split(' is not allowed', 1)[0]
   n = jax.device_count()
   say(f'{prog}: the run\'s {said} does not fit the {n} device(s) here: running data-parallel on them instead '
       f'(a checkpoint loads on any mesh; --gin.MeshConfig.* sets another)')

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from typing import Any, Optional
 
 # --- exit statuses ------------------------------------------------------------
@@ -117,7 +118,7 @@ class Facts:
     self._facts[name] = value
     try:
       os.makedirs(os.path.dirname(self.path), exist_ok=True)
-      tmp = f'{self.path}.{os.getpid()}.tmp'
+      tmp = f'{self.path}.{os.getpid()}.{threading.get_ident()}.tmp'   # a thread's own (the save watch's)
       with open(tmp, 'w') as fh:
         json.dump(self._facts, fh)
       os.replace(tmp, self.path)

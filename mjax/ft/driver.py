@@ -902,7 +902,10 @@ class Driver:
     # wedged before their first heartbeat. Blaming the ones that timed out
     # restarted onto the bad host again and again.
     procs = att.monitor.procs
-    silent = sorted(p.process for p in procs.values() if p.first_beat is None and p.exited is None)
+    # Silent for a heartbeat timeout at least: not merely still importing.
+    now = time.monotonic()
+    silent = sorted(p.process for p in procs.values() if p.first_beat is None and p.exited is None
+                    and now - p.started >= self.fault_cfg.heartbeat_timeout_s)
     if silent and all(procs[i].phase == 'startup:join' for i in failed if i in procs):
       return detect.Fault('startup_timeout', silent,
                           f'never heard from: process(es) {", ".join(map(str, silent[:8]))}'
@@ -1379,13 +1382,13 @@ class Driver:
     and exits; wait for them (the steps to the agreed stop, a collective
     timeout, and then the save's CheckpointConfig.io_timeout_s at most, or
     until a second signal says not to wait)."""
-    self._terminate(att, self.fault_cfg.collective_timeout_s + self.cfg.checkpoint.io_timeout_s,
-                    patient=lambda: self._signals < 2)
+    killed = self._terminate(att, self.fault_cfg.collective_timeout_s + self.cfg.checkpoint.io_timeout_s,
+                             patient=lambda: self._signals < 2)
     clean = all(h.returncode == 0 for h in att.handles.values())
+    cut = bool(killed) and self._signals >= 2
     fields = {}
     if not clean:
       # Said: the status alone read as "gave up after restarts".
-      cut = self._signals >= 2
       newest = self._checkpoint_step() if self._progress_visible() else None
       fields['detail'] = (
           ('a second signal cut the wait: the processes were killed before their stop save completed'
@@ -1395,7 +1398,7 @@ class Driver:
     self.events.emit('preempted', attempt=att.number, exit=self._exit_statuses(att), **fields)
     if clean:
       return self.opts.preempt_exit_status
-    return protocol.EXIT_INTERRUPTED if self._signals >= 2 else EXIT_GAVE_UP
+    return protocol.EXIT_INTERRUPTED if cut else EXIT_GAVE_UP
 
 
 class _StragglerWatch:

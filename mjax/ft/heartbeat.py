@@ -502,6 +502,7 @@ class HeartbeatServer:
     # stops it with the loop, and then nobody acknowledged the trainers.
     self._held = 0.0
     self._turn = time.monotonic()   # the thread's last turn
+    self._held_lock = threading.Lock()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name='mjax-heartbeat-server', daemon=True)
     self._thread.start()
@@ -515,7 +516,8 @@ class HeartbeatServer:
     self._watched = now if at is None else at
     # The thread's current wait counts too: after a stop, the owner's loop
     # may run before the thread has had its turn.
-    held, self._held = max(self._held, now - self._turn), 0.0
+    with self._held_lock:
+      held, self._held = max(self._held, now - self._turn), 0.0
     return held
 
   def supervised(self) -> bool:
@@ -545,7 +547,8 @@ class HeartbeatServer:
   def _run(self) -> None:
     while not self._stop.is_set():
       now = time.monotonic()
-      self._held, self._turn = max(self._held, now - self._turn), now
+      with self._held_lock:
+        self._held, self._turn = max(self._held, now - self._turn), now
       try:
         ready, _, _ = select.select([self.sock], [], [], self.TURN_S)
       except (OSError, ValueError):
