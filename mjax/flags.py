@@ -18,7 +18,7 @@ import os
 from typing import Optional, Sequence
 
 from mjax import config as config_lib
-from mjax.config import Config
+from mjax.config import Config, ConfigError
 
 DEFAULT_GIN = 'tiny.gin'
 GIN_PREFIX = '--gin.'
@@ -117,4 +117,14 @@ def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
   if join:
     join_job(early)
   from mjax.devices import start_backend
-  return load(files, bindings, num_devices=start_backend())
+  cfg = load(files, bindings, num_devices=start_backend())
+  import jax
+  platform = jax.devices()[0].platform
+  if cfg.model.attention_impl == 'cudnn' and platform != 'gpu':
+    # Found before anything compiles: it was a traceback from inside the
+    # first trace (RuntimeError: cuDNN is not detected), exit 1, which the
+    # driver restarted as a crash.
+    raise ConfigError(f"ModelConfig.attention_impl = 'cudnn' is not allowed on this job's {platform} devices: "
+                      f"cuDNN attention runs on NVIDIA GPUs; use 'dot_product' (cuDNN where it can, XLA "
+                      f"elsewhere) or 'xla'.")
+  return cfg

@@ -161,8 +161,15 @@ def config(prog: str, argv: list[str]) -> int:
   p = flags.parser(prog, 'Print the resolved config of gin files and overrides (nothing runs).')
   p.add_argument('--json', action='store_true', help='JSON instead of gin')
   args, bindings = flags.parse(p, argv)
-  # The same loading and checks as mjax-train, short of the device count.
+  # The same loading and checks as mjax-train, short of the device count;
+  # a mesh whose every axis is given names its own, and the checks that
+  # need one (the batch over data x fsdp, heads over tensor, the pipeline's
+  # layer split) run on it too.
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=None)
+  import math
+  if all(a > 0 for a in cfg.mesh.ici_shape()):
+    cfg = flags.load(flags.gin_files(args), bindings,
+                     num_devices=math.prod(cfg.mesh.ici_shape()) * math.prod(cfg.mesh.dcn_shape()))
   from mjax import config as config_lib
   print(json.dumps(config_lib.to_dict(cfg), indent=2) if args.json else config_lib.to_gin(cfg), end='\n')
   return 0

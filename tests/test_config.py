@@ -159,6 +159,12 @@ def test_report_config_prints_the_resolved_config_that_reloads_the_same(tmp_path
   assert C.load_config([str(tmp_path / 'resolved.gin')], []) == load('TrainConfig.steps = 7', num_devices=None)
   assert report.main(['config', '--gin.TrainConfig.stepz=7']) == 2
   assert 'Did you mean TrainConfig.steps?' in capsys.readouterr().err
+  # A mesh given in full is checked as mjax-train checks it ("validated",
+  # its help says): it printed a batch that cannot be split over it.
+  assert report.main(['config', '--gin_file', 'tiny.gin', '--gin.TrainConfig.global_batch_size=7',
+                      '--gin.MeshConfig.data=2', '--gin.MeshConfig.fsdp=1']) == 2
+  assert 'global_batch_size = 7 is not allowed: must be divisible by the batch-parallel size' in \
+      capsys.readouterr().err
 
 
 def test_train_print_config_validates_and_starts_nothing(repo_root, tmp_path, capsys):
@@ -272,3 +278,21 @@ def test_load_config_leaves_no_bindings_behind_and_takes_single_names():
   assert C.ModelConfig().d_model == 256
   with pytest.raises(C.ConfigError, match=r'num_devices = 0 is not allowed'):
     C.load_config(['tiny.gin'], [], num_devices=0)
+
+
+def test_cudnn_attention_on_devices_without_it_is_refused_before_compiling(repo_root, tmp_path):
+  # It crashed inside the first trace (RuntimeError: cuDNN is not detected),
+  # exit 1, which the fault-tolerance driver restarted as a crash.
+  import subprocess
+  import sys
+  from mjax import flags
+  with pytest.raises(C.ConfigError, match=r"ModelConfig.attention_impl = 'cudnn' is not allowed on this job's cpu "
+                                          r"devices: cuDNN attention runs on NVIDIA GPUs; use 'dot_product'"):
+    flags.setup([os.path.join(repo_root, 'configs', 'tiny.gin')], ["ModelConfig.attention_impl = 'cudnn'"],
+                join=False, xla_flags=False)
+  flags.setup([os.path.join(repo_root, 'configs', 'tiny.gin')], [], join=False, xla_flags=False)   # the default is fine
+  run = subprocess.run([sys.executable, '-c', 'from mjax.cli import train_main; train_main()', '--gin_file',
+                        'configs/tiny.gin', '--gin.ModelConfig.attention_impl=cudnn', '--workdir',
+                        str(tmp_path / 'run')], cwd=repo_root, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 2 and "attention_impl = 'cudnn' is not allowed" in run.stderr, run.stderr[-2000:]
+  assert 'Traceback' not in run.stderr and not (tmp_path / 'run').exists()
