@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Optional, Sequence
 
@@ -197,8 +198,39 @@ def _quit_job(status: int) -> None:
   try:
     sys.stdout.flush()
     sys.stderr.flush()
+    _after_the_others()
   finally:
     os._exit(status)
+
+
+# How long process 0 waits, leaving, for the others to leave too.
+LEAVE_WAIT_S = 3.0
+
+
+def _after_the_others() -> None:
+  """Process 0 hosts jax's coordination service: leaving before the others
+  cut off a peer still reading the agreement that ends it too (a refusal
+  every process reaches, such as a checkpoint tier some cannot see), which
+  then died of the lost service with a traceback instead of its message.
+  Each process says it is leaving; process 0 waits for the others' word,
+  LEAVE_WAIT_S at most (one that is not leaving, stuck or training on, the
+  launcher or the driver ends)."""
+  try:
+    import jax
+    from mjax import distributed
+    client = distributed.coordination_client()
+    me, n = jax.process_index(), jax.process_count()
+    client.key_value_set(f'mjax/leaving/{me}', '1')
+    if me != 0:
+      return
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    for i in range(1, n):
+      left_ms = int((deadline - time.monotonic()) * 1000)
+      if left_ms <= 0:
+        return
+      client.blocking_key_value_get(f'mjax/leaving/{i}', left_ms)
+  except Exception:  # noqa: BLE001 -- the service gone, a peer not leaving: nothing to wait for
+    pass
 
 
 def _interrupted(prog: str, signum: int = signal.SIGINT) -> None:
