@@ -514,15 +514,20 @@ def _unwritable(exc: BaseException) -> Optional[str]:
   return None
 
 
+def _kept_steps(tier: Any) -> str:
+  """The steps a tier holds, as a failed save's message lists them: from
+  the disk, since Orbax has already struck the steps beyond `keep` from its
+  own list, though they are deleted only after a save commits."""
+  try:
+    return ', '.join(map(str, steps_in(tier.directory))) or 'none'
+  except OSError:
+    return 'not readable now'
+
+
 def _unwritable_error(tier: Any, step: Optional[int], said: str) -> ConfigError:
   """The one paragraph for a save into `tier` that failed with `said` (an
   UNWRITABLE strerror): what failed, the steps kept, what to do."""
-  # From the disk: Orbax has already struck the steps beyond `keep` from
-  # its own list, though they are deleted only after a save commits.
-  try:
-    kept = ', '.join(map(str, steps_in(tier.directory))) or 'none'
-  except OSError:
-    kept = 'not readable now'
+  kept = _kept_steps(tier)
   full = said in (_NO_SPACE, 'Disk quota exceeded')
   return ConfigError(
       f'the {tier.name} checkpoint tier ({tier.directory}) ' + ('is full' if full else 'takes no more files') +
@@ -1605,10 +1610,7 @@ class Checkpointer:
       self._leave(f'{error} ({here.capitalize()} found it while the others waited for its save: it leaves now, '
                   f'which ends the job.)', protocol.EXIT_USER_ERROR)
       return
-    try:
-      kept = ', '.join(map(str, steps_in(tier.directory))) or 'none'
-    except OSError:
-      kept = 'not readable now'
+    kept = _kept_steps(tier)
     self._leave(
         f'a save into the {tier.name} checkpoint tier ({tier.directory}) '
         f'{"(step " + str(step) + ") " if step is not None else ""}failed in {here}, the others waiting for it: '

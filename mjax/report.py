@@ -167,10 +167,9 @@ def config(prog: str, argv: list[str]) -> int:
   # layer split) run on it too.
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=None)
   import math
-  if all(a > 0 for a in cfg.mesh.ici_shape()):
-    cfg = flags.load(flags.gin_files(args), bindings,
-                     num_devices=math.prod(cfg.mesh.ici_shape()) * math.prod(cfg.mesh.dcn_shape()))
   from mjax import config as config_lib
+  if all(a > 0 for a in cfg.mesh.ici_shape()):
+    cfg = config_lib.validate(cfg, num_devices=math.prod(cfg.mesh.ici_shape()) * math.prod(cfg.mesh.dcn_shape()))
   print(json.dumps(config_lib.to_dict(cfg), indent=2) if args.json else config_lib.to_gin(cfg), end='\n')
   return 0
 

@@ -95,6 +95,16 @@ def load_sources(cfg: DataConfig) -> list[tuple[TokenSource, float]]:
   return out
 
 
+def _shards_alone(cfg: DataConfig) -> Optional[str]:
+  """The first shard directory of a run made of shard directories only,
+  with DataConfig.tokenizer left at 'bytes' (the run takes their tokenizer);
+  else None."""
+  specs = [spec for spec, _ in cfg.source_weights()]
+  if cfg.tokenizer != BYTES or not all(s != 'stdlib' and shards_lib.is_shard_dir(s) for s in specs):
+    return None
+  return os.path.abspath(os.path.expanduser(specs[0]))
+
+
 def shard_tokenizer(cfg: DataConfig) -> tuple[str, Optional[str]]:
   """(the tokenizer a run's ids come from, as DataConfig.tokenizer names
   it; a note where that cannot be confirmed here).
@@ -107,10 +117,9 @@ def shard_tokenizer(cfg: DataConfig) -> tuple[str, Optional[str]]:
   changed, 'bytes' stays, with a note saying what to set: training needs
   no tokenizer (the shards hold ids), so that is no reason to refuse it.
   """
-  specs = [spec for spec, _ in cfg.source_weights()]
-  if cfg.tokenizer != BYTES or not all(s != 'stdlib' and shards_lib.is_shard_dir(s) for s in specs):
+  root = _shards_alone(cfg)
+  if root is None:
     return cfg.tokenizer, None
-  root = os.path.abspath(os.path.expanduser(specs[0]))
   info = shards_lib.tokenizer_info(shards_lib.read_manifest(root))
   if info.name == BYTES or info.sha256 is None:
     return cfg.tokenizer, None
@@ -135,9 +144,9 @@ def tokenizer_identity(cfg: DataConfig) -> TokenizerInfo:
   record): the shards' own, from their manifest, for a run on shards
   alone with DataConfig.tokenizer left at 'bytes', whether or not its file
   is at hand; else DataConfig.tokenizer's."""
-  specs = [spec for spec, _ in cfg.source_weights()]
-  if cfg.tokenizer == BYTES and all(s != 'stdlib' and shards_lib.is_shard_dir(s) for s in specs):
-    return shards_lib.tokenizer_info(shards_lib.read_manifest(os.path.abspath(os.path.expanduser(specs[0]))))
+  root = _shards_alone(cfg)
+  if root is not None:
+    return shards_lib.tokenizer_info(shards_lib.read_manifest(root))
   return load_tokenizer(cfg.tokenizer).info
 
 
