@@ -551,16 +551,11 @@ def damage_step(step_dir, damage):
   if damage == 'delete':
     os.remove(target)
     return
-  if damage == 'truncate':
-    with open(target, 'r+b') as fh:
+  with open(target, 'r+b') as fh:
+    if damage == 'truncate':
       fh.truncate(os.path.getsize(target) // 2)
-    return
-  # A bit of every array data file: the middle of the largest alone now and
-  # then fell in bytes no array refers to (the step still read 'ok').
-  data = [f for f in files if f'{os.sep}d{os.sep}' in f and os.path.getsize(f)] or [target]
-  for path in data:
-    with open(path, 'r+b') as fh:
-      fh.seek(os.path.getsize(path) // 2)
+    else:
+      fh.seek(os.path.getsize(target) // 2)
       byte = fh.read(1)[0]
       fh.seek(-1, os.SEEK_CUR)
       fh.write(bytes([byte ^ 0x08]))
