@@ -81,16 +81,42 @@ MFU_ROWS = [
 # Beside the best row: --mfu_rows 'dots_attention unrolled' --experiments.
 _BEST = ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False']
 EXPERIMENT_ROWS = [
+    # A pre-training batch nearer GPT-3 XL's (0.5M tokens where its paper
+    # used 1M), in four slices of the suite's 16 sequences: LAMB and the
+    # metrics (20.3 ms, 3.9% of the 16-sequence step; ~57 GB of fp32
+    # passes) run once per 64 sequences, the slices' gradient sums add
+    # ~10 GB each. Measured on an H200 (2026-11-27): 484.7 ms per 16
+    # sequences against 490.6, 57.3% to 58.0% MFU, 59.8 GiB.
+    ('1p3b dots_attention unrolled, batch 64 in 4 slices', '1p3b.gin',
+     [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4'], 'optional'),
+    # Slices of 32 sequences, for cards whose memory holds them (the
+    # 16-sequence row's 50.8 GiB roughly doubles): larger products, and
+    # LAMB once per 32 or 64 sequences. H200, 2026-11-27: 57.7% (86.0 GiB)
+    # and 58.1% (101.5 GiB), against 57.3% for 16 sequences.
+    ('1p3b dots_attention unrolled, batch 32', '1p3b.gin',
+     [*_BEST, 'TrainConfig.global_batch_size=32'], 'optional'),
+    ('1p3b dots_attention unrolled, batch 64 in 2 slices', '1p3b.gin',
+     [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=2'], 'optional'),
+    # No recomputation at all, unrolled: the backward reads every activation
+    # instead of recomputing the layers' non-matmul work. It runs out of
+    # memory on an 80 GB card at 16 sequences (two slices of 8 ran 527.7 ms
+    # against 517.4 on the H100). A 141 GB H200 holds it (79.8 GiB): 491.3
+    # against 490.6 ms for dots_attention (2026-11-27), recomputation free.
+    ('1p3b remat=none unrolled', '1p3b.gin',
+     ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False'], 'optional'),
     # Elementwise producers (GeLU, its derivative, norms) fused into the
     # consuming GEMM's operand reads. In a deviceless compile on jaxlib
     # 0.10.2 it takes the MLP's GeLU into the GEMMs of its forward and
     # backward (three kernels fewer for the MLP), and rotary's backward
     # compiles, but XLA crashes on the whole step (with either of the
-    # attentions a deviceless compile can build); the GPU's jaxlib may not.
+    # attentions a deviceless compile can build). The GPU's jaxlib 0.11.2
+    # compiles and trains it: 497.0 against 490.6 ms on an H200 (2026-11-27).
     ('1p3b dots_attention unrolled, GEMM fusion v2', '1p3b.gin',
      [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_gemm_fusion_v2=true"'], 'optional'),
     # Hopper warp specialization for XLA's own (Triton) GEMMs: they run the
     # layers' products in the backward (73.7 ms of the step) and forward (39.2).
+    # On an H200 (2026-11-27) it was still compiling when the suite's
+    # deadline cut it after ~95 s; it needs a call of its own.
     ('1p3b dots_attention unrolled, Triton warp specialization', '1p3b.gin',
      [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
      'optional'),
@@ -106,14 +132,6 @@ EXPERIMENT_ROWS = [
     ('1p3b remat=dots, dynamic-slice fusion', '1p3b.gin',
      ['ModelConfig.remat_policy=dots', 'TrainConfig.xla_extra_flags="--xla_gpu_enable_dynamic_slice_fusion=true"'],
      'optional'),
-    # A pre-training batch nearer GPT-3 XL's (0.5M tokens where its paper
-    # used 1M), in four slices of the suite's 16 sequences: LAMB and the
-    # metrics (20.3 ms, 3.9% of the 16-sequence step; ~57 GB of fp32
-    # passes) run once per 64 sequences, the slices' gradient sums add
-    # ~10 GB each. If the rest holds, ~12 ms less per 16 sequences: 54.3%
-    # to ~55.6% MFU. Peak HBM: the 16-sequence row's, plus the fp32 sums.
-    ('1p3b dots_attention unrolled, batch 64 in 4 slices', '1p3b.gin',
-     [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4'], 'optional'),
 ]
 SMOKE_MFU_ROWS = [
     ('tiny remat=none', 'tiny.gin', ['ModelConfig.remat_policy=none']),
@@ -402,7 +420,8 @@ def check_mfu(suite: Suite):
     if 'profile' in extra and suite.args.profile:
       argv += ['--profile', os.path.join(suite.out, f'profile_{i}')]
     t0 = time.monotonic()
-    rc, log = suite.run(argv, f'mfu_{i}.log', timeout=min(suite.args.row_timeout_s, left - 5),
+    limit = min(suite.args.row_timeout_s, left - 5)
+    rc, log = suite.run(argv, f'mfu_{i}.log', timeout=limit,
                         env=next((e for e in extra if isinstance(e, dict)), {}))
     wall = time.monotonic() - t0
     if rc == 0 and os.path.exists(jpath):
@@ -411,11 +430,15 @@ def check_mfu(suite: Suite):
       r.update(status='ok', wall_s=wall)
     else:
       oom = 'RESOURCE_EXHAUSTED' in log or 'Out of memory' in log or 'out of memory' in log
-      why = 'out of memory' if oom else ('timed out' if rc == 124 else f'exit {rc}')
+      # A row cut by what was left of the suite's deadline says so: that is
+      # no verdict on the row itself, which may only need a longer compile.
+      cut_by = 'the suite deadline' if limit < suite.args.row_timeout_s else '--row_timeout_s'
+      why = ('out of memory' if oom else
+             f'timed out after {limit:.0f} s ({cut_by})' if rc == 124 else f'exit {rc}')
       r = dict(name=name, status=why, wall_s=wall,
                tail='\n'.join(log.strip().splitlines()[-8:]))
       if not oom:
-        suite.say(f'  {name}: {why}; log tail:\n' + r['tail'])
+        suite.say(f'  {name}: {why}; log tail:\n' + (r['tail'] or '(it printed nothing: still compiling)'))
     results.append(r)
     suite.say(f'  {name}: {r["status"]}' + (f', MFU {r["mfu"]:.1%}, {r["tokens_per_sec"]:,.0f} tokens/s, '
                                             f'peak {r["mem"] / 2**30:.1f} GiB, {wall:.0f} s'
