@@ -49,9 +49,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 'none' for 1p3b is expected to run out of memory on an 80 GB card and shows
 # where the limit is.
 MFU_ROWS = [
-    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch']),
+    ('125m remat=dots_no_batch', '125m.gin', ['ModelConfig.remat_policy=dots_no_batch', 'ModelConfig.scan_layers=True']),
     ('125m remat=none unrolled', '125m.gin', ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False']),
-    ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots']),
+    ('1p3b remat=dots', '1p3b.gin', ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=True']),
     # The same row without the XLA overlap flags (latency-hiding scheduler,
     # pipelined collectives): on one GPU there is nothing to overlap, so the
     # pair shows what the flags cost or give the step itself. What they do
@@ -59,7 +59,7 @@ MFU_ROWS = [
     # the 8-GPU schedules instead. (The projections-joined ablation measured
     # 1.035-1.05x slower twice on 2026-11-23 and left the suite for this.)
     ('1p3b remat=dots overlap flags off', '1p3b.gin',
-     ['ModelConfig.remat_policy=dots', 'TrainConfig.xla_overlap_flags=False']),
+     ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=True', 'TrainConfig.xla_overlap_flags=False']),
     # (dots_attention with scanned layers ran as dots, 559.9-565.5 ms, in
     # every run of 2026-11-23/24: the scan copies the saved outputs.)
     ('1p3b remat=dots_attention unrolled', '1p3b.gin',
@@ -68,7 +68,7 @@ MFU_ROWS = [
     # gradient of the MLP output reads it instead of recomputing the GeLU.
     ('1p3b remat=dots_attention_mlp unrolled', '1p3b.gin',
      ['ModelConfig.remat_policy=dots_attention_mlp', 'ModelConfig.scan_layers=False']),
-    ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full']),
+    ('1p3b remat=full', '1p3b.gin', ['ModelConfig.remat_policy=full', 'ModelConfig.scan_layers=True']),
     # Tried on 2026-11-24 and left out, each against the dots_attention
     # unrolled row in the same call: cuBLASLt epilogues (520.1 against
     # 520.5 ms) and no recomputation in two micro-batches of 8, the same
@@ -130,7 +130,8 @@ EXPERIMENT_ROWS = [
     # --experiments); a deviceless compile with jaxlib 0.10.2 fails
     # ("BufferAllocation::Slice not assigned"), the GPU's may not.
     ('1p3b remat=dots, dynamic-slice fusion', '1p3b.gin',
-     ['ModelConfig.remat_policy=dots', 'TrainConfig.xla_extra_flags="--xla_gpu_enable_dynamic_slice_fusion=true"'],
+     ['ModelConfig.remat_policy=dots', 'ModelConfig.scan_layers=True',
+      'TrainConfig.xla_extra_flags="--xla_gpu_enable_dynamic_slice_fusion=true"'],
      'optional'),
 ]
 SMOKE_MFU_ROWS = [

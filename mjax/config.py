@@ -886,7 +886,9 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     pp = sizes['pipeline']
     if pp > 1:
       if not m.scan_layers:
-        _fail('ModelConfig.scan_layers', m.scan_layers, 'pipeline parallelism needs scanned layers; use True')
+        _fail('ModelConfig.scan_layers', m.scan_layers,
+              'pipeline parallelism needs scanned layers; add --gin.ModelConfig.scan_layers=True (configs/125m.gin '
+              'and 1p3b.gin unroll them, the fastest on one GPU)')
       chunks = pp * mesh.virtual_stages
       groups = m.n_layers // m.layer_period
       if groups % chunks:

@@ -106,6 +106,19 @@ def test_bad_values_name_key_value_and_allowed(binding, needles):
   assert '\n' not in msg  # one paragraph
 
 
+def test_pipelining_a_config_that_unrolls_its_layers_says_how():
+  """125m.gin and 1p3b.gin unroll their layers (the fastest on one GPU);
+  pipelining them is refused with the binding that allows it."""
+  bindings = ['MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'ModelConfig.n_layers = 16']
+  for gin_file in ('125m.gin', '1p3b.gin'):
+    with pytest.raises(C.ConfigError, match=r'ModelConfig.scan_layers = False is not allowed: pipeline '
+                                            r'parallelism needs scanned layers; add '
+                                            r'--gin.ModelConfig.scan_layers=True'):
+      C.load_config([gin_file], bindings, num_devices=8)
+    assert C.load_config([gin_file], [*bindings, 'ModelConfig.scan_layers = True'],
+                         num_devices=8).mesh.pipeline == 4
+
+
 def test_macros_work_as_in_gin(tmp_path):
   f = tmp_path / 'm.gin'
   f.write_text("include 'tiny.gin'\nWIDTH = 192\nFF = %WIDTH\nUNUSED = 3\nModelConfig.d_model = %WIDTH\n"
