@@ -120,6 +120,13 @@ EXPERIMENT_ROWS = [
     ('1p3b dots_attention unrolled, Triton warp specialization', '1p3b.gin',
      [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
      'optional'),
+    # Every matrix product on cuBLAS(Lt) instead of XLA's Triton GEMMs. The
+    # precondition for the forward GeLU as a cuBLASLt GELU_AUX epilogue:
+    # XLA's Triton GEMM rewriter claims the dots before the cuBLAS one could
+    # fuse it (a deviceless compile, RESULTS.md "GeLU into the matrix
+    # product"). This row says what the switch itself costs.
+    ('1p3b dots_attention unrolled, Triton GEMMs off', '1p3b.gin',
+     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'], 'optional'),
     # Scanned layers (the default, and what models too deep to unroll need)
     # pay for the scan with copies: each saved matrix-product output is
     # copied into its stacked buffer and each sliced one back out (~26 and
