@@ -1478,10 +1478,18 @@ class _FailedIoLogFilter(logging.Filter):
     # failed restore, collected with its error never retrieved ("Task
     # exception was never retrieved").
     text = record.getMessage()
-    if f'{os.sep}orbax{os.sep}' not in (record.pathname if record.name != 'asyncio' else text):
+    exc = record.exc_info[1] if record.exc_info else None
+    if record.name == 'asyncio':
+      # A task names its coroutine (Orbax's) in the message; a bare future
+      # ("Future exception was never retrieved") only in its error's frames.
+      frames = traceback.extract_tb(exc.__traceback__) if exc is not None else []
+      where = text + ' '.join(f.filename for f in frames)
+    else:
+      where = record.pathname
+    if f'{os.sep}orbax{os.sep}' not in where:
       return True
-    if record.exc_info and record.exc_info[1] is not None:
-      text += f' {record.exc_info[1]}'
+    if exc is not None:
+      text += f' {exc}'
     if record.name == 'asyncio' and READ_FAILED in text:
       return False
     said = next((said for said in UNWRITABLE.values() if said in text), None)

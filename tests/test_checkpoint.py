@@ -1253,6 +1253,20 @@ def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
   other_task = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1,
                                  read.replace('Encountered error while reading', 'Something else in'), None, None)
   assert not aio.filter(unread_read) and aio.filter(other_task)
+  # A bare future of the failed save (no coroutine in its repr: Orbax is
+  # named only by the frames of its error), collected with its error unread.
+  def failed_in(filename):
+    try:
+      exec(compile("raise ValueError('RESOURCE_EXHAUSTED: Failed writing: No space left on device')",
+                   filename, 'exec'))
+    except ValueError as e:
+      return e
+  future = ('Future exception was never retrieved\nfuture: <Future finished exception=ValueError('
+            '\'RESOURCE_EXHAUSTED: Failed writing: No space left on device\')>')
+  for where, dropped in ((orbax_file, True), (__file__, False)):
+    e = failed_in(where)
+    record = logging.LogRecord('asyncio', logging.ERROR, asyncio.__file__, 1, future, None, (type(e), e, e.__traceback__))
+    assert aio.filter(record) is not dropped, where
 
 
 def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
