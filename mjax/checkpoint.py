@@ -287,7 +287,7 @@ def _read_claim(directory: str) -> dict:
   """`directory`'s claim (OWNER_FILE) as {'workdir': str, 'run': str or None}, or {}."""
   try:
     with open(os.path.join(directory, OWNER_FILE)) as fh:
-      found = json.load(fh)
+      found = jsonfile.load(fh)
     workdir, run = found.get('workdir'), found.get('run')
   except (OSError, ValueError, AttributeError):
     return {}
@@ -306,7 +306,7 @@ def _run_record(workdir: str) -> dict:
   written by an mjax from before run ids)."""
   try:
     with open(os.path.join(workdir, RUN_ID_FILE)) as fh:
-      found = json.load(fh)
+      found = jsonfile.load(fh)
     run = found.get('run')
   except (OSError, ValueError, AttributeError):
     return {}
@@ -392,7 +392,7 @@ def _is_workdir(path: str) -> bool:
   """Whether `path` is an mjax run's workdir (it holds the run's config.json)."""
   try:
     with open(os.path.join(path, 'config.json')) as fh:
-      cfg = json.load(fh)
+      cfg = jsonfile.load(fh)
   except (OSError, ValueError):
     return False
   return isinstance(cfg, dict) and {'model', 'checkpoint'} <= cfg.keys()
@@ -639,7 +639,7 @@ def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   write each tier directory: a read-only or full filesystem is found before
   anything compiles, not at the first save."""
   mine = {name: problem for name, d in dirs.items() if (problem := write_problem(d))}
-  reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
+  reports = {i: jsonfile.loads(v) for i, v in distributed.report_exceptions(
       'ckpt/probe/writable', json.dumps(mine) if mine else None, timeout_s).items()}
   for name, directory in dirs.items():
     bad = {i: v[name] for i, v in sorted(reports.items()) if name in v}
@@ -690,7 +690,7 @@ def check_owner(dirs: dict[str, str], workdir: str, timeout_s: float = 300.0,
         jsonfile.write_atomic(os.path.join(d, OWNER_FILE), {'workdir': me, 'run': run})
       except OSError:
         pass   # check_writable has said what is wrong with it
-  reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
+  reports = {i: jsonfile.loads(v) for i, v in distributed.report_exceptions(
       'ckpt/probe/owner', json.dumps(problems) if problems else None, timeout_s).items()}
   for name in dirs:
     problem = next((v[name] for _, v in sorted(reports.items()) if name in v), None)
@@ -767,7 +767,7 @@ def _try_lock(directory: str, wait_s: float) -> Optional[dict]:
     except BlockingIOError:
       try:
         with open(os.path.join(directory, LOCK_FILE)) as fh:
-          holder = json.load(fh)
+          holder = jsonfile.load(fh)
       except (OSError, ValueError):
         holder = {}
       holder = holder if isinstance(holder, dict) else {}
@@ -916,7 +916,7 @@ def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
       probe.write_text(token)
   distributed.barrier('ckpt/probe/written', timeout_s)
   unseen = [name for name, probe in probes.items() if not (probe.exists() and probe.read_text() == token)]
-  reports = {i: json.loads(v) for i, v in distributed.report_exceptions(
+  reports = {i: jsonfile.loads(v) for i, v in distributed.report_exceptions(
       'ckpt/probe/seen', json.dumps(unseen) if unseen else None, timeout_s).items()}
   if jax.process_index() == 0:
     for probe in probes.values():
@@ -1020,7 +1020,7 @@ def step_json(step_path: str, rel: str, record: bool = True) -> Any:
   except OSError as e:
     raise BadRecord(f'{rel}: {"missing" if isinstance(e, FileNotFoundError) else (e.strerror or e)}') from None
   try:
-    out = json.loads(raw.decode('utf-8'))
+    out = jsonfile.loads(raw.decode('utf-8'))
   except ValueError as e:   # UnicodeDecodeError is one
     raise BadRecord(f'{rel} is not JSON (damaged or overwritten: {type(e).__name__} at byte '
                      f'{getattr(e, "start", getattr(e, "pos", "?"))})') from None
@@ -1137,7 +1137,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
         f'the workdir of an mjax run to resume (a gin file of your own is best kept outside the workdir).')
   try:
     with open(record) as fh:
-      before = json.load(fh).get('model', {})
+      before = jsonfile.load(fh).get('model', {})
   except (OSError, ValueError, AttributeError):
     before = None   # a new workdir, or one without a readable record
   # With checkpoints off too: the run would still write over config.json,
@@ -1205,7 +1205,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
             f'(or a good checkpoint in its place): move it out of {d!r}, then start again.')
       try:
         with open(os.path.join(path, 'meta', 'metadata')) as fh:
-          saved = json.load(fh)['config'].get('model', {})
+          saved = jsonfile.load(fh)['config'].get('model', {})
       except (OSError, ValueError, KeyError, TypeError, AttributeError):
         continue   # damaged or partial: the restore moves it aside and falls back
       changes = _shape_changes(saved, now)
@@ -1787,7 +1787,7 @@ class Checkpointer:
     for step in steps_in(tier.directory):
       try:
         with open(os.path.join(tier.directory, str(step), 'meta', 'metadata')) as fh:
-          record = json.load(fh).get(HOST, {})
+          record = jsonfile.load(fh).get(HOST, {})
       except (OSError, ValueError, AttributeError):
         continue   # no readable record: not a candidate
       if layout is None or record.get('layout') == layout:
@@ -1952,10 +1952,10 @@ class Checkpointer:
     if jax.process_count() == 1:
       return [(step, tier) for step, tier, _ in mine]
     # Process 0's list, less what some process cannot see.
-    first = [tuple(c) for c in json.loads(distributed.broadcast_str(key, json.dumps(mine)))]
+    first = [tuple(c) for c in jsonfile.loads(distributed.broadcast_str(key, json.dumps(mine)))]
     missing = [c for c in first if c not in set(mine)]
     hidden = {tuple(c) for v in distributed.report_exceptions(
-        f'{key}/missing', json.dumps(missing) if missing else None).values() for c in json.loads(v)}
+        f'{key}/missing', json.dumps(missing) if missing else None).values() for c in jsonfile.loads(v)}
     if hidden or len(first) != len(mine):
       log.warning('checkpoints %s are not seen by every process; skipped',
                   sorted((step, tier) for step, tier, _ in hidden | (set(mine) - set(first))))
@@ -2040,7 +2040,7 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
     if step is None:
       # Process 0's newest, in every process: the run it comes from may
       # commit a new step while the processes look, and all must read one.
-      step = json.loads(distributed.broadcast_str(_restore_key(next(_RESTORE_ROUNDS), 'explicit/step'),
+      step = jsonfile.loads(distributed.broadcast_str(_restore_key(next(_RESTORE_ROUNDS), 'explicit/step'),
                                                   json.dumps(manager.latest_step())))
       if step is None:
         raise CheckpointNotFound(f'CheckpointConfig.restore_from = {path!r}: no checkpoint in it; give '

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import traceback
 import types
 import typing
 from typing import Literal, Optional, Sequence
@@ -441,12 +442,23 @@ def _explain_gin_error(text: str, err: Exception) -> str:
     close = difflib.get_close_matches(unknown_cls.group(1), list(_CLASSES), n=1)
     hint = (f' Allowed config classes: {", ".join(_CLASSES)}.'
             + (f' Did you mean {close[0]}?' if close else ''))
+  elif isinstance(err, RecursionError):
+    msg = ('the value is nested too deeply to be read (brackets inside brackets, thousands deep); no config '
+           'value needs more than a few levels')
   elif msg.startswith('malformed node or string'):
     # gin's value parser is Python's literal_eval: an expression is not a value.
     msg = ('the value is an expression, not a literal; gin takes numbers, quoted strings, True, False, '
            'None, lists, tuples, dicts and @references (a float such as 1e-3, not float(...))')
-  subject = f'invalid config binding {text!r}' if text else 'invalid config'
-  return f'{subject}: {msg}{" (" + where + ")" if where else ""}.{hint}'
+  subject = f'invalid config binding {_elided(text)!r}' if text else 'invalid config'
+  return f'{subject}: {_elided(msg)}{" (" + where + ")" if where else ""}.{hint}'
+
+
+def _elided(text: str, keep: int = 240) -> str:
+  """`text`, its middle left out when longer than `keep` characters: a
+  message quotes what it refuses, in one paragraph, not a 6 KB value."""
+  if len(text) <= keep:
+    return text
+  return f'{text[:keep * 3 // 4]} ...({len(text) - keep} characters)... {text[-keep // 4:]}'
 
 
 def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
@@ -486,9 +498,13 @@ def _bound_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Config:
     logging.disable(logging.ERROR)
     try:
       gin.parse_config_file(path)
-    except RecursionError:
-      raise ConfigError(f'in gin file {path}: its includes never end (a file includes itself, directly or '
-                        f'through another); remove the include that closes the loop.') from None
+    except RecursionError as e:
+      # gin's parser recurses for includes and for nested values alike.
+      if sum(f.name == 'parse_config_file' for f in traceback.extract_tb(e.__traceback__)) > 1:
+        raise ConfigError(f'in gin file {path}: its includes never end (a file includes itself, directly or '
+                          f'through another); remove the include that closes the loop.') from None
+      raise ConfigError(f'in gin file {path}: a value is nested too deeply to be read (brackets inside '
+                        f'brackets, thousands deep); no config value needs more than a few levels.') from None
     except Exception as e:
       raise ConfigError(f'in gin file {path}: {_explain_gin_error("", e)}') from None
     finally:

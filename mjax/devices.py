@@ -11,7 +11,6 @@ all-reduce check stuck in XLA's rendezvous.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -289,7 +288,7 @@ def _peak_cache(cache_dir: str) -> tuple[str, dict]:
   path = os.path.join(os.path.expanduser(cache_dir), 'peak_flops.json')
   try:
     with open(path) as fh:
-      cache = json.load(fh)
+      cache = jsonfile.load(fh)
   except (OSError, ValueError):
     cache = {}
   return path, cache if isinstance(cache, dict) else {}

@@ -38,6 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from mjax import jsonfile
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, flags
@@ -251,7 +252,7 @@ def _meta_path(args: argparse.Namespace) -> str:
 def saved_bindings(step_dir: str) -> list[str]:
   """The config a checkpoint was saved with, as gin bindings."""
   try:
-    saved = json.loads((epath.Path(step_dir) / 'meta' / 'metadata').read_text())['config']
+    saved = jsonfile.loads((epath.Path(step_dir) / 'meta' / 'metadata').read_text())['config']
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise UserError(f'checkpoint {step_dir!r} holds no readable config ({type(e).__name__}): give the '
                     f'config with --gin_file (or the run with --workdir).') from None
@@ -289,7 +290,7 @@ def choose(args: argparse.Namespace, cfg: Config) -> Choice:
     raise UserError(_missing(where, args.step, available))
   # Every process must try the same steps in the same order.
   mine = json.dumps([dataclasses.astuple(c) for c in found])
-  agreed = json.loads(distributed.broadcast_str('eval/candidates', mine))
+  agreed = jsonfile.loads(distributed.broadcast_str('eval/candidates', mine))
   return Choice([Candidate(*c) for c in agreed], explicit, where, available)
 
 

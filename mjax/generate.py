@@ -44,6 +44,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mjax import jsonfile
 from mjax import data as data_lib
 from mjax import evaluate, flags
 from mjax.config import Config, ModelConfig
@@ -364,7 +365,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         continue
       if path.endswith('.jsonl'):
         try:
-          item = json.loads(line)
+          item = jsonfile.loads(line)
           # {"text": ...} too: the form of mjax's .jsonl data files.
           item = item['prompt' if 'prompt' in item else 'text'] if isinstance(item, dict) else item
           if not isinstance(item, str):

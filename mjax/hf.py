@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mjax import jsonfile
 from mjax.config import Config, ModelConfig
 from mjax.errors import UserError
 from mjax.jsonfile import current_umask, place_new
@@ -407,7 +408,7 @@ def read_config(path: str) -> dict:
   file = os.path.join(os.path.abspath(os.path.expanduser(path)), 'config.json')
   try:
     with open(file) as fh:
-      conf = json.load(fh)
+      conf = jsonfile.load(fh)
   except (OSError, ValueError) as e:
     raise UserError(f'{path!r} is not a Hugging Face model directory: {file} cannot be read '
                     f'({type(e).__name__}: {e}).') from None
@@ -491,7 +492,7 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
   if os.path.isfile(index):
     try:
       with open(index) as fh:
-        files = sorted(set(json.load(fh)['weight_map'].values()))
+        files = sorted(set(jsonfile.load(fh)['weight_map'].values()))
       if not all(isinstance(f, str) and f and os.path.basename(f) == f for f in files):
         raise ValueError('its weight_map names files outside the model directory, or no file')
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

@@ -1,5 +1,5 @@
-"""Small JSON files that no reader ever sees half of, and new files placed
-whole (`place_new`).
+"""Small JSON files that no reader ever sees half of, new files placed
+whole (`place_new`), and JSON read from files others wrote (`load`).
 
 Caches and records shared between processes (the measured peak, the
 diagnostics' baselines, the blocked hosts) are rewritten whole: written to
@@ -15,6 +15,23 @@ import json
 import os
 import threading
 from typing import Any
+
+
+def loads(text: str | bytes) -> Any:
+  """json.loads, with input nested too deeply for Python's parser (a line of
+  100,000 '[') refused as any other malformed JSON is: a ValueError
+  (json.JSONDecodeError), which every reader of a file a user or another
+  process wrote already handles, instead of a RecursionError."""
+  try:
+    return json.loads(text)
+  except RecursionError:
+    raise json.JSONDecodeError('nested too deeply to be read', text if isinstance(text, str) else '', 0) \
+        from None
+
+
+def load(fh) -> Any:
+  """json.load with `loads`' handling of too deep nesting."""
+  return loads(fh.read())
 
 
 def write_atomic(path: str, obj: Any, **dump_kw) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from mjax import jsonfile
 from mjax.errors import refused_write
 
 # Key of the marker row a resumed (or restarted) run appends: rows written
@@ -33,7 +34,7 @@ def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(os.fspath(workdir), 'metrics.jsonl'), errors='replace') as fh:
     for line in fh:
       try:
-        row = json.loads(line)
+        row = jsonfile.loads(line)
       except ValueError:
         continue
       if not isinstance(row, dict):

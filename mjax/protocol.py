@@ -145,7 +145,7 @@ def read_facts(workdir: str, process: int, attempt_number: Optional[int] = None)
   try:
     with open(facts_path(workdir, process)) as fh:
       facts = json.load(fh)
-  except (OSError, ValueError):
+  except (OSError, ValueError, RecursionError):   # RecursionError: nested too deeply to parse
     return {}
   if not isinstance(facts, dict):
     return {}

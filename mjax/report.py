@@ -22,6 +22,7 @@ import sys
 import textwrap
 from typing import Callable, Optional, Sequence
 
+from mjax import jsonfile
 from mjax import flags, protocol
 from mjax.errors import UserError
 
@@ -244,7 +245,7 @@ def checkpoint(prog: str, argv: list[str]) -> int:
   from mjax.checkpoint import foreign, steps_in, tier_directories, verify_step
   try:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
-      ck = CheckpointConfig(**json.load(fh)['checkpoint'])
+      ck = CheckpointConfig(**jsonfile.load(fh)['checkpoint'])
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise UserError(f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
                     f'of an mjax-train run.') from None
@@ -308,7 +309,7 @@ def stragglers(prog: str, argv: list[str]) -> int:
   fault = {}
   try:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
-      fault = json.load(fh).get('fault', {})
+      fault = jsonfile.load(fh).get('fault', {})
   except (OSError, ValueError, AttributeError):
     pass
   fault = fault if isinstance(fault, dict) else {}   # a hand-edited config.json: its values are ignored

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from mjax import jsonfile
 from mjax import checkpoint as checkpoint_lib
 from mjax import config as config_lib
 from mjax import data as data_lib
@@ -933,7 +934,7 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
       record = checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
     except ConfigError as e:
       verdict = str(e)
-  said = json.loads(distributed.broadcast_str('workdir/verdict', json.dumps({'verdict': verdict, 'run': record}),
+  said = jsonfile.loads(distributed.broadcast_str('workdir/verdict', json.dumps({'verdict': verdict, 'run': record}),
                                               cfg.fault.collective_timeout_s))
   if said['verdict']:
     raise ConfigError(said['verdict'])
@@ -965,14 +966,14 @@ def _check_same_data(fingerprint: dict) -> None:
   batch without an error."""
   if jax.process_count() == 1:
     return
-  first = json.loads(distributed.broadcast_str('data/fingerprint', json.dumps(fingerprint)))
+  first = jsonfile.loads(distributed.broadcast_str('data/fingerprint', json.dumps(fingerprint)))
   mine = None if first['digest'] == fingerprint['digest'] else json.dumps(fingerprint['sources'])
   differ = distributed.report_exceptions('data/fingerprint/differs', mine)
   if differ:
     from mjax.data.errors import DataError
     raise DataError(
         f'the processes of this job see different data: process 0 has {first["sources"]}, process(es) '
-        f'{sorted(differ)} have {json.loads(next(iter(differ.values())))} (files, tokens or tokenizer of a '
+        f'{sorted(differ)} have {jsonfile.loads(next(iter(differ.values())))} (files, tokens or tokenizer of a '
         f'source differ; with the same config, the hosts see other files). Each process reads its rows of one '
         f'order that all must build alike: give every host the same data, complete, before the job starts.')
 

@@ -135,6 +135,14 @@ def test_macros_work_as_in_gin(tmp_path):
   loop.write_text("include 'loop.gin'\n")
   with pytest.raises(C.ConfigError, match="loop.gin: its includes never end"):
     C.load_config([str(loop)], [])
+  # Nesting, not an include, is what recursed: said so, and the value is not echoed whole.
+  deep = 'TrainConfig.wandb_project = ' + '[' * 3000 + ']' * 3000
+  (tmp_path / 'deep.gin').write_text(deep + '\n')
+  with pytest.raises(C.ConfigError, match=r'deep.gin: a value is nested too deeply to be read'):
+    C.load_config([str(tmp_path / 'deep.gin')], [])
+  with pytest.raises(C.ConfigError, match=r'the value is nested too deeply to be read') as e:
+    C.load_config(['tiny.gin'], [deep])
+  assert len(str(e.value)) < 600 and '...(5' in str(e.value)
   # A macro used but never defined: gin said a function `macro` lacked an argument.
   undefined = tmp_path / 'undefined.gin'
   undefined.write_text("include 'tiny.gin'\nModelConfig.d_model = %DMODEL\n")

@@ -292,6 +292,33 @@ def test_bad_json_line_is_named(tmp_path):
   (tmp_path / 'd.jsonl').write_text('{"text": "fine"}\n{"body": "no text field"}\n')
   with pytest.raises(data.DataError, match=r"d.jsonl line 2: '\{\"body\".*a string 'text' field"):
     corpus_lib.load_corpus(DataConfig(source=str(tmp_path / 'd.jsonl'), seq_len=16))
+  # Nested deeper than Python's parser goes: named like any bad line, not a RecursionError.
+  (tmp_path / 'd.jsonl').write_text('{"text": "fine"}\n' + '[' * 100_000 + ']' * 100_000 + '\n')
+  with pytest.raises(data.DataError, match=r"d.jsonl line 2: '\[\[\[.*nested too deeply to be read"):
+    corpus_lib.load_corpus(DataConfig(source=str(tmp_path / 'd.jsonl'), seq_len=16))
+
+
+def test_json_from_others_nested_too_deeply_is_malformed_json(tmp_path):
+  """Every reader of a JSON file a user or another process wrote (run
+  records, manifests, configs, facts) handles ValueError: so is too deep
+  nesting refused."""
+  from mjax import jsonfile
+  deep = '[' * 100_000 + ']' * 100_000
+  for text in (deep, deep.encode()):
+    with pytest.raises(json.JSONDecodeError, match='nested too deeply'):
+      jsonfile.loads(text)
+  (tmp_path / 'f.json').write_text(deep)
+  with open(tmp_path / 'f.json') as fh, pytest.raises(ValueError):
+    jsonfile.load(fh)
+  assert jsonfile.loads('[[1]]') == [[1]]
+  # The run's own files, damaged so: a workdir's claim and its config are unreadable, not a crash.
+  from mjax import checkpoint, protocol
+  (tmp_path / 'config.json').write_text(deep)
+  assert not checkpoint._is_workdir(str(tmp_path))
+  os.makedirs(os.path.dirname(protocol.facts_path(str(tmp_path), 0)), exist_ok=True)
+  with open(protocol.facts_path(str(tmp_path), 0), 'w') as fh:
+    fh.write(deep)
+  assert protocol.read_facts(str(tmp_path), 0) == {}
 
 
 def test_prepare_reads_json_lines(tmp_path):

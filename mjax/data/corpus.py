@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import json
 import logging
 import os
 import sysconfig
@@ -23,6 +22,7 @@ from typing import Iterator, Literal, Optional
 
 import numpy as np
 
+from mjax import jsonfile
 from mjax.config import DataConfig
 from mjax.data.errors import DataError, read_failure
 from mjax.data.tokenizer import BYTES, ByteTokenizer, TokenizerInfo, load_tokenizer
@@ -233,7 +233,7 @@ def iter_documents(root: str, rel_paths: list[str], *,
 
 def _jsonl_text(path: str, n: int, line: bytes) -> bytes:
   try:
-    item = json.loads(line)
+    item = jsonfile.loads(line)
     text = item[JSONL_FIELD] if isinstance(item, dict) else item
     if not isinstance(text, str):
       raise TypeError(f'{JSONL_FIELD!r} is a {type(text).__name__}, not a string')

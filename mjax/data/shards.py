@@ -57,6 +57,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from mjax import jsonfile
 from mjax.data import corpus as corpus_lib
 from mjax.data.errors import DataError, read_failure
 from mjax.data.tokenizer import Tokenizer, TokenizerInfo, load_tokenizer, token_dtype
@@ -455,7 +456,7 @@ def read_manifest(root: str) -> dict:
   path = os.path.join(root, MANIFEST)
   try:
     with open(path) as fh:
-      m = json.load(fh)
+      m = jsonfile.load(fh)
   except FileNotFoundError:
     raise DataError(f'shard directory {root}: no {MANIFEST}; make one with mjax-prepare.') from None
   except ValueError as e:

@@ -21,13 +21,13 @@ import dataclasses
 import functools
 import hashlib
 import itertools
-import json
 import os
 import tempfile
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
+from mjax import jsonfile
 from mjax.data.errors import DataError
 from mjax.jsonfile import place_new
 
@@ -141,7 +141,7 @@ def _configured_eos(path: str) -> Optional[str]:
     return None
   try:
     with open(cfg_path) as fh:
-      eos = json.load(fh).get('eos_token')
+      eos = jsonfile.load(fh).get('eos_token')
   except (OSError, ValueError):
     return None
   if isinstance(eos, dict):

@@ -85,7 +85,6 @@ import concurrent.futures
 import dataclasses
 import errno
 import itertools
-import json
 import logging
 import math
 import os
@@ -100,6 +99,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from mjax import jsonfile
 from mjax import protocol
 from mjax.ft import heartbeat as hb
 
@@ -194,7 +194,7 @@ class Channel:
     except hb.Rejected as e:
       raise ChannelError(e.reason) from None
     try:
-      msg = json.loads(text)
+      msg = jsonfile.loads(text)
       kind, seq = str(msg['kind']), int(msg['seq'])
     except (ValueError, KeyError, TypeError, RecursionError):
       raise ChannelError('signed message lacks kind / seq') from None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import glob
 import gzip
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,8 @@ from typing import Any, Iterable, Optional
 
 import jax
 import numpy as np
+
+from mjax import jsonfile
 
 # Collective kernels and ops: NCCL's kernels on GPU, XLA's collective ops
 # (their async start/done halves included) on CPU and in HLO names.
@@ -76,7 +77,7 @@ def device_streams(path: str) -> dict[Optional[int], list[dict]]:
   (µs). Devices without a kernel in the trace are left out.
   """
   with gzip.open(path, 'rt') if path.endswith('.gz') else open(path) as fh:
-    trace = json.load(fh)
+    trace = jsonfile.load(fh)
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
   pname = {e['pid']: e.get('args', {}).get('name', '') for e in events
            if e.get('ph') == 'M' and e.get('name') == 'process_name'}

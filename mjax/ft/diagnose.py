@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import socket
@@ -266,7 +265,7 @@ class Baseline:
   def _read(self) -> dict:
     try:
       with open(self.path) as fh:
-        data = json.load(fh)
+        data = jsonfile.load(fh)
     except (OSError, ValueError):   # none yet, or damaged: start afresh
       return {}
     if not isinstance(data, dict):
@@ -460,7 +459,7 @@ def _cpu_peak(dtype: str, cache_dir: str) -> tuple[Optional[float], str]:
   path = os.path.join(os.path.expanduser(cache_dir), 'peak_flops.json')
   try:
     with open(path) as fh:
-      value = json.load(fh).get(peak_cache_key('cpu', dtype))
+      value = jsonfile.load(fh).get(peak_cache_key('cpu', dtype))
   except (OSError, ValueError, AttributeError):
     value = None
   if value is None:

@@ -97,6 +97,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from mjax import jsonfile
 from mjax import flags, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
 from mjax.ft import executor as executor_lib
@@ -301,7 +302,7 @@ def _size(path: str) -> int:
 
 def _echo(line: str) -> None:
   """One event on the driver's stderr, shortened (events.jsonl has it all)."""
-  rec = json.loads(line)
+  rec = jsonfile.loads(line)
   kind = rec.pop('event')
   rec.pop('time', None)
   text = json.dumps(rec, separators=(',', ':'))
@@ -1233,14 +1234,14 @@ class Driver:
     report = None
     for line in reversed(out.strip().splitlines()):
       try:
-        report = json.loads(line)
+        report = jsonfile.loads(line)
         break
       except ValueError:
         continue
     if not isinstance(report, dict):
       # The whole output may be one indented JSON document.
       try:
-        report = json.loads(out)
+        report = jsonfile.loads(out)
       except ValueError:
         report = None
     passed = code == 0 and isinstance(report, dict) and bool(report.get('passed'))

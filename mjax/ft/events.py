@@ -53,6 +53,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from mjax import jsonfile
+
 
 def _clean(v: Any) -> Any:
   """JSON has no NaN/Inf: write them as strings so every line stays valid JSON."""
@@ -141,7 +143,7 @@ def read(path: str) -> list[dict]:
   with open(path) as fh:
     for line in fh:
       try:
-        out.append(json.loads(line))
+        out.append(jsonfile.loads(line))
       except json.JSONDecodeError:
         continue
   return out

@@ -75,6 +75,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from mjax import jsonfile
 from mjax import protocol
 from mjax.protocol import DRIVER_ADDRESS_ENV as ADDRESS_ENV, HOST_ENV, SECRET_ENV
 
@@ -134,7 +135,7 @@ def open_envelope(data: bytes, key: bytes, what: str = 'heartbeat') -> str:
   the payload's encoding before hashing, and parser failures of any kind
   (deep nesting included) become a rejection."""
   try:
-    outer = json.loads(data)
+    outer = jsonfile.loads(data)
     text, mac = outer['payload'], outer['mac']
     if not isinstance(text, str) or not isinstance(mac, str):
       raise TypeError
@@ -201,7 +202,7 @@ class Verifier:
       raise Rejected(f'malformed: {len(data)} bytes, more than {MAX_DATAGRAM}')
     text = open_envelope(data, self._key)
     try:
-      payload = json.loads(text)
+      payload = jsonfile.loads(text)
       ts = float(payload['ts'])
       int(payload['process'])
       sender = payload.get('sender')

@@ -39,7 +39,7 @@ class BlockList:
     if os.path.exists(self.path):
       try:
         with open(self.path) as fh:
-          entries = json.load(fh)
+          entries = jsonfile.load(fh)
       except (OSError, ValueError) as e:   # UnicodeDecodeError is a ValueError
         raise UserError(f'{self.path}: not readable as the list of blocked hosts ({type(e).__name__}: {e}). '
                         f'It is a JSON list of {{"host", "reason", "time"}} entries that mjax-launch writes; '

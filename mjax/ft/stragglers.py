@@ -60,7 +60,6 @@ import dataclasses
 import fnmatch
 import glob
 import itertools
-import json
 import operator
 import os
 import re
@@ -70,6 +69,8 @@ import warnings
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
+
+from mjax import jsonfile
 
 # The order phases run in within one row: evaluation after step s is
 # accumulated into row s + 1 before its data; a checkpoint, then a garbage
@@ -372,7 +373,7 @@ def _parse_row(line: str) -> Optional[dict]:
 
 def _loads(text: str):
   try:
-    return json.loads(text)
+    return jsonfile.loads(text)
   except (ValueError, RecursionError):   # not JSON; nested past the parser's depth
     return None
 
