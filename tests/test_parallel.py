@@ -169,6 +169,17 @@ def test_layout_errors(binding, needle):
     make_cfg(*binding)
 
 
+def test_a_slow_network_split_on_one_process_is_refused_by_name():
+  """dcn_* > 1 needs as many processes (hosts) as their product: on one
+  process it was jax's traceback ("Number of slices 1 must equal ..."),
+  which the driver restarted as a crash."""
+  cfg = C.load_config(['tiny.gin'], ['MeshConfig.dcn_data = 2', 'MeshConfig.data = 4'], num_devices=8).mesh
+  with pytest.raises(C.ConfigError, match=r"MeshConfig.dcn_\* = \{'data': 2, .*their product \(2\) must equal "
+                                          r'the number of processes \(hosts\) the mesh spans, 1.*On one process '
+                                          r'leave them at 1'):
+    make_mesh(cfg)
+
+
 def test_document_attention_on_a_pipeline_matches_one_device():
   """Segment ids and per-document positions travel through the pipeline's
   micro-batches exactly as through the plain layer stack."""

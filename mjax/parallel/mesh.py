@@ -9,7 +9,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from mjax.config import MeshConfig, resolve_mesh_shape
+from mjax.config import ConfigError, MeshConfig, resolve_mesh_shape
 
 
 def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -28,6 +28,14 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
     # their processes), else processes (CPU processes all say slice 0).
     slices = {getattr(d, 'slice_index', None) for d in devices}
     by_process = None in slices or len(slices) != np.prod(dcn)
+    processes = len({d.process_index for d in devices})
+    if by_process and processes != np.prod(dcn):
+      raise ConfigError(
+          f'MeshConfig.dcn_* = {dict(zip(MeshConfig.AXES, dcn))} is not allowed here: their product '
+          f'({int(np.prod(dcn))}) must equal the number of processes (hosts) the mesh spans, {processes}; '
+          f'the dcn_* sizes split the mesh between hosts over the slow network. '
+          + ('On one process leave them at 1.' if processes == 1 else
+             f'Make their product {processes}, or leave them at 1.'))
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=by_process)
   elif len(devices) == len(jax.devices()):
     grid = mesh_utils.create_device_mesh(ici, devices=devices)
