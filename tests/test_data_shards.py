@@ -380,9 +380,17 @@ def test_empty_corpus_and_bad_manifests(shard_copy):
   _rewrite_manifest(shard_copy, {**m, 'version': 7})
   with pytest.raises(data.DataError, match='version 7 is not supported, expected 1'):
     data.open_shards(str(shard_copy))
+  # An end-of-sequence id that is no integer: a string was a TypeError traceback, a float trained.
+  for eos in ('3', 3.5, True):
+    _rewrite_manifest(shard_copy, {**m, 'eos_id': eos})
+    with pytest.raises(data.DataError, match=rf'eos_id {eos!r} is not a token id of the vocabulary '
+                                             r'\(expected an integer'):
+      data.open_shards(str(shard_copy))
   (shard_copy / 'manifest.json').write_text('{not json')
   with pytest.raises(data.DataError, match='manifest.json: not valid JSON'):
     data.open_shards(str(shard_copy))
+  with pytest.raises(data.DataError, match='manifest.json is a file, not a shard directory'):
+    data.open_shards(str(shard_copy / 'manifest.json'))
 
 
 def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):

@@ -459,6 +459,9 @@ def read_manifest(root: str) -> dict:
       m = jsonfile.load(fh)
   except FileNotFoundError:
     raise DataError(f'shard directory {root}: no {MANIFEST}; make one with mjax-prepare.') from None
+  except NotADirectoryError:
+    raise DataError(f'{root} is a file, not a shard directory (one that mjax-prepare wrote, holding '
+                    f'{MANIFEST} and its shards).') from None
   except ValueError as e:
     raise DataError(f'{path}: not valid JSON ({e}).') from None
   if not isinstance(m, dict) or m.get('format') != FORMAT:
@@ -470,12 +473,12 @@ def read_manifest(root: str) -> dict:
   if m.get('dtype') not in ('uint16', 'uint32'):
     raise DataError(f"{path}: dtype {m.get('dtype')!r}, expected 'uint16' or 'uint32'.")
   tok = m.get('tokenizer')
-  if not isinstance(tok, dict) or not all(isinstance(tok.get(k), int)
-                                          for k in ('vocab_size', 'eos_id')):
+  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+  if not isinstance(tok, dict) or not all(is_int(tok.get(k)) for k in ('vocab_size', 'eos_id')):
     raise DataError(f'{path}: "tokenizer" must hold integer vocab_size and eos_id, found {tok!r}.')
-  if not 0 <= m.get('eos_id', -1) < tok['vocab_size']:
-    raise DataError(f'{path}: eos_id {m.get("eos_id")!r} is outside the vocabulary '
-                    f'(expected 0 <= eos_id < {tok["vocab_size"]}).')
+  if not is_int(m.get('eos_id')) or not 0 <= m['eos_id'] < tok['vocab_size']:
+    raise DataError(f'{path}: eos_id {m.get("eos_id")!r} is not a token id of the vocabulary '
+                    f'(expected an integer, 0 <= eos_id < {tok["vocab_size"]}).')
   if tok['vocab_size'] > np.iinfo(np.dtype(m['dtype'])).max + 1:
     raise DataError(f'{path}: vocab_size {tok["vocab_size"]} does not fit dtype {m["dtype"]}.')
   shards = m.get('shards')
