@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import traceback
 import types
 import typing
@@ -649,6 +650,22 @@ def _fail(key: str, value, allowed: str):
   raise ConfigError(f'{key} = {value!r} is not allowed: {allowed}.')
 
 
+def _check_xla_flags(text: str) -> None:
+  """TrainConfig.xla_extra_flags as XLA reads them, on every platform (they
+  take effect on GPUs only, where a bad one was a traceback at start-up, or
+  a token without '--' silently dropped while the default it meant to
+  change stayed)."""
+  key = 'TrainConfig.xla_extra_flags'
+  try:
+    tokens = shlex.split(text or '')
+  except ValueError as e:
+    _fail(key, text, f'must be XLA flags as a shell would split them ({e}), e.g. '
+          "'--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/dump'")
+  bad = [t for t in tokens if not re.fullmatch(r'--[A-Za-z0-9_]+(=.*)?', t, re.S)]
+  if bad:
+    _fail(key, text, f'every word must be one XLA flag, --name or --name=value; {bad[0]!r} is not')
+
+
 def _positive(section, *names, allow_zero=False):
   for n in names:
     v = getattr(section, n)
@@ -825,6 +842,9 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
+  if not -2**63 <= t.seed < 2**63:   # what jax.random.key takes
+    _fail('TrainConfig.seed', t.seed, 'must be a 64-bit integer (|seed| < 2**63)')
+  _check_xla_flags(t.xla_extra_flags)
   _positive(t, 'eval_every', 'skip_batches', 'skip_batches_after', 'profile_steps', 'profile_from_step', 'gc_every_steps',
             allow_zero=True)
   _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')
@@ -851,6 +871,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
             'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
             'loss_spike_count')
   _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', 'device_timing_every', allow_zero=True)
+  if not f.loss_spike_factor > 1:
+    # At or below 1 every loss at or above the running median is a "spike":
+    # a falling loss restarted the job again and again.
+    _fail('FaultConfig.loss_spike_factor', f.loss_spike_factor,
+          'must be greater than 1 (a spike is a loss this many times the running median; default 3.0)')
   # The driver has to notice a lost process (heartbeat) before it calls it a
   # hang (progress), and both before a collective times out on the healthy
   # processes (collective): then the driver, not a timeout on every rank,

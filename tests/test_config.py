@@ -96,6 +96,11 @@ def test_resolved_config_round_trips(tmp_path):
     ('MeshConfig.pipeline_schedule = "bogus"', ["'bogus'", "'circular', '1f1b'"]),
     # A prime model width: its divisors, found at once.
     ('ModelConfig.d_model = 2147483647', ['d_model = 2147483647', 'divisors: 1, 2147483647)']),
+    ('TrainConfig.seed = 9223372036854775808', ['seed = 9223372036854775808', 'a 64-bit integer']),
+    ('FaultConfig.loss_spike_factor = 0.5', ['loss_spike_factor = 0.5', 'greater than 1']),
+    ('TrainConfig.xla_extra_flags = "--xla_foo=\'b"', ['xla_extra_flags', 'No closing quotation']),
+    ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
+     ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
