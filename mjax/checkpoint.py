@@ -898,6 +898,19 @@ def check_not_inside_a_tier(workdir: str) -> None:
           f'this run with them. Give this run a workdir outside it.')
 
 
+def check_not_inside_a_workdir(workdir: str) -> None:
+  """Raises ConfigError where the workdir lies inside another run's workdir
+  (its tensorboard/ or logs/, say): the two runs' files would mix there, and
+  this run's default checkpoint tier would lie in that run's directory."""
+  me = os.path.realpath(workdir)
+  other = _enclosing_workdir(os.path.dirname(me))
+  if other is not None and other != me:
+    raise ConfigError(
+        f'workdir {workdir!r} lies inside {other!r}, the workdir of another mjax run (its config.json '
+        f'says so): the two runs\' files would mix, and this run\'s checkpoints would lie among that run\'s. '
+        f'Give this run a workdir outside it, e.g. beside it.')
+
+
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError unless every process sees each tier directory as
   the same directory (a no-op in a one-process job).

@@ -930,6 +930,10 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
         raise ConfigError(
             f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
             f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
+      # Before anything is written: a refused start leaves no run id in
+      # another run's directory (its checkpoint tier, or a step of it).
+      checkpoint_lib.check_not_inside_a_tier(workdir)
+      checkpoint_lib.check_not_inside_a_workdir(workdir)
       checkpoint_lib.check_same_model(cfg, workdir)
       record = checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
     except ConfigError as e:

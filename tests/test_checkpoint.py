@@ -1397,6 +1397,27 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_nested_workdir_too(tm
       checkpoint_lib.check_not_inside_a_tier(inside)
 
 
+def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_path):
+  """A workdir that is another run's checkpoint tier, a step in it, or a
+  directory inside that run's workdir: refused before the run id (or
+  anything) is written there."""
+  from mjax import jsonfile, trainer as trainer_lib
+  base = tmp_path / 'base'
+  (base / 'checkpoints' / '4').mkdir(parents=True)
+  (base / 'tensorboard').mkdir()
+  (base / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
+  jsonfile.write_atomic(str(base / 'checkpoints' / checkpoint_lib.OWNER_FILE), {'workdir': str(base)})
+  files = lambda: sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+  before = files()
+  cfg = C.load_config(['tiny.gin'], [])
+  for workdir, said in ((base / 'checkpoints', r"'\S+/checkpoints' is the checkpoint directory of the run"),
+                        (base / 'checkpoints' / '4', r"lies inside '\S+/checkpoints', which is the checkpoint"),
+                        (base / 'tensorboard', rf"lies inside '{base}', the workdir of another mjax run")):
+    with pytest.raises(C.ConfigError, match=said):
+      trainer_lib._check_workdir(cfg, str(workdir), True)
+    assert files() == before, workdir
+
+
 def test_checkpoint_directories_relative_to_the_workdir_and_unset_variables_refused(tmp_path, monkeypatch):
   # config.gin records the path as given: relative to the workdir, it names
   # the same directory wherever a resume (or mjax-eval) is started from.
