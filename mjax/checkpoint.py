@@ -1140,8 +1140,17 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   advice = ('Either train this model in a new --workdir (and checkpoint directory), or start it from a '
             'checkpoint of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
   record = os.path.join(workdir, 'config.json')
-  if os.path.lexists(record) and not _is_workdir(workdir) or \
-      os.path.lexists(os.path.join(workdir, 'config.gin')) and not os.path.lexists(record):
+  unusual = (os.path.lexists(record) and not _is_workdir(workdir) or
+             os.path.lexists(os.path.join(workdir, 'config.gin')) and not os.path.lexists(record))
+  if unusual and _run_record(workdir):
+    # The run's own record (RUN_ID_FILE) says an mjax run lives here: its
+    # config.json was damaged or lost, not a user's file. Each saved step's
+    # own config still guards the model's shape (below), and this start
+    # writes config.json again once it is running.
+    print(f'mjax: warning: {record} is {"unreadable" if os.path.lexists(record) else "missing"}; this is '
+          f'the workdir of run {_run_record(workdir)["run"]} ({RUN_ID_FILE}), which resumes with the config '
+          f'given now and writes config.json again.', file=sys.stderr, flush=True)
+  elif unusual:
     theirs = 'config.json' if os.path.lexists(record) else 'config.gin'
     raise ConfigError(
         f'--workdir {workdir!r} holds a {theirs} that no mjax run wrote (an mjax workdir has both '

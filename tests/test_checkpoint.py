@@ -428,6 +428,27 @@ def test_a_directory_with_files_of_another_tool_is_no_workdir(tmp_path):
   check_same_model(cfg8(), str(mine))
 
 
+def test_a_run_whose_config_json_was_damaged_or_lost_resumes(tmp_path, capsys):
+  """Its run id says an mjax run lives there: the config.json is that run's
+  own, damaged or deleted, and the start resumes (writing it again) instead
+  of calling the workdir another tool's."""
+  from mjax.checkpoint import check_same_model, ensure_run_id
+  run = tmp_path / 'run'
+  run.mkdir()
+  C.write(cfg8(), str(run))
+  record = ensure_run_id(cfg8().checkpoint, str(run))
+  good = (run / 'config.json').read_text()
+  for damage in ('truncated', 'deleted'):
+    if damage == 'truncated':
+      (run / 'config.json').write_text(good[:200])
+    else:
+      (run / 'config.json').unlink()
+    check_same_model(cfg8(), str(run))
+    said = capsys.readouterr().err
+    assert f'config.json is {"unreadable" if damage == "truncated" else "missing"}; this is the workdir of ' \
+           f'run {record["run"]}' in said, said
+
+
 def test_checkpoints_of_another_model_in_a_shared_checkpoint_directory_are_refused(uninterrupted, tmp_path):
   # A new workdir (no config.json) whose CheckpointConfig.directory holds
   # another model's steps: each step's own config says so. Before, the steps
