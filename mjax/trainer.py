@@ -610,9 +610,8 @@ class Trainer:
       self.say(f'mjax: TrainConfig.skip_batches = {skip} holds for a start from step {after} '
                f'(TrainConfig.skip_batches_after); this run starts from step {self.start_step}: nothing skipped')
       skip = 0
-    for _ in range(skip):
-      next(it)
     if skip:
+      data_lib.skip(it, skip)
       self.say(f'mjax: skipped {skip} batches (TrainConfig.skip_batches)')
     return it
 

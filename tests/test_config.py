@@ -98,6 +98,7 @@ def test_resolved_config_round_trips(tmp_path):
     ('ModelConfig.d_model = 2147483647', ['d_model = 2147483647', 'divisors: 1, 2147483647)']),
     ('TrainConfig.seed = 9223372036854775808', ['seed = 9223372036854775808', 'a 64-bit integer']),
     ('FaultConfig.loss_spike_factor = 0.5', ['loss_spike_factor = 0.5', 'greater than 1']),
+    ('TrainConfig.skip_batches = 1000000000000000000000', ['skip_batches = 1000000000000000000000', '2**60']),
     ('TrainConfig.xla_extra_flags = "--xla_foo=\'b"', ['xla_extra_flags', 'No closing quotation']),
     ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
      ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),

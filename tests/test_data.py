@@ -354,6 +354,20 @@ def test_position_continues_the_same_rows_after_a_batch_size_change(old_batch, n
   np.testing.assert_array_equal(next(resumed)['inputs'], whole[start:start + new_batch])
 
 
+def test_a_skip_moves_on_as_reading_would_without_reading():
+  """TrainConfig.skip_batches: the same next batch as reading them, and a
+  skip of a trillion batches as quick as one (it read them one by one)."""
+  from mjax.config import DataConfig as DC
+  cfg = DC(source='stdlib', seq_len=32)
+  read, skipped = data.make_train_iterator(cfg, 4), data.make_train_iterator(cfg, 4)
+  _take(read, 5)
+  data.skip(skipped, 5)
+  np.testing.assert_array_equal(next(skipped)['inputs'], next(read)['inputs'])
+  far = data.make_train_iterator(cfg, 4)
+  data.skip(far, 10**12)
+  assert far.get_state()['next_index'] == 10**12 and next(far)['inputs'].shape == (4, 32)
+
+
 def test_position_restores_exactly_or_restarts_on_another_seq_len():
   from mjax.config import DataConfig as DC
   cfg = DC(source='stdlib', seq_len=32)
