@@ -477,6 +477,25 @@ def is_step_dir(path: str) -> bool:
   return os.path.basename(path.rstrip('/')).isdigit() and os.path.isdir(os.path.join(path, 'state'))
 
 
+def among_checkpoints(path: str) -> Optional[str]:
+  """Why files may not be written at `path` (the directory itself, or
+  inside it), or None: it is, or lies inside, a run's checkpoint directory
+  (its claim) or a saved step. Such a directory holds steps and nothing
+  else: the run reads a new entry there as a damaged step, or deletes it
+  with an old step."""
+  d = os.path.realpath(path)
+  while True:
+    if os.path.isdir(d) and (os.path.isfile(os.path.join(d, OWNER_FILE)) or is_step_dir(d)):
+      what = 'a saved step' if is_step_dir(d) else 'a checkpoint directory'
+      return (f'{path!r} is {"" if d == os.path.realpath(path) else f"inside {d!r}, "}{what} of a training run, '
+              f'which holds its steps and nothing else (the run would read a new entry as a damaged step, or '
+              f'delete it with an old step)')
+    parent = os.path.dirname(d)
+    if parent == d:
+      return None
+    d = parent
+
+
 def _expand(path: str, workdir: str, key: str, strict: bool) -> str:
   """~ and $VARS ($SLURM_TMPDIR, $HOSTNAME, ...) expanded, a relative path
   taken relative to the workdir (as config.gin records it, wherever a

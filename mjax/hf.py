@@ -325,29 +325,14 @@ def check_out(out: str) -> str:
                     f'overwritten).')
   if os.path.ismount(out):
     raise UserError(f'{out!r} is a mount point; give a new directory inside it.')
-  from mjax.checkpoint import OWNER_FILE, is_step_dir  # noqa: PLC0415
+  from mjax.checkpoint import among_checkpoints  # noqa: PLC0415
   # A run's checkpoint directory holds its steps only: a numbered export
   # there reads as a damaged step (the run then refuses to resume), and an
   # export inside a step goes when Orbax deletes that step.
-  for d in _ancestors(out):
-    if os.path.isfile(os.path.join(d, OWNER_FILE)) or is_step_dir(d):
-      what = 'a saved step' if is_step_dir(d) else 'a checkpoint directory'
-      raise UserError(f'{out!r} is inside {d!r}, {what} of a training run, which holds its steps and '
-                      f'nothing else (the run would read a new entry as a damaged step, or delete it with '
-                      f'an old step); give a path outside it.')
+  problem = among_checkpoints(out)
+  if problem:
+    raise UserError(f'{problem}; give a path outside it.')
   return out
-
-
-def _ancestors(path: str) -> list[str]:
-  """`path`'s existing parent directories, nearest first (real paths)."""
-  found, d = [], os.path.realpath(os.path.dirname(path))
-  while True:
-    if os.path.isdir(d):
-      found.append(d)
-    parent = os.path.dirname(d)
-    if parent == d:
-      return found
-    d = parent
 
 
 # --- the command -------------------------------------------------------------------

@@ -205,6 +205,9 @@ def memory(prog: str, argv: list[str]) -> int:
                     'separated by commas, e.g. data=16,tensor=8 (data=1 for one device).')
   if len(mesh) < len(pairs) or any(v < 1 for v in mesh.values()):
     raise UserError(f'--mesh {args.mesh!r}: each axis once, each size a positive integer, e.g. data=16,tensor=8.')
+  if args.virtual_stages is not None and args.virtual_stages < 1:
+    raise UserError(f'--virtual_stages {args.virtual_stages}: must be a positive integer (layer chunks per '
+                    f'pipeline stage; leave it out for the config\'s MeshConfig.virtual_stages).')
   if args.micro_batch < 0:
     raise UserError(f'--micro_batch {args.micro_batch}: must be >= 0 (0: the whole replica batch).')
   # The splits the estimate assumes (heads and the MLP over tensor, layer
@@ -337,6 +340,10 @@ def stragglers(prog: str, argv: list[str]) -> int:
   table = st.summary_table(rows, margin=margin, window=window, metric=args.phase)
   found = st.find_stragglers(rows, margin=margin, window=window)
   out = args.out or os.path.join(args.workdir, 'stragglers')
+  from mjax.checkpoint import among_checkpoints
+  problem = among_checkpoints(out)
+  if problem:
+    raise UserError(f'--out {problem}; give a directory outside it.')
   try:
     png = timeline.plot_heatmap(rows, os.path.join(out, 'stragglers.png'), metric=args.phase,
                                 run=os.path.abspath(args.workdir), stragglers=[s.process for s in found])

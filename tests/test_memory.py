@@ -147,5 +147,9 @@ def test_report_memory_names_a_mesh_the_config_cannot_take(mesh, said, capsys):
   assert said in capsys.readouterr().err
   assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', 'data=8', '--micro_batch', '-1']) == 2
   assert '--micro_batch -1' in capsys.readouterr().err
+  for v in ('0', '-2'):   # 0 meant the config's value; -2 was "-4 chunks"
+    assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', 'pipeline=2',
+                        '--virtual_stages', v]) == 2
+    assert f'--virtual_stages {v}: must be a positive integer' in capsys.readouterr().err
   assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', 'data=4,tensor=2']) == 0
   assert 'total' in capsys.readouterr().out

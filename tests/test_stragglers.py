@@ -237,6 +237,15 @@ def test_foreign_or_damaged_timing_rows_are_skipped_and_bad_options_named(tmp_pa
   (tmp_path / 'afile').write_text('x')
   assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'afile')]) == 2
   assert 'give --out a directory' in capsys.readouterr().err
+  # Not into a run's checkpoint directory, nor into a saved step of it.
+  from mjax.checkpoint import OWNER_FILE
+  (tmp_path / 'checkpoints' / '40' / 'state').mkdir(parents=True)
+  (tmp_path / 'checkpoints' / OWNER_FILE).write_text('{"workdir": "."}')
+  for inside in ('', '40'):
+    assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'checkpoints' / inside)]) == 2
+    assert 'holds its steps and nothing else' in capsys.readouterr().err
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['.mjax-run.json', '40']
+  assert os.listdir(tmp_path / 'checkpoints' / '40') == ['state']
   empty = tmp_path / 'empty'
   os.makedirs(empty / 'timings')
   (empty / 'timings' / 'process-00000.jsonl').write_text('')
