@@ -183,6 +183,8 @@ def test_errors_name_the_path(tmp_path, corpus_dir):
   cases = [
       (lambda: data.make_train_iterator(_cfg(missing), 4), missing, 'no such file'),
       (lambda: data.describe(_cfg(corpus_dir, file_pattern='*.rs')), corpus_dir, 'no files match'),
+      (lambda: data.describe(_cfg(corpus_dir, file_pattern='**/*.txt')), corpus_dir,
+       'a pattern with "/" never matches; give the name part alone, e.g. \'*.txt\''),
       (lambda: data.make_train_iterator(_cfg(corpus_dir), 4096), corpus_dir, 'train split'),
       (lambda: data.make_eval_batches(_cfg(corpus_dir), 512, 1), corpus_dir, 'held-out split'),
       (lambda: data.make_train_iterator(_cfg(corpus_dir), 6, process_count=4), corpus_dir,

@@ -300,7 +300,11 @@ def find_source_files(source: str, file_pattern: str, *,
   pattern = file_pattern_of(source, file_pattern)
   files = list_files(root, pattern, skip_packages=source == 'stdlib')
   if not files:
-    raise DataError(f'data source {root}: no files match DataConfig.file_pattern = {pattern!r}.')
+    raise DataError(f'data source {root}: no files match the file pattern {pattern!r} (DataConfig.file_pattern; '
+                    f'--file_pattern of mjax-prepare and mjax-tokenizer)'
+                    + ('. It is matched against file names, in every subdirectory: a pattern with "/" never '
+                       f'matches; give the name part alone, e.g. {os.path.basename(pattern)!r}.' if '/' in pattern
+                       else '.'))
   if not expand:
     return root, files
   files = expand_jsonl(root, files)
