@@ -541,9 +541,11 @@ def model_overrides(conf: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any
   kind = conf['model_type']
   theta, fraction = _rope(conf)
   n, d = conf['num_hidden_layers'], conf['hidden_size']
+  tie = conf.get('tie_word_embeddings', False)
+  if not isinstance(tie, bool):   # bool('false') is True
+    raise UserError(f'tie_word_embeddings {tie!r} in config.json is not true or false.')
   common = dict(vocab_size=conf['vocab_size'], d_model=d, n_layers=n, n_heads=conf['num_attention_heads'],
-                d_ff=conf['intermediate_size'], rope_theta=theta, rotary_fraction=fraction,
-                tie_embeddings=bool(conf.get('tie_word_embeddings', False)))
+                d_ff=conf['intermediate_size'], rope_theta=theta, rotary_fraction=fraction, tie_embeddings=tie)
   biases = [v for k, v in tensors.items() if k.endswith('.bias') and 'layernorm' not in k and 'layer_norm' not in k]
   if kind == 'gpt_neox':
     act = conf.get('hidden_act', 'gelu')
@@ -680,7 +682,10 @@ def gin_bindings(path: str) -> list[str]:
   model = model_overrides(conf, tensors)
   lines = [f'ModelConfig.{k} = {v!r}' for k, v in model.items()]
   positions = conf.get('max_position_embeddings', 2048)
-  seq = min(positions if isinstance(positions, int) and positions > 0 else 2048, 2048)
+  if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+    raise UserError(f'max_position_embeddings {positions!r} in config.json is not a positive integer (the '
+                    f'longest sequence the model was trained on).')
+  seq = min(positions, 2048)
   if model.get('sliding_window'):
     seq = max(seq, model['sliding_window'])
   lines.append(f'DataConfig.seq_len = {seq}')

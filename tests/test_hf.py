@@ -345,7 +345,10 @@ def test_import_refuses_a_config_json_that_does_not_describe_its_weights(tmp_pat
       (case('none', hidden_size=None), 'hidden_size = None'),
       (case('tiny_vocab', vocab_size=100), "'gpt_neox.embed_in.weight' has shape (300, 64)"),
       (case('fewer_layers', num_hidden_layers=1), 'does not describe (layers 1-3, where config.json has '
-                                                   'num_hidden_layers = 1)')]:
+                                                   'num_hidden_layers = 1)'),
+      # Read as a truth value, "false" tied the head; 0 positions became 2048.
+      (case('tie_text', tie_word_embeddings='false'), "tie_word_embeddings 'false' in config.json is not true or false"),
+      (case('no_positions', max_position_embeddings=0), 'max_position_embeddings 0 in config.json is not a positive')]:
     with pytest.raises(UserError, match=re.escape(said)):
       export.gin_bindings(p)
   listed = str(tmp_path / 'listed')
