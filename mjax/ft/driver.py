@@ -371,7 +371,8 @@ class Driver:
     """Raises mjax.errors.UserError (exit status 2) for a config that cannot run."""
     self.opts = opts
     self.workdir = os.path.abspath(opts.workdir)
-    args, bindings = flags.parse(flags.parser('mjax-launch', ''), opts.train_args)
+    # Its own name in the usage and errors: these are the arguments after --.
+    args, bindings = flags.parse(flags.parser('mjax-launch -- (the mjax-train arguments)', ''), opts.train_args)
     self.gin_files = flags.gin_files(args)
     self.bindings = bindings
     total = opts.processes * (opts.devices or 1) if opts.devices else None
