@@ -650,6 +650,18 @@ def _fail(key: str, value, allowed: str):
   raise ConfigError(f'{key} = {value!r} is not allowed: {allowed}.')
 
 
+def doubtful(cfg: Config) -> list[str]:
+  """Settings that are valid but rarely what was meant, one sentence each
+  (a run prints them as warnings and goes on)."""
+  t, o = cfg.train, cfg.optim
+  out = []
+  if 0 < t.steps <= o.warmup_steps:
+    out.append(f'OptimConfig.warmup_steps = {o.warmup_steps} is not below TrainConfig.steps = {t.steps}: the '
+               f'learning rate never leaves its warm-up and ends at {o.learning_rate * t.steps / o.warmup_steps:.3g}, '
+               f'not OptimConfig.learning_rate = {o.learning_rate:g} (a short run needs a shorter warm-up)')
+  return out
+
+
 def _check_xla_flags(text: str) -> None:
   """TrainConfig.xla_extra_flags as XLA reads them, on every platform (they
   take effect on GPUs only, where a bad one was a traceback at start-up, or

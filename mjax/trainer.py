@@ -165,6 +165,8 @@ class Trainer:
       if note is not None:
         print(f'mjax: warning: {note}', flush=True)
       self.recorded = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+      for note in config_lib.doubtful(cfg):
+        print(f'mjax: warning: {note}', flush=True)
     self._t_start = time.perf_counter()
     self._marks: dict[str, float] = {}
     self.ckpt: Optional[checkpoint_lib.Checkpointer] = None
@@ -868,7 +870,7 @@ class StepProfiler:
       # How many steps the trace holds (fewer than asked if the run stopped
       # inside them): trace_summary divides by it.
       write_profile_steps(self.directory, self.done - self.first + 1, self.first)
-      print(f'mjax: profiled steps {self.first}-{self.last} into {self.directory} (TensorBoard\'s profile '
+      print(f'mjax: profiled steps {self.first}-{self.done} into {self.directory} (TensorBoard\'s profile '
             f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
 
   def __enter__(self):

@@ -112,6 +112,14 @@ def test_bad_values_name_key_value_and_allowed(binding, needles):
   assert '\n' not in msg  # one paragraph
 
 
+def test_a_warm_up_as_long_as_the_run_is_warned_of():
+  (note,) = C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 2', 'OptimConfig.warmup_steps = 100',
+                                                    'OptimConfig.learning_rate = 1e-3']))
+  assert note.startswith('OptimConfig.warmup_steps = 100 is not below TrainConfig.steps = 2') and \
+      'ends at 2e-05, not OptimConfig.learning_rate = 0.001' in note, note
+  assert C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200'])) == []
+
+
 def test_pipelining_a_config_that_unrolls_its_layers_says_how():
   """125m.gin and 1p3b.gin unroll their layers (the fastest on one GPU);
   pipelining them is refused with the binding that allows it."""
