@@ -917,17 +917,26 @@ def check_not_inside_a_tier(workdir: str) -> None:
           f'this run with them. Give this run a workdir outside it.')
 
 
+# The folders a run writes in its workdir (TensorBoard events, driver logs,
+# timing rows, traces, reports, the trainer-driver facts).
+RUN_FOLDERS = ('tensorboard', 'logs', 'timings', 'profile', 'stragglers', 'protocol')
+
+
 def check_not_inside_a_workdir(workdir: str) -> None:
-  """Raises ConfigError where the workdir lies inside another run's workdir
-  (its tensorboard/ or logs/, say): the two runs' files would mix there, and
-  this run's default checkpoint tier would lie in that run's directory."""
+  """Raises ConfigError where the workdir is, or lies inside, one of the
+  folders another run writes in its workdir (RUN_FOLDERS): the two runs'
+  files would mix there (TensorBoard would show this run as that one). A
+  folder of one's own inside a run's workdir (runs/a/ablation) is fine."""
   me = os.path.realpath(workdir)
   other = _enclosing_workdir(os.path.dirname(me))
-  if other is not None and other != me:
+  if other is None or other == me:
+    return
+  folder = os.path.relpath(me, other).split(os.sep)[0]
+  if folder in RUN_FOLDERS:
     raise ConfigError(
-        f'workdir {workdir!r} lies inside {other!r}, the workdir of another mjax run (its config.json '
-        f'says so): the two runs\' files would mix, and this run\'s checkpoints would lie among that run\'s. '
-        f'Give this run a workdir outside it, e.g. beside it.')
+        f'workdir {workdir!r} lies inside {os.path.join(other, folder)!r}, the {folder}/ folder of the mjax '
+        f'run with workdir {other!r} (its config.json says so): the two runs\' files would mix there. Give '
+        f'this run a workdir outside it, e.g. beside it.')
 
 
 def check_shared(dirs: dict[str, str], timeout_s: float = 300.0) -> None:

@@ -1433,10 +1433,13 @@ def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_pat
   cfg = C.load_config(['tiny.gin'], [])
   for workdir, said in ((base / 'checkpoints', r"'\S+/checkpoints' is the checkpoint directory of the run"),
                         (base / 'checkpoints' / '4', r"lies inside '\S+/checkpoints', which is the checkpoint"),
-                        (base / 'tensorboard', rf"lies inside '{base}', the workdir of another mjax run")):
+                        (base / 'tensorboard', rf"lies inside '{base}/tensorboard', the tensorboard/ folder of "
+                                               rf"the mjax run with workdir '{base}'")):
     with pytest.raises(C.ConfigError, match=said):
       trainer_lib._check_workdir(cfg, str(workdir), True)
     assert files() == before, workdir
+  # A folder of one's own in a run's workdir is no run's folder.
+  trainer_lib._check_workdir(cfg, str(base / 'ablation'), True)
 
 
 def test_checkpoint_directories_relative_to_the_workdir_and_unset_variables_refused(tmp_path, monkeypatch):
