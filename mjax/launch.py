@@ -176,13 +176,19 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def terminate(handles: Mapping[Any, Any], grace_s: float, kill: Callable[[Any, Any], None],
-              patient: Callable[[], bool] = lambda: True) -> list:
+              patient: Callable[[], bool] = lambda: True, save: bool = True) -> list:
   """SIGTERM to every live process (a trainer saves and exits), then
   `kill(key, handle)` for each still alive after `grace_s`, or as soon as
-  `patient()` turns False. Handles offer Popen's poll and send_signal (a
-  remote executor's do too). Returns the keys of those killed; waiting for
-  them is the caller's."""
+  `patient()` turns False; with save=False, `kill` at once (no SIGTERM, so
+  no trainer saves). Handles offer Popen's poll and send_signal (a remote
+  executor's do too). Returns the keys of those killed; waiting for them is
+  the caller's."""
   alive = [h for h in handles.values() if h.poll() is None]
+  if not save:
+    killed = [k for k, h in handles.items() if h.poll() is None]
+    for k in killed:
+      kill(k, handles[k])
+    return killed
   for h in alive:
     try:
       h.send_signal(signal.SIGTERM)

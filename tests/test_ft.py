@@ -1332,6 +1332,30 @@ def test_nan_rolls_back_and_skips_the_bad_batches(tmp_path, repo_root):
   assert data_position(tmp_path, N) == N + rb['skip_data_steps']
 
 
+@pytest.mark.slow
+def test_a_loss_spike_stops_the_job_without_saving_its_spiked_state(tmp_path, repo_root):
+  """Losses 20x from step 14 (first attempt): the driver stops the job
+  without a save. Before, the trainers saved the spiked state on their way
+  out, and with keep = 2 that save deleted step 12, the last one from before
+  the spike: the rollback found none and resumed the spiked state."""
+  steps = 24
+  train = [f'--gin.TrainConfig.steps={steps}', f'--gin.OptimConfig.decay_steps={steps}',
+           '--gin.CheckpointConfig.save_every=4', '--gin.CheckpointConfig.keep=2',
+           '--gin.FaultConfig.loss_spike_count=3']
+  cmd = launch_cmd(tmp_path, 1, train=train)
+  proc = subprocess.run(cmd, cwd=repo_root, env=child_env(MJAX_FAULT='spike:step=14:factor=20;delay:seconds=0.4'),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, (proc.stderr[-3000:], events(tmp_path))
+  fault = events(tmp_path, 'fault')[0]
+  assert fault['kind'] == 'loss_spike', fault
+  stopped = events(tmp_path, 'stopped')[0]
+  assert stopped['why'] == 'loss_spike' and stopped['killed'] == [0], stopped
+  rb = events(tmp_path, 'rollback')[0]
+  assert rb['restore_below'] == 13 and rb['checkpoint_step'] == 12, rb
+  assert events(tmp_path, 'launch')[1]['skip_data_steps'] == rb['skip_data_steps']
+  assert events(tmp_path, 'finish')[0]['step'] == steps
+
+
 def _hostile_datagrams(rng: random.Random, n: int):
   """Random bytes, mangled envelopes and payloads, and the shapes that once
   escaped the verifier (lone surrogate, non-ASCII mac, deep nesting)."""

@@ -575,3 +575,33 @@ def test_ft_jobset_check_catches_a_mismatch(mutate, says):
   mutate(doc)
   problems = ft_jobset_problems(doc)
   assert any(says in p for p in problems), problems
+
+
+def test_terminate_asks_to_save_or_kills_at_once():
+  """SIGTERM (a trainer saves and exits), then a kill for whoever is still
+  there; save=False (after a loss spike: the state is spiked) kills at once,
+  with no SIGTERM for a trainer to save on."""
+  import signal as signals
+  from mjax import launch as launch_lib
+
+  class Handle:
+    def __init__(self, leaves_on_term):
+      self.signals, self.code, self.leaves_on_term = [], None, leaves_on_term
+
+    def poll(self):
+      return self.code
+
+    def send_signal(self, sig):
+      self.signals.append(sig)
+      if self.leaves_on_term:
+        self.code = 0
+
+  def kill(key, handle):
+    handle.code = -9
+  handles = {0: Handle(True), 1: Handle(False)}
+  assert launch_lib.terminate(handles, 0.2, kill) == [1]
+  assert [h.signals for h in handles.values()] == [[signals.SIGTERM], [signals.SIGTERM]]
+  assert [h.code for h in handles.values()] == [0, -9]
+  handles = {0: Handle(True), 1: Handle(False)}
+  assert launch_lib.terminate(handles, 30, kill, save=False) == [0, 1]
+  assert [h.signals for h in handles.values()] == [[], []] and [h.code for h in handles.values()] == [-9, -9]

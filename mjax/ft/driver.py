@@ -1068,12 +1068,12 @@ class Driver:
                        step=att.monitor.procs[i].step, phase=att.monitor.procs[i].phase,
                        threads=detect.parse_stacks(_read_from(path, offset))[:8])
 
-  def _terminate(self, att: Attempt, wait_s: float, patient=lambda: True) -> list[int]:
+  def _terminate(self, att: Attempt, wait_s: float, patient=lambda: True, save: bool = True) -> list[int]:
     """SIGTERM to every live process (a trainer saves and exits), SIGKILL to
-    those still alive after `wait_s` or once `patient()` turns False; returns
-    the processes killed."""
+    those still alive after `wait_s` or once `patient()` turns False (at
+    once, with save=False); returns the processes killed."""
     from mjax import launch
-    killed = launch.terminate(att.handles, wait_s, lambda i, h: att.executors[i].kill(h), patient)
+    killed = launch.terminate(att.handles, wait_s, lambda i, h: att.executors[i].kill(h), patient, save=save)
     # One deadline for them all: k stuck processes cost KILL_WAIT_S, not k times it.
     deadline = time.monotonic() + KILL_WAIT_S
     for h in att.handles.values():
@@ -1098,9 +1098,12 @@ class Driver:
             for i, h in att.handles.items()}
 
   def _stop(self, att: Attempt, why: str) -> None:
-    """Stops the job after a fault or at the end, with --grace_s to save."""
+    """Stops the job after a fault or at the end, with --grace_s to save;
+    after a loss spike without a save: the state is spiked, and its save
+    would make the tiers delete their oldest step, the good one from before
+    the spike that the rollback needs."""
     t0 = time.monotonic()
-    killed = self._terminate(att, self.opts.grace_s)
+    killed = self._terminate(att, self.opts.grace_s, save=why != 'loss_spike')
     if why != 'finished' or killed:
       self.events.emit('stopped', attempt=att.number, why=why, seconds=round(time.monotonic() - t0, 3),
                        killed=killed, exit=self._exit_statuses(att))

@@ -11,6 +11,8 @@
     MJAX_FAULT="nan:step=8"                 report a NaN loss at step 8
     MJAX_FAULT="overflow:step=8"            report an infinite gradient norm at step 8, its
                                             loss finite (a gradient that overflowed)
+    MJAX_FAULT="spike:step=14:factor=20"    report each loss from step 14 on 20x as large (a
+                                            loss spike, finite)
     MJAX_FAULT="exit:step=5:code=3"         exit with status 3 before step 5
     MJAX_FAULT="term:step=5"                SIGTERM itself before step 5 (a pre-emption, on cue)
     MJAX_FAULT="raise:step=5"               raise an exception before step 5 (a crash in Python:
@@ -39,7 +41,7 @@ from typing import Optional
 
 from mjax import protocol
 
-KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'exit', 'term', 'raise', 'stall')
+KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'spike', 'exit', 'term', 'raise', 'stall')
 
 
 class InjectedError(RuntimeError):
@@ -150,6 +152,8 @@ class Injector:
         metrics['loss'] = float('nan')
       if f.kind == 'overflow' and step == f.step:
         metrics['grad_norm'] = float('inf')
+      if f.kind == 'spike' and step >= f.step:
+        metrics['loss'] = metrics['loss'] * f.factor
 
 
 # A process cannot resume itself from SIGSTOP: a child stops and continues it,
