@@ -249,6 +249,15 @@ def load_tokenizer(spec: str) -> Tokenizer:
 MAX_BPE_VOCAB = 1 << 22   # ids a trained BPE may have
 
 
+def _parents(path: str) -> list[str]:
+  """`path` and each directory above it, outermost first."""
+  out = []
+  while path and path not in out:
+    out.append(path)
+    path = os.path.dirname(path)
+  return out[::-1]
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerInfo:
   """Trains a byte-level BPE on `texts` and writes it as a tokenizer.json.
 
@@ -282,7 +291,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
     os.makedirs(parent, exist_ok=True)
     probe = tempfile.NamedTemporaryFile(dir=parent, prefix='.tokenizer-', suffix='.tmp', delete=False)
   except OSError as e:
-    raise DataError(f'tokenizer {output}: cannot write in {parent} ({e.strerror or e}).') from None
+    # makedirs says "File exists" where a file stands in the path.
+    blocked = next((d for d in _parents(parent) if os.path.exists(d) and not os.path.isdir(d)), None)
+    why = f'{blocked} is a file, not a directory' if blocked else (e.strerror or str(e))
+    raise DataError(f'tokenizer {output}: cannot write in {parent} ({why}).') from None
   probe.close()
   tok = HFTok(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
