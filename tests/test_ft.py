@@ -453,9 +453,21 @@ def test_elastic_keeps_global_batch():
   cfg = C.load_config(['tiny.gin'], ['TrainConfig.global_batch_size = 16'])
   assert hosts_lib.elastic_bindings(cfg, 4, 2, 2) == ['TrainConfig.grad_accum_steps = 2']
   assert hosts_lib.elastic_bindings(cfg, 2, 2, 1) == []
-  with pytest.raises(hosts_lib.ElasticError, match='does not divide'):
-    hosts_lib.elastic_bindings(cfg, 3, 2, 1)
-  hybrid = C.load_config(['tiny.gin'], ['MeshConfig.dcn_data = 4', 'TrainConfig.grad_accum_steps = 2'])
+  with pytest.raises(hosts_lib.ElasticError, match='3 data-parallel replicas do not divide '
+                                                  r'TrainConfig.global_batch_size = 16 into equal slices'):
+    hosts_lib.elastic_bindings(cfg, 4, 3, 1)
+  # Any replica count whose slices divide the batch, not only a divisor of
+  # the old one: 1,250 hosts of 8 GPUs (tensor 8) less one go on on 1,000
+  # (slices of 5 where they were 8), not on 625.
+  big = C.load_config(['tiny.gin'], ['TrainConfig.global_batch_size = 10000', 'MeshConfig.tensor = 8',
+                                     'MeshConfig.data = -1'])
+  for n in (1249, 1001):
+    with pytest.raises(hosts_lib.ElasticError):
+      hosts_lib.elastic_bindings(big, 1250, n, 8)
+  assert hosts_lib.elastic_bindings(big, 1250, 1000, 8) == ['TrainConfig.grad_accum_steps = 2']
+  assert hosts_lib.elastic_bindings(big, 1250, 625, 8) == ['TrainConfig.grad_accum_steps = 2']
+  hybrid = C.load_config(['tiny.gin'], ['MeshConfig.dcn_data = 4', 'TrainConfig.grad_accum_steps = 2',
+                                        'TrainConfig.global_batch_size = 32'])
   assert hosts_lib.elastic_bindings(hybrid, 4, 2, 2) == ['TrainConfig.grad_accum_steps = 4',
                                                          'MeshConfig.dcn_data = 2']
   tp = C.load_config(['tiny.gin'], ['MeshConfig.tensor = 2'])

@@ -679,7 +679,8 @@ class Driver:
   def _fit(self, hosts: list[str]) -> tuple[list[str], list[str]]:
     """The most of `hosts` the job can run on, keeping its global batch, and
     the bindings for that. One host lost of 64, with no spare, leaves 63,
-    which no layout of 64 shrinks to: the job goes on on 32 and the other 31
+    whose replicas do not split a batch of 64 into equal slices: the job
+    goes on on 32 and the other 31
     wait as spares, rather than giving up."""
     first, devices = None, self._devices()
     for n in range(len(hosts), 0, -1):

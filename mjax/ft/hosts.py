@@ -83,15 +83,19 @@ def elastic_bindings(cfg, processes: int, new_processes: int, devices: int) -> l
   """Gin bindings that run `cfg` (laid out for `processes` x `devices`) on
   `new_processes` x `devices`, keeping the global batch.
 
-  The data-parallel size shrinks by processes / new_processes; each replica
-  then accumulates K = old_dp / new_dp times as many slices, so that a step
-  still sees `global_batch_size` sequences. Axes sized -1 adapt by
-  themselves; an explicit data-parallel axis (the dcn one on a hybrid mesh)
-  is scaled.
+  The data-parallel size becomes what the devices left hold; each replica
+  then takes the batch in as many slices (gradient accumulation) as it needs
+  for a step to still see `global_batch_size` sequences, none larger than
+  before (so that they fit in memory). Any data-parallel size whose slices
+  divide the global batch will do, not only a divisor of the old one: a
+  job of 1,250 hosts that loses one goes on on 1,000 (10,000 sequences,
+  slices of 5), not on 625. Axes sized -1 adapt by themselves; an explicit
+  data-parallel axis (the dcn one on a hybrid mesh) is resized.
 
   Raises:
-    ElasticError: the new size does not divide the old one, or the layout
-      needs more devices than are left; the message says which.
+    ElasticError: no slicing of the global batch fits the new data-parallel
+      size, or the layout needs more devices than are left; the message
+      says which.
   """
   if new_processes == processes:
     return []
@@ -109,27 +113,30 @@ def elastic_bindings(cfg, processes: int, new_processes: int, devices: int) -> l
   except ConfigError as e:   # the job's own layout, as the driver understands it, does not resolve
     raise ElasticError(f'cannot lay out a smaller job: {e}') from None
   new_dp = new_devices // model_parallel
-  if old_dp % new_dp:
+  rows = train.global_batch_size
+  # Sequences each replica took in one slice before: no new slice is larger.
+  most = max(1, rows // (old_dp * train.grad_accum_steps))
+  slices = next((k for k in range(1, rows // new_dp + 1)
+                 if rows % (new_dp * k) == 0 and rows // (new_dp * k) <= most), None)
+  if slices is None:
     raise ElasticError(
-        f'cannot keep the global batch on {new_processes} process(es): the data-parallel size '
-        f'would go from {old_dp} to {new_dp}, which does not divide it, so no whole number of '
-        f'gradient-accumulation steps gives the same batch. Give spares with --spares, or run '
-        f'with a process count whose remainder divides the data-parallel size.')
-  k = old_dp // new_dp
-  out = [f'TrainConfig.grad_accum_steps = {train.grad_accum_steps * k}']
+        f'cannot keep the global batch on {new_processes} process(es): {new_dp} data-parallel replicas '
+        f'do not divide TrainConfig.global_batch_size = {rows} into equal slices of at most {most} '
+        f'sequences, so no whole number of gradient-accumulation steps gives the same batch. Give spares '
+        f'with --spares, or run with a process count whose replicas divide the batch.')
+  out = [f'TrainConfig.grad_accum_steps = {slices}'] if slices != train.grad_accum_steps else []
   if mesh.dcn_data > 1 or mesh.dcn_fsdp > 1:
     axis = 'dcn_data' if mesh.dcn_data > 1 else 'dcn_fsdp'
-    size = getattr(mesh, axis)
-    if size % k:
-      raise ElasticError(f'MeshConfig.{axis} = {size} cannot shrink by {k}; bring back hosts or give spares.')
-    out.append(f'MeshConfig.{axis} = {size // k}')
   elif -1 not in (mesh.data, mesh.fsdp):
     axis = 'data' if mesh.data > 1 else 'fsdp'
-    size = getattr(mesh, axis)
-    if size % k:
-      raise ElasticError(f'MeshConfig.{axis} = {size} cannot shrink by {k}; bring back hosts or give spares.')
-    out.append(f'MeshConfig.{axis} = {size // k}')
-  return out
+  else:
+    return out
+  size = getattr(mesh, axis)
+  rest = old_dp // size   # the data-parallel size the other axes make
+  if new_dp % rest:
+    raise ElasticError(f'MeshConfig.{axis} = {size} cannot become {new_dp} / {rest} data-parallel '
+                       f'groups; bring back hosts or give spares.')
+  return out + [f'MeshConfig.{axis} = {new_dp // rest}']
 
 
 def check_bindings(gin_files: Sequence[str], bindings: Sequence[str], num_devices: Optional[int]) -> None:
