@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -306,6 +307,9 @@ def stragglers(prog: str, argv: list[str]) -> int:
   p.add_argument('--window', type=int, default=None,
                  help='judge on this many of the latest steps (default: the run\'s '
                       f'FaultConfig.straggler_window, else {FaultConfig.straggler_window})')
+  p.add_argument('--steps', type=int, default=None,
+                 help='read the latest this many steps of every process (default: as many as keep the '
+                      f'rows read to about {REPORT_ROWS:,}, at least 2 x --window, at most {REPORT_MAX_STEPS:,})')
   p.add_argument('--json', action='store_true', help='print the summary as JSON instead of a table')
   args = p.parse_args(argv)
   # The run's own thresholds, so that the report agrees with what its driver saw.
@@ -325,10 +329,19 @@ def stragglers(prog: str, argv: list[str]) -> int:
   window = args.window if args.window is not None else saved('straggler_window', int, FaultConfig.straggler_window)
   if not 0 < margin < float('inf') or window < 1:   # NaN fails the first test too
     raise UserError(f'--margin {margin} must be a number > 0 and --window {window} >= 1.')
+  if args.steps is not None and args.steps < 1:
+    raise UserError(f'--steps {args.steps}: must be a positive integer.')
+  # Bounded whatever the run's length and size: the latest steps only (at
+  # 10,000 processes x 100 steps, whole files were 2.7 GB of rows in memory).
+  files = len(glob.glob(os.path.join(st.timings_dir(args.workdir), 'process-*.jsonl')))
+  steps = args.steps or max(2 * window, min(REPORT_MAX_STEPS, REPORT_ROWS // max(1, files)))
   try:
-    rows = st.load_rows(args.workdir)
+    rows = st.load_rows(args.workdir, tail_bytes=steps * ROW_BYTES_MAX)
   except (FileNotFoundError, NotADirectoryError) as e:
     raise UserError(str(e)) from None
+  if rows:
+    newest = max(int(r['step']) for r in rows)
+    rows = [r for r in rows if int(r['step']) > newest - steps]
   if not rows:
     raise UserError(f'{st.timings_dir(args.workdir)}: its timing files hold no complete row (empty, or '
                     'damaged): a run writes a row per process every FaultConfig.timing_every steps.')
@@ -340,6 +353,7 @@ def stragglers(prog: str, argv: list[str]) -> int:
   table = st.summary_table(rows, margin=margin, window=window, metric=args.phase)
   found = st.find_stragglers(rows, margin=margin, window=window)
   out = args.out or os.path.join(args.workdir, 'stragglers')
+  shown = _report_processes(table, found)
   from mjax.checkpoint import among_checkpoints
   problem = among_checkpoints(out)
   if problem:
@@ -347,7 +361,8 @@ def stragglers(prog: str, argv: list[str]) -> int:
   try:
     png = timeline.plot_heatmap(rows, os.path.join(out, 'stragglers.png'), metric=args.phase,
                                 run=os.path.abspath(args.workdir), stragglers=[s.process for s in found])
-    trace = timeline.write_trace(rows, os.path.join(out, 'trace.json'))
+    traced = shown if len(table) > REPORT_TRACED else {e['process'] for e in table}
+    trace = timeline.write_trace([r for r in rows if int(r['process']) in traced], os.path.join(out, 'trace.json'))
   except OSError as e:
     raise UserError(f'cannot write the heat map and trace into {out!r} ({e.strerror or e}): give --out a '
                     'directory this user can write (a read-only run directory needs one).') from None
@@ -358,7 +373,12 @@ def stragglers(prog: str, argv: list[str]) -> int:
   n_steps = len({r['step'] for r in rows})
   print(f'{prog}: {len(table)} process(es), {n_steps} step(s) in {st.timings_dir(args.workdir)}; '
         f'straggler: > {margin:.0%} slower than the others over the last {window} steps\n')
-  print(st.format_table(table, metric=args.phase))
+  if len(table) > REPORT_LISTED:
+    print(st.format_table([e for e in table if e['process'] in shown], metric=args.phase))
+    print(f'(the {len(shown)} latest to end their steps, stragglers and their hosts\' processes first, of '
+          f'{len(table):,}; --json lists every process)')
+  else:
+    print(st.format_table(table, metric=args.phase))
   print()
   if found:
     pass
@@ -374,8 +394,30 @@ def stragglers(prog: str, argv: list[str]) -> int:
     print('straggler: ' + s.describe())
     if s.device is not None:
       print('  ' + st.format_devices(next(e for e in table if e['process'] == s.process)))
-  print(f'heat map: {png}\ntrace:    {trace} (open in ui.perfetto.dev or chrome://tracing)')
+  print(f'heat map: {png}\ntrace:    {trace} (open in ui.perfetto.dev or chrome://tracing'
+        + (f'; the {len(traced)} processes of the table' if len(traced) < len(table) else '') + ')')
   return 0
+
+
+# What `mjax-report stragglers` reads and writes stays readable, and fits in
+# memory, at 10,000 processes: about this many rows read (~1 KB each in
+# memory), the table and the trace limited to the processes worth a look.
+REPORT_ROWS = 1_000_000
+REPORT_MAX_STEPS = 5_000
+ROW_BYTES_MAX = 4096       # a timing row on disk is ~150 bytes, ~1 KB with per-device samples
+REPORT_LISTED = 40         # more processes than this: the table shows the latest
+REPORT_TRACED = 64         # more than this: the trace holds the table's processes
+
+
+def _report_processes(table: list[dict], found) -> set:
+  """The processes worth a look: the stragglers, the other processes of
+  their hosts, then the latest to end their steps, up to REPORT_LISTED."""
+  named = {s.process for s in found}
+  hosts = {e['host'] for e in table if e['process'] in named}
+  first = [e['process'] for e in table if e['process'] in named or e['host'] in hosts]
+  late = sorted((e for e in table if e['process'] not in first),
+                key=lambda e: -e['lateness_s'] if e['lateness_s'] == e['lateness_s'] else float('inf'))
+  return set(first) | {e['process'] for e in late[:max(0, REPORT_LISTED - len(first))]}
 
 
 if __name__ == '__main__':

@@ -781,3 +781,40 @@ def test_leave_one_out_medians_agree_with_the_plain_ones(seed):
     x[rng.random((P, 7)) < 0.2] = np.nan
     np.testing.assert_array_equal(st._loo_median(x), _ref_loo_median(x))
     np.testing.assert_array_equal(st._row_medians(x), st._nanmedian(x, axis=1))
+
+
+def test_the_report_of_many_processes_stays_readable_and_bounded(tmp_path, capsys, monkeypatch):
+  """300 processes (75 hosts of 4), process 137 slow from step 10: the table
+  lists the straggler, its host's other processes and the latest others
+  (not 300 lines), the trace holds those processes alone, the heat map one
+  row per host, and --steps reads the latest steps only."""
+  rows = lockstep_rows(n=300, steps=60, slow=137, factor=1.4, slow_from=10, seed=3)
+  _write(tmp_path, rows)
+  assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'out'), '--steps', '40']) == 0
+  out = capsys.readouterr().out
+  table = [l for l in out.splitlines() if l[:8].strip().isdigit()]
+  assert len(table) == report.REPORT_LISTED, out
+  listed = {int(l.split()[0]) for l in table}
+  assert {136, 137, 138, 139} <= listed     # the straggler and its host's other processes
+  assert 'straggler: process 137 on node-34' in out and 'of 300; --json lists every process' in out
+  assert f'the {report.REPORT_LISTED} processes of the table' in out
+  with open(tmp_path / 'out' / 'trace.json') as fh:
+    traced = {e['pid'] for e in json.load(fh)['traceEvents'] if e.get('ph') == 'X'}
+  assert len(traced) == report.REPORT_LISTED
+  assert '300 process(es), 40 step(s)' in out   # --steps 40: the latest 40 of 60
+  assert report.main(['stragglers', str(tmp_path), '--json', '--steps', '40', '--out', str(tmp_path / 'o2')]) == 0
+  said = json.loads(capsys.readouterr().out)
+  assert len(said['processes']) == 300 and {p['last_step'] - p['first_step'] for p in said['processes']} == {39}
+  # The heat map: a row per host, each its worst process (max-pooled), so a
+  # slow host shows however many processes there are.
+  processes = np.arange(8)
+  hosts = {p: f'h{p // 4}' for p in range(8)}
+  x = np.arange(16, dtype=float).reshape(8, 2)
+  (pooled,), labels, members = timeline._pool_rows([x], processes, hosts, max_rows=4)
+  assert labels == ['h0 (4)', 'h1 (4)'] and members == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  np.testing.assert_array_equal(pooled, [[6, 7], [14, 15]])
+  (banded,), labels, _ = timeline._pool_rows([x], processes, {p: f'h{p}' for p in range(8)}, max_rows=4)
+  assert labels == ['h0..h1 (2)', 'h2..h3 (2)', 'h4..h5 (2)', 'h6..h7 (2)'] and banded.shape == (4, 2)
+  monkeypatch.setattr(timeline, 'MAX_ROWS', 50)
+  png = timeline.plot_heatmap(rows, str(tmp_path / 'pooled.png'), stragglers=[137])
+  assert os.path.getsize(png) > 0

@@ -16,6 +16,7 @@ from mjax.ft import stragglers as st
 
 MAX_COLUMNS = 2000     # steps drawn as individual columns; more are binned
 MAX_LABELLED = 48      # processes named one by one on the y axis
+MAX_ROWS = 256         # more processes than this: one row per host (or band of hosts), its worst
 
 
 def _row_phases(row: dict) -> list[tuple[str, float]]:
@@ -119,6 +120,28 @@ def _bin_columns(x: np.ndarray, steps: np.ndarray, max_columns: int) -> tuple[np
   return binned, steps[::k], k
 
 
+def _pool_rows(mats: Sequence[np.ndarray], processes: np.ndarray, hosts: dict, max_rows: int
+               ) -> tuple[list[np.ndarray], list[str], list[list[int]]]:
+  """Rows of many processes pooled so that none disappears between the
+  pixels: one row per host, or per band of consecutive hosts where there are
+  more than `max_rows`, each showing the worst (largest) of its processes
+  at every step. Returns the pooled matrices, a label and the processes of
+  each row."""
+  groups: dict[str, list[int]] = {}
+  for i, p in enumerate(processes.tolist()):
+    groups.setdefault(hosts[p], []).append(i)
+  names = list(groups)
+  per = max(1, -(-len(names) // max_rows))
+  bands = [names[k:k + per] for k in range(0, len(names), per)]
+  index = [[i for h in band for i in groups[h]] for band in bands]
+  labels = [(band[0] if len(band) == 1 else f'{band[0]}..{band[-1]}') + f' ({len(ix)})'
+            for band, ix in zip(bands, index)]
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)   # a step no process of the band has: NaN (grey)
+    pooled = [np.stack([np.nanmax(m[ix], axis=0) for ix in index]) for m in mats]
+  return pooled, labels, [[int(processes[i]) for i in ix] for ix in index]
+
+
 def plot_heatmap(rows: Sequence[dict], path: str, metric: str = st.STEP, run: str = '',
                  stragglers: Sequence[int] = ()) -> str:
   """Draws a processes x steps heat map of step (or phase) times as a PNG.
@@ -153,8 +176,15 @@ def plot_heatmap(rows: Sequence[dict], path: str, metric: str = st.STEP, run: st
   hosts = {int(r['process']): r.get('host', '?') for r in rows}
   dur_ms, xsteps, k = _bin_columns(dur * 1e3, steps, MAX_COLUMNS)
   late_ms, _, _ = _bin_columns(late_ms, steps, MAX_COLUMNS)
+  labels = [f'{p} ({hosts[p]})' for p in processes.tolist()]
+  members = [[p] for p in processes.tolist()]
+  pooled = len(processes) > MAX_ROWS
+  if pooled:
+    # At thousands of processes nearest-pixel sampling shows one row in
+    # tens: a slow host vanished. Each row shows its host's worst process.
+    (dur_ms, late_ms), labels, members = _pool_rows([dur_ms, late_ms], processes, hosts, MAX_ROWS)
 
-  n_proc = len(processes)
+  n_proc = len(labels)
   # One process has no others to be late against: the second panel would be empty.
   n_panels = 2 if n_proc > 1 else 1
   height = 1.6 + n_panels * min(6.0, max(1.2, 0.22 * n_proc))
@@ -183,21 +213,20 @@ def plot_heatmap(rows: Sequence[dict], path: str, metric: str = st.STEP, run: st
     im = ax.imshow(np.ma.masked_invalid(data), aspect='auto', interpolation='nearest', cmap=cm,
                    vmin=lo, vmax=hi, extent=extent)
     fig.colorbar(im, ax=ax, pad=0.01, extend='both').set_label(cbar_label)
-    ax.set_ylabel('process')
+    ax.set_ylabel('host (its worst process)' if pooled else 'process')
+    marked_rows = {i for i, ps in enumerate(members) if set(ps) & set(stragglers)}
     if n_proc <= MAX_LABELLED:
       ax.set_yticks(range(n_proc))
-      ax.set_yticklabels([f'{p} ({hosts[p]})' for p in processes.tolist()], fontsize=8)
-      for tick, p in zip(ax.get_yticklabels(), processes.tolist()):
-        if p in stragglers:
+      ax.set_yticklabels(labels, fontsize=8)
+      for tick, i in zip(ax.get_yticklabels(), range(n_proc)):
+        if i in marked_rows:
           tick.set_color('red')
           tick.set_fontweight('bold')
     else:
       # Too many to name: a few evenly spaced, plus every straggler (in red).
-      index = {p: i for i, p in enumerate(processes.tolist())}
-      marked_rows = {index[p] for p in stragglers if p in index}
       ticks = sorted(set(np.linspace(0, n_proc - 1, 9).round().astype(int).tolist()) | marked_rows)
       ax.set_yticks(ticks)
-      ax.set_yticklabels([str(processes[t]) for t in ticks], fontsize=8)
+      ax.set_yticklabels([labels[t] if pooled else str(members[t][0]) for t in ticks], fontsize=8)
       for tick, t in zip(ax.get_yticklabels(), ticks):
         if t in marked_rows:
           tick.set_color('red')
@@ -208,7 +237,8 @@ def plot_heatmap(rows: Sequence[dict], path: str, metric: str = st.STEP, run: st
     axes[-1].set_title('end of step compared with the other processes (red: later; '
                        'in a synchronous job the straggler is the one that ends last)', fontsize=10, loc='left')
   marked = f'; stragglers in red: {", ".join(map(str, stragglers))}' if stragglers else ''
-  fig.suptitle(f'{run + ": " if run else ""}{n_proc} process(es), steps {first}-{last}{marked}', fontsize=11)
+  count = f'{len(processes):,} processes on {n_proc} rows (hosts)' if pooled else f'{n_proc} process(es)'
+  fig.suptitle(f'{run + ": " if run else ""}{count}, steps {first}-{last}{marked}', fontsize=11)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
