@@ -566,6 +566,20 @@ def fake_attempt(d, hosts):
   return driver.Attempt(0, hosts, {i: None for i in range(len(hosts))}, [], {}, mon, [], 0.0)
 
 
+def test_a_heartbeat_buffer_too_small_for_the_job_is_said(tmp_path):
+  d = make_driver(tmp_path)
+  try:
+    assert d._buffer_warning() is None               # 2 processes: any buffer holds their beats
+    d.opts.processes, d.server.receive_buffer = 10_000, 416 << 10
+    said = d._buffer_warning()
+    assert said.startswith("the heartbeat socket's receive buffer is 416 KiB, less than the ~7500 KiB 10000 "
+                           "processes' heartbeats need") and 'net.core.rmem_max' in said, said
+    d.server.receive_buffer = 8 << 20
+    assert d._buffer_warning() is None
+  finally:
+    d.server.close()
+
+
 def test_failing_diagnostic_blocks_its_host_only(tmp_path, monkeypatch):
   monkeypatch.setattr(FakeExecutor, 'failing', {'slot1': 'memory'})
   d = make_driver(tmp_path)
