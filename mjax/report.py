@@ -23,8 +23,7 @@ import sys
 import textwrap
 from typing import Callable, Optional, Sequence
 
-from mjax import jsonfile
-from mjax import flags, protocol
+from mjax import flags, jsonfile, protocol
 from mjax.errors import UserError
 
 PROG = 'mjax-report'

@@ -566,6 +566,58 @@ def fake_attempt(d, hosts):
   return driver.Attempt(0, hosts, {i: None for i in range(len(hosts))}, [], {}, mon, [], 0.0)
 
 
+def test_a_fault_among_thousands_of_processes_is_one_short_event(tmp_path, monkeypatch):
+  """At 10,000 processes a hang's event held every process's phase, logs
+  and stall (3.4 MB on one line), and every process's stack was asked for:
+  now the named process whole, the others counted, stacks of a sample."""
+  d = make_driver(tmp_path)
+  try:
+    att = fake_attempt(d, [f'h{i}' for i in range(3000)])
+    for p in att.monitor.procs.values():
+      p.phase, p.logs = 'compute', ['a line of its log']
+    att.monitor.procs[1234].phase = 'data'
+    asked = []
+    monkeypatch.setattr(d, '_dump_stacks', lambda att, named=None: asked.append(named))
+    stalled = {i: {'host': f'h{i}', 'step': 7, 'phase': 'compute', 'stalled_s': 30.0} for i in range(3000)}
+    d._on_fault(att, detect.Fault('hang', [1234], 'no step', extra={'stalled': stalled}))
+    e = events(tmp_path, 'fault')[-1]
+    assert e['phases'] == {'1234': 'data'} and e['phase_counts'] == {'compute': 2999, 'data': 1}
+    assert list(e['last_logs']) == ['1234'] and list(e['stalled']) == ['1234'] and e['stalled_count'] == 3000
+    assert len(json.dumps(e)) < 2000 and asked == [[1234]]
+  finally:
+    d.server.close()
+
+
+def test_stacks_of_many_processes_are_asked_of_the_named_and_a_sample(tmp_path, monkeypatch):
+  import signal as signals
+  d = make_driver(tmp_path)
+  try:
+    n = 200
+    att = fake_attempt(d, [f'h{i}' for i in range(n)])
+
+    class Handle:
+      def __init__(self):
+        self.signals = []
+
+      def poll(self):
+        return None
+
+      def send_signal(self, sig):
+        self.signals.append(sig)
+    att.handles = {i: Handle() for i in range(n)}
+    for i in range(n):
+      (tmp_path / f'p{i}.log').write_text('')
+      att.logs[i] = (str(tmp_path / f'p{i}.log'), 0)
+      att.monitor.procs[i].first_beat = 1.0
+    monkeypatch.setattr(driver, 'STACK_WAIT_S', 0.0)
+    d._dump_stacks(att, [77])
+    signalled = sorted(i for i, h in att.handles.items() if h.signals == [signals.SIGUSR1])
+    assert 77 in signalled and 0 in signalled and n - 1 in signalled and len(signalled) <= 1 + driver.STACK_SAMPLE
+    assert sorted(e['process'] for e in events(tmp_path, 'stack_dump')) == signalled
+  finally:
+    d.server.close()
+
+
 def test_a_heartbeat_buffer_too_small_for_the_job_is_said(tmp_path):
   d = make_driver(tmp_path)
   try:

@@ -99,8 +99,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from mjax import jsonfile
-from mjax import protocol
+from mjax import jsonfile, protocol
 from mjax.ft import heartbeat as hb
 
 log = logging.getLogger('mjax.agent')

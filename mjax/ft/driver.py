@@ -97,8 +97,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from mjax import jsonfile
-from mjax import flags, protocol
+from mjax import flags, jsonfile, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
 from mjax.ft import executor as executor_lib
 from mjax.ft import agent as agent_lib
@@ -368,6 +367,10 @@ def _hold_driver_lock(workdir: str, shown: str) -> int:
 # (the datagram, ~400 bytes, and its buffer overhead): a 10,000-process job
 # dropped none with 8 MiB and 4% with 416 KiB.
 HEARTBEAT_BUFFER_PER_PROCESS = 768
+# More processes than this: a fault event lists the named ones in full and
+# counts the others; stacks are asked of the named and STACK_SAMPLE others.
+EVENT_PROCESSES = 64
+STACK_SAMPLE = 8
 
 
 class Driver:
@@ -1060,23 +1063,40 @@ class Driver:
       self.pre_fault = (step, time.time())
     elif self.pre_fault is not None:
       self.pre_fault = (self.pre_fault[0], time.time())
+    named = set(fault.processes)
+    phases = {i: p.phase for i, p in m.procs.items()}
+    extra = dict(fault.extra)
+    if len(m.procs) > EVENT_PROCESSES:
+      # At 10,000 processes one fault line of every process's phase, logs
+      # and stall was 3.4 MB: the named processes whole, the rest counted.
+      extra['phase_counts'] = dict(collections.Counter(str(v) for v in phases.values()).most_common())
+      phases = {i: v for i, v in phases.items() if i in named}
+      if isinstance(extra.get('stalled'), dict) and len(extra['stalled']) > EVENT_PROCESSES:
+        extra['stalled_count'] = len(extra['stalled'])
+        extra['stalled'] = {i: v for i, v in extra['stalled'].items() if i in named}
+    logs = {i: p.logs for i, p in m.procs.items() if p.logs and (len(m.procs) <= EVENT_PROCESSES or i in named)}
     self.events.emit('fault', kind=fault.kind, attempt=att.number, processes=fault.processes,
                      hosts=[att.hosts[i] for i in fault.processes], detail=fault.detail,
-                     step=fault.step, reached_step=step,
-                     phases={i: p.phase for i, p in m.procs.items()},
-                     last_logs={i: p.logs for i, p in m.procs.items() if p.logs}, **fault.extra)
+                     step=fault.step, reached_step=step, phases=phases, last_logs=logs, **extra)
     if fault.kind in ('hang', 'heartbeat_lost', 'startup_timeout'):
       # Named in the fault event first, then asked where they are: the
       # stacks show what each process was waiting for (trainers heartbeat
       # from early in start-up, so a stuck restore or compile answers too).
-      self._dump_stacks(att)
+      self._dump_stacks(att, fault.processes)
 
-  def _dump_stacks(self, att: Attempt) -> None:
+  def _dump_stacks(self, att: Attempt, named: Optional[Sequence[int]] = None) -> None:
     """SIGUSR1 to every process that can take it (it has heartbeated, so
     faulthandler is registered), then the top frames of each into the events."""
     asked = {}
+    wanted = set(att.handles)
+    if len(wanted) > EVENT_PROCESSES:
+      # Of thousands, the named ones and a sample of the others (where they
+      # wait): every one's stack was 10,000 log reads and events.
+      ordered = sorted(wanted)
+      sample = {ordered[round(k * (len(ordered) - 1) / (STACK_SAMPLE - 1))] for k in range(STACK_SAMPLE)}
+      wanted = set(named or ()) | sample
     for i, h in att.handles.items():
-      if h.poll() is None and att.monitor.procs[i].first_beat is not None:
+      if i in wanted and h.poll() is None and att.monitor.procs[i].first_beat is not None:
         asked[i] = _size(att.logs[i][0])
         try:
           h.send_signal(signal.SIGUSR1)

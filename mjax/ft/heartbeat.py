@@ -75,8 +75,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from mjax import jsonfile
-from mjax import protocol
+from mjax import jsonfile, protocol
 from mjax.protocol import DRIVER_ADDRESS_ENV as ADDRESS_ENV, HOST_ENV, SECRET_ENV
 
 MAX_DATAGRAM = 16384      # bytes; a heartbeat is ~1 KB, this leaves room for logs
