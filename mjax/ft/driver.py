@@ -115,6 +115,7 @@ KILL_WAIT_S = 60.0            # after SIGKILL, a process still there this long c
 LINK_FAULTS = ('exit', 'heartbeat_lost', 'hang', 'startup_timeout')
 LINK_TRIES = 2                # link-check jobs a named host must fail before it is blocked
 DIAGNOSE_TRIES = 2            # crashes without a report a host's own diagnostic may have before blocking
+DIAGNOSE_AT_ONCE = 128        # hosts diagnosed in parallel
 
 
 # ----------------------------------------------------------------------------
@@ -1165,7 +1166,9 @@ class Driver:
                        detail='mjax-diagnose is not installed: no host checked, none blocked')
       return
     t0 = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(att.hosts)) as pool:
+    # At most DIAGNOSE_AT_ONCE hosts at a time: 1,250 threads, and under
+    # SLURM 1,250 srun at once, on every fault otherwise.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(att.hosts), DIAGNOSE_AT_ONCE)) as pool:
       results = list(pool.map(self._diagnose_host, att.hosts))
     for host, (passed, report, detail) in zip(att.hosts, results):
       self.events.emit('diagnosis', host=host, passed=passed, detail=detail,
