@@ -435,6 +435,21 @@ def _join_timeout(env: Mapping[str, str], timeout_s: Optional[float]) -> float:
   return value
 
 
+def _raise_open_files_limit(wanted: int) -> None:
+  """The soft limit of open files raised towards `wanted` (at most to the
+  hard limit; a process may not go past it)."""
+  import resource
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft == resource.RLIM_INFINITY or soft >= wanted:
+    return
+  target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+  if target > soft:
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+      pass
+
+
 def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Optional[float] = None,
                         peer_timeout_s: Optional[float] = None) -> dict:
   """Joins the multi-process job the environment describes, if any.
@@ -498,6 +513,9 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
   deadline = time.monotonic() + timeout_s
   if spec.process_id == 0:
     check_port_free(spec)
+    # Process 0 hosts jax's coordination service: one connection per
+    # process, past a soft limit of 1,024 open files at a few hundred hosts.
+    _raise_open_files_limit(spec.num_processes + 1024)
   else:
     wait_for_coordinator(spec, deadline)
   left = max(1.0, deadline - time.monotonic())

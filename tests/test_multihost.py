@@ -664,3 +664,19 @@ def test_tensor_and_pipeline_groups_across_processes_read_their_rows_once_per_gr
                    '--gin.MeshConfig.dcn_pipeline=2')
   assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 4, 'pipeline': 2}" in out, out[-2000:]
   np.testing.assert_allclose(_losses(tmp_path / 'tp'), _losses(two_process_run[0] / 'multi'), rtol=1e-4)
+
+
+def test_the_coordinator_raises_its_open_files_limit_for_the_job():
+  """Process 0 hosts jax's coordination service, one connection per process:
+  a soft limit of 1,024 open files held a job of a few hundred hosts."""
+  import resource
+  before = resource.getrlimit(resource.RLIMIT_NOFILE)
+  try:
+    hard = before[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    D._raise_open_files_limit(2048)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (2048 if hard == resource.RLIM_INFINITY else min(2048, hard))
+    D._raise_open_files_limit(100)     # never lowered
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(2048, hard)
+  finally:
+    resource.setrlimit(resource.RLIMIT_NOFILE, before)
