@@ -349,8 +349,8 @@ def stragglers(prog: str, argv: list[str]) -> int:
     raise UserError(f'--phase {args.phase!r}: this run\'s timings have the phases {", ".join(known)}; '
                     f"give one of them or 'step' (their sum).")
   from mjax.ft import timeline
-  table = st.summary_table(rows, margin=margin, window=window, metric=args.phase)
   found = st.find_stragglers(rows, margin=margin, window=window)
+  table = st.summary_table(rows, margin=margin, window=window, metric=args.phase, found=found)
   out = args.out or os.path.join(args.workdir, 'stragglers')
   shown = _report_processes(table, found)
   from mjax.checkpoint import among_checkpoints
