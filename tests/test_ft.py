@@ -501,6 +501,15 @@ def test_a_shrunk_job_is_laid_out_on_the_devices_its_processes_reported(tmp_path
     d.server.close()
 
 
+def test_a_bind_that_cannot_listen_leaves_no_workdir_behind(tmp_path):
+  for workdir in (tmp_path / 'new', tmp_path):
+    opts = driver.parse_args(['--processes', '1', '--workdir', str(workdir), '--bind', '192.0.2.1:0', '--quiet',
+                              '--', '--gin_file', 'tiny.gin'])
+    with pytest.raises(UserError, match=r'--bind 192.0.2.1:0: cannot listen for heartbeats there'):
+      driver.Driver(opts, executor_factory=FakeExecutor)
+  assert sorted(os.listdir(tmp_path)) == []     # neither the new workdir nor logs/ or events.jsonl in an old one
+
+
 def test_launch_flags_are_checked(capsys):
   with pytest.raises(SystemExit):
     driver.parse_args(['--processes', '2', '--workdir', 'w', '--hosts', 'a', '--', '--gin_file', 'x'])

@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -389,6 +390,11 @@ class Driver:
     # The trainers validate exactly the same way; failing here spares a launch.
     self.cfg = flags.load(self.gin_files, bindings, num_devices=total)
     self.fault_cfg = self.cfg.fault
+    # A start refused below (a --bind it cannot listen on) leaves the
+    # workdir as it found it: what this start made, it takes away.
+    made = [d for d in (self.workdir, os.path.join(self.workdir, 'logs')) if not os.path.exists(d)]
+    events_path = os.path.join(self.workdir, 'events.jsonl')
+    made += [events_path] if not os.path.exists(events_path) else []
     try:
       os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
     except OSError as e:
@@ -415,6 +421,10 @@ class Driver:
       self.server = hb.HeartbeatServer(opts.bind, self.secret, window,
                                        stall_s=self.fault_cfg.collective_timeout_s)
     except OSError as e:
+      self.events.close()
+      for path in reversed(made):
+        with contextlib.suppress(OSError):
+          os.rmdir(path) if os.path.isdir(path) else os.remove(path)
       raise UserError(f'--bind {opts.bind}: cannot listen for heartbeats there (UDP): {e}; give an address '
                       f'of this machine (host:port, port 0 for any free one).') from None
     self.agents: Optional[agent_lib.AgentServer] = None
