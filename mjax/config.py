@@ -854,6 +854,8 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'OptimConfig.{b}', getattr(o, b), 'must be in [0, 1)')
 
   _positive(t, 'steps', 'global_batch_size', 'eval_batches', 'log_every')
+  if t.steps >= 2**31:   # the train state counts steps in an int32 (and the schedule reads it)
+    _fail('TrainConfig.steps', t.steps, 'must be below 2**31 (2,147,483,648): the step counter is a 32-bit integer')
   if not -2**63 <= t.seed < 2**63:   # what jax.random.key takes
     _fail('TrainConfig.seed', t.seed, 'must be a 64-bit integer (|seed| < 2**63)')
   _check_xla_flags(t.xla_extra_flags)

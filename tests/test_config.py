@@ -97,6 +97,7 @@ def test_resolved_config_round_trips(tmp_path):
     # A prime model width: its divisors, found at once.
     ('ModelConfig.d_model = 2147483647', ['d_model = 2147483647', 'divisors: 1, 2147483647)']),
     ('TrainConfig.seed = 9223372036854775808', ['seed = 9223372036854775808', 'a 64-bit integer']),
+    ('TrainConfig.steps = 99999999999999999999999', ['steps = 99999999999999999999999', 'below 2**31']),
     ('FaultConfig.loss_spike_factor = 0.5', ['loss_spike_factor = 0.5', 'greater than 1']),
     ('TrainConfig.skip_batches = 1000000000000000000000', ['skip_batches = 1000000000000000000000', '2**60']),
     ('TrainConfig.xla_extra_flags = "--xla_foo=\'b"', ['xla_extra_flags', 'No closing quotation']),
