@@ -1170,7 +1170,16 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   record = os.path.join(workdir, 'config.json')
   unusual = (os.path.lexists(record) and not _is_workdir(workdir) or
              os.path.lexists(os.path.join(workdir, 'config.gin')) and not os.path.lexists(record))
-  if unusual and _run_record(workdir):
+  ours = bool(_run_record(workdir))
+  try:
+    with open(record) as fh:
+      jsonfile.load(fh)
+    readable = True
+  except (OSError, ValueError):
+    readable = False
+  # Damaged (unreadable) or missing only: a readable config.json of another
+  # tool in a run's workdir is still refused, never written over.
+  if unusual and ours and not readable:
     # The run's own record (RUN_ID_FILE) says an mjax run lives here: its
     # config.json was damaged or lost, not a user's file. Each saved step's
     # own config still guards the model's shape (below), and this start
@@ -1197,12 +1206,21 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   steps = {name: steps_in(d) for name, d in local.items()}
   if before is not None and any(steps.values()):
     changes = _shape_changes(before, now)
+    if changes and 'scan_layers' in before and changes == _shape_changes({'scan_layers': before['scan_layers']}, now):
+      # The same model, its layers stacked (scanned) or not: configs/125m.gin
+      # and 1p3b.gin unroll them since 2026-11-27, and their runs from before
+      # hold scanned checkpoints.
+      raise ConfigError(
+          f'--workdir {workdir!r} holds checkpoints saved with ModelConfig.scan_layers = '
+          f'{before["scan_layers"]!r}, and this config has {now["scan_layers"]!r} (configs/125m.gin and '
+          f'1p3b.gin unroll their layers, the fastest on one GPU): the saved state is laid out the other way. '
+          f'Resume with --gin.ModelConfig.scan_layers={before["scan_layers"]!r}.')
     if changes:
       raise ConfigError(
           f'--workdir {workdir!r} holds checkpoints of another model ({changes}): they cannot be '
           f'resumed with this config, and starting over there would overwrite that run\'s config '
           f'and metrics. {advice}')
-  if not cfg.checkpoint.enabled and before is not None and any(steps.values()):
+  if not cfg.checkpoint.enabled and (before is not None or ours) and any(steps.values()):
     held = sorted({s for v in steps.values() for s in v}, reverse=True)
     raise ConfigError(
         f'--workdir {workdir!r} holds checkpoints (step(s) {", ".join(map(str, held[:5]))}), and '
@@ -1210,7 +1228,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
         f'0 there, writing over that run\'s config and metrics. Enable checkpoints to resume the run, '
         f'or give a new --workdir for a run without them.')
   fast = local.get('fast')
-  if not os.path.lexists(record) and fast is not None and not _inside(fast, workdir) and \
+  if not os.path.lexists(record) and not ours and fast is not None and not _inside(fast, workdir) and \
       not steps.get('persistent') and '://' not in tiers['persistent']:
     # A workdir with no run in it whose fast tier, outside it and claimed by
     # this path (another's is check_owner's), holds steps while the

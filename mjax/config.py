@@ -501,7 +501,8 @@ def _bound_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Config:
       gin.parse_config_file(path)
     except RecursionError as e:
       # gin's parser recurses for includes and for nested values alike.
-      if sum(f.name == 'parse_config_file' for f in traceback.extract_tb(e.__traceback__)) > 1:
+      # A chain of includes is a few files deep; a loop, as deep as Python goes.
+      if sum(f.name == 'parse_config_file' for f in traceback.extract_tb(e.__traceback__)) > 50:
         raise ConfigError(f'in gin file {path}: its includes never end (a file includes itself, directly or '
                           f'through another); remove the include that closes the loop.') from None
       raise ConfigError(f'in gin file {path}: a value is nested too deeply to be read (brackets inside '
@@ -655,10 +656,11 @@ def doubtful(cfg: Config) -> list[str]:
   (a run prints them as warnings and goes on)."""
   t, o = cfg.train, cfg.optim
   out = []
-  if 0 < t.steps <= o.warmup_steps:
+  if 0 < t.steps <= o.warmup_steps:   # the last step, steps - 1, still warming up
     out.append(f'OptimConfig.warmup_steps = {o.warmup_steps} is not below TrainConfig.steps = {t.steps}: the '
-               f'learning rate never leaves its warm-up and ends at {o.learning_rate * t.steps / o.warmup_steps:.3g}, '
-               f'not OptimConfig.learning_rate = {o.learning_rate:g} (a short run needs a shorter warm-up)')
+               f'learning rate never leaves its warm-up and ends at '
+               f'{o.learning_rate * (t.steps - 1) / o.warmup_steps:.3g}, not OptimConfig.learning_rate = '
+               f'{o.learning_rate:g} (a short run needs a shorter warm-up)')
   return out
 
 

@@ -447,6 +447,30 @@ def test_a_run_whose_config_json_was_damaged_or_lost_resumes(tmp_path, capsys):
     said = capsys.readouterr().err
     assert f'config.json is {"unreadable" if damage == "truncated" else "missing"}; this is the workdir of ' \
            f'run {record["run"]}' in said, said
+  # A readable config.json of another tool there is refused all the same, never written over.
+  (run / 'config.json').write_text('{"model_type": "llama"}')
+  with pytest.raises(C.ConfigError, match='holds a config.json that no mjax run wrote'):
+    check_same_model(cfg8(), str(run))
+  # With checkpoints there and none enabled, the run would start over on them: refused, config.json or not.
+  (run / 'config.json').unlink()
+  (run / 'checkpoints' / '4' / 'state').mkdir(parents=True)
+  with pytest.raises(C.ConfigError, match='CheckpointConfig.enabled = False'):
+    check_same_model(cfg8('CheckpointConfig.enabled = False'), str(run))
+
+
+def test_a_run_from_before_the_configs_unrolled_their_layers_is_told_how_to_resume(tmp_path):
+  """configs/125m.gin and 1p3b.gin unroll their layers now; a run of them
+  from before holds scanned checkpoints: the same model, laid out the
+  other way, and the refusal says which binding resumes it."""
+  from mjax.checkpoint import check_same_model
+  run = tmp_path / 'run'
+  run.mkdir()
+  C.write(C.load_config(['1p3b.gin'], ['ModelConfig.scan_layers = True']), str(run))
+  (run / 'checkpoints' / '1000' / 'state').mkdir(parents=True)
+  with pytest.raises(C.ConfigError, match=r'saved with ModelConfig.scan_layers = True, and this config has False.*'
+                                          r'Resume with --gin.ModelConfig.scan_layers=True'):
+    check_same_model(C.load_config(['1p3b.gin'], []), str(run))
+  check_same_model(C.load_config(['1p3b.gin'], ['ModelConfig.scan_layers = True']), str(run))
 
 
 def test_checkpoints_of_another_model_in_a_shared_checkpoint_directory_are_refused(uninterrupted, tmp_path):
