@@ -925,16 +925,17 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
     _check_utf8(directory, f'the {tier} checkpoint directory')
   verdict, record = '', {}
   if is_main:
-    problem = checkpoint_lib.write_problem(workdir)
     try:
+      # Before anything is made or written (write_problem makes the
+      # workdir): a refused start leaves nothing in another run's directory,
+      # where a new numbered folder would read as a step.
+      checkpoint_lib.check_not_inside_a_tier(workdir)
+      checkpoint_lib.check_not_inside_a_workdir(workdir)
+      problem = checkpoint_lib.write_problem(workdir)
       if problem:
         raise ConfigError(
             f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
             f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
-      # Before anything is written: a refused start leaves no run id in
-      # another run's directory (its checkpoint tier, or a step of it).
-      checkpoint_lib.check_not_inside_a_tier(workdir)
-      checkpoint_lib.check_not_inside_a_workdir(workdir)
       checkpoint_lib.check_same_model(cfg, workdir)
       record = checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
     except ConfigError as e:

@@ -1452,11 +1452,13 @@ def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_pat
   (base / 'tensorboard').mkdir()
   (base / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
   jsonfile.write_atomic(str(base / 'checkpoints' / checkpoint_lib.OWNER_FILE), {'workdir': str(base)})
-  files = lambda: sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs)
+  files = lambda: sorted(os.path.join(d, f) for d, ds, fs in os.walk(tmp_path) for f in fs + ds)
   before = files()
   cfg = C.load_config(['tiny.gin'], [])
   for workdir, said in ((base / 'checkpoints', r"'\S+/checkpoints' is the checkpoint directory of the run"),
                         (base / 'checkpoints' / '4', r"lies inside '\S+/checkpoints', which is the checkpoint"),
+                        (base / 'checkpoints' / '99', r"lies inside '\S+/checkpoints', which is the checkpoint"),
+                        (base / 'tensorboard' / 'new', rf"lies inside '{base}/tensorboard', the tensorboard/"),
                         (base / 'tensorboard', rf"lies inside '{base}/tensorboard', the tensorboard/ folder of "
                                                rf"the mjax run with workdir '{base}'")):
     with pytest.raises(C.ConfigError, match=said):
