@@ -335,7 +335,7 @@ def stragglers(prog: str, argv: list[str]) -> int:
   files = len(glob.glob(os.path.join(st.timings_dir(args.workdir), 'process-*.jsonl')))
   steps = args.steps or max(2 * window, min(REPORT_MAX_STEPS, REPORT_ROWS // max(1, files)))
   try:
-    rows = st.load_rows(args.workdir, tail_bytes=steps * ROW_BYTES_MAX)
+    rows = st.load_rows(args.workdir, last=steps)
   except (FileNotFoundError, NotADirectoryError) as e:
     raise UserError(str(e)) from None
   if rows:
@@ -403,7 +403,6 @@ def stragglers(prog: str, argv: list[str]) -> int:
 # memory), the table and the trace limited to the processes worth a look.
 REPORT_ROWS = 1_000_000
 REPORT_MAX_STEPS = 5_000
-ROW_BYTES_MAX = 4096       # a timing row on disk is ~150 bytes, ~1 KB with per-device samples
 REPORT_LISTED = 40         # more processes than this: the table shows the latest
 REPORT_TRACED = 64         # more than this: the trace holds the table's processes
 

@@ -783,6 +783,19 @@ def test_leave_one_out_medians_agree_with_the_plain_ones(seed):
     np.testing.assert_array_equal(st._row_medians(x), st._nanmedian(x, axis=1))
 
 
+def test_the_latest_rows_are_read_without_the_files_history(tmp_path, monkeypatch):
+  """load_rows(last=N): the last N rows of each process, the bytes read
+  about what they take, not the whole file (nor 30 times too many)."""
+  rows = lockstep_rows(n=3, steps=2000, seed=4)
+  _write(tmp_path, rows)
+  read = []
+  real = st._parse_row
+  monkeypatch.setattr(st, '_parse_row', lambda line: read.append(1) or real(line))
+  got = st.load_rows(str(tmp_path), last=100)
+  assert [r['step'] for r in got if r['process'] == 1] == list(range(1901, 2001))
+  assert 3 * 100 <= len(read) < 3 * 200, len(read)
+
+
 def test_the_report_of_many_processes_stays_readable_and_bounded(tmp_path, capsys, monkeypatch):
   """300 processes (75 hosts of 4), process 137 slow from step 10: the table
   lists the straggler, its host's other processes and the latest others

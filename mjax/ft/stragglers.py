@@ -144,7 +144,7 @@ def timings_dir(workdir: str) -> str:
   return os.path.join(workdir, 'timings')
 
 
-def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
+def load_rows(workdir: str, tail_bytes: Optional[int] = None, last: Optional[int] = None) -> list[dict]:
   """All timing rows of a run directory, deduplicated.
 
   Args:
@@ -153,6 +153,10 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
       enough for the latest steps, which is all a poller such as the
       driver needs (a row is ~150 bytes; 64 KiB holds ~400 steps), at a
       cost that does not grow with the run's length. None: whole files.
+    last: keep the last this many rows of each process's file, reading
+      only about as many bytes as they take (their size sampled from the
+      file's end), so that a report of a long run at 10,000 processes
+      neither reads nor holds its whole history.
 
   Returns:
     Rows sorted by (process, step), one per (process, step): the last one
@@ -171,15 +175,25 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None) -> list[dict]:
   rows = []
   for path in paths:
     with open(path, 'rb') as fh:
-      if tail_bytes is not None:
-        size = fh.seek(0, os.SEEK_END)
-        fh.seek(max(0, size - tail_bytes))
-        if size > tail_bytes:
+      size = fh.seek(0, os.SEEK_END)
+      tail = tail_bytes
+      if last is not None:
+        sample = min(size, 1 << 16)
+        fh.seek(size - sample)
+        per_row = sample / max(1, fh.read(sample).count(b'\n'))
+        # A margin for rows of other sizes (a resumed run's repeats, samples).
+        tail = int(last * per_row * 1.5) + 4096 if tail is None else min(tail, int(last * per_row * 1.5) + 4096)
+      fh.seek(0)
+      if tail is not None:
+        fh.seek(max(0, size - tail))
+        if size > tail:
           fh.readline()  # most likely the end of a row cut in two by the seek
+      kept = collections.deque(maxlen=last)
       for line in fh:
         row = _parse_row(line.decode('utf-8', errors='replace'))
         if row is not None:
-          rows.append(row)
+          kept.append(row)
+      rows.extend(kept)
   return dedupe_rows(rows)
 
 
