@@ -861,8 +861,9 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   if not -2**63 <= t.seed < 2**63:   # what jax.random.key takes
     _fail('TrainConfig.seed', t.seed, 'must be a 64-bit integer (|seed| < 2**63)')
   _check_xla_flags(t.xla_extra_flags)
-  if t.skip_batches >= 2**60:   # the data order repeats forever, but grain indexes it with 64 bits
-    _fail('TrainConfig.skip_batches', t.skip_batches, 'must be below 2**60 batches')
+  if t.skip_batches * t.global_batch_size >= 2**62:   # grain indexes the (endless) order's rows with 64 bits
+    _fail('TrainConfig.skip_batches', t.skip_batches,
+          f'must keep skip_batches x global_batch_size ({t.global_batch_size}) below 2**62 rows')
   _positive(t, 'eval_every', 'skip_batches', 'skip_batches_after', 'profile_steps', 'profile_from_step', 'gc_every_steps',
             allow_zero=True)
   _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')

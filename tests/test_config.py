@@ -99,7 +99,7 @@ def test_resolved_config_round_trips(tmp_path):
     ('TrainConfig.seed = 9223372036854775808', ['seed = 9223372036854775808', 'a 64-bit integer']),
     ('TrainConfig.steps = 99999999999999999999999', ['steps = 99999999999999999999999', 'below 2**31']),
     ('FaultConfig.loss_spike_factor = 0.5', ['loss_spike_factor = 0.5', 'greater than 1']),
-    ('TrainConfig.skip_batches = 1000000000000000000000', ['skip_batches = 1000000000000000000000', '2**60']),
+    ('TrainConfig.skip_batches = 1000000000000000000000', ['skip_batches = 1000000000000000000000', '2**62 rows']),
     ('TrainConfig.xla_extra_flags = "--xla_foo=\'b"', ['xla_extra_flags', 'No closing quotation']),
     ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
      ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),

@@ -368,6 +368,8 @@ def test_a_skip_moves_on_as_reading_would_without_reading():
   far = data.make_train_iterator(cfg, 4)
   data.skip(far, 10**12)
   assert far.get_state()['next_index'] == 10**12 and next(far)['inputs'].shape == (4, 32)
+  with pytest.raises(data.DataError, match='past the end of the data order grain can index'):
+    data.skip(data.make_train_iterator(cfg, 64), 2**60 - 1)
 
 
 def test_position_restores_exactly_or_restarts_on_another_seq_len():

@@ -241,7 +241,12 @@ def skip(it: grain.DatasetIterator, batches: int) -> None:
   position is one integer (the module's docstring), so a skip of millions
   costs what one costs."""
   state = it.get_state()
-  it.set_state({**state, 'next_index': int(state['next_index']) + int(batches)})
+  to = int(state['next_index']) + int(batches)
+  try:
+    it.set_state({**state, 'next_index': to})
+  except IndexError:   # grain indexes the repeated order with 64 bits: ~2**63 rows in all
+    raise DataError(f'TrainConfig.skip_batches = {batches} takes the data position to batch {to:,}, past the '
+                    f'end of the data order grain can index (~2**63 rows); skip fewer batches.') from None
 
 
 def restore_position(it: grain.DatasetIterator, state: dict, global_batch_size: int,
