@@ -411,7 +411,7 @@ def _report_processes(table: list[dict], found) -> set:
   """The processes worth a look: the stragglers, the other processes of
   their hosts, then the latest to end their steps, up to REPORT_LISTED."""
   named = {s.process for s in found}
-  hosts = {e['host'] for e in table if e['process'] in named}
+  hosts = {e['host'] for e in table if e['process'] in named} - {'?'}   # '?': rows that name no host
   first = [e['process'] for e in table if e['process'] in named or e['host'] in hosts]
   late = sorted((e for e in table if e['process'] not in first),
                 key=lambda e: -e['lateness_s'] if e['lateness_s'] == e['lateness_s'] else float('inf'))

@@ -870,8 +870,12 @@ class StepProfiler:
       # How many steps the trace holds (fewer than asked if the run stopped
       # inside them): trace_summary divides by it.
       write_profile_steps(self.directory, self.done - self.first + 1, self.first)
-      print(f'mjax: profiled steps {self.first}-{self.done} into {self.directory} (TensorBoard\'s profile '
-            f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
+      if self.done < self.first:   # stopped inside the first traced step
+        print(f'mjax: the run ended inside step {self.first}, the first to profile: the trace in '
+              f'{self.directory} holds no whole step.', flush=True)
+      else:
+        print(f'mjax: profiled steps {self.first}-{self.done} into {self.directory} (TensorBoard\'s profile '
+              f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
 
   def __enter__(self):
     return self

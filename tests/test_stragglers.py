@@ -828,6 +828,9 @@ def test_the_report_of_many_processes_stays_readable_and_bounded(tmp_path, capsy
   np.testing.assert_array_equal(pooled, [[6, 7], [14, 15]])
   (banded,), labels, _ = timeline._pool_rows([x], processes, {p: f'h{p}' for p in range(8)}, max_rows=4)
   assert labels == ['h0..h1 (2)', 'h2..h3 (2)', 'h4..h5 (2)', 'h6..h7 (2)'] and banded.shape == (4, 2)
+  # Rows that name no host are no one host: banded by process, not one row.
+  (unnamed,), labels, _ = timeline._pool_rows([x], processes, {p: '?' for p in range(8)}, max_rows=4)
+  assert labels[0] == 'process 0..process 1 (2)' and unnamed.shape == (4, 2)
   monkeypatch.setattr(timeline, 'MAX_ROWS', 50)
   png = timeline.plot_heatmap(rows, str(tmp_path / 'pooled.png'), stragglers=[137])
   assert os.path.getsize(png) > 0

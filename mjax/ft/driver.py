@@ -421,10 +421,7 @@ class Driver:
       self.server = hb.HeartbeatServer(opts.bind, self.secret, window,
                                        stall_s=self.fault_cfg.collective_timeout_s)
     except OSError as e:
-      self.events.close()
-      for path in reversed(made):
-        with contextlib.suppress(OSError):
-          os.rmdir(path) if os.path.isdir(path) else os.remove(path)
+      self._unmake(made)
       raise UserError(f'--bind {opts.bind}: cannot listen for heartbeats there (UDP): {e}; give an address '
                       f'of this machine (host:port, port 0 for any free one).') from None
     self.agents: Optional[agent_lib.AgentServer] = None
@@ -449,6 +446,7 @@ class Driver:
                                             stall_s=self.fault_cfg.collective_timeout_s)
       except OSError as e:
         self.server.close()
+        self._unmake(made)
         raise UserError(f'--bind {opts.bind}: cannot listen for the agents there (TCP): {e}') from None
     if executor_factory is None:
       executor_factory = {'slurm': executor_lib.SlurmExecutor,
@@ -492,6 +490,19 @@ class Driver:
       return self._run()
     finally:
       os.close(lock)   # the lock goes with it
+
+  def _unmake(self, made: list[str]) -> None:
+    """Takes away what a refused start made (`made`, in the order made): an
+    events.jsonl only while it is still empty (another driver starting on
+    the same new workdir may have written to it), directories only where
+    empty."""
+    self.events.close()
+    for path in reversed(made):
+      with contextlib.suppress(OSError):
+        if os.path.isdir(path):
+          os.rmdir(path)
+        elif os.path.getsize(path) == 0:
+          os.remove(path)
 
   def _buffer_warning(self) -> Optional[str]:
     """Direct heartbeats of every process into one socket: a receive buffer

@@ -129,7 +129,8 @@ def _pool_rows(mats: Sequence[np.ndarray], processes: np.ndarray, hosts: dict, m
   each row."""
   groups: dict[str, list[int]] = {}
   for i, p in enumerate(processes.tolist()):
-    groups.setdefault(hosts[p], []).append(i)
+    # Rows that name no host ('?') are no one host: each its own, banded.
+    groups.setdefault(hosts[p] if hosts[p] != '?' else f'process {p}', []).append(i)
   names = list(groups)
   per = max(1, -(-len(names) // max_rows))
   bands = [names[k:k + per] for k in range(0, len(names), per)]
