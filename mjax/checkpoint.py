@@ -483,17 +483,14 @@ def among_checkpoints(path: str) -> Optional[str]:
   (its claim) or a saved step. Such a directory holds steps and nothing
   else: the run reads a new entry there as a damaged step, or deletes it
   with an old step."""
-  d = os.path.realpath(path)
-  while True:
+  me = os.path.realpath(path)
+  for d in _ancestors(path):
     if os.path.isdir(d) and (os.path.isfile(os.path.join(d, OWNER_FILE)) or is_step_dir(d)):
       what = 'a saved step' if is_step_dir(d) else 'a checkpoint directory'
-      return (f'{path!r} is {"" if d == os.path.realpath(path) else f"inside {d!r}, "}{what} of a training run, '
+      return (f'{path!r} is {"" if d == me else f"inside {d!r}, "}{what} of a training run, '
               f'which holds its steps and nothing else (the run would read a new entry as a damaged step, or '
               f'delete it with an old step)')
-    parent = os.path.dirname(d)
-    if parent == d:
-      return None
-    d = parent
+  return None
 
 
 def _expand(path: str, workdir: str, key: str, strict: bool) -> str:
@@ -1170,22 +1167,22 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   record = os.path.join(workdir, 'config.json')
   unusual = (os.path.lexists(record) and not _is_workdir(workdir) or
              os.path.lexists(os.path.join(workdir, 'config.gin')) and not os.path.lexists(record))
-  ours = bool(_run_record(workdir))
+  run = _run_record(workdir)
+  ours = bool(run)
   try:
     with open(record) as fh:
-      jsonfile.load(fh)
-    readable = True
+      saved = jsonfile.load(fh)
   except (OSError, ValueError):
-    readable = False
+    saved = None   # a new workdir, or a record that cannot be read
   # Damaged (unreadable) or missing only: a readable config.json of another
   # tool in a run's workdir is still refused, never written over.
-  if unusual and ours and not readable:
+  if unusual and ours and saved is None:
     # The run's own record (RUN_ID_FILE) says an mjax run lives here: its
     # config.json was damaged or lost, not a user's file. Each saved step's
     # own config still guards the model's shape (below), and this start
     # writes config.json again once it is running.
     print(f'mjax: warning: {record} is {"unreadable" if os.path.lexists(record) else "missing"}; this is '
-          f'the workdir of run {_run_record(workdir)["run"]} ({RUN_ID_FILE}), which resumes with the config '
+          f'the workdir of run {run["run"]} ({RUN_ID_FILE}), which resumes with the config '
           f'given now and writes config.json again.', file=sys.stderr, flush=True)
   elif unusual:
     theirs = 'config.json' if os.path.lexists(record) else 'config.gin'
@@ -1194,11 +1191,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
         f'config.json and config.gin, its config.json with the run\'s model and checkpoint '
         f'settings): a run there would write over it with its own. Give a new or empty directory, or '
         f'the workdir of an mjax run to resume (a gin file of your own is best kept outside the workdir).')
-  try:
-    with open(record) as fh:
-      before = jsonfile.load(fh).get('model', {})
-  except (OSError, ValueError, AttributeError):
-    before = None   # a new workdir, or one without a readable record
+  before = saved.get('model', {}) if isinstance(saved, dict) else None
   # With checkpoints off too: the run would still write over config.json,
   # and the checkpoints there could not be resumed afterwards.
   tiers = tier_directories(cfg.checkpoint, workdir)

@@ -435,14 +435,18 @@ def _join_timeout(env: Mapping[str, str], timeout_s: Optional[float]) -> float:
   return value
 
 
-def _raise_open_files_limit(wanted: int) -> None:
-  """The soft limit of open files raised towards `wanted` (at most to the
-  hard limit; a process may not go past it)."""
+def raise_open_files_limit(wanted: Optional[int] = None) -> None:
+  """The soft limit of open files raised towards `wanted` (None: as far as
+  the hard limit lets, 2**20 where it sets none); never lowered, never past
+  the hard limit, which a process may not raise."""
   import resource
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  unlimited = hard == resource.RLIM_INFINITY
+  if wanted is None:
+    wanted = max(soft, 1 << 20) if unlimited else hard
   if soft == resource.RLIM_INFINITY or soft >= wanted:
     return
-  target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+  target = wanted if unlimited else min(wanted, hard)
   if target > soft:
     try:
       resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -515,7 +519,7 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
     check_port_free(spec)
     # Process 0 hosts jax's coordination service: one connection per
     # process, past a soft limit of 1,024 open files at a few hundred hosts.
-    _raise_open_files_limit(spec.num_processes + 1024)
+    raise_open_files_limit(spec.num_processes + 1024)
   else:
     wait_for_coordinator(spec, deadline)
   left = max(1.0, deadline - time.monotonic())

@@ -183,20 +183,16 @@ def terminate(handles: Mapping[Any, Any], grace_s: float, kill: Callable[[Any, A
   no trainer saves). Handles offer Popen's poll and send_signal (a remote
   executor's do too). Returns the keys of those killed; waiting for them is
   the caller's."""
-  alive = [h for h in handles.values() if h.poll() is None]
-  if not save:
-    killed = [k for k, h in handles.items() if h.poll() is None]
-    for k in killed:
-      kill(k, handles[k])
-    return killed
-  for h in alive:
-    try:
-      h.send_signal(signal.SIGTERM)
-    except ProcessLookupError:
-      pass
-  deadline = time.monotonic() + grace_s
-  while any(h.poll() is None for h in alive) and time.monotonic() < deadline and patient():
-    time.sleep(0.05)
+  if save:
+    alive = [h for h in handles.values() if h.poll() is None]
+    for h in alive:
+      try:
+        h.send_signal(signal.SIGTERM)
+      except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while any(h.poll() is None for h in alive) and time.monotonic() < deadline and patient():
+      time.sleep(0.05)
   killed = [k for k, h in handles.items() if h.poll() is None]
   for k in killed:
     kill(k, handles[k])

@@ -674,9 +674,9 @@ def test_the_coordinator_raises_its_open_files_limit_for_the_job():
   try:
     hard = before[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    D._raise_open_files_limit(2048)
+    D.raise_open_files_limit(2048)
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (2048 if hard == resource.RLIM_INFINITY else min(2048, hard))
-    D._raise_open_files_limit(100)     # never lowered
+    D.raise_open_files_limit(100)     # never lowered
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(2048, hard)
   finally:
     resource.setrlimit(resource.RLIMIT_NOFILE, before)

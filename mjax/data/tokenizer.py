@@ -22,6 +22,7 @@ import functools
 import hashlib
 import itertools
 import os
+import pathlib
 import tempfile
 from typing import Iterable, Optional, Sequence, Union
 
@@ -249,15 +250,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
 MAX_BPE_VOCAB = 1 << 22   # ids a trained BPE may have
 
 
-def _parents(path: str) -> list[str]:
-  """`path` and each directory above it, outermost first."""
-  out = []
-  while path and path not in out:
-    out.append(path)
-    path = os.path.dirname(path)
-  return out[::-1]
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerInfo:
   """Trains a byte-level BPE on `texts` and writes it as a tokenizer.json.
 
@@ -292,7 +284,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
     probe = tempfile.NamedTemporaryFile(dir=parent, prefix='.tokenizer-', suffix='.tmp', delete=False)
   except OSError as e:
     # makedirs says "File exists" where a file stands in the path.
-    blocked = next((d for d in _parents(parent) if os.path.exists(d) and not os.path.isdir(d)), None)
+    blocked = next((str(d) for d in reversed([pathlib.Path(parent), *pathlib.Path(parent).parents])
+                    if d.exists() and not d.is_dir()), None)
     why = f'{blocked} is a file, not a directory' if blocked else (e.strerror or str(e))
     raise DataError(f'tokenizer {output}: cannot write in {parent} ({why}).') from None
   probe.close()

@@ -98,7 +98,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from mjax import flags, jsonfile, protocol
+from mjax import distributed, flags, jsonfile, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
 from mjax.ft import executor as executor_lib
 from mjax.ft import agent as agent_lib
@@ -428,13 +428,7 @@ class Driver:
     if opts.executor == 'agent':
       # One connection per host: a common soft limit of 1,024 descriptors
       # would stop a large job's driver from accepting its agents.
-      import resource
-      soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-      if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-          resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20), hard))
-        except (ValueError, OSError):
-          pass
+      distributed.raise_open_files_limit()
       # TCP on the heartbeat server's port: one address for the agents.
       host, _ = hb.parse_address(opts.bind)
       port = int(self.server.address.rpartition(':')[2])

@@ -182,12 +182,12 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None, last: Optional[int
         fh.seek(size - sample)
         per_row = sample / max(1, fh.read(sample).count(b'\n'))
         # A margin for rows of other sizes (a resumed run's repeats, samples).
-        tail = int(last * per_row * 1.5) + 4096 if tail is None else min(tail, int(last * per_row * 1.5) + 4096)
-      fh.seek(0)
-      if tail is not None:
-        fh.seek(max(0, size - tail))
-        if size > tail:
-          fh.readline()  # most likely the end of a row cut in two by the seek
+        need = int(last * per_row * 1.5) + 4096
+        tail = need if tail is None else min(tail, need)
+      start = 0 if tail is None else max(0, size - tail)
+      fh.seek(start)
+      if start:
+        fh.readline()  # most likely the end of a row cut in two by the seek
       kept = collections.deque(maxlen=last)
       for line in fh:
         row = _parse_row(line.decode('utf-8', errors='replace'))
