@@ -81,6 +81,25 @@ MFU_ROWS = [
 # Beside the best row: --mfu_rows 'dots_attention unrolled' --experiments.
 _BEST = ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False']
 EXPERIMENT_ROWS = [
+    # Every matrix product on cuBLAS(Lt) instead of XLA's Triton GEMMs. The
+    # precondition for the forward GeLU as a cuBLASLt GELU_AUX epilogue:
+    # XLA's Triton GEMM rewriter claims the dots before the cuBLAS one could
+    # fuse it (a deviceless compile, RESULTS.md "GeLU into the matrix
+    # product"). This row says what the switch itself costs.
+    ('1p3b dots_attention unrolled, Triton GEMMs off', '1p3b.gin',
+     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'], 'optional'),
+    # With the GeLU MLP as one unit (ModelConfig.gelu_epilogue,
+    # layers.gelu_mlp) the forward GeLU becomes the input product's cuBLASLt
+    # GELU_AUX epilogue (a deviceless compile: one per layer, the forward's
+    # GeLU pass gone, ~1 GB less per layer per 16 sequences net of the
+    # epilogue's extra write). Needs the row above to cost nothing.
+    ('1p3b dots_attention unrolled, Triton GEMMs off, GeLU epilogue', '1p3b.gin',
+     [*_BEST, 'ModelConfig.gelu_epilogue=True',
+      'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'], 'optional'),
+    ('1p3b dots_attention unrolled, 64 in 4 slices, Triton GEMMs off, GeLU epilogue', '1p3b.gin',
+     [*_BEST, 'ModelConfig.gelu_epilogue=True', 'TrainConfig.global_batch_size=64',
+      'TrainConfig.grad_accum_steps=4', 'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'],
+     'optional'),
     # A pre-training batch nearer GPT-3 XL's (0.5M tokens where its paper
     # used 1M), in four slices of the suite's 16 sequences: LAMB and the
     # metrics (20.3 ms, 3.9% of the 16-sequence step; ~57 GB of fp32
@@ -120,13 +139,6 @@ EXPERIMENT_ROWS = [
     ('1p3b dots_attention unrolled, Triton warp specialization', '1p3b.gin',
      [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
      'optional'),
-    # Every matrix product on cuBLAS(Lt) instead of XLA's Triton GEMMs. The
-    # precondition for the forward GeLU as a cuBLASLt GELU_AUX epilogue:
-    # XLA's Triton GEMM rewriter claims the dots before the cuBLAS one could
-    # fuse it (a deviceless compile, RESULTS.md "GeLU into the matrix
-    # product"). This row says what the switch itself costs.
-    ('1p3b dots_attention unrolled, Triton GEMMs off', '1p3b.gin',
-     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'], 'optional'),
     # Scanned layers (the default, and what models too deep to unroll need)
     # pay for the scan with copies: each saved matrix-product output is
     # copied into its stacked buffer and each sliced one back out (~26 and

@@ -59,6 +59,12 @@ class ModelConfig:
   rotary_fraction: float = 1.0
   # GeLU by its tanh approximation (GPT-2/3, MegaScale) or exactly (erf).
   gelu_approximate: bool = True
+  # The GeLU MLP as one unit whose forward GeLU reads its input product
+  # directly, so that XLA can run it as that product's cuBLASLt epilogue
+  # (layers.gelu_mlp; on GPU with --xla_gpu_enable_triton_gemm=false). Same
+  # values and parameters either way; applies where the MLP's input product
+  # runs on its own (fuse_projections 'none', the GPU default).
+  gelu_epilogue: bool = False
   # The parallel block's norm: one for both branches ('shared', PaLM,
   # MegaScale) or one per branch ('separate', GPT-NeoX / Pythia).
   parallel_norms: Literal['shared', 'separate'] = 'shared'
@@ -820,6 +826,9 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
           f'(int(head_dim x fraction) = {int(m.dim_per_head * m.rotary_fraction)})')
   _positive(d, 'seq_len')   # before the window checks that compare with it
   _below_int32(d, 'seq_len')
+  if m.gelu_epilogue and m.mlp != 'gelu':
+    _fail('ModelConfig.gelu_epilogue', m.gelu_epilogue,
+          f"fuses a GeLU into its product; ModelConfig.mlp = {m.mlp!r} has none (True needs mlp 'gelu')")
   if m.sliding_window is not None:
     if m.sliding_window < 1:
       _fail('ModelConfig.sliding_window', m.sliding_window, 'must be None or a positive int')

@@ -6,6 +6,7 @@ for how they map onto a mesh); nothing here knows about devices.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Optional
@@ -56,6 +57,11 @@ class Weights(nn.Module):
     # device casts its shard and the all-gather moves bf16, half the bytes of
     # gathering fp32 and casting afterwards.
     kernel = constrain(kernel.astype(self.dtype), self.axes)
+    # Named for the remat policies, which keep it: the backward's products
+    # read the cast kernel too, and recasting it there reads the fp32
+    # master weights again (2.6 ms of the 1p3b H100 step). Kept on its own
+    # shards, so FSDP still gathers it again for the backward.
+    kernel = checkpoint_name(kernel, CAST_KERNEL)
     bias = None
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(
@@ -246,6 +252,7 @@ def weights(cfg: ModelConfig, in_shape: tuple[int, ...], features: tuple[int, ..
                  dtype_of(cfg.param_dtype), name=name)
 
 
+CAST_KERNEL = 'cast_kernel'  # a projection's kernel in the compute dtype, which every policy but 'full' keeps
 NORM_STATS = 'norm_stats'   # a norm's row mean and 1/std, which every remat policy but 'full' keeps
 ROTATED = 'rotated_qk'      # attention's q and k after rotary, kept by the same policies
 MLP_ACTIVATION = 'mlp_activation'   # the name remat policies may keep the MLP's activation by
@@ -283,8 +290,62 @@ class Mlp(nn.Module):
     return self.wo
 
   def __call__(self, x: jax.Array) -> jax.Array:  # (batch, seq, embed)
+    c = self.cfg
+    if c.gelu_epilogue and c.mlp == 'gelu' and not collective_matmul.wanted(x):
+      (wi, bi), (wo, bo) = self.wi(), self.wo()
+      return gelu_mlp(x, wi, bi, wo, bo, c.gelu_approximate)
     h = self.activate(*project_many(x, self.inputs(), 1))
     return project(h, self.wo, 1)
+
+
+MLP_PRODUCT = 'mlp_product'   # the GeLU MLP unit's input product, which every policy but 'full' keeps
+
+
+def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array, bo: Optional[jax.Array],
+             approximate: bool) -> jax.Array:
+  """GeLU(x Wi + bi) Wo + bo, (batch, seq, embed) in and out, with the
+  backward written out so that XLA can run the GeLU as the input product's
+  cuBLASLt epilogue (GELU_AUX: one kernel writes GeLU(u) and u).
+
+  XLA fuses that epilogue only when the GeLU reads the product directly. Under
+  remat, autodiff saves the product the GeLU reads and puts a
+  reduce-precision on it, and the separate GeLU pass stays (bench/RESULTS.md,
+  "GeLU into the matrix product"; XLA's Triton GEMMs, which claim the dot
+  first, must also be off: --xla_gpu_enable_triton_gemm=false). Here the
+  forward's GeLU reads the product, and what the backward keeps is the same
+  product under a name of its own (`MLP_PRODUCT`) that nothing in the forward
+  reads. The backward is autodiff's: GeLU(u) again for Wo's gradient, and
+  GeLU'(u) for the input product's. Same values as `Mlp.activate` and two
+  projections, in the same dtypes."""
+  act = functools.partial(nn.gelu, approximate=approximate)
+
+  def up(x, wi, bi):
+    u = matmul(x.astype(wi.dtype), wi, 1)
+    return constrain(u if bi is None else u + bi, ('batch', 'seq', 'mlp'))
+
+  def down(g, wo, bo):
+    y = matmul(g, wo, 1)
+    return y if bo is None else y + bo
+
+  @jax.custom_vjp
+  def mlp(x, wi, bi, wo, bo):
+    return down(act(up(x, wi, bi)), wo, bo)
+
+  def fwd(x, wi, bi, wo, bo):
+    u = up(x, wi, bi)
+    return down(act(u), wo, bo), (x, wi, bi, wo, bo, checkpoint_name(u, MLP_PRODUCT))
+
+  def bwd(res, dy):
+    x, wi, bi, wo, bo, u = res
+    g, act_vjp = jax.vjp(act, u)
+    dg, dwo, dbo = jax.vjp(down, g, wo, bo)[1](dy)
+    du, = act_vjp(dg)
+    # (The product this vjp would recompute is unused: XLA drops it.)
+    dx, dwi, dbi = jax.vjp(up, x, wi, bi)[1](du)
+    return dx, dwi, dbi, dwo, dbo
+
+  mlp.defvjp(fwd, bwd)
+  return mlp(x, wi, bi, wo, bo)
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -23,7 +23,7 @@ from flax import linen as nn
 
 from mjax.config import ModelConfig
 from mjax.model.attention import Attention
-from mjax.model.layers import (MLP_ACTIVATION, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
+from mjax.model.layers import (CAST_KERNEL, MLP_ACTIVATION, MLP_PRODUCT, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
                                matmul, out_proj_std, project_many, project_sum)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
@@ -55,7 +55,7 @@ def _dots_attention_and_mlp_activation(prim, *args, **params) -> bool:
           or _MLP_ACTIVATION_SAVEABLE(prim, *args, **params))
 
 
-_NAMED_SAVEABLE = jax.checkpoint_policies.save_only_these_names(NORM_STATS, ROTATED)
+_NAMED_SAVEABLE = jax.checkpoint_policies.save_only_these_names(NORM_STATS, ROTATED, MLP_PRODUCT, CAST_KERNEL)
 
 
 def _and_named(policy):
@@ -63,7 +63,10 @@ def _and_named(policy):
   statistics (one fp32 number per row; kept, the backward reads the norm's
   input once instead of recomputing them) and q and k after rotary (kept in
   place of the projections' outputs, which then nothing in the backward
-  reads)."""
+  reads), and the GeLU MLP unit's input product (`layers.gelu_mlp`: the
+  product every dots policy keeps, under its own name), and the
+  projections' kernels cast to the compute dtype (the fp32 master weights
+  are then read once a step, not again in the backward)."""
   return jax.checkpoint_policies.save_from_both_policies(policy, _NAMED_SAVEABLE)
 
 

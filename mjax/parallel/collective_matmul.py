@@ -199,6 +199,11 @@ def _ring_for(x: jax.Array) -> Optional[str]:
   return axis
 
 
+def wanted(x: jax.Array) -> bool:
+  """Whether the context asks for collective matmuls on activations `x`."""
+  return _ring_for(x) is not None
+
+
 def input_projections(x: jax.Array, kernels: Sequence[jax.Array], n_in: int,
                       axes: Sequence[tuple[Optional[str], ...]]) -> Optional[list[jax.Array]]:
   """x's trailing `n_in` dims times each kernel (logical names `axes[i]`),
