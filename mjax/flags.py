@@ -94,7 +94,7 @@ def apply_xla_flags(cfg: Config) -> None:
   """The config's XLA flags into XLA_FLAGS: before anything starts the JAX backend."""
   from mjax.parallel.xla_flags import apply_xla_flags as apply
   apply(cfg.train.xla_overlap_flags, extra=cfg.train.xla_extra_flags,
-        collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1)
+        collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1, gelu_epilogue=cfg.model.gelu_epilogue)
 
 
 def join_job(cfg: Optional[Config] = None) -> None:

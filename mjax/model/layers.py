@@ -293,7 +293,10 @@ class Mlp(nn.Module):
     c = self.cfg
     if c.gelu_epilogue and c.mlp == 'gelu' and not collective_matmul.wanted(x):
       (wi, bi), (wo, bo) = self.wi(), self.wo()
-      return gelu_mlp(x, wi, bi, wo, bo, c.gelu_approximate)
+      # The activation too where the policy keeps it ('none' keeps
+      # everything): then the backward does not compute GeLU(u) again.
+      return gelu_mlp(x, wi, bi, wo, bo, c.gelu_approximate,
+                      keep_activation=c.remat_policy in ('none', 'dots_attention_mlp'))
     h = self.activate(*project_many(x, self.inputs(), 1))
     return project(h, self.wo, 1)
 
@@ -302,7 +305,7 @@ MLP_PRODUCT = 'mlp_product'   # the GeLU MLP unit's input product, which every p
 
 
 def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array, bo: Optional[jax.Array],
-             approximate: bool) -> jax.Array:
+             approximate: bool, keep_activation: bool = False) -> jax.Array:
   """GeLU(x Wi + bi) Wo + bo, (batch, seq, embed) in and out, with the
   backward written out so that XLA can run the GeLU as the input product's
   cuBLASLt epilogue (GELU_AUX: one kernel writes GeLU(u) and u).
@@ -314,9 +317,15 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
   first, must also be off: --xla_gpu_enable_triton_gemm=false). Here the
   forward's GeLU reads the product, and what the backward keeps is the same
   product under a name of its own (`MLP_PRODUCT`) that nothing in the forward
-  reads. The backward is autodiff's: GeLU(u) again for Wo's gradient, and
-  GeLU'(u) for the input product's. Same values as `Mlp.activate` and two
-  projections, in the same dtypes."""
+  reads. The backward is autodiff's: GeLU(u) for Wo's gradient (kept from
+  the forward with `keep_activation`, as `MLP_ACTIVATION`; computed again
+  otherwise) and GeLU'(u) for the input product's. Same values as
+  `Mlp.activate` and two projections, in the same dtypes.
+
+  `keep_activation` must match the remat policy: a kept GeLU(u) that the
+  policy does not save is recomputed from the unnamed product, which the
+  dots policies would then keep as well, and with it comes the
+  reduce-precision that stops the fusion."""
   act = functools.partial(nn.gelu, approximate=approximate)
 
   def up(x, wi, bi):
@@ -333,11 +342,18 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
 
   def fwd(x, wi, bi, wo, bo):
     u = up(x, wi, bi)
-    return down(act(u), wo, bo), (x, wi, bi, wo, bo, checkpoint_name(u, MLP_PRODUCT))
+    g = act(u)
+    kept = checkpoint_name(g, MLP_ACTIVATION) if keep_activation else None
+    return down(g, wo, bo), (x, wi, bi, wo, bo, checkpoint_name(u, MLP_PRODUCT), kept)
 
   def bwd(res, dy):
-    x, wi, bi, wo, bo, u = res
+    x, wi, bi, wo, bo, u, kept = res
+    # Without remat nothing else stands between this and the forward, and
+    # XLA would share the GeLU's tanh with the forward's GeLU, whose then
+    # second reader stops the epilogue fusion.
+    u = jax.lax.optimization_barrier(u)
     g, act_vjp = jax.vjp(act, u)
+    g = g if kept is None else kept
     dg, dwo, dbo = jax.vjp(down, g, wo, bo)[1](dy)
     du, = act_vjp(dg)
     # (The product this vjp would recompute is unused: XLA drops it.)

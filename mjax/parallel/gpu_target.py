@@ -163,7 +163,8 @@ def compile_options(cfg) -> dict[str, object]:
     wanted = xla_flags.parse_flags(cfg.train.xla_extra_flags)
   else:
     wanted = xla_flags.wanted_flags(cfg.train.xla_extra_flags,
-                                    collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1)
+                                    collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1,
+                                    gelu_epilogue=cfg.model.gelu_epilogue)
   plugins = [p for p in xla_flags.xla_libraries() if os.sep + 'jaxlib' + os.sep not in p]
   ok = xla_flags.supported_flags(wanted, plugins) if plugins else set(wanted)
   return xla_flags.as_compile_options({k: v for k, v in wanted.items() if k in ok})

@@ -85,6 +85,15 @@ COLLECTIVE_MATMUL_FLAGS: dict[str, str] = {
     'xla_gpu_multi_streamed_windowed_einsum': 'true',
 }
 
+# ModelConfig.gelu_epilogue only: every matrix product on cuBLAS(Lt), whose
+# rewriter fuses the GeLU into the MLP's input product (GELU_AUX epilogue).
+# XLA's Triton GEMM rewriter runs first and would claim that product. On the
+# 1p3b H100 step Triton off alone costs nothing (502.9 against 504.2 ms) and
+# with the epilogue the step is 498.5 ms (bench/RESULTS.md).
+GELU_EPILOGUE_FLAGS: dict[str, str] = {
+    'xla_gpu_enable_triton_gemm': 'false',
+}
+
 # Names every XLA flag table has defined for years. A library is a flag table
 # only if it defines all of them: one alone is not enough, since some
 # extension modules that parse no flags hold a stray 'xla_dump_to' string
@@ -194,12 +203,16 @@ def detect_platform() -> str:
   return 'gpu' if plugins else 'cpu'
 
 
-def wanted_flags(extra: str = '', *, collective_matmul: bool = False) -> dict[str, Optional[str]]:
-  """The overlap flags a GPU run asks for: OVERLAP_FLAGS, COLLECTIVE_MATMUL_FLAGS
-  when `collective_matmul`, then `extra` ('--xla_foo=1 ...'), which wins."""
+def wanted_flags(extra: str = '', *, collective_matmul: bool = False,
+                 gelu_epilogue: bool = False) -> dict[str, Optional[str]]:
+  """The flags a GPU run asks for: OVERLAP_FLAGS, COLLECTIVE_MATMUL_FLAGS when
+  `collective_matmul`, GELU_EPILOGUE_FLAGS when `gelu_epilogue`, then `extra`
+  ('--xla_foo=1 ...'), which wins."""
   wanted: dict[str, Optional[str]] = dict(OVERLAP_FLAGS)
   if collective_matmul:
     wanted.update(COLLECTIVE_MATMUL_FLAGS)
+  if gelu_epilogue:
+    wanted.update(GELU_EPILOGUE_FLAGS)
   wanted.update(parse_flags(extra))
   return wanted
 
@@ -226,7 +239,7 @@ def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
 
 
 def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = None, *,
-                    collective_matmul: bool = False,
+                    collective_matmul: bool = False, gelu_epilogue: bool = False,
                     libraries: Optional[Sequence[str]] = None) -> list[str]:
   """Adds the overlap flags to os.environ['XLA_FLAGS'] (GPU only).
 
@@ -243,6 +256,7 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
       no-op. None: `detect_platform()`.
     collective_matmul: also add COLLECTIVE_MATMUL_FLAGS; pass
       `mesh tensor size > 1` (it only helps tensor-parallel matmuls).
+    gelu_epilogue: also add GELU_EPILOGUE_FLAGS; pass ModelConfig.gelu_epilogue.
     libraries: .so files to check the flags against (default: the installed
       jaxlib and GPU plugins).
   Returns:
@@ -254,7 +268,7 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
   if platform not in _GPU_PLATFORMS:
     log.info('XLA overlap flags: platform %s is not a GPU, nothing set', platform)
     return []
-  wanted = wanted_flags(extra, collective_matmul=collective_matmul)
+  wanted = wanted_flags(extra, collective_matmul=collective_matmul, gelu_epilogue=gelu_epilogue)
   current = os.environ.get('XLA_FLAGS', '')
   user_set = parse_flags(current)
   todo = {k: v for k, v in wanted.items() if k not in user_set}
