@@ -101,6 +101,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('FaultConfig.loss_spike_factor = 0.5', ['loss_spike_factor = 0.5', 'greater than 1']),
     ('TrainConfig.skip_batches = 1000000000000000000000', ['skip_batches = 1000000000000000000000', '2**62 rows']),
     ('TrainConfig.xla_extra_flags = "--xla_foo=\'b"', ['xla_extra_flags', 'No closing quotation']),
+    ('ModelConfig.mlp = "swiglu"\nModelConfig.gelu_epilogue = True',
+     ['ModelConfig.gelu_epilogue = True', "ModelConfig.mlp = 'swiglu' has none"]),
     ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
      ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),
 ])

@@ -178,3 +178,75 @@ def test_report_target_errors(target, plugin, says):
   proc = run_report('--target', target, plugin=plugin)
   assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
   assert says in proc.stderr and 'Traceback' not in proc.stderr
+
+
+# One H100, two unrolled layers: what the GPU compiler does with the MLP and
+# the weights' casts. XLA's dot merger would join tiny's small MLP input
+# product with q, k and v (1p3b's are too large for it): off here.
+ONE_GPU = ['ModelConfig.n_layers = 2', 'ModelConfig.scan_layers = False', 'MeshConfig.data = 1',
+           'TrainConfig.xla_extra_flags = "--xla_gpu_dot_merger_threshold_mb=0"']
+ONE_GPU_SCRIPT = textwrap.dedent('''
+    import json, re, sys
+    from mjax import flags
+    from mjax.parallel import gpu_target
+    gpu_target.keep_local_backend_cpu()
+    args = json.loads(sys.argv[1])
+    if args['unsaved_casts']:   # dots_attention as it was before the cast kernels were named
+      import jax
+      from mjax.model import transformer as T
+      T.REMAT_POLICIES['dots_attention'] = jax.checkpoint_policies.save_from_both_policies(
+          T._dots_and_flash_attention,
+          jax.checkpoint_policies.save_only_these_names('norm_stats', 'rotated_qk', 'mlp_product'))
+    cfg = flags.load(['configs/tiny.gin'], args['bindings'], num_devices=1)
+    out = gpu_target.compile_step(cfg, gpu_target.parse_target('h100:1'))
+    text, m = out.compiled.as_text(), out.cfg.model
+    hd = m.d_model // m.n_heads
+    kernels = {f'{m.d_model},{m.n_heads},{hd}', f'{m.n_heads},{hd},{m.d_model}', f'{m.d_model},{m.d_ff}',
+               f'{m.d_ff},{m.d_model}'}
+    found = re.findall(r'bf16\\[([\\d,]+)\\]\\{[^}]*\\} convert\\(', text)
+    print(json.dumps({'gelu_aux': text.count('"epilogue":"GELU_AUX"'),
+                      'kernel_casts': sum(s in kernels for s in found),
+                      'triton_gemm': out.options.get('xla_gpu_enable_triton_gemm')}))
+''')
+ONE_GPU_PROGRAMS = {
+    'dots_attention': ('ModelConfig.remat_policy = "dots_attention"',),
+    'dots_attention, casts not kept': ('ModelConfig.remat_policy = "dots_attention"',),
+    'gelu epilogue, dots_attention': ('ModelConfig.remat_policy = "dots_attention"',
+                                      'ModelConfig.gelu_epilogue = True'),
+    'gelu epilogue, no remat': ('ModelConfig.remat_policy = "none"', 'ModelConfig.gelu_epilogue = True'),
+}
+
+
+def one_gpu_compile(name: str) -> dict:
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(PLUGIN), str(ROOT)]), 'JAX_PLATFORMS': 'cpu'}
+  args = {'bindings': TINY + ONE_GPU + list(ONE_GPU_PROGRAMS[name]), 'unsaved_casts': 'not kept' in name}
+  proc = subprocess.run([sys.executable, '-c', ONE_GPU_SCRIPT, json.dumps(args)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope='module')
+def one_gpu():
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    futures = {name: pool.submit(one_gpu_compile, name) for name in ONE_GPU_PROGRAMS}
+    yield {name: f.result() for name, f in futures.items()}
+
+
+def test_the_backward_casts_no_weight_again(one_gpu):
+  """The dots policies keep each projection's kernel as cast to bf16: the
+  backward's products read it instead of casting the fp32 weights again,
+  one cast fewer for each of the 2 layers' 6 kernels."""
+  kept, before = one_gpu['dots_attention'], one_gpu['dots_attention, casts not kept']
+  assert before['kernel_casts'] - kept['kernel_casts'] == 2 * 6, (kept, before)
+
+
+@pytest.mark.parametrize('remat', ['dots_attention', 'no remat'])
+def test_the_gelu_epilogue_fuses_the_gelu_into_the_product(one_gpu, remat):
+  """ModelConfig.gelu_epilogue: each layer's MLP input product runs as one
+  cuBLASLt GELU_AUX call (it writes GeLU(u) and u), under remat and without
+  it (where XLA would otherwise share the GeLU with the backward's), and
+  the run turns XLA's Triton GEMMs off for it. Without it, no epilogue."""
+  fused = one_gpu[f'gelu epilogue, {remat}']
+  assert fused['gelu_aux'] == 2 and fused['triton_gemm'] is False, fused
+  assert one_gpu['dots_attention']['gelu_aux'] == 0

@@ -38,6 +38,17 @@ def test_data_fsdp_tensor_mesh_by_hand():
   assert est.info['micro_batch'] == 4 and est.info['in_flight'] == 1
 
 
+def test_dots_policies_keep_the_layers_kernels_cast():
+  # The 4 layers' kernels (4 * 131072 elements), bf16, on their fsdp x
+  # tensor shards; 'none' and 'full' keep no such copy, nor an fp32 model.
+  mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
+  est = estimate_memory(small('ModelConfig.remat_policy = "dots"'), mesh, flash=False)
+  assert est.get('weights kept cast') == 4 * 131072 / 4 * 2
+  for other in (['ModelConfig.remat_policy = "full"'],
+                ['ModelConfig.remat_policy = "dots"', 'ModelConfig.dtype = "float32"']):
+    assert 'weights kept cast' not in [r[0] for r in estimate_memory(small(*other), mesh, flash=False).rows]
+
+
 def test_pipeline_stages_and_what_each_schedule_keeps():
   est = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='circular')
   # Layers split into 2 stages; embedding and final norm stay whole.

@@ -505,6 +505,59 @@ def test_remat_keeps_the_norm_statistics_and_reduces_no_row_again(policy, recomp
   assert forward > 0 and (grad > forward) == recomputed, (forward, grad)
 
 
+@pytest.mark.parametrize('policy', ['none', 'dots_attention', 'dots_attention_mlp', 'full'])
+def test_the_gelu_epilogue_unit_is_the_same_model(policy):
+  """ModelConfig.gelu_epilogue (the GeLU MLP as one unit with a written-out
+  backward, layers.gelu_mlp): the same loss and gradients as autodiff of the
+  plain MLP, under every policy, with biases."""
+  tokens = _tokens()
+  cfg = dataclasses.replace(SMALL, scan_layers=True, fuse_projections='none', remat_policy=policy)
+  params = _random_params(Transformer(cfg).init, tokens, std=0.1)
+  out = {}
+  for fused in (False, True):
+    model = Transformer(dataclasses.replace(cfg, gelu_epilogue=fused))
+    loss_fn = lambda p, t, m=model: jnp.mean(jnp.square(m.apply({'params': p}, t)))
+    out[fused] = _compile(jax.value_and_grad(loss_fn), params, tokens)(params, tokens)
+  np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-6)
+  for g, g0 in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1])):
+    assert np.abs(np.asarray(g0)).max() > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('policy,activation', [('dots_attention', False), ('dots_attention_mlp', True)])
+def test_the_gelu_epilogue_unit_keeps_its_product_under_a_name_of_its_own(policy, activation):
+  """What lets XLA fuse the GeLU into the product: the backward keeps the
+  input product under the name 'mlp_product', not the value the forward's
+  GeLU reads (autodiff keeps that one, and remat's reduce-precision on it
+  stands between the product and the GeLU). dots_attention_mlp also keeps
+  the activation, and nothing else changes."""
+  tokens = _tokens()
+  cfg = dataclasses.replace(SMALL, scan_layers=False, fuse_projections='none', remat_policy=policy)
+  params = _random_params(Transformer(cfg).init, tokens, std=0.1)
+
+  def kept(fused):
+    model = Transformer(dataclasses.replace(cfg, gelu_epilogue=fused))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(
+          lambda p: jnp.mean(jnp.square(model.apply({'params': p}, tokens))), params)
+    return [line for line in out.getvalue().splitlines() if line.strip()]
+
+  mlp_shape = f'f32[{tokens.shape[0] * tokens.shape[1]},{cfg.d_ff}]'   # the 2-D product
+  act_shape = f'f32[{tokens.shape[0]},{tokens.shape[1]},{cfg.d_ff}]'
+  plain, fused = kept(False), kept(True)
+  assert sum("named 'mlp_product'" in line for line in fused) == cfg.n_layers, fused
+  assert not any('mlp_product' in line for line in plain)
+  unnamed_products = lambda lines: [l for l in lines if l.split()[0] in (mlp_shape, act_shape)
+                                    and 'output of dot_general' in l]
+  assert len(unnamed_products(plain)) == cfg.n_layers and unnamed_products(fused) == [], (plain, fused)
+  activations = lambda lines: sum("named 'mlp_activation'" in line for line in lines)
+  assert activations(fused) == activations(plain) == (cfg.n_layers if activation else 0), (plain, fused)
+  # As many values kept (parameters, which are kept anyway, aside).
+  computed = lambda lines: [line for line in lines if 'from the argument' not in line]
+  assert len(computed(fused)) == len(computed(plain)), (plain, fused)
+
+
 def test_embedding_gradient_sums_in_fp32_from_a_bf16_table():
   # Three tokens fill 8k positions: each row's gradient is a sum of ~2.7k
   # cotangents. Summed in fp32 and rounded once it stays within bf16's one

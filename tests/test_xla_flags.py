@@ -93,6 +93,15 @@ def test_apply_sets_nothing_when_no_flag_table_is_found(libs, monkeypatch, caplo
   assert os.environ['XLA_FLAGS'] == '' and 'no jaxlib' in caplog.text
 
 
+def test_the_gelu_epilogue_turns_tritons_gemms_off_unless_told_otherwise():
+  # XLA's Triton GEMM rewriter would claim the MLP's input product before
+  # the cuBLAS one could fuse its GeLU; a user's own value still wins.
+  assert 'xla_gpu_enable_triton_gemm' not in X.wanted_flags()
+  assert X.wanted_flags(gelu_epilogue=True)['xla_gpu_enable_triton_gemm'] == 'false'
+  assert X.wanted_flags('--xla_gpu_enable_triton_gemm=true', gelu_epilogue=True)[
+      'xla_gpu_enable_triton_gemm'] == 'true'
+
+
 def test_parse_flags():
   assert X.parse_flags('--a=1  --b --c="x y" junk --a=2') == {'a': '2', 'b': None, 'c': 'x y'}
 

@@ -56,12 +56,14 @@ class Weights(nn.Module):
     # The cast is pinned to the kernel's own (FSDP-sharded) layout, so each
     # device casts its shard and the all-gather moves bf16, half the bytes of
     # gathering fp32 and casting afterwards.
+    cast = kernel.dtype != self.dtype
     kernel = constrain(kernel.astype(self.dtype), self.axes)
-    # Named for the remat policies, which keep it: the backward's products
-    # read the cast kernel too, and recasting it there reads the fp32
-    # master weights again (2.6 ms of the 1p3b H100 step). Kept on its own
-    # shards, so FSDP still gathers it again for the backward.
-    kernel = checkpoint_name(kernel, CAST_KERNEL)
+    if cast:
+      # Named for the remat policies, which keep it: the backward's products
+      # read the cast kernel too, and casting it again there reads the fp32
+      # master weights again (2.6 ms of the 1p3b H100 step). Kept on its own
+      # shards, so FSDP still gathers it again for the backward.
+      kernel = checkpoint_name(kernel, CAST_KERNEL)
     bias = None
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(

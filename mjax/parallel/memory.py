@@ -224,6 +224,13 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
     rows.append(('FSDP gather buffers', 2 * group * e,
                  f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
+  if m.remat_policy not in ('none', 'full') and m.param_dtype != m.dtype:
+    # The dots policies keep each projection's kernel as cast for the
+    # backward's products (transformer._and_named), on the parameters' shards.
+    e = jnp.dtype(m.dtype).itemsize
+    cast = sum(p.size * e / p.shards(sizes) for p in params
+               if p.path.startswith("['layers") and p.path.endswith("['kernel']"))
+    rows.append(('weights kept cast', cast, f'the layers\' kernels in {m.dtype}, sharded like the parameters'))
   per_layer, working = activation_bytes_per_layer(
       cfg, b, t, flash=flash, sequence_parallel=sequence_parallel)
   if one_f_one_b:
