@@ -80,31 +80,25 @@ MFU_ROWS = [
 # trains 1p3b, ~1 minute, and a compiler crash in one of them fails nothing.
 # Beside the best row: --mfu_rows 'dots_attention unrolled' --experiments.
 _BEST = ['ModelConfig.remat_policy=dots_attention', 'ModelConfig.scan_layers=False']
+# The same without the GeLU epilogue (configs/1p3b.gin turns it on): XLA's
+# Triton GEMMs run where cuBLAS does not win the autotuning.
+_PLAIN = [*_BEST, 'ModelConfig.gelu_epilogue=False']
 EXPERIMENT_ROWS = [
-    # Every matrix product on cuBLAS(Lt) instead of XLA's Triton GEMMs. The
-    # precondition for the forward GeLU as a cuBLASLt GELU_AUX epilogue:
-    # XLA's Triton GEMM rewriter claims the dots before the cuBLAS one could
-    # fuse it (a deviceless compile, RESULTS.md "GeLU into the matrix
-    # product"). This row says what the switch itself costs.
-    ('1p3b dots_attention unrolled, Triton GEMMs off', '1p3b.gin',
-     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'], 'optional'),
-    # With the GeLU MLP as one unit (ModelConfig.gelu_epilogue,
-    # layers.gelu_mlp) the forward GeLU becomes the input product's cuBLASLt
-    # GELU_AUX epilogue (a deviceless compile: one per layer, the forward's
-    # GeLU pass gone). It turns XLA's Triton GEMMs off by itself
-    # (xla_flags.GELU_EPILOGUE_FLAGS), which the row above measures alone.
-    # H100, 2026-11-27: 498.5 ms against 502.9 (Triton off) and 504.2.
-    ('1p3b dots_attention unrolled, GeLU epilogue', '1p3b.gin',
-     [*_BEST, 'ModelConfig.gelu_epilogue=True'], 'optional'),
-    # The same with the MLP's activation kept (+0.5 GiB a layer at 16
-    # sequences): the backward reads GeLU(u) instead of computing it again.
+    # configs/1p3b.gin runs the forward GeLU as its input product's cuBLASLt
+    # GELU_AUX epilogue (ModelConfig.gelu_epilogue, layers.gelu_mlp), which
+    # turns XLA's Triton GEMMs off (xla_flags.GELU_EPILOGUE_FLAGS). These two
+    # rows take it apart: without it, and without it with Triton's GEMMs off
+    # all the same. H100, 2026-11-27, one call: 504.2 and 502.9 ms against
+    # 498.5 with it.
+    ('1p3b dots_attention unrolled, GeLU epilogue off', '1p3b.gin', _PLAIN, 'optional'),
+    ('1p3b dots_attention unrolled, GeLU epilogue off, Triton GEMMs off', '1p3b.gin',
+     [*_PLAIN, 'TrainConfig.xla_extra_flags="--xla_gpu_enable_triton_gemm=false"'], 'optional'),
+    # The MLP's activation kept as well (+0.5 GiB a layer at 16 sequences):
+    # the backward reads GeLU(u) instead of computing it again (0.7% without
+    # the epilogue on the H100, 2026-11-24, within that day's spread).
     ('1p3b dots_attention_mlp unrolled, GeLU epilogue', '1p3b.gin',
-     ['ModelConfig.remat_policy=dots_attention_mlp', 'ModelConfig.scan_layers=False',
-      'ModelConfig.gelu_epilogue=True'], 'optional'),
-    # H100, 2026-11-27: 57.6% MFU (488.4 ms per 16 sequences, 62.9 GiB).
-    ('1p3b dots_attention unrolled, 64 in 4 slices, GeLU epilogue', '1p3b.gin',
-     [*_BEST, 'ModelConfig.gelu_epilogue=True', 'TrainConfig.global_batch_size=64',
-      'TrainConfig.grad_accum_steps=4'], 'optional'),
+     ['ModelConfig.remat_policy=dots_attention_mlp', 'ModelConfig.scan_layers=False'], 'optional'),
+    # 125m.gin keeps its GeLU unfused until this row has been measured.
     ('125m remat=none unrolled, GeLU epilogue', '125m.gin',
      ['ModelConfig.remat_policy=none', 'ModelConfig.scan_layers=False', 'ModelConfig.gelu_epilogue=True'],
      'optional'),
@@ -112,8 +106,10 @@ EXPERIMENT_ROWS = [
     # used 1M), in four slices of the suite's 16 sequences: LAMB and the
     # metrics (20.3 ms, 3.9% of the 16-sequence step; ~57 GB of fp32
     # passes) run once per 64 sequences, the slices' gradient sums add
-    # ~10 GB each. Measured on an H200 (2026-11-27): 484.7 ms per 16
-    # sequences against 490.6, 57.3% to 58.0% MFU, 59.8 GiB.
+    # ~10 GB each. Measured on an H200 (2026-11-27, without the GeLU
+    # epilogue): 484.7 ms per 16 sequences against 490.6, 57.3% to 58.0%
+    # MFU, 59.8 GiB. On an H100 (2026-11-27): 493.3 ms without the epilogue
+    # (57.0%), 488.4 ms with it (57.6%, 62.9 GiB).
     ('1p3b dots_attention unrolled, batch 64 in 4 slices', '1p3b.gin',
      [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4'], 'optional'),
     # Slices of 32 sequences, for cards whose memory holds them (the
@@ -139,13 +135,13 @@ EXPERIMENT_ROWS = [
     # attentions a deviceless compile can build). The GPU's jaxlib 0.11.2
     # compiles and trains it: 497.0 against 490.6 ms on an H200 (2026-11-27).
     ('1p3b dots_attention unrolled, GEMM fusion v2', '1p3b.gin',
-     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_gemm_fusion_v2=true"'], 'optional'),
+     [*_PLAIN, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_gemm_fusion_v2=true"'], 'optional'),
     # Hopper warp specialization for XLA's own (Triton) GEMMs: they run the
     # layers' products in the backward (73.7 ms of the step) and forward (39.2).
-    # On an H200 (2026-11-27) it was still compiling when the suite's
-    # deadline cut it after ~95 s; it needs a call of its own.
+    # H100, 2026-11-27: 502.0 against 501.8 ms, nothing (the GeLU epilogue
+    # turns Triton's GEMMs off, so this row runs without it).
     ('1p3b dots_attention unrolled, Triton warp specialization', '1p3b.gin',
-     [*_BEST, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
+     [*_PLAIN, 'TrainConfig.xla_extra_flags="--xla_gpu_experimental_enable_triton_warp_specialization=true"'],
      'optional'),
     # Scanned layers (the default, and what models too deep to unroll need)
     # pay for the scan with copies: each saved matrix-product output is

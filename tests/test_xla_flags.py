@@ -83,6 +83,9 @@ def test_apply_is_a_no_op_off_gpu_or_disabled(libs, monkeypatch):
   assert X.apply_xla_flags(True, platform='cpu', libraries=paths) == []
   assert X.apply_xla_flags(False, platform='gpu', libraries=paths) == []
   assert os.environ['XLA_FLAGS'] == '--xla_force_host_platform_device_count=8'
+  # Off, the overlap flags stay out; a flag the user asks for still goes in.
+  assert X.apply_xla_flags(False, extra='--xla_gpu_enable_latency_hiding_scheduler=false', platform='gpu',
+                           libraries=paths) == ['--xla_gpu_enable_latency_hiding_scheduler=false']
 
 
 def test_apply_sets_nothing_when_no_flag_table_is_found(libs, monkeypatch, caplog):
@@ -100,6 +103,9 @@ def test_the_gelu_epilogue_turns_tritons_gemms_off_unless_told_otherwise():
   assert X.wanted_flags(gelu_epilogue=True)['xla_gpu_enable_triton_gemm'] == 'false'
   assert X.wanted_flags('--xla_gpu_enable_triton_gemm=true', gelu_epilogue=True)[
       'xla_gpu_enable_triton_gemm'] == 'true'
+  # Not an overlap flag: it stays when those are turned off, as a user's own do.
+  assert X.wanted_flags('--xla_foo=1', gelu_epilogue=True, overlap=False) == {
+      'xla_gpu_enable_triton_gemm': 'false', 'xla_foo': '1'}
 
 
 def test_parse_flags():

@@ -203,13 +203,13 @@ def detect_platform() -> str:
   return 'gpu' if plugins else 'cpu'
 
 
-def wanted_flags(extra: str = '', *, collective_matmul: bool = False,
-                 gelu_epilogue: bool = False) -> dict[str, Optional[str]]:
-  """The flags a GPU run asks for: OVERLAP_FLAGS, COLLECTIVE_MATMUL_FLAGS when
-  `collective_matmul`, GELU_EPILOGUE_FLAGS when `gelu_epilogue`, then `extra`
-  ('--xla_foo=1 ...'), which wins."""
-  wanted: dict[str, Optional[str]] = dict(OVERLAP_FLAGS)
-  if collective_matmul:
+def wanted_flags(extra: str = '', *, collective_matmul: bool = False, gelu_epilogue: bool = False,
+                 overlap: bool = True) -> dict[str, Optional[str]]:
+  """The flags a GPU run asks for: OVERLAP_FLAGS and, when `collective_matmul`,
+  COLLECTIVE_MATMUL_FLAGS (both only when `overlap`), GELU_EPILOGUE_FLAGS
+  when `gelu_epilogue`, then `extra` ('--xla_foo=1 ...'), which wins."""
+  wanted: dict[str, Optional[str]] = dict(OVERLAP_FLAGS) if overlap else {}
+  if collective_matmul and overlap:
     wanted.update(COLLECTIVE_MATMUL_FLAGS)
   if gelu_epilogue:
     wanted.update(GELU_EPILOGUE_FLAGS)
@@ -241,7 +241,8 @@ def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
 def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = None, *,
                     collective_matmul: bool = False, gelu_epilogue: bool = False,
                     libraries: Optional[Sequence[str]] = None) -> list[str]:
-  """Adds the overlap flags to os.environ['XLA_FLAGS'] (GPU only).
+  """Adds the overlap flags, and those the config asks for, to
+  os.environ['XLA_FLAGS'] (GPU only).
 
   Call it before the first JAX computation: XLA reads the variable once, when
   the backend starts. A flag already in XLA_FLAGS is never overridden, and a
@@ -249,7 +250,8 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
   abort the process on it).
 
   Args:
-    enabled: False makes this a no-op, so callers can pass a config switch.
+    enabled: False leaves the overlap flags out (TrainConfig.xla_overlap_flags);
+      `extra` and the GeLU epilogue's flags still apply.
     extra: more flags ('--xla_foo=1 --xla_bar=2'); they replace the defaults
       of the same name, and are subject to the same two rules.
     platform: 'gpu' / 'cuda' / 'rocm' apply the flags; anything else is a
@@ -262,13 +264,14 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
   Returns:
     The flags added, as '--name=value' strings, in the order added.
   """
-  if not enabled:
+  if not (enabled or extra or gelu_epilogue):
     return []
   platform = (platform or detect_platform()).lower()
   if platform not in _GPU_PLATFORMS:
     log.info('XLA overlap flags: platform %s is not a GPU, nothing set', platform)
     return []
-  wanted = wanted_flags(extra, collective_matmul=collective_matmul, gelu_epilogue=gelu_epilogue)
+  wanted = wanted_flags(extra, collective_matmul=collective_matmul, gelu_epilogue=gelu_epilogue,
+                        overlap=enabled)
   current = os.environ.get('XLA_FLAGS', '')
   user_set = parse_flags(current)
   todo = {k: v for k, v in wanted.items() if k not in user_set}
