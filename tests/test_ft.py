@@ -1879,14 +1879,16 @@ def test_processes_that_outlive_sigkill_cost_one_wait_and_count_as_lost_hosts(tm
 
 @pytest.mark.slow
 def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_root):
-  """Process 1 is stopped 60% of the time from step 3 (SIGSTOP cycles, as a
+  """Process 1 is stopped 80% of the time from step 3 (SIGSTOP cycles, as a
   throttled device): its host timings match the other's, since the
   all-reduce releases both together; its sampled device compute time does
   not, and the driver names it (a report: evict_stragglers is off).
 
   The stop cycle (0.1 s) is close to this model's step (~0.25 s), so how
   much of a step it takes varies: at 40% some sampled steps read only ~0.1
-  slower, under the verdict's margin / 2; at 60% every one reads >= 0.5."""
+  slower, under the verdict's margin / 2; at 60% every one read >= 0.5 on a
+  quiet machine, but beside the suite's other worker a verdict went
+  missing in 2 of 3 full runs. At 80% the throttled compute is ~5x slower."""
   # Device times sampled at 2, 6, ..., 18; a verdict rests on the latest
   # stragglers.DEVICE_SAMPLES (10, 14, 18), all throttled. However few of
   # the driver's 5 s analyses ran during the job, its last one, as the job
@@ -1894,12 +1896,17 @@ def test_a_rank_throttled_inside_the_step_is_named_by_the_driver(tmp_path, repo_
   train = ['--gin.ModelConfig.d_model=256', '--gin.DataConfig.seq_len=128', '--gin.TrainConfig.steps=20',
            '--gin.OptimConfig.decay_steps=20', '--gin.CheckpointConfig.save_every=0',
            '--gin.FaultConfig.device_timing_every=4', '--gin.FaultConfig.timing_every=4']
-  env = child_env(MJAX_FAULT='throttle:factor=0.6:process=1:step=3')
+  env = child_env(MJAX_FAULT='throttle:factor=0.8:process=1:step=3')
   run = subprocess.run(launch_cmd(tmp_path, 2, train=train), cwd=repo_root, env=env, capture_output=True,
                        text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   found = events(tmp_path, 'straggler')
-  assert [(e['process'], e['reason'], e['host']) for e in found] == [(1, 'device', 'slot1')], found
+  # What the rows say, for a failure's message: a verdict the rows hold but
+  # the driver did not report is the driver's analysis, not the throttle.
+  sampled = [(r['process'], r['step'], r['device']) for r in stragglers.load_rows(str(tmp_path))
+             if 'device' in r]
+  assert [(e['process'], e['reason'], e['host']) for e in found] == [(1, 'device', 'slot1')], (
+      found, sampled, stragglers.device_stragglers(stragglers.load_rows(str(tmp_path))), run.stderr[-2000:])
   assert 'the others wait' in found[0]['detail'] and not found[0]['evict']
   assert events(tmp_path, 'finish') and not events(tmp_path, 'fault')
   # The rows behind it: samples half a period off the round steps, and the
