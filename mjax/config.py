@@ -62,7 +62,8 @@ class ModelConfig:
   # The GeLU MLP as one unit whose forward GeLU reads its input product
   # directly, so that XLA can run it as that product's cuBLASLt epilogue
   # (layers.gelu_mlp; on GPU with --xla_gpu_enable_triton_gemm=false). Same
-  # values and parameters either way; applies where the MLP's input product
+  # parameters, and values up to bf16 rounding (the fused GeLU reads the
+  # product before it is rounded); applies where the MLP's input product
   # runs on its own (fuse_projections 'none', the GPU default). 1p3b on an
   # H100: 498.5 against 504.2 ms a step (bench/RESULTS.md).
   gelu_epilogue: bool = False
@@ -668,6 +669,18 @@ def doubtful(cfg: Config) -> list[str]:
                f'learning rate never leaves its warm-up and ends at '
                f'{o.learning_rate * (t.steps - 1) / o.warmup_steps:.3g}, not OptimConfig.learning_rate = '
                f'{o.learning_rate:g} (a short run needs a shorter warm-up)')
+  m, mesh = cfg.model, cfg.mesh
+  if m.gelu_epilogue:
+    # It still turns XLA's Triton GEMMs off on a GPU, for nothing.
+    why = (f"ModelConfig.fuse_projections = {m.fuse_projections!r} joins the MLP's input product with q, k "
+           f"and v" if m.fuse_projections in ('inputs', 'all') else
+           "MeshConfig.collective_matmul runs the MLP's products as collective matmuls"
+           if mesh.collective_matmul and mesh.tensor * mesh.dcn_tensor > 1 else
+           "ModelConfig.gelu_approximate = False asks for the exact (erf) GeLU, and cuBLASLt's epilogue is "
+           "the tanh one" if not m.gelu_approximate else None)
+    if why:
+      out.append(f'ModelConfig.gelu_epilogue = True does nothing here: {why} (it needs the MLP\'s input '
+                 f'product on its own and the tanh GeLU)')
   return out
 
 

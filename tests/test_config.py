@@ -123,6 +123,15 @@ def test_a_warm_up_as_long_as_the_run_is_warned_of():
   assert C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200'])) == []
 
 
+def test_a_gelu_epilogue_that_cannot_fuse_is_warned_of():
+  for binding, says in (('ModelConfig.fuse_projections = "inputs"', "joins the MLP's input product"),
+                        ('ModelConfig.gelu_approximate = False', 'the exact (erf) GeLU')):
+    (note,) = C.doubtful(C.load_config(['1p3b.gin'], [binding], num_devices=1))
+    assert note.startswith('ModelConfig.gelu_epilogue = True does nothing here') and says in note, note
+  # 'auto' leaves the GPU's products apart: nothing to say.
+  assert C.doubtful(C.load_config(['1p3b.gin'], [], num_devices=1)) == []
+
+
 def test_pipelining_a_config_that_unrolls_its_layers_says_how():
   """125m.gin and 1p3b.gin unroll their layers (the fastest on one GPU);
   pipelining them is refused with the binding that allows it."""

@@ -40,13 +40,19 @@ def test_data_fsdp_tensor_mesh_by_hand():
 
 def test_dots_policies_keep_the_layers_kernels_cast():
   # The 4 layers' kernels (4 * 131072 elements), bf16, on their fsdp x
-  # tensor shards; 'none' and 'full' keep no such copy, nor an fp32 model.
+  # tensor shards, under the dots policies and without remat (autodiff
+  # keeps what the backward's products read); 'full', an fp32 model and
+  # 1F1B (each chunk's forward runs again in its backward) keep no such copy.
   mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
-  est = estimate_memory(small('ModelConfig.remat_policy = "dots"'), mesh, flash=False)
-  assert est.get('weights kept cast') == 4 * 131072 / 4 * 2
+  for policy in ('dots', 'none'):
+    est = estimate_memory(small(f'ModelConfig.remat_policy = "{policy}"'), mesh, flash=False)
+    assert est.get('weights kept cast') == 4 * 131072 / 4 * 2
   for other in (['ModelConfig.remat_policy = "full"'],
                 ['ModelConfig.remat_policy = "dots"', 'ModelConfig.dtype = "float32"']):
     assert 'weights kept cast' not in [r[0] for r in estimate_memory(small(*other), mesh, flash=False).rows]
+  one = estimate_memory(small('ModelConfig.remat_policy = "dots"'), {'pipeline': 2}, micro_batch=2, flash=False,
+                        schedule='1f1b')
+  assert 'weights kept cast' not in [r[0] for r in one.rows]
 
 
 def test_pipeline_stages_and_what_each_schedule_keeps():

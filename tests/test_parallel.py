@@ -94,6 +94,12 @@ LAYOUTS = {
                                         'MeshConfig.pipeline_schedule = "1f1b"'],
     'data2_pipeline2_tensor2_apart': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
                                       'MeshConfig.microbatches = 4', 'ModelConfig.fuse_projections = "none"'],
+    # The GeLU MLP as one unit with its own backward (ModelConfig.gelu_epilogue),
+    # traced outside the pipeline's forward, which takes 'data' out of the rules.
+    'data2_pipeline2_tensor2_gelu_epilogue': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2',
+                                              'MeshConfig.tensor = 2', 'MeshConfig.microbatches = 4',
+                                              'ModelConfig.fuse_projections = "none"',
+                                              'ModelConfig.gelu_epilogue = True'],
 }
 
 

@@ -15,12 +15,13 @@ FLAG_LIB = (b'\x7fELF junk' + TABLE +
             b'xla_gpu_enable_latency_hiding_scheduler\x00'
             b'xla_gpu_enable_pipelined_all_gather\x00'
             b'xla_gpu_all_reduce_combine_threshold_bytes\x00'
+            b'xla_gpu_enable_triton_gemm\x00'
             # A removed flag survives only as a protobuf reserved name: tag 'R',
             # a length byte, the name, no NUL. XLA rejects it.
             b'R\x20xla_gpu_enable_async_collectivesR\x05other')
 # The GPU plugin's own XLA copy, older: lacks the pipelined all-gather flag.
 PLUGIN_LIB = (TABLE + b'xla_gpu_enable_latency_hiding_scheduler\x00'
-              b'xla_gpu_all_reduce_combine_threshold_bytes\x00')
+              b'xla_gpu_all_reduce_combine_threshold_bytes\x00' b'xla_gpu_enable_triton_gemm\x00')
 # A kernel library without a flag table: never consulted.
 KERNEL_LIB = b'\x00cuda_prng_kernel\x00'
 # An extension module with a stray 'xla_dump_to' and the DebugOptions proto
@@ -83,9 +84,13 @@ def test_apply_is_a_no_op_off_gpu_or_disabled(libs, monkeypatch):
   assert X.apply_xla_flags(True, platform='cpu', libraries=paths) == []
   assert X.apply_xla_flags(False, platform='gpu', libraries=paths) == []
   assert os.environ['XLA_FLAGS'] == '--xla_force_host_platform_device_count=8'
-  # Off, the overlap flags stay out; a flag the user asks for still goes in.
+  # Off, the overlap flags stay out; a flag the user asks for still goes in,
+  # and so does the GeLU epilogue's.
   assert X.apply_xla_flags(False, extra='--xla_gpu_enable_latency_hiding_scheduler=false', platform='gpu',
                            libraries=paths) == ['--xla_gpu_enable_latency_hiding_scheduler=false']
+  monkeypatch.setenv('XLA_FLAGS', '')
+  assert X.apply_xla_flags(False, gelu_epilogue=True, platform='gpu', libraries=paths) == [
+      '--xla_gpu_enable_triton_gemm=false']
 
 
 def test_apply_sets_nothing_when_no_flag_table_is_found(libs, monkeypatch, caplog):
@@ -116,12 +121,12 @@ def test_installed_xla_accepts_every_flag_that_passes_the_filter(repo_root):
   """The real jaxlib: the filter keeps the current flags, drops the removed
   async-collectives flag, and XLA starts with what it keeps (it aborts on an
   unknown flag)."""
-  names = [*X.OVERLAP_FLAGS, *X.COLLECTIVE_MATMUL_FLAGS]
+  names = [*X.OVERLAP_FLAGS, *X.COLLECTIVE_MATMUL_FLAGS, *X.GELU_EPILOGUE_FLAGS]
   ok = X.supported_flags([*names, 'xla_gpu_enable_async_collectives'])
-  assert 'xla_gpu_enable_latency_hiding_scheduler' in ok
+  assert 'xla_gpu_enable_latency_hiding_scheduler' in ok and 'xla_gpu_enable_triton_gemm' in ok
   assert 'xla_gpu_enable_async_collectives' not in ok
   code = ('import os; from mjax.parallel.xla_flags import apply_xla_flags as a; '
-          'print(len(a(True, platform="gpu", collective_matmul=True))); '
+          'print(len(a(True, platform="gpu", collective_matmul=True, gelu_epilogue=True))); '
           'import jax, jax.numpy as jnp; print(float(jnp.ones(3).sum()))')
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''}
   proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,

@@ -321,14 +321,19 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
   product under a name of its own (`MLP_PRODUCT`) that nothing in the forward
   reads. The backward is autodiff's: GeLU(u) for Wo's gradient (kept from
   the forward with `keep_activation`, as `MLP_ACTIVATION`; computed again
-  otherwise) and GeLU'(u) for the input product's. Same values as
-  `Mlp.activate` and two projections, in the same dtypes.
+  otherwise) and GeLU'(u) for the input product's. The function of
+  `Mlp.activate` and two projections, in the same dtypes; fused on a GPU,
+  the GeLU reads the product before its rounding to bf16.
 
   `keep_activation` must match the remat policy: a kept GeLU(u) that the
   policy does not save is recomputed from the unnamed product, which the
   dots policies would then keep as well, and with it comes the
   reduce-precision that stops the fusion."""
   act = functools.partial(nn.gelu, approximate=approximate)
+  # The backward is traced when the gradient is taken, outside whatever
+  # axis rules surround this call (a pipeline's forward drops 'data' from
+  # them): it lays its activations out by the rules of the forward.
+  rules = nn.get_logical_axis_rules()
 
   def up(x, wi, bi):
     u = matmul(x.astype(wi.dtype), wi, 1)
@@ -349,6 +354,10 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
     return down(g, wo, bo), (x, wi, bi, wo, bo, checkpoint_name(u, MLP_PRODUCT), kept)
 
   def bwd(res, dy):
+    with nn.logical_axis_rules(rules):
+      return backward(res, dy)
+
+  def backward(res, dy):
     x, wi, bi, wo, bo, u, kept = res
     # Without remat nothing else stands between this and the forward, and
     # XLA would share the GeLU's tanh with the forward's GeLU, whose then

@@ -224,9 +224,11 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
     rows.append(('FSDP gather buffers', 2 * group * e,
                  f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
-  if m.remat_policy not in ('none', 'full') and m.param_dtype != m.dtype:
+  if m.remat_policy != 'full' and m.param_dtype != m.dtype and not one_f_one_b:
     # The dots policies keep each projection's kernel as cast for the
-    # backward's products (transformer._and_named), on the parameters' shards.
+    # backward's products (transformer._and_named), on the parameters'
+    # shards, and so does autodiff without remat. (1F1B runs each chunk's
+    # forward again inside its backward tick: nothing is kept across ticks.)
     e = jnp.dtype(m.dtype).itemsize
     cast = sum(p.size * e / p.shards(sizes) for p in params
                if p.path.startswith("['layers") and p.path.endswith("['kernel']"))
