@@ -108,7 +108,7 @@ class Block(nn.Module):
     if c.block == 'parallel' and c.parallel_norms == 'separate':
       # GPT-NeoX: each branch its own norm (so no shared input to join on).
       a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)
-      x = x + a + mlp(make_norm(c, 'norm_mlp')(x))
+      x = x + (a + mlp(make_norm(c, 'norm_mlp')(x)))
     elif joined:
       y, cache = self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse,
                                       cache)
@@ -116,7 +116,11 @@ class Block(nn.Module):
     elif c.block == 'parallel':
       h = make_norm(c, 'norm')(x)
       a, cache = _split(attn(h, positions, segment_ids, cache), cache)
-      x = x + a + mlp(h)
+      # The branches summed first: cuBLAS then adds one output projection
+      # into the other's result (beta = 1), and x comes once after. Summed
+      # onto x first, XLA copies x for that (the backward still reads it):
+      # one (batch, seq, embed) copy a layer more (a deviceless H100 count).
+      x = x + (a + mlp(h))
     else:
       a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)
       x = x + a
