@@ -46,6 +46,7 @@ SCRIPT = textwrap.dedent('''
         'ops': {k: sum(o.executions for o in stats.of_kind(k))
                 for k in ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')},
         'options': {k: str(v) for k, v in out.options.items()},
+        'all_reduced': [o.op_name for o in stats.of_kind('all-reduce')],
     }))
 ''')
 
@@ -110,6 +111,13 @@ def test_fsdp_gathers_run_behind_matmuls_and_gradients_are_reduce_scattered(fsdp
   # last of them has nothing left to hide behind.)
   assert all(s['mode'] == 'overlapped' for s in scatters), scatters
   assert fsdp['options']['xla_gpu_enable_latency_hiding_scheduler'] == 'True'
+
+
+def test_the_tied_heads_gradient_is_reduce_scattered(fsdp):
+  # A matrix product over the batch: its sum over the fsdp devices lands on
+  # the table's shards (an all-reduce, twice the bytes, where it was first
+  # laid out gathered).
+  assert not any('_head' in name for name in fsdp['all_reduced']), fsdp['all_reduced']
 
 
 def test_overlap_options_pipeline_the_fsdp_collectives(fsdp, compiled):

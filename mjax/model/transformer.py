@@ -168,9 +168,17 @@ def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return gather(t), None
 
   def bwd(_, cts):
-    # Laid out as the forward's values (gathered, then the table's own
-    # shards): left free, GSPMD may pick layouts that cost a full regather.
-    a, b = (constrain(c.astype(jnp.float32), ('vocab', None)) for c in cts)
+    # The head's gradient is a matrix product over the batch: laid out on
+    # the table's own shards at once, its sum over the batch's devices is a
+    # reduce-scatter (an all-reduce, twice the bytes, when it was first laid
+    # out gathered; 1p3b on 8 H100s, deviceless: 2,539 -> 2,321 MiB a step).
+    # The lookup's scatter-add stays laid out as the forward's value: on its
+    # shards at once, GSPMD moves the cotangent from batch to embed sharding,
+    # which it cannot do without a full regather when both fsdp and other
+    # axes split the batch (data 2, fsdp 2, tensor 2).
+    lookup, head = cts
+    a = constrain(lookup.astype(jnp.float32), ('vocab', None))
+    b = constrain(head.astype(jnp.float32), ('vocab', 'embed'))
     return (constrain((a + b).astype(table.dtype), ('vocab', 'embed')),)
 
   f.defvjp(fwd, bwd)
