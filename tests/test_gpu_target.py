@@ -51,13 +51,17 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def gpu_compile(*bindings: str, overlap: bool = True) -> dict:
+def run_child(script: str, args: dict) -> dict:
+  """`script` in a child with the CUDA plugin on its path; the JSON of its last line."""
   env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(PLUGIN), str(ROOT)]), 'JAX_PLATFORMS': 'cpu'}
-  proc = subprocess.run([sys.executable, '-c', SCRIPT, json.dumps({'bindings': TINY + list(bindings),
-                                                                   'overlap': overlap})],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run([sys.executable, '-c', script, json.dumps(args)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gpu_compile(*bindings: str, overlap: bool = True) -> dict:
+  return run_child(SCRIPT, {'bindings': TINY + list(bindings), 'overlap': overlap})
 
 
 def of(result: dict, kind: str, axes: str) -> list[dict]:
@@ -203,8 +207,8 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
       import jax
       from mjax.model import transformer as T
       T.REMAT_POLICIES['dots_attention'] = jax.checkpoint_policies.save_from_both_policies(
-          T._dots_and_flash_attention,
-          jax.checkpoint_policies.save_only_these_names('norm_stats', 'rotated_qk', 'mlp_product'))
+          T._dots_and_flash_attention, jax.checkpoint_policies.save_only_these_names(
+              *(n for n in T.KEPT_NAMES if n != T.CAST_KERNEL)))
     cfg = flags.load(['configs/tiny.gin'], args['bindings'], num_devices=1)
     out = gpu_target.compile_step(cfg, gpu_target.parse_target('h100:1'))
     text, m = out.compiled.as_text(), out.cfg.model
@@ -228,12 +232,8 @@ ONE_GPU_PROGRAMS = {
 
 
 def one_gpu_compile(name: str) -> dict:
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(PLUGIN), str(ROOT)]), 'JAX_PLATFORMS': 'cpu'}
-  args = {'bindings': TINY + ONE_GPU + list(ONE_GPU_PROGRAMS[name]), 'unsaved_casts': 'not kept' in name}
-  proc = subprocess.run([sys.executable, '-c', ONE_GPU_SCRIPT, json.dumps(args)], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_child(ONE_GPU_SCRIPT, {'bindings': TINY + ONE_GPU + list(ONE_GPU_PROGRAMS[name]),
+                                    'unsaved_casts': 'not kept' in name})
 
 
 @pytest.fixture(scope='module')

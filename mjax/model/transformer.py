@@ -55,7 +55,9 @@ def _dots_attention_and_mlp_activation(prim, *args, **params) -> bool:
           or _MLP_ACTIVATION_SAVEABLE(prim, *args, **params))
 
 
-_NAMED_SAVEABLE = jax.checkpoint_policies.save_only_these_names(NORM_STATS, ROTATED, MLP_PRODUCT, CAST_KERNEL)
+# What every policy but 'full' keeps by name (see _and_named).
+KEPT_NAMES = (NORM_STATS, ROTATED, MLP_PRODUCT, CAST_KERNEL)
+_NAMED_SAVEABLE = jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES)
 
 
 def _and_named(policy):

@@ -219,8 +219,8 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
       # optax keeps Adam's moments in the parameters' dtype.
       ('LAMB moments', 2 * param_bytes, f'2 x {m.param_dtype} per parameter, sharded like them'),
   ]
+  e = jnp.dtype(m.dtype).itemsize
   if f > 1:
-    e = jnp.dtype(m.dtype).itemsize
     group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
     rows.append(('FSDP gather buffers', 2 * group * e,
                  f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
@@ -229,7 +229,6 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     # backward's products (transformer._and_named), on the parameters'
     # shards, and so does autodiff without remat. (1F1B runs each chunk's
     # forward again inside its backward tick: nothing is kept across ticks.)
-    e = jnp.dtype(m.dtype).itemsize
     cast = sum(p.size * e / p.shards(sizes) for p in params
                if p.path.startswith("['layers") and p.path.endswith("['kernel']"))
     rows.append(('weights kept cast', cast, f'the layers\' kernels in {m.dtype}, sharded like the parameters'))
