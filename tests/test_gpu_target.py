@@ -47,6 +47,7 @@ SCRIPT = textwrap.dedent('''
                 for k in ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')},
         'options': {k: str(v) for k, v in out.options.items()},
         'all_reduced': [o.op_name for o in stats.of_kind('all-reduce')],
+        'wire': {k: stats.per_step(k)['wire'] for k in ('all-reduce', 'reduce-scatter')},
     }))
 ''')
 
@@ -117,11 +118,14 @@ def test_fsdp_gathers_run_behind_matmuls_and_gradients_are_reduce_scattered(fsdp
   assert fsdp['options']['xla_gpu_enable_latency_hiding_scheduler'] == 'True'
 
 
-def test_the_tied_heads_gradient_is_reduce_scattered(fsdp):
-  # A matrix product over the batch: its sum over the fsdp devices lands on
-  # the table's shards (an all-reduce, twice the bytes, where it was first
-  # laid out gathered).
-  assert not any('_head' in name for name in fsdp['all_reduced']), fsdp['all_reduced']
+def test_the_tied_embeddings_gradients_are_reduce_scattered(fsdp):
+  # The head's, a matrix product over the batch, and the lookup's, a
+  # scatter-add written out as a reduce-scatter (mjax/parallel/scatter_sum.py):
+  # each device's partial table lands summed on the table's shards. Either
+  # was an all-reduce of the whole table (twice the bytes) before. What is
+  # left all-reduced is the 1-D vectors and the step's norms.
+  assert not any('_head' in name or 'scatter' in name for name in fsdp['all_reduced']), fsdp['all_reduced']
+  assert fsdp['wire']['all-reduce'] < 0.01 * fsdp['wire']['reduce-scatter'], fsdp['wire']
 
 
 def test_overlap_options_pipeline_the_fsdp_collectives(fsdp, compiled):

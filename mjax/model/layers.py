@@ -17,7 +17,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.config import ModelConfig
-from mjax.parallel import collective_matmul
+from mjax.parallel import collective_matmul, scatter_sum
 
 Dtype = jnp.dtype
 
@@ -381,8 +381,11 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   The embedding is cast to the compute dtype before it is gathered (FSDP then
   moves half the bytes), but a frequent token's gradient is the sum of
   thousands of rows: a bf16 scatter-add would round after every one of them.
-  The backward sums in fp32 and rounds once, as a matrix product's
-  accumulator does for every other weight gradient.
+  The backward sums each device's rows in fp32 and rounds once, as a matrix
+  product's accumulator does for every other weight gradient; under a mesh
+  the devices' partial tables are then reduce-scattered onto the table's
+  embed shards (mjax/parallel/scatter_sum.py), so the cotangent comes back
+  laid out as ('vocab', 'embed'), not as the gathered table.
   """
   shape = table.shape
 
@@ -394,8 +397,7 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return lookup(t, tok), tok
 
   def bwd(tok, ct):
-    grad = jnp.zeros(shape, jnp.float32).at[tok].add(ct.astype(jnp.float32))
-    return grad.astype(table.dtype), None
+    return scatter_sum.table_gradient(shape, table.dtype, tok, ct), None
 
   lookup.defvjp(fwd, bwd)
   return lookup(table, tokens)

@@ -20,17 +20,21 @@ Byte conventions, per device and per step:
 
 Analytical minimum (per device, per step, ring algorithms); t, f, d: tensor,
 fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
-  * FSDP weights (f > 1): all-gather each weight before use, in the forward and
-    again in the backward (keeping the gathered weights from the forward to
-    the backward would hold the whole model unsharded, which FSDP avoids):
-        2 x (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
+  * FSDP weights (f > 1): all-gather each layer's weight before use, in the
+    forward and again in the backward (keeping the gathered weights from the
+    forward to the backward would hold the whole model unsharded, which FSDP
+    avoids), and the ends (embedding, head: outside the rematerialized
+    layers) once, their gathered copy kept for the backward:
+        (f-1)/f x (2 sum_layers + sum_ends) elements_p / t_p x compute-dtype bytes
     (gathering after the bf16 cast is the minimum; gathering the fp32 master
     weights doubles it).
   * FSDP gradients: reduce-scatter over fsdp in the compute dtype (the
     gradient of a weight cast before its gather comes back through the
     gather in that dtype; a GPU compile shows bf16 reduce-scatters),
         (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
-    then an all-reduce of the 1/f shard over data when d > 1.
+    then an all-reduce of the 1/f shard over data when d > 1. A tied
+    embedding counts once, though autodiff gives its two readers (lookup,
+    head) their own sums and mjax reduce-scatters them apart.
   * Replicated gradients (data parallel): one all-reduce over B,
         2 (B-1)/B x sum_p elements_p / t_p x 4.
   * Tensor parallel (t > 1), Megatron-style without sequence parallelism: per
@@ -281,17 +285,27 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   fsdp_params = [p for p in params if 'fsdp' in p.axes()] if f > 1 else []
   if fsdp_params:
     elems = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params)
-    out.append(Expectation('all-gather', 2 * (f - 1) / f * elems * ec,
+    # The ends (embedding, head) are gathered once: their gathered copy is
+    # kept for the backward, outside the rematerialized layers.
+    ends = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params
+               if not p.path.startswith("['layers"))   # scanned ('layers') or not ('layers_3')
+    out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
                            f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
-                           f'forward and again in the backward, in {m.dtype} '
-                           f'(2 x (f-1)/f x {elems / 1e6:.2f}M elements x {ec} B)'))
+                           f'forward and again in the backward (the embedding and head once), in {m.dtype} '
+                           f'((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
+                           f'elements x {ec} B)'))
     # The weights are cast to the compute dtype on their shards before the
     # gather, so their gradients come back through the gather, and are
     # reduce-scattered, in that dtype (then widened to fp32 for LAMB).
+    # A tied table counts once here, though autodiff hands its two readers
+    # (lookup, head) their own sums and each is reduce-scattered apart.
     rs = elems * ec
     out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
                            f'FSDP: gradients reduce-scattered over fsdp={f} in {m.dtype}, the dtype of '
-                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB)'))
+                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB)'
+                           + ('; the tied embedding counted once, though mjax reduce-scatters the '
+                              'lookup\'s and the head\'s gradients apart (its bytes once more)'
+                              if m.tie_embeddings else '')))
     if d > 1:
       ar = sum(grad_bytes(p, 'fsdp') for p in fsdp_params)
       out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,
