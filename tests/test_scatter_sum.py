@@ -83,14 +83,16 @@ def test_without_fsdp_the_sum_stays_gspmds_fp32_all_reduce():
 
 
 def test_each_device_sums_its_rows_in_fp32_before_the_bf16_reduce_scatter():
-  # One frequent token: all 128 rows add into table[3]. A bf16 sum of 1/3's
-  # stalls far below the true 42.67 (bf16's spacing outgrows 1/3 at 64);
-  # summed in fp32 per device and rounded once, then 8 partial sums in bf16.
+  # One frequent token: 1,024 rows of 1/3 add into table[3]. Summed in bf16
+  # one row at a time they stall at 128 (past it, bf16's spacing of 1 swallows
+  # a third), not 342: each device sums its 128 rows in fp32 and rounds once,
+  # and only the 8 partial sums meet in bf16.
+  seq = 128
   table = jnp.zeros((VOCAB, EMBED), jnp.float32)
-  tokens = jnp.full((BATCH, SEQ), 3, jnp.int32)
-  w = jnp.full((BATCH, SEQ, EMBED), 1 / 3, jnp.bfloat16)
+  tokens = jnp.full((BATCH, seq), 3, jnp.int32)
+  w = jnp.full((BATCH, seq, EMBED), 1 / 3, jnp.bfloat16)
   grad, spec, hlo = grad_on(dict(data=1, fsdp=8), (table, tokens, w))
-  true = BATCH * SEQ * float(jnp.asarray(1 / 3, jnp.bfloat16))
+  true = BATCH * seq * float(jnp.asarray(1 / 3, jnp.bfloat16))
   np.testing.assert_allclose(np.asarray(grad[3], np.float32), true, rtol=2 ** -7)
   assert not np.asarray(grad[:3]).any() and not np.asarray(grad[4:]).any()
   assert collectives(hlo)['reduce-scatter'] == 1
