@@ -586,14 +586,14 @@ def test_tied_table_gradients_of_lookup_and_head_meet_in_fp32():
   cb = jax.random.normal(jax.random.key(2), (64, 32), jnp.float32) * 1e-1
 
   def loss(t):
-    a, b = _gathered_twice(t, jnp.bfloat16)
+    a, b, _ = _gathered_twice(t, jnp.bfloat16)
     return jnp.sum(a.astype(jnp.float32) * ca) + jnp.sum(b.astype(jnp.float32) * cb)
   got = jax.grad(loss)(table)
   # Each cotangent rounded to bf16 once (the compute dtype), then an fp32 sum:
   # the small one survives next to the large one.
   want = ca.astype(jnp.bfloat16).astype(jnp.float32) + cb.astype(jnp.bfloat16).astype(jnp.float32)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  a, b = _gathered_twice(table, jnp.bfloat16)
+  a, b, _ = _gathered_twice(table, jnp.bfloat16)
   assert a.dtype == b.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(a), np.asarray(table.astype(jnp.bfloat16)))
 

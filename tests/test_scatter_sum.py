@@ -1,7 +1,10 @@
-"""The embedding lookup's gradient, summed over the batch's devices as a
-reduce-scatter onto the table's shards (mjax/parallel/scatter_sum.py), on
-real 8-device meshes: the same gradient as one device, the collective it
-asks for, and where it leaves the sum to GSPMD."""
+"""The tied embedding's gradient under FSDP (mjax/parallel/scatter_sum.py):
+the lookup's and the head's partial tables of each batch shard summed, then
+reduce-scattered onto the table's shards once. On real 8-device meshes: the
+same gradient as one device, the collectives it asks for, and where it
+leaves the sum to GSPMD."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,26 +14,34 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from mjax.config import MeshConfig
-from mjax.model.layers import constrain, embed_lookup
-from mjax.model.transformer import _gathered_twice
+from mjax.model.layers import constrain, embed_lookup, matmul
+from mjax.model.transformer import _gathered_twice, _tied_head
 from mjax.parallel import logical_rules, make_mesh, scatter_sum
 
 VOCAB, EMBED, BATCH, SEQ = 64, 32, 8, 16
+ACT = ('batch', 'residual_seq', 'embed')
 
 
-def loss(table, tokens, w):
-  # As the model reads it: cast on the table's shards, gathered along embed,
-  # the gradient laid out back on the shards (the tied head's ignored here).
-  t, _ = _gathered_twice(constrain(table, ('vocab', 'embed')), w.dtype)
-  x = constrain(embed_lookup(t, tokens), ('batch', 'residual_seq', 'embed'))
-  return jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32))
+def loss(table, tokens, w, v=None):
+  """As the model reads the table: cast on its shards and gathered along
+  embed once, for the lookup (weighted by w) and, given v, the tied head
+  (its logits weighted by v, of the lookup's output: a one-layer model)."""
+  plan = scatter_sum.plan(tokens.shape, table.shape)
+  t, h, partials = _gathered_twice(constrain(table, ('vocab', 'embed')), w.dtype, plan)
+  x = constrain(embed_lookup(t, tokens, plan, partials), ACT)
+  out = jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32))
+  if v is not None:
+    logits = matmul(x, h, kernel_in_last=True) if plan is None else _tied_head(x, h, plan, partials)
+    out = out + jnp.sum(constrain(logits, ('batch', 'seq', 'vocab')).astype(jnp.float32) * v)
+  return out
 
 
-def inputs(dtype=jnp.float32):
+def inputs(dtype=jnp.float32, head=False):
   rng = np.random.default_rng(0)
-  return (jnp.asarray(rng.normal(size=(VOCAB, EMBED)), jnp.float32),
+  args = (jnp.asarray(rng.normal(size=(VOCAB, EMBED)), jnp.float32),
           jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ)), jnp.int32),
           jnp.asarray(rng.normal(size=(BATCH, SEQ, EMBED)), dtype))
+  return args + ((jnp.asarray(rng.normal(size=(BATCH, SEQ, VOCAB)), jnp.float32),) if head else ())
 
 
 def grad_on(layout: dict, args):
@@ -46,6 +57,12 @@ def collectives(hlo: str) -> dict[str, int]:
   return {k: hlo.count(f' {k}(') for k in ('all-reduce', 'reduce-scatter', 'all-to-all', 'all-gather')}
 
 
+def all_reduced_tables(hlo: str) -> list[str]:
+  """The 2-D (table-shaped) results of the all-reduces; the head's input
+  gradient under tensor parallelism is an all-reduce too, of activations."""
+  return re.findall(r'= \w+\[(\d+,\d+)\]\S* all-reduce\(', hlo)
+
+
 LAYOUTS = {
     'fsdp8': dict(data=1, fsdp=8),
     'data2_fsdp4': dict(data=2, fsdp=4),
@@ -54,31 +71,32 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize('head', [False, True], ids=['lookup', 'lookup_and_head'])
 @pytest.mark.parametrize('layout', list(LAYOUTS.values()), ids=list(LAYOUTS))
-def test_fsdp_reduce_scatters_the_lookups_gradient_onto_the_tables_shards(layout):
-  args = inputs()
+def test_fsdp_reduce_scatters_the_tables_gradient_once(layout, head):
+  args = inputs(head=head)
   ref = jax.grad(loss)(*args)
   grad, spec, hlo = grad_on(layout, args)
-  np.testing.assert_allclose(grad, ref, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)
   # It leaves on the table's own layout (embed over fsdp, vocab over tensor).
   assert spec[1] == 'fsdp', spec
   if layout.get('tensor', 1) > 1:
     assert spec[0] == 'tensor', spec
   ops = collectives(hlo)
-  # The partial tables are reduce-scattered over fsdp along embed, and under
-  # sequence parallelism over tensor along vocab too (each tensor rank holds
-  # a slice of the sequence); the only all-reduce left is over data (of the
-  # 1/fsdp shard), none when data is 1. Nothing is moved about: at most one
-  # all-gather, the forward's, of the table along embed.
-  assert ops['reduce-scatter'] == (2 if layout.get('sequence_parallel') else 1), ops
-  assert ops['all-reduce'] == (1 if layout['data'] > 1 else 0), ops
-  assert ops['all-to-all'] == 0 and ops['all-gather'] <= 1, ops
+  # One reduce-scatter over fsdp of the lookup's and head's partials summed
+  # (GSPMD reduced each reader's on its own, the lookup's as an all-reduce
+  # of the whole table); the only table all-reduced is the 1/fsdp shard over
+  # data, none when data is 1; nothing moved by all-to-all.
+  assert ops['reduce-scatter'] == 1, ops
+  shard = f'{VOCAB // layout.get("tensor", 1)},{EMBED // layout["fsdp"]}'
+  assert all_reduced_tables(hlo) == ([shard] if layout['data'] > 1 else []), all_reduced_tables(hlo)
+  assert ops['all-to-all'] == 0, ops
 
 
 def test_without_fsdp_the_sum_stays_gspmds_fp32_all_reduce():
-  args = inputs()
+  args = inputs(head=True)
   grad, _, hlo = grad_on(dict(data=8), args)
-  np.testing.assert_allclose(grad, jax.grad(loss)(*args), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(grad, jax.grad(loss)(*args), rtol=1e-5, atol=1e-5)
   assert collectives(hlo)['reduce-scatter'] == 0
 
 
@@ -101,13 +119,14 @@ def test_each_device_sums_its_rows_in_fp32_before_the_bf16_reduce_scatter():
 def test_plan_leaves_the_sum_to_gspmd_where_nothing_is_written_out():
   shape, tokens = (VOCAB, EMBED), (BATCH, SEQ)
   assert scatter_sum.plan(tokens, shape) is None   # no mesh
-  mc = MeshConfig(data=2, fsdp=4)
+  mc = MeshConfig(data=2, fsdp=2, tensor=2)
   mesh = make_mesh(mc)
   with jax.set_mesh(mesh), nn.logical_axis_rules(logical_rules(mc)):
     assert scatter_sum.plan(tokens, shape) == scatter_sum.Plan(
-        batch=('data', 'fsdp'), seq=(), embed=('fsdp',), vocab=(), summed=('data',))
-    assert scatter_sum.plan((BATCH - 1, SEQ), shape) is None   # rows the batch axes do not split
-    assert scatter_sum.plan(tokens, (VOCAB, 30)) is None       # an embed fsdp does not divide
+        batch=('data', 'fsdp'), seq=(), embed=('fsdp',), vocab=('tensor',), n=4, vocab_shards=2)
+    assert scatter_sum.plan(tokens, (VOCAB + 1, EMBED)).vocab == ()   # a vocab tensor does not divide
+    assert scatter_sum.plan((BATCH - 2, SEQ), shape) is None   # rows the batch axes do not split
+    assert scatter_sum.plan(tokens, (VOCAB, 31)) is None       # an embed fsdp does not divide
 
     # Inside a region already manual over data (a pipeline schedule's).
     seen = []

@@ -375,32 +375,49 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
   return mlp(x, wi, bi, wo, bo)
 
 
-def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+def embed_lookup(table: jax.Array, tokens: jax.Array, plan: Optional[scatter_sum.Plan] = None,
+                 partials: Optional[jax.Array] = None) -> jax.Array:
   """table[tokens], with the gradient summed in fp32 whatever the table's dtype.
 
   The embedding is cast to the compute dtype before it is gathered (FSDP then
   moves half the bytes), but a frequent token's gradient is the sum of
   thousands of rows: a bf16 scatter-add would round after every one of them.
-  The backward sums each device's rows in fp32 and rounds once, as a matrix
-  product's accumulator does for every other weight gradient; under a mesh
-  the devices' partial tables are then reduce-scattered onto the table's
-  embed shards (mjax/parallel/scatter_sum.py), so the cotangent comes back
-  laid out as ('vocab', 'embed'), not as the gathered table.
+  The backward sums in fp32 and rounds once, as a matrix product's
+  accumulator does for every other weight gradient.
+
+  With a `plan` (FSDP, mjax/parallel/scatter_sum.py) the table's gradient
+  goes to `partials` instead (their zeros in, each batch shard's fp32 partial
+  table out, for the caller to reduce-scatter once with the tied head's), and
+  the table's own cotangent is zero.
   """
   shape = table.shape
+  if plan is None:
+    @jax.custom_vjp
+    def lookup(t, tok):
+      return jnp.take(t, tok, axis=0)
+
+    def fwd(t, tok):
+      return lookup(t, tok), tok
+
+    def bwd(tok, ct):
+      grad = jnp.zeros(shape, jnp.float32).at[tok].add(ct.astype(jnp.float32))
+      return grad.astype(table.dtype), None
+
+    lookup.defvjp(fwd, bwd)
+    return lookup(table, tokens)
 
   @jax.custom_vjp
-  def lookup(t, tok):
+  def lookup_into(t, tok, c):
     return jnp.take(t, tok, axis=0)
 
-  def fwd(t, tok):
-    return lookup(t, tok), tok
+  def fwd_into(t, tok, c):
+    return lookup_into(t, tok, c), tok
 
-  def bwd(tok, ct):
-    return scatter_sum.table_gradient(shape, table.dtype, tok, ct), None
+  def bwd_into(tok, ct):
+    return None, None, scatter_sum.lookup_partials(plan, shape, tok, ct)
 
-  lookup.defvjp(fwd, bwd)
-  return lookup(table, tokens)
+  lookup_into.defvjp(fwd_into, bwd_into)
+  return lookup_into(table, tokens, partials)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float, fraction: float = 1.0) -> jax.Array:

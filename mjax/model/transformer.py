@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from mjax.config import ModelConfig
+from mjax.parallel import scatter_sum
 from mjax.model.attention import Attention
 from mjax.model.layers import (CAST_KERNEL, MLP_ACTIVATION, MLP_PRODUCT, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
                                matmul, out_proj_std, project_many, project_sum)
@@ -152,15 +153,24 @@ def _split(result, cache: Optional[dict]):
   return result if cache is not None else (result, None)
 
 
-def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def _gathered_twice(table: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = None):
   """The embedding cast to `dtype` on its shards and gathered along `embed`,
-  once, returned for its two readers (lookup and tied head). Their gradients
-  come back separately and are added in fp32: through one shared bf16 value
-  JAX would add them in bf16."""
+  once, returned for its two readers (lookup and tied head), with the zeros
+  their partial gradients go to under a `plan` (else None).
+
+  Without a plan their gradients come back separately and are added in fp32:
+  through one shared bf16 value JAX would add them in bf16. With one (FSDP,
+  mjax/parallel/scatter_sum.py) each reader leaves its fp32 partial table of
+  each batch shard in the zeros' cotangent instead, where autodiff adds the
+  two; their sum is reduce-scattered onto the table's shards once. GSPMD
+  would reduce each reader's sum on its own (the lookup's as an fp32
+  all-reduce of the whole table): 1p3b on 8 H100s under FSDP, deviceless,
+  2,321 MiB of collectives a step -> 1,446, all at the report's minimum.
+  """
 
   def gather(t):
     g = constrain(constrain(t.astype(dtype), ('vocab', 'embed')), ('vocab', None))
-    return g, g
+    return g, g, (None if plan is None else scatter_sum.zeros(plan, table.shape))
 
   @jax.custom_vjp
   def f(t):
@@ -170,19 +180,45 @@ def _gathered_twice(table: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return gather(t), None
 
   def bwd(_, cts):
-    # The head's gradient is a matrix product over the batch: laid out on
-    # the table's own shards at once, its sum over the batch's devices is a
-    # reduce-scatter (an all-reduce, twice the bytes, when it was first laid
-    # out gathered; 1p3b on 8 H100s, deviceless: 2,539 -> 2,321 MiB a step).
-    # The lookup's scatter-add arrives reduce-scattered onto the same shards
-    # (embed_lookup; 1p3b as above: 2,321 -> 1,665 MiB a step).
-    lookup, head = cts
+    # Laid out on the table's own shards at once: the head's gradient, a
+    # matrix product over the batch, is then reduce-scattered over the
+    # batch's devices (all-reduced, twice the bytes, when it was first laid
+    # out gathered). Under a plan both readers' cotangents are zeros.
+    lookup, head, partials = cts
     a = constrain(lookup.astype(jnp.float32), ('vocab', 'embed'))
     b = constrain(head.astype(jnp.float32), ('vocab', 'embed'))
-    return (constrain((a + b).astype(table.dtype), ('vocab', 'embed')),)
+    total = a + b
+    if plan is not None:
+      total = total + constrain(scatter_sum.reduce_partials(plan, partials, dtype).astype(jnp.float32),
+                                ('vocab', 'embed'))
+    return (constrain(total.astype(table.dtype), ('vocab', 'embed')),)
 
   f.defvjp(fwd, bwd)
   return f(table)
+
+
+def _tied_head(x: jax.Array, table: jax.Array, plan: scatter_sum.Plan, partials: jax.Array) -> jax.Array:
+  """x table^T, the tied head's logits, whose weight gradient goes to
+  `partials` (each batch shard's fp32 partial: scatter_sum.head_partials)
+  rather than to the table: see _gathered_twice."""
+
+  def logits(x, t):
+    return matmul(x, t, kernel_in_last=True)
+
+  @jax.custom_vjp
+  def f(x, t, c):
+    return logits(x, t)
+
+  def fwd(x, t, c):
+    return logits(x, t), (x, t)
+
+  def bwd(res, dy):
+    x, t = res
+    dx = jax.vjp(lambda x: logits(x, t), x)[1](dy)[0]
+    return dx, None, scatter_sum.head_partials(plan, x, dy)
+
+  f.defvjp(fwd, bwd)
+  return f(x, table, partials)
 
 
 def remat(fn: Callable, cfg: ModelConfig) -> Callable:
@@ -259,10 +295,13 @@ class Transformer(nn.Module):
     # Cast on the shard before gathering (half the bytes); the values are the
     # same as casting the looked-up rows. The tied head reads the same
     # gathered table (one gather per step).
-    lookup, head_table = _gathered_twice(table, dtype)
+    # Under FSDP both readers' gradients are summed per batch shard and
+    # reduce-scattered once (_gathered_twice).
+    plan = scatter_sum.plan(tokens.shape, table.shape) if part == 'all' and cache is None else None
+    lookup, head_table, partials = _gathered_twice(table, dtype, plan)
     if part == 'head':
       return self._head(hidden, head_table)
-    x = constrain(embed_lookup(lookup, tokens), ACT)  # (batch, seq, embed)
+    x = constrain(embed_lookup(lookup, tokens, plan, partials), ACT)  # (batch, seq, embed)
     if part == 'embed':
       return x
 
@@ -284,7 +323,7 @@ class Transformer(nn.Module):
       for g in range(n_groups):
         x, _ = group(c, name=f'layers_{g}')(x, positions, segment_ids)
 
-    return self._head(x, head_table)
+    return self._head(x, head_table, plan, partials)
 
   def _cached_layers(self, x: jax.Array, positions: jax.Array, cache: dict):
     c = self.cfg
@@ -297,11 +336,14 @@ class Transformer(nn.Module):
       outs.append(new)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-  def _head(self, x: jax.Array, head_table: jax.Array) -> jax.Array:
+  def _head(self, x: jax.Array, head_table: jax.Array, plan: Optional[scatter_sum.Plan] = None,
+            partials: Optional[jax.Array] = None) -> jax.Array:
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
     x = make_norm(c, 'final_norm')(x)
-    if c.tie_embeddings:
+    if c.tie_embeddings and plan is not None:
+      logits = _tied_head(x, head_table, plan, partials)
+    elif c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one
       # all-gather of the embedding per step instead of two.
       logits = matmul(x, head_table, kernel_in_last=True)

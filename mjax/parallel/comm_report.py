@@ -33,8 +33,8 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     gather in that dtype; a GPU compile shows bf16 reduce-scatters),
         (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
     then an all-reduce of the 1/f shard over data when d > 1. A tied
-    embedding counts once, though autodiff gives its two readers (lookup,
-    head) their own sums and mjax reduce-scatters them apart.
+    embedding counts once: its two readers' (lookup, head) partial sums
+    meet on each device before the reduce-scatter.
   * Replicated gradients (data parallel): one all-reduce over B,
         2 (B-1)/B x sum_p elements_p / t_p x 4.
   * Tensor parallel (t > 1), Megatron-style without sequence parallelism: per
@@ -297,15 +297,12 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # The weights are cast to the compute dtype on their shards before the
     # gather, so their gradients come back through the gather, and are
     # reduce-scattered, in that dtype (then widened to fp32 for LAMB).
-    # A tied table counts once here, though autodiff hands its two readers
-    # (lookup, head) their own sums and each is reduce-scattered apart.
+    # A tied table once: its two readers' partials are summed before the
+    # reduce-scatter (mjax/parallel/scatter_sum.py).
     rs = elems * ec
     out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
                            f'FSDP: gradients reduce-scattered over fsdp={f} in {m.dtype}, the dtype of '
-                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB)'
-                           + ('; the tied embedding counted once, though mjax reduce-scatters the '
-                              'lookup\'s and the head\'s gradients apart (its bytes once more)'
-                              if m.tie_embeddings else '')))
+                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB)'))
     if d > 1:
       ar = sum(grad_bytes(p, 'fsdp') for p in fsdp_params)
       out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,

@@ -1,22 +1,31 @@
-"""The embedding lookup's gradient summed over the batch's devices as a
-reduce-scatter onto the table's shards.
+"""The embedding's gradient under FSDP: each batch shard's partial table,
+summed over the table's two readers, then reduce-scattered onto the table's
+shards once.
 
-The lookup's gradient adds each token's cotangent row into its row of the
-table. Every device holds a slice of the batch, so every device makes a
-whole table of partial sums, and the table's gradient is their sum over the
-devices that split the batch. GSPMD has no way to say "partial sums, reduce
-them onto the shards" for a scatter-add: it all-reduces the whole table and
-slices the shard out afterwards (twice a reduce-scatter's bytes: 875 MiB a
-step of 2,321 for 1p3b on 8 GPUs under FSDP), or, asked for the table's
-layout at once, moves the cotangent from batch to embed sharding with an
-all-to-all that on some layouts it reaches only by replicating it.
+Every device holds a slice of the batch, so every device makes a partial
+table of the embedding's gradient, and the gradient is their sum over the
+devices that split the batch. The lookup's partial is a scatter-add, for
+which GSPMD has no way to say "partial sums, reduce them onto the shards":
+it all-reduced each device's whole table in fp32 and sliced the shard out
+(twice a reduce-scatter's bytes, at twice the dtype's). The tied head's
+partial is a matrix product over the batch, which GSPMD reduce-scatters, but
+on its own: autodiff hands each reader its own sum, so the table crossed the
+network twice.
 
-Here the sum is written out: a `shard_map` manual over the batch's mesh axes
-makes each device's partial table and reduce-scatters it over the axes that
-also split the table's `embed` dimension (FSDP), all-reducing only over the
-others (data parallelism), as every other weight gradient is. The other mesh
-axes (tensor, pipeline) stay with GSPMD. The axes come from the context's
-logical rules; model code never holds a mesh.
+Here the readers leave their partials, stacked along a leading dim of one
+per batch shard (`p.n`), in the cotangent of a zeros array that nothing
+reads: the lookup's from a `shard_map` (each device adds its own rows, in
+fp32), the head's as a product with the batch shards as a batch dim (GSPMD
+multiplies each shard locally and sums nothing). Autodiff adds the two, on
+each device. `reduce_partials` then rounds the sum once to the compute dtype
+and reduce-scatters it over the axes that also split the table's `embed`
+dimension (FSDP), all-reducing only over the others (data parallelism), as
+every other FSDP weight gradient is. Tensor-split vocabularies stay split:
+each device adds only its vocab slice's rows. The axes come from the
+context's logical rules; model code never holds a mesh.
+
+1p3b on 8 H100s under FSDP (deviceless): 2,321 -> 1,446 MiB of collectives
+a step, at `mjax-report comm`'s minimum (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -43,18 +52,25 @@ def _axes_of(name: str) -> tuple[str, ...]:
 class Plan:
   """How the partial tables are laid out and summed (mesh axis names).
 
-  batch, seq: the axes splitting the cotangent's batch and sequence dims.
+  batch, seq: the axes splitting the activations' batch and sequence dims.
   embed: the batch axes that also split the table's embed dim (FSDP): the
     partial tables are reduce-scattered over them along embed.
-  vocab: the sequence axes that also split the table's vocab dim (tensor,
-    under sequence parallelism): reduce-scattered over them along vocab.
-  summed: the other batch and sequence axes: all-reduced (data).
+  vocab: the axes splitting the table's vocab dim (tensor), or () when they
+    do not divide it: the partials are split along vocab as the table is.
+  n: devices along the batch: the partials' leading dim.
+  vocab_shards: devices along vocab.
   """
   batch: tuple[str, ...]
   seq: tuple[str, ...]
   embed: tuple[str, ...]
   vocab: tuple[str, ...]
-  summed: tuple[str, ...]
+  n: int
+  vocab_shards: int
+
+  @property
+  def stacked(self) -> P:
+    """The layout of the stacked partials, (n, vocab, embed)."""
+    return P(self.batch, self.vocab or None, None)
 
 
 def plan(tokens_shape: tuple[int, int], shape: tuple[int, int]) -> Optional[Plan]:
@@ -73,45 +89,91 @@ def plan(tokens_shape: tuple[int, int], shape: tuple[int, int]) -> Optional[Plan
   batch = live('batch')
   seq = live('residual_seq', batch)
   embed = tuple(a for a in live('embed') if a in batch)
-  vocab = live('vocab')
-  vocab = vocab if vocab and set(vocab) == set(seq) and not shape[0] % size(vocab) else ()
-  if (not embed or tokens_shape[0] % size(batch) or tokens_shape[1] % size(seq)
-      or shape[1] % size(embed)):
+  vocab = live('vocab', batch)
+  vocab = vocab if not shape[0] % size(vocab) else ()
+  if not embed or tokens_shape[0] % size(batch) or shape[1] % size(embed):
     return None
-  summed = tuple(a for a in batch + seq if a not in embed + vocab)
-  return Plan(batch, seq, embed, vocab, summed)
+  return Plan(batch, seq, embed, vocab, size(batch), size(vocab))
 
 
-def table_gradient(shape: tuple[int, int], dtype, tokens: jax.Array, ct: jax.Array) -> jax.Array:
-  """sum over the batch of ct's rows added into a `shape` table at `tokens`:
-  the lookup `table[tokens]`'s gradient, in `dtype`.
+def zeros(p: Plan, shape: tuple[int, int]) -> jax.Array:
+  """The stacked partials' primal: (n, vocab, embed) fp32 zeros that nothing
+  reads (XLA drops them); their cotangent carries each reader's partials."""
+  return jax.lax.with_sharding_constraint(jnp.zeros((p.n, *shape), jnp.float32), p.stacked)
 
-  Each device adds its own rows in fp32 (a frequent token's gradient is the
-  sum of thousands of rows) and rounds once to `dtype`. Under FSDP the sum
-  over devices then runs in `dtype` (the gathered table's: the compute
-  dtype), like every FSDP weight gradient's: it comes back through its
-  weight's gather in that dtype.
+
+def lookup_partials(p: Plan, shape: tuple[int, int], tokens: jax.Array, ct: jax.Array) -> jax.Array:
+  """Each batch shard's fp32 partial table of the lookup `table[tokens]`'s
+  gradient (ct's rows added at `tokens`), stacked (n, vocab, embed) in the
+  layout `p.stacked`.
+
+  A frequent token's gradient is the sum of thousands of rows: they are
+  added in fp32, as a matrix product's accumulator adds. Where vocab is
+  split (tensor), each device adds only the rows of its own vocab slice,
+  from the whole sequence: under sequence parallelism the cotangent is
+  gathered along the sequence for that, a few MiB where summing whole-table
+  partials over the sequence's devices would move the table (1p3b: 250 MiB
+  in fp32).
   """
-  def local(tok, c):
-    return jnp.zeros(shape, jnp.float32).at[tok].add(c.astype(jnp.float32)).astype(dtype)
-
-  p = plan(tokens.shape, shape)
-  if p is None:
-    return local(tokens, ct)
+  rows = shape[0] // p.vocab_shards
 
   def body(tok, c):
-    g = jax.lax.psum_scatter(local(tok, c), p.embed, scatter_dimension=1, tiled=True)
     if p.vocab:
-      g = jax.lax.psum_scatter(g, p.vocab, scatter_dimension=0, tiled=True)
-    if p.summed:
-      g = jax.lax.psum(g, p.summed)
-    return g
+      lo = _linear_index(p.vocab) * rows
+      # Rows of other slices go to index `rows`, out of bounds: dropped.
+      tok = jnp.where((tok >= lo) & (tok < lo + rows), tok - lo, rows)
+    g = jnp.zeros((rows, shape[1]), jnp.float32).at[tok].add(c.astype(jnp.float32), mode='drop')
+    return g[None]
 
+  return _manual(body, (P(p.batch), P(p.batch)), p.stacked)(tokens, ct)
+
+
+def _linear_index(axes: tuple[str, ...]) -> jax.Array:
+  """This device's index along `axes` taken together, the first major (as a
+  PartitionSpec entry tiles them)."""
+  i = jnp.int32(0)
+  for a in axes:
+    i = i * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+  return i
+
+
+def head_partials(p: Plan, x: jax.Array, dy: jax.Array) -> jax.Array:
+  """Each batch shard's fp32 partial of the tied head's weight gradient,
+  dy^T x for logits = x table^T ((batch, seq, embed), (batch, seq, vocab)),
+  stacked (n, vocab, embed) in the layout `p.stacked`.
+
+  The batch's split into n shards becomes a batch dim of the product, so
+  GSPMD multiplies each shard's rows locally and sums nothing over devices;
+  the sequence's devices (sequence parallelism) it handles as in any
+  product.
+  """
+  b, s = x.shape[:2]
+  if p.seq:   # the sequence is split: its dim stays apart (no tiled merge)
+    xs, ds, dims = x.reshape(p.n, b // p.n, s, -1), dy.reshape(p.n, b // p.n, s, -1), (1, 2)
+  else:       # one 2-D product per shard, as layers.matmul runs it
+    xs, ds, dims = x.reshape(p.n, b // p.n * s, -1), dy.reshape(p.n, b // p.n * s, -1), (1,)
+  g = jax.lax.dot_general(ds, xs, ((dims, dims), ((0,), (0,))), preferred_element_type=jnp.float32)
+  return jax.lax.with_sharding_constraint(g, p.stacked)
+
+
+def reduce_partials(p: Plan, stacked: jax.Array, dtype) -> jax.Array:
+  """The sum of the stacked partials, rounded once to `dtype` (the compute
+  dtype, as every FSDP weight gradient comes back through its gather) and
+  reduce-scattered onto the table's shards: embed over FSDP, all-reduced
+  over the other batch axes (data), vocab as `p.vocab`."""
+  rest = tuple(a for a in p.batch if a not in p.embed)
+
+  def body(g):
+    g = jax.lax.psum_scatter(g[0].astype(dtype), p.embed, scatter_dimension=1, tiled=True)
+    return jax.lax.psum(g, rest) if rest else g
+
+  return _manual(body, (p.stacked,), P(p.vocab or None, p.embed))(stacked)
+
+
+def _manual(body, in_specs, out_specs):
   # Manual over every mesh axis: manual over some only, JAX constrains every
   # op of the body to the others, the reduction's adder too, which XLA's CPU
-  # compiler cannot promote for a bf16 reduce-scatter (it aborts). The axes
-  # that split neither the batch nor the sequence see the same partial
-  # tables: their devices each compute the whole sum, as GSPMD's did.
-  seq = p.seq or None
-  return jax.shard_map(body, in_specs=(P(p.batch, seq), P(p.batch, seq)), out_specs=P(p.vocab or None, p.embed),
-                       check_vma=False)(tokens, ct)
+  # compiler cannot promote for a bf16 reduce-scatter (it aborts). Axes the
+  # specs leave out see the same values on each device: each computes the
+  # whole, as GSPMD's own lowering would.
+  return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, check_vma=False)
