@@ -90,10 +90,13 @@ def load(files: Sequence[str], bindings: Sequence[str] = (), num_devices: Option
   return cfg
 
 
-def apply_xla_flags(cfg: Config) -> None:
-  """The config's XLA flags into XLA_FLAGS: before anything starts the JAX backend."""
+def apply_xla_flags(cfg: Config, overlap: bool = True) -> None:
+  """The config's XLA flags into XLA_FLAGS: before anything starts the JAX
+  backend. `overlap=False` leaves the collective-overlap flags out whatever
+  the config says; its other flags (xla_extra_flags, the GeLU epilogue's)
+  still apply."""
   from mjax.parallel.xla_flags import apply_xla_flags as apply
-  apply(cfg.train.xla_overlap_flags, extra=cfg.train.xla_extra_flags,
+  apply(cfg.train.xla_overlap_flags and overlap, extra=cfg.train.xla_extra_flags,
         collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1, gelu_epilogue=cfg.model.gelu_epilogue)
 
 
@@ -109,11 +112,14 @@ def join_job(cfg: Optional[Config] = None) -> None:
 
 
 def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
-          xla_flags: bool = True) -> Config:
-  """Config -> XLA flags -> job joined -> config checked against the devices."""
+          xla_flags: bool = True, overlap: bool = True) -> Config:
+  """Config -> XLA flags -> job joined -> config checked against the devices.
+
+  xla_flags=False sets none; overlap=False all but the collective-overlap
+  ones (apply_xla_flags)."""
   early = load(files, bindings)
   if xla_flags:
-    apply_xla_flags(early)
+    apply_xla_flags(early, overlap=overlap)
   if join:
     join_job(early)
   from mjax.devices import start_backend

@@ -106,8 +106,10 @@ def comm(prog: str, argv: list[str]) -> int:
   if args.target:
     return _comm_for_target(prog, args, bindings)
   # The overlap flags change what XLA compiles, hence what this reports: only
-  # when asked. Either way they are set, and the job joined, before JAX starts.
-  cfg = flags.setup(flags.gin_files(args), bindings, join=True, xla_flags=args.overlap_flags)
+  # when asked. The config's other flags (xla_extra_flags, the GeLU
+  # epilogue's) are part of what a run compiles: always. All are set, and the
+  # job joined, before JAX starts.
+  cfg = flags.setup(flags.gin_files(args), bindings, join=True, overlap=args.overlap_flags)
   import time
   import jax
   from mjax.parallel import make_mesh

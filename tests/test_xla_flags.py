@@ -133,3 +133,19 @@ def test_installed_xla_accepts_every_flag_that_passes_the_filter(repo_root):
                         cwd=repo_root, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.split() == [str(len(ok & set(names))), '3.0']
+
+
+def test_a_report_without_overlap_flags_still_sets_the_configs_other_flags(monkeypatch):
+  # `mjax-report comm` without --overlap_flags compiles what a run compiles
+  # but for the overlap flags: the user's xla_extra_flags and the GeLU
+  # epilogue's flag still go in (on a GPU host; elsewhere nothing is set).
+  from mjax import flags
+  from mjax.config import load_config
+  calls = []
+  monkeypatch.setattr(X, 'apply_xla_flags', lambda enabled, **kw: calls.append((enabled, kw)) or [])
+  cfg = load_config(['tiny.gin'], ['TrainConfig.xla_extra_flags = "--xla_gpu_foo=1"',
+                                   'ModelConfig.gelu_epilogue = True'])
+  flags.apply_xla_flags(cfg, overlap=False)
+  flags.apply_xla_flags(cfg)
+  assert [enabled for enabled, _ in calls] == [False, True]
+  assert all(kw['extra'] == '--xla_gpu_foo=1' and kw['gelu_epilogue'] for _, kw in calls)
