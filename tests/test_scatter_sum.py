@@ -68,6 +68,8 @@ LAYOUTS = {
     'data2_fsdp4': dict(data=2, fsdp=4),
     'data2_fsdp2_tensor2': dict(data=2, fsdp=2, tensor=2),
     'fsdp4_tensor2_sp': dict(data=1, fsdp=4, tensor=2, sequence_parallel=True),
+    # Manual over every axis: the pipeline's devices each compute the whole.
+    'fsdp2_tensor2_pipeline2': dict(data=1, fsdp=2, tensor=2, pipeline=2),
 }
 
 
@@ -91,6 +93,22 @@ def test_fsdp_reduce_scatters_the_tables_gradient_once(layout, head):
   shard = f'{VOCAB // layout.get("tensor", 1)},{EMBED // layout["fsdp"]}'
   assert all_reduced_tables(hlo) == ([shard] if layout['data'] > 1 else []), all_reduced_tables(hlo)
   assert ops['all-to-all'] == 0, ops
+
+
+@pytest.mark.parametrize('layout', [LAYOUTS['fsdp8'], LAYOUTS['data2_fsdp2_tensor2']], ids=['fsdp8', 'data2_fsdp2_tensor2'])
+def test_in_bf16_the_summed_partials_match_one_device(layout):
+  # bf16 compute: each device's two partials added in fp32 and rounded once,
+  # the sum over devices in bf16. Against one device's bf16 gradient, and
+  # no further from the fp32 one than 1.5x of it (both ~2^-8: the forward's
+  # bf16 table and logits).
+  table, tokens, w, v = inputs(jnp.bfloat16, head=True)
+  exact = jax.grad(loss)(table, tokens, w.astype(jnp.float32), v)
+  one = jax.grad(loss)(table, tokens, w, v)
+  grad, _, hlo = grad_on(layout, (table, tokens, w, v))
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(exact))
+  assert rel(grad, one) < 2 ** -7, rel(grad, one)
+  assert rel(grad, exact) < 1.5 * rel(one, exact), (rel(grad, exact), rel(one, exact))
+  assert collectives(hlo)['reduce-scatter'] == 1
 
 
 def test_without_fsdp_the_sum_stays_gspmds_fp32_all_reduce():

@@ -180,18 +180,20 @@ def _gathered_twice(table: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = 
     return gather(t), None
 
   def bwd(_, cts):
-    # Laid out on the table's own shards at once: the head's gradient, a
-    # matrix product over the batch, is then reduce-scattered over the
-    # batch's devices (all-reduced, twice the bytes, when it was first laid
-    # out gathered). Under a plan both readers' cotangents are zeros.
     lookup, head, partials = cts
-    a = constrain(lookup.astype(jnp.float32), ('vocab', 'embed'))
+    if plan is not None:   # the readers' cotangents are zeros: all is in the partials
+      total = scatter_sum.reduce_partials(plan, partials, dtype)
+      return (constrain(total.astype(table.dtype), ('vocab', 'embed')),)
+    # The head's gradient is a matrix product over the batch: laid out on
+    # the table's own shards at once, its sum over the batch's devices is a
+    # reduce-scatter (an all-reduce, twice the bytes, when it was first laid
+    # out gathered). The lookup's scatter-add stays laid out as the forward's
+    # value: on its shards at once, GSPMD moves the cotangent from batch to
+    # embed sharding, which it cannot do without a full regather when both
+    # fsdp and other axes split the batch (data 2, fsdp 2, tensor 2).
+    a = constrain(lookup.astype(jnp.float32), ('vocab', None))
     b = constrain(head.astype(jnp.float32), ('vocab', 'embed'))
-    total = a + b
-    if plan is not None:
-      total = total + constrain(scatter_sum.reduce_partials(plan, partials, dtype).astype(jnp.float32),
-                                ('vocab', 'embed'))
-    return (constrain(total.astype(table.dtype), ('vocab', 'embed')),)
+    return (constrain((a + b).astype(table.dtype), ('vocab', 'embed')),)
 
   f.defvjp(fwd, bwd)
   return f(table)

@@ -24,7 +24,8 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     forward and again in the backward (keeping the gathered weights from the
     forward to the backward would hold the whole model unsharded, which FSDP
     avoids), and the ends (embedding, head: outside the rematerialized
-    layers) once, their gathered copy kept for the backward:
+    layers) once, their gathered copy kept for the backward (not under
+    1F1B, twice there like the layers'):
         (f-1)/f x (2 sum_layers + sum_ends) elements_p / t_p x compute-dtype bytes
     (gathering after the bf16 cast is the minimum; gathering the fp32 master
     weights doubles it).
@@ -286,13 +287,15 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   if fsdp_params:
     elems = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params)
     # The ends (embedding, head) are gathered once: their gathered copy is
-    # kept for the backward, outside the rematerialized layers.
+    # kept for the backward, outside the rematerialized layers. Not under
+    # 1F1B, whose stages run them per micro-batch in their own programs.
+    once = cfg.mesh.pipeline_schedule != '1f1b'
     ends = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params
-               if not p.path.startswith("['layers"))   # scanned ('layers') or not ('layers_3')
+               if once and not p.path.startswith("['layers"))   # scanned ('layers') or not ('layers_3')
     out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
                            f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
-                           f'forward and again in the backward (the embedding and head once), in {m.dtype} '
-                           f'((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
+                           f'forward and again in the backward' + (' (the embedding and head once)' if ends else '')
+                           + f', in {m.dtype} ((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
                            f'elements x {ec} B)'))
     # The weights are cast to the compute dtype on their shards before the
     # gather, so their gradients come back through the gather, and are
