@@ -672,12 +672,14 @@ def doubtful(cfg: Config) -> list[str]:
   m, mesh = cfg.model, cfg.mesh
   if m.gelu_epilogue:
     # It still turns XLA's Triton GEMMs off on a GPU, for nothing.
-    why = (f"ModelConfig.fuse_projections = {m.fuse_projections!r} joins the MLP's input product with q, k "
-           f"and v" if m.fuse_projections in ('inputs', 'all') else
-           "MeshConfig.collective_matmul runs the MLP's products as collective matmuls"
-           if mesh.collective_matmul and mesh.tensor * mesh.dcn_tensor > 1 else
-           "ModelConfig.gelu_approximate = False asks for the exact (erf) GeLU, and cuBLASLt's epilogue is "
-           "the tanh one" if not m.gelu_approximate else None)
+    why = None
+    if m.fuse_projections in ('inputs', 'all'):
+      why = f"ModelConfig.fuse_projections = {m.fuse_projections!r} joins the MLP's input product with q, k and v"
+    elif mesh.collective_matmul and mesh.tensor * mesh.dcn_tensor > 1:
+      why = "MeshConfig.collective_matmul runs the MLP's products as collective matmuls"
+    elif not m.gelu_approximate:
+      why = ("ModelConfig.gelu_approximate = False asks for the exact (erf) GeLU, and cuBLASLt's epilogue is "
+             "the tanh one")
     if why:
       out.append(f'ModelConfig.gelu_epilogue = True does nothing here: {why} (it needs the MLP\'s input '
                  f'product on its own and the tanh GeLU)')

@@ -95,9 +95,8 @@ def apply_xla_flags(cfg: Config, overlap: bool = True) -> None:
   backend. `overlap=False` leaves the collective-overlap flags out whatever
   the config says; its other flags (xla_extra_flags, the GeLU epilogue's)
   still apply."""
-  from mjax.parallel.xla_flags import apply_xla_flags as apply
-  apply(cfg.train.xla_overlap_flags and overlap, extra=cfg.train.xla_extra_flags,
-        collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1, gelu_epilogue=cfg.model.gelu_epilogue)
+  from mjax.parallel import xla_flags
+  xla_flags.apply_xla_flags(cfg.train.xla_overlap_flags and overlap, **xla_flags.config_flags(cfg))
 
 
 def join_job(cfg: Optional[Config] = None) -> None:

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mjax.config import ModelConfig
 from mjax.parallel import collective_matmul, scatter_sum
+from mjax.parallel.rules import mesh_axes
 
 Dtype = jnp.dtype
 
@@ -391,33 +392,22 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, plan: Optional[scatter_sum
   the table's own cotangent is zero.
   """
   shape = table.shape
-  if plan is None:
-    @jax.custom_vjp
-    def lookup(t, tok):
-      return jnp.take(t, tok, axis=0)
-
-    def fwd(t, tok):
-      return lookup(t, tok), tok
-
-    def bwd(tok, ct):
-      grad = jnp.zeros(shape, jnp.float32).at[tok].add(ct.astype(jnp.float32))
-      return grad.astype(table.dtype), None
-
-    lookup.defvjp(fwd, bwd)
-    return lookup(table, tokens)
 
   @jax.custom_vjp
-  def lookup_into(t, tok, c):
+  def lookup(t, tok, c):
     return jnp.take(t, tok, axis=0)
 
-  def fwd_into(t, tok, c):
-    return lookup_into(t, tok, c), tok
+  def fwd(t, tok, c):
+    return lookup(t, tok, c), tok
 
-  def bwd_into(tok, ct):
-    return None, None, scatter_sum.lookup_partials(plan, shape, tok, ct)
+  def bwd(tok, ct):
+    if plan is not None:
+      return None, None, scatter_sum.lookup_partials(plan, shape, tok, ct)
+    grad = jnp.zeros(shape, jnp.float32).at[tok].add(ct.astype(jnp.float32))
+    return grad.astype(table.dtype), None, None
 
-  lookup_into.defvjp(fwd_into, bwd_into)
-  return lookup_into(table, tokens, partials)
+  lookup.defvjp(fwd, bwd)
+  return lookup(table, tokens, partials)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float, fraction: float = 1.0) -> jax.Array:
@@ -461,14 +451,7 @@ def logical_shards(name: str) -> int:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return 1
-  spec = nn.logical_to_mesh_axes((name,))
-  axes = spec[0] if spec else None
-  if axes is None:
-    return 1
-  n = 1
-  for a in (axes,) if isinstance(axes, str) else axes:
-    n *= mesh.shape[a]
-  return n
+  return math.prod(mesh.shape[a] for a in mesh_axes(name))
 
 
 def _shard_groups(names: list[str], sizes: list[int]) -> Optional[int]:

@@ -289,9 +289,8 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # The ends (embedding, head) are gathered once: their gathered copy is
     # kept for the backward, outside the rematerialized layers. Not under
     # 1F1B, whose stages run them per micro-batch in their own programs.
-    once = cfg.mesh.pipeline_schedule != '1f1b'
-    ends = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params
-               if once and not p.path.startswith("['layers"))   # scanned ('layers') or not ('layers_3')
+    ends = (sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params if not p.in_layers)
+            if cfg.mesh.pipeline_schedule != '1f1b' else 0)
     out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
                            f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
                            f'forward and again in the backward' + (' (the embedding and head once)' if ends else '')

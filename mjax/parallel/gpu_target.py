@@ -159,9 +159,7 @@ def compile_options(cfg) -> dict[str, object]:
   """The XLA options a GPU training run of `cfg` sets (mjax.flags.apply_xla_flags)
   as typed compile options, keeping those the installed plugin defines."""
   from mjax.parallel import xla_flags
-  wanted = xla_flags.wanted_flags(cfg.train.xla_extra_flags,
-                                  collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1,
-                                  gelu_epilogue=cfg.model.gelu_epilogue, overlap=cfg.train.xla_overlap_flags)
+  wanted = xla_flags.wanted_flags(**xla_flags.config_flags(cfg), overlap=cfg.train.xla_overlap_flags)
   plugins = [p for p in xla_flags.xla_libraries() if os.sep + 'jaxlib' + os.sep not in p]
   ok = xla_flags.supported_flags(wanted, plugins) if plugins else set(wanted)
   return xla_flags.as_compile_options({k: v for k, v in wanted.items() if k in ok})

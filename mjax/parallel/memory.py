@@ -230,7 +230,7 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     # shards, and so does autodiff without remat. (1F1B runs each chunk's
     # forward again inside its backward tick: nothing is kept across ticks.)
     cast = sum(p.size * e / p.shards(sizes) for p in params
-               if p.path.startswith("['layers") and p.path.endswith("['kernel']"))
+               if p.in_layers and p.path.endswith("['kernel']"))
     rows.append(('weights kept cast', cast, f'the layers\' kernels in {m.dtype}, sharded like the parameters'))
   per_layer, working = activation_bytes_per_layer(
       cfg, b, t, flash=flash, sequence_parallel=sequence_parallel)

@@ -41,6 +41,12 @@ class ParamInfo:
   def size(self) -> int:
     return math.prod(self.shape)
 
+  @property
+  def in_layers(self) -> bool:
+    """A layer's parameter, scanned ("['layers']...") or not ("['layers_3']...");
+    not the embedding, final norm or head."""
+    return self.path.startswith("['layers")
+
   def axes(self) -> set[str]:
     return {a for dim in self.spec for a in dim}
 

@@ -25,6 +25,8 @@ it from the context like every other rule.
 
 from __future__ import annotations
 
+from flax import linen as nn
+
 from mjax.config import MeshConfig
 
 Rules = tuple[tuple[str, object], ...]
@@ -49,3 +51,13 @@ def logical_rules(mesh: MeshConfig | None = None) -> Rules:
       ('layers', None),
       ('collective_matmul', 'tensor' if cm else None),
   )
+
+
+def mesh_axes(name: str) -> tuple[str, ...]:
+  """The mesh axes the context's logical rules give dimension `name`, in
+  order (() when none): how model code reads a layout without a mesh."""
+  spec = nn.logical_to_mesh_axes((name,))
+  axes = spec[0] if spec else None
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)

@@ -36,16 +36,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-
-def _axes_of(name: str) -> tuple[str, ...]:
-  spec = nn.logical_to_mesh_axes((name,))
-  axes = spec[0] if spec else None
-  if axes is None:
-    return ()
-  return (axes,) if isinstance(axes, str) else tuple(axes)
+from mjax.parallel.rules import mesh_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +77,7 @@ def plan(tokens_shape: tuple[int, int], shape: tuple[int, int]) -> Optional[Plan
   if mesh is None or mesh.empty or getattr(mesh, 'manual_axes', ()):
     return None
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  live = lambda name, taken=(): tuple(a for a in _axes_of(name)
+  live = lambda name, taken=(): tuple(a for a in mesh_axes(name)
                                       if a in mesh.axis_names and mesh.shape[a] > 1 and a not in taken)
   batch = live('batch')
   seq = live('residual_seq', batch)

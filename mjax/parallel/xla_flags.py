@@ -217,6 +217,14 @@ def wanted_flags(extra: str = '', *, collective_matmul: bool = False, gelu_epilo
   return wanted
 
 
+def config_flags(cfg) -> dict[str, object]:
+  """What of a Config (mjax.config.Config) decides its XLA flags, as the
+  keyword arguments of `wanted_flags` and `apply_xla_flags` (all but
+  `overlap`: TrainConfig.xla_overlap_flags, which callers may turn off)."""
+  return dict(extra=cfg.train.xla_extra_flags, collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1,
+              gelu_epilogue=cfg.model.gelu_epilogue)
+
+
 def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
   """XLA flags as `Lowered.compile(compiler_options=...)` takes them: typed
   values ('true' -> True, '128' -> 128), since XLA rejects the string 'true'
