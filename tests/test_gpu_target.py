@@ -10,6 +10,7 @@ compiles run in child processes with it on PYTHONPATH.
 
 import concurrent.futures
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,6 +48,8 @@ SCRIPT = textwrap.dedent('''
                 for k in ('all-reduce', 'all-gather', 'reduce-scatter', 'collective-permute', 'all-to-all')},
         'options': {k: str(v) for k, v in out.options.items()},
         'all_reduced': [o.op_name for o in stats.of_kind('all-reduce')],
+        'all_reduced_arrays': [[str(x.dtype), list(x.dims)] for o in stats.of_kind('all-reduce') for x in o.arrays],
+        'all_reduce_runs': [o.executions for o in stats.of_kind('all-reduce')],
         'wire': {k: stats.per_step(k)['wire'] for k in ('all-reduce', 'reduce-scatter')},
     }))
 ''')
@@ -75,6 +78,8 @@ def of(result: dict, kind: str, axes: str) -> list[dict]:
 PROGRAMS = {
     'fsdp': (('MeshConfig.data = 1', 'MeshConfig.fsdp = 8'), True),
     'fsdp without the overlap options': (('MeshConfig.data = 1', 'MeshConfig.fsdp = 8'), False),
+    'data, 2 accumulation slices': (('MeshConfig.data = 8', 'TrainConfig.global_batch_size = 16',
+                                     'TrainConfig.grad_accum_steps = 2'), True),
     '1f1b': (('MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.microbatches = 4',
               'MeshConfig.pipeline_schedule = "1f1b"'), True),
     'tensor + sequence': (('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True'),
@@ -126,6 +131,23 @@ def test_the_tied_embeddings_gradients_are_reduce_scattered(fsdp):
   # left all-reduced is the 1-D vectors and the step's norms.
   assert not any('_head' in name or 'scatter' in name for name in fsdp['all_reduced']), fsdp['all_reduced']
   assert fsdp['wire']['all-reduce'] < 0.01 * fsdp['wire']['reduce-scatter'], fsdp['wire']
+
+
+def test_data_parallel_all_reduces_the_tied_table_once_in_bf16_once_a_step(compiled):
+  # Without FSDP the lookup's and the head's partial tables are summed on
+  # each device and all-reduced once (mjax/parallel/scatter_sum.py), in
+  # bf16 like the layers' gradients. GSPMD all-reduced the lookup's in fp32
+  # and the head's in bf16: the table crossed twice, once at fp32.
+  data = compiled('data, 2 accumulation slices')
+  tables = [a for a in data['all_reduced_arrays'] if len(a[1]) == 2]
+  assert tables == [['bf16', [384, 256]]], data['all_reduced_arrays']
+  assert not any('_head' in name or 'scatter-add' in name for name in data['all_reduced']), data['all_reduced']
+  assert {d for d, dims in data['all_reduced_arrays'] if math.prod(dims) > 10_000} == {'bf16'}, \
+      data['all_reduced_arrays']
+  # Summed over the accumulation slices first, all-reduced once a step (the
+  # GPU compiler moves the all-reduces out of the slices' loop; what
+  # mjax-report comm's expected traffic assumes).
+  assert data['all_reduce_runs'] and set(data['all_reduce_runs']) == {1}, data['all_reduce_runs']
 
 
 def test_overlap_options_pipeline_the_fsdp_collectives(fsdp, compiled):

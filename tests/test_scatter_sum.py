@@ -1,6 +1,7 @@
-"""The tied embedding's gradient under FSDP (mjax/parallel/scatter_sum.py):
-the lookup's and the head's partial tables of each batch shard summed, then
-reduce-scattered onto the table's shards once. On real 8-device meshes: the
+"""The tied embedding's gradient under FSDP and data parallelism
+(mjax/parallel/scatter_sum.py): the lookup's and the head's partial tables
+of each batch shard summed, then reduce-scattered onto the table's shards
+(all-reduced, without FSDP) once. On real 8-device meshes: the
 same gradient as one device, the collectives it asks for, and where it
 leaves the sum to GSPMD."""
 
@@ -111,11 +112,29 @@ def test_in_bf16_the_summed_partials_match_one_device(layout):
   assert collectives(hlo)['reduce-scatter'] == 1
 
 
-def test_without_fsdp_the_sum_stays_gspmds_fp32_all_reduce():
-  args = inputs(head=True)
-  grad, _, hlo = grad_on(dict(data=8), args)
-  np.testing.assert_allclose(grad, jax.grad(loss)(*args), rtol=1e-5, atol=1e-5)
-  assert collectives(hlo)['reduce-scatter'] == 0
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['f32', 'bf16'])
+@pytest.mark.parametrize('layout', [dict(data=8), dict(data=4, tensor=2)], ids=['data8', 'data4_tensor2'])
+def test_data_parallel_all_reduces_the_tables_gradient_once(layout, dtype):
+  # No FSDP: the table is whole on each device (vocab split over tensor).
+  # GSPMD all-reduced the lookup's partial in fp32 and the head's in the
+  # compute dtype, the table twice; summed first, it crosses once, in the
+  # compute dtype, as the layers' gradients do.
+  table, tokens, w, v = inputs(dtype, head=True)
+  one = jax.grad(loss)(table, tokens, w, v)
+  grad, spec, hlo = grad_on(layout, (table, tokens, w, v))
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(grad, one, rtol=1e-5, atol=1e-5)
+  else:
+    exact = jax.grad(loss)(table, tokens, w.astype(jnp.float32), v)
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(exact))
+    assert rel(grad, one) < 2 ** -7 and rel(grad, exact) < 1.5 * rel(one, exact)
+  rows = VOCAB // layout.get('tensor', 1)
+  assert all_reduced_tables(hlo) == [f'{rows},{EMBED}'], all_reduced_tables(hlo)
+  # (In the compute dtype: XLA's CPU backend widens 16-bit collectives to
+  # fp32 after partitioning; tests/test_gpu_target.py reads a GPU's.)
+  assert collectives(hlo)['reduce-scatter'] == 0 and collectives(hlo)['all-to-all'] == 0
+  if layout.get('tensor', 1) > 1:
+    assert spec[0] == 'tensor', spec
 
 
 def test_each_device_sums_its_rows_in_fp32_before_the_bf16_reduce_scatter():
@@ -145,6 +164,14 @@ def test_plan_leaves_the_sum_to_gspmd_where_nothing_is_written_out():
     assert scatter_sum.plan(tokens, (VOCAB + 1, EMBED)).vocab == ()   # a vocab tensor does not divide
     assert scatter_sum.plan((BATCH - 2, SEQ), shape) is None   # rows the batch axes do not split
     assert scatter_sum.plan(tokens, (VOCAB, 31)) is None       # an embed fsdp does not divide
+  mc = MeshConfig(data=8)
+  with jax.set_mesh(make_mesh(mc)), nn.logical_axis_rules(logical_rules(mc)):
+    # Data parallelism: partials all-reduced over data, nothing scattered.
+    assert scatter_sum.plan(tokens, shape) == scatter_sum.Plan(
+        batch=('data',), seq=(), embed=(), vocab=(), n=8, vocab_shards=1)
+  mc = MeshConfig(data=1, tensor=8)
+  with jax.set_mesh(make_mesh(mc)), nn.logical_axis_rules(logical_rules(mc)):
+    assert scatter_sum.plan(tokens, shape) is None             # nothing splits the batch
 
     # Inside a region already manual over data (a pipeline schedule's).
     seen = []

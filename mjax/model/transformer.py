@@ -159,13 +159,14 @@ def _gathered_twice(table: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = 
   their partial gradients go to under a `plan` (else None).
 
   Without a plan their gradients come back separately and are added in fp32:
-  through one shared bf16 value JAX would add them in bf16. With one (FSDP,
-  mjax/parallel/scatter_sum.py) each reader leaves its fp32 partial table of
-  each batch shard in the zeros' cotangent instead, where autodiff adds the
-  two; their sum is reduce-scattered onto the table's shards once. GSPMD
-  would reduce each reader's sum on its own (the lookup's as an fp32
-  all-reduce of the whole table): 1p3b on 8 H100s under FSDP, deviceless,
-  2,321 MiB of collectives a step -> 1,446, all at the report's minimum.
+  through one shared bf16 value JAX would add them in bf16. With one (data
+  parallelism or FSDP, mjax/parallel/scatter_sum.py) each reader leaves its
+  fp32 partial table of each batch shard in the zeros' cotangent instead,
+  where autodiff adds the two; their sum is reduced onto the table's shards
+  once, in the compute dtype. GSPMD would reduce each reader's sum on its
+  own (the lookup's as an fp32 all-reduce of the whole table): 1p3b on 8
+  H100s, deviceless, 2,321 MiB of collectives a step -> 1,446 under FSDP,
+  1,985 -> 1,110 data parallel, all at the report's minimum.
   """
 
   def gather(t):
@@ -297,8 +298,8 @@ class Transformer(nn.Module):
     # Cast on the shard before gathering (half the bytes); the values are the
     # same as casting the looked-up rows. The tied head reads the same
     # gathered table (one gather per step).
-    # Under FSDP both readers' gradients are summed per batch shard and
-    # reduce-scattered once (_gathered_twice).
+    # Wherever devices split the batch, both readers' gradients are summed
+    # per batch shard and reduced once (_gathered_twice).
     plan = scatter_sum.plan(tokens.shape, table.shape) if part == 'all' and cache is None else None
     lookup, head_table, partials = _gathered_twice(table, dtype, plan)
     if part == 'head':

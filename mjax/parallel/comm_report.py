@@ -28,16 +28,19 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     1F1B, twice there like the layers'):
         (f-1)/f x (2 sum_layers + sum_ends) elements_p / t_p x compute-dtype bytes
     (gathering after the bf16 cast is the minimum; gathering the fp32 master
-    weights doubles it).
+    weights doubles it). With k gradient-accumulation slices, k times: each
+    slice gathers again, and reduce-scatters its own gradients (below).
   * FSDP gradients: reduce-scatter over fsdp in the compute dtype (the
     gradient of a weight cast before its gather comes back through the
     gather in that dtype; a GPU compile shows bf16 reduce-scatters),
         (f-1)/f x sum_p elements_p / t_p x compute-dtype bytes
-    then an all-reduce of the 1/f shard over data when d > 1. A tied
-    embedding counts once: its two readers' (lookup, head) partial sums
-    meet on each device before the reduce-scatter.
+    then an all-reduce of the 1/f shard over data, in the same dtype, when
+    d > 1. A tied embedding counts once: its two readers' (lookup, head)
+    partial sums meet on each device before the reduce-scatter.
   * Replicated gradients (data parallel): one all-reduce over B,
-        2 (B-1)/B x sum_p elements_p / t_p x 4.
+        2 (B-1)/B x sum_p elements_p / t_p x compute-dtype bytes
+    (norms' scales and biases, used in fp32, at 4). A tied embedding
+    counts once here too.
   * Tensor parallel (t > 1), Megatron-style without sequence parallelism: per
     layer, an all-reduce of the (batch/B, seq, d_model) activations after each
     row-parallel matmul in the forward and of the input gradient in the
@@ -150,13 +153,13 @@ def _group_size(attrs: str, default: int) -> Optional[int]:
   iota = re.match(r'\[(\d+),(\d+)\]<=', rest)
   if iota:
     return int(iota.group(2))
-  mesh = re.match(r"mesh\[([^\]]*)\](\s*\{([^}]*)\})?", rest)
+  mesh = re.match(r"mesh\[([^\]]*)\]", rest)
   if mesh:
-    sizes = {k: int(v) for k, v in re.findall(r"'?([\w]+)'?\s*=\s*(\d+)", mesh.group(1))}
-    if mesh.group(2) is None:
-      return math.prod(sizes.values())
-    axes = re.findall(r"'?([\w]+)'?", mesh.group(3))
-    return math.prod(sizes.get(a, 1) for a in axes) if axes else 1
+    # mesh['axis_0'=4,'axis_1'=2], device_ids=(...) {'axis_1'}: the groups
+    # run along the braced axes, which may follow a device list.
+    total = math.prod(int(v) for v in re.findall(r"=\s*(\d+)", mesh.group(1)))
+    groups = _replica_groups(attrs, total)
+    return len(groups[0]) if groups else default
   return default
 
 
@@ -281,9 +284,21 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   d, f, t = mesh.get('data', 1), mesh.get('fsdp', 1), mesh.get('tensor', 1)
   batch_axes = ('data', 'fsdp')
   ec, out = _dtype_bytes(m.dtype), []
-  grad_bytes = lambda p, *axes: p.size * p.itemsize / p.shards(mesh, ('tensor', 'pipeline', *axes))
+  # A gradient is reduced in the dtype its parameter is used in: matrices
+  # (kernels, the embedding) are cast to the compute dtype, and their
+  # gradients come back through the cast in it; norms' scales and biases are
+  # used, and reduced, in fp32.
+  reduced = lambda p: ec if len(p.shape) - int(p.layers) >= 2 else p.itemsize
+  grad_bytes = lambda p, *axes: p.size * reduced(p) / p.shards(mesh, ('tensor', 'pipeline', *axes))
 
   fsdp_params = [p for p in params if 'fsdp' in p.axes()] if f > 1 else []
+  # Each accumulation slice gathers the weights again and reduce-scatters its
+  # own gradients onto the shards (the sum across slices lives on the shards:
+  # reducing once would keep whole gradients on every device). What only
+  # adds up across slices, the data axis's all-reduce, runs once: XLA sums
+  # the slices' partials first.
+  k = cfg.train.grad_accum_steps
+  per_slice = f' x {k} accumulation slices' if k > 1 else ''
   if fsdp_params:
     elems = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params)
     # The ends (embedding, head) are gathered once: their gathered copy is
@@ -291,24 +306,24 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # 1F1B, whose stages run them per micro-batch in their own programs.
     ends = (sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params if not p.in_layers)
             if cfg.mesh.pipeline_schedule != '1f1b' else 0)
-    out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
+    out.append(Expectation('all-gather', k * (f - 1) / f * (2 * elems - ends) * ec,
                            f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
                            f'forward and again in the backward' + (' (the embedding and head once)' if ends else '')
                            + f', in {m.dtype} ((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
-                           f'elements x {ec} B)'))
+                           f'elements x {ec} B{per_slice})'))
     # The weights are cast to the compute dtype on their shards before the
     # gather, so their gradients come back through the gather, and are
     # reduce-scattered, in that dtype (then widened to fp32 for LAMB).
     # A tied table once: its two readers' partials are summed before the
     # reduce-scatter (mjax/parallel/scatter_sum.py).
-    rs = elems * ec
-    out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
+    rs = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) * reduced(p) for p in fsdp_params)
+    out.append(Expectation('reduce-scatter', k * (f - 1) / f * rs,
                            f'FSDP: gradients reduce-scattered over fsdp={f} in {m.dtype}, the dtype of '
-                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB)'))
+                           f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB{per_slice})'))
     if d > 1:
       ar = sum(grad_bytes(p, 'fsdp') for p in fsdp_params)
       out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,
-                             f'data={d}: all-reduce of the 1/fsdp gradient shards '
+                             f'data={d}: all-reduce of the 1/fsdp gradient shards in {m.dtype} '
                              f'(2 (d-1)/d x {ar / MiB:.1f} MiB)'))
   replicated = [p for p in params if p not in fsdp_params]
   # The 1F1B schedule computes the embedding's gradient on the first stage
@@ -324,8 +339,8 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     for n, nbytes in sorted(groups.items()):
       if n > 1:
         out.append(Expectation('all-reduce', 2 * (n - 1) / n * nbytes,
-                               f'data parallel: gradient all-reduce over {n} devices in fp32 '
-                               f'(2 (n-1)/n x {nbytes / MiB:.1f} MiB)'))
+                               f'data parallel: gradient all-reduce over {n} devices in {m.dtype} '
+                               f'(norms in fp32; 2 (n-1)/n x {nbytes / MiB:.1f} MiB)'))
   if t > 1:
     b = cfg.train.global_batch_size / (d * f)
     act = b * cfg.data.seq_len * m.d_model * ec

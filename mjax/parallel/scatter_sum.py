@@ -1,13 +1,15 @@
-"""The embedding's gradient under FSDP: each batch shard's partial table,
-summed over the table's two readers, then reduce-scattered onto the table's
-shards once.
+"""The embedding's gradient under data parallelism and FSDP: each batch
+shard's partial table, summed over the table's two readers, then
+reduce-scattered onto the table's shards (all-reduced where nothing splits
+the table) once, in the compute dtype.
 
 Every device holds a slice of the batch, so every device makes a partial
 table of the embedding's gradient, and the gradient is their sum over the
 devices that split the batch. The lookup's partial is a scatter-add, for
 which GSPMD has no way to say "partial sums, reduce them onto the shards":
-it all-reduced each device's whole table in fp32 and sliced the shard out
-(twice a reduce-scatter's bytes, at twice the dtype's). The tied head's
+it all-reduced each device's whole table in fp32 (and under FSDP sliced
+the shard out: twice a reduce-scatter's bytes, at twice the dtype's). The
+tied head's
 partial is a matrix product over the batch, which GSPMD reduce-scatters, but
 on its own: autodiff hands each reader its own sum, so the table crossed the
 network twice.
@@ -20,12 +22,14 @@ multiplies each shard locally and sums nothing). Autodiff adds the two, on
 each device. `reduce_partials` then rounds the sum once to the compute dtype
 and reduce-scatters it over the axes that also split the table's `embed`
 dimension (FSDP), all-reducing only over the others (data parallelism), as
-every other FSDP weight gradient is. Tensor-split vocabularies stay split:
+every other weight gradient is (they come back through the kernels' casts,
+in the compute dtype). Tensor-split vocabularies stay split:
 each device adds only its vocab slice's rows. The axes come from the
 context's logical rules; model code never holds a mesh.
 
-1p3b on 8 H100s under FSDP (deviceless): 2,321 -> 1,446 MiB of collectives
-a step, at `mjax-report comm`'s minimum (bench/RESULTS.md).
+1p3b (4 layers) on 8 H100s (deviceless): under FSDP 2,321 -> 1,446 MiB of
+collectives a step, data parallel 1,985 -> 1,110 MiB; both at `mjax-report
+comm`'s minimum (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Plan:
 
   batch, seq: the axes splitting the activations' batch and sequence dims.
   embed: the batch axes that also split the table's embed dim (FSDP): the
-    partial tables are reduce-scattered over them along embed.
+    partial tables are reduce-scattered over them along embed. () when the
+    table is whole on every device (data parallelism): all-reduced.
   vocab: the axes splitting the table's vocab dim (tensor), or () when they
     do not divide it: the partials are split along vocab as the table is.
   n: devices along the batch: the partials' leading dim.
@@ -68,11 +73,9 @@ class Plan:
 
 def plan(tokens_shape: tuple[int, int], shape: tuple[int, int]) -> Optional[Plan]:
   """The Plan for (batch, seq) tokens summed into a (vocab, embed) table in
-  this context, or None when there is nothing to write out: no mesh, no FSDP
-  axis splitting both the batch and the table's embed dimension (data
-  parallelism alone all-reduces in fp32 like its other gradients), sizes the
-  axes do not divide, or a region already manual over some axis (a pipeline
-  schedule's). GSPMD's sum then stands."""
+  this context, or None when there is nothing to write out: no mesh, no axis
+  splitting the batch, sizes the axes do not divide, or a region already
+  manual over some axis (a pipeline schedule's). GSPMD's sum then stands."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or getattr(mesh, 'manual_axes', ()):
     return None
@@ -84,7 +87,7 @@ def plan(tokens_shape: tuple[int, int], shape: tuple[int, int]) -> Optional[Plan
   embed = tuple(a for a in live('embed') if a in batch)
   vocab = live('vocab', batch)
   vocab = vocab if not shape[0] % size(vocab) else ()
-  if not embed or tokens_shape[0] % size(batch) or shape[1] % size(embed):
+  if not batch or tokens_shape[0] % size(batch) or shape[1] % size(embed):
     return None
   return Plan(batch, seq, embed, vocab, size(batch), size(vocab))
 
@@ -151,16 +154,18 @@ def head_partials(p: Plan, x: jax.Array, dy: jax.Array) -> jax.Array:
 
 def reduce_partials(p: Plan, stacked: jax.Array, dtype) -> jax.Array:
   """The sum of the stacked partials, rounded once to `dtype` (the compute
-  dtype, as every FSDP weight gradient comes back through its gather) and
+  dtype, as every weight gradient comes back through its cast) and
   reduce-scattered onto the table's shards: embed over FSDP, all-reduced
   over the other batch axes (data), vocab as `p.vocab`."""
   rest = tuple(a for a in p.batch if a not in p.embed)
 
   def body(g):
-    g = jax.lax.psum_scatter(g[0].astype(dtype), p.embed, scatter_dimension=1, tiled=True)
+    g = g[0].astype(dtype)
+    if p.embed:
+      g = jax.lax.psum_scatter(g, p.embed, scatter_dimension=1, tiled=True)
     return jax.lax.psum(g, rest) if rest else g
 
-  return _manual(body, (p.stacked,), P(p.vocab or None, p.embed))(stacked)
+  return _manual(body, (p.stacked,), P(p.vocab or None, p.embed or None))(stacked)
 
 
 def _manual(body, in_specs, out_specs):
