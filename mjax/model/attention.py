@@ -337,6 +337,13 @@ class Attention(nn.Module):
     tokens, returned with the updated cache (see `cached_attention`).
     """
     c = self.cfg
+    # Laid out as attention reads them already where the projections leave
+    # them (heads over tensor, the whole sequence), not only after rotary:
+    # under sequence parallelism GSPMD otherwise kept some layers' q and k
+    # split along the sequence with every head, gathered their kernels over
+    # tensor too and moved the activations by all-to-all.
+    q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
+    k = constrain(k, ('batch', 'seq', 'kv_heads', 'kv'))
     q = constrain(rotary(q, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'heads', 'kv'))
     k = constrain(rotary(k, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'kv_heads', 'kv'))
     if self.keep_rotated:
