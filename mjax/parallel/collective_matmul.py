@@ -49,9 +49,19 @@ from jax.sharding import PartitionSpec as P
 RING = 'collective_matmul'
 
 
-def _shard_map(body, in_specs, out_specs, axis: str):
-  """shard_map manual over `axis` only, on the context mesh."""
-  return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
+def _shard_map(body, in_specs, out_specs, axis: str, t: int):
+  """shard_map manual over `axis` only, on the context mesh; `body` gets this
+  device's index along `axis` as its first argument.
+
+  The index comes in as a slice of an iota split over `axis`, not from
+  `axis_index`: that lowers to a partition-id, which XLA's partitioner
+  refuses outside a fully manual region once the layers are unrolled ("the
+  meaning is ambiguous"; an H100 compile of 1p3b with collective matmul).
+  """
+  ids = jnp.arange(t, dtype=jnp.int32)
+  f = jax.shard_map(lambda i, *args: body(i[0], *args), in_specs=(P(axis), *in_specs), out_specs=out_specs,
+                    axis_names={axis}, check_vma=False)
+  return lambda *args: f(ids, *args)
 
 
 def ring_axis() -> Optional[str]:
@@ -82,8 +92,10 @@ def _shift_left(x: jax.Array, axis: str, t: int) -> jax.Array:
   return jax.lax.ppermute(x, axis, [(j, (j - 1) % t) for j in range(t)])
 
 
-def _all_gather_matmul_local(x: jax.Array, kernels: tuple, *, n_in: int, axis: str, t: int) -> tuple:
-  """Per device: x (b, s/t, *in), kernels (*in, *f_i/t) -> each (b, s, *f_i/t).
+def _all_gather_matmul_local(idx: jax.Array, x: jax.Array, kernels: tuple, *, n_in: int, axis: str,
+                             t: int) -> tuple:
+  """Per device `idx` along `axis`: x (b, s/t, *in), kernels (*in, *f_i/t) ->
+  each (b, s, *f_i/t).
 
   After i shifts device j holds sequence chunk (j + i) % t; its products go
   to that chunk's slot of the outputs. Every kernel reads the same chunk, so
@@ -92,7 +104,6 @@ def _all_gather_matmul_local(x: jax.Array, kernels: tuple, *, n_in: int, axis: s
   and the scheduler runs them side by side.
   """
   b, sl = x.shape[:2]
-  idx = jax.lax.axis_index(axis)
   outs = None
   chunk = x
   for i in range(t):
@@ -110,9 +121,10 @@ def _all_gather_matmul_local(x: jax.Array, kernels: tuple, *, n_in: int, axis: s
   return tuple(o.reshape(b, t * sl, *o.shape[3:]) for o in outs)
 
 
-def _matmul_reduce_scatter_local(xs: tuple, kernels: tuple, *, n_ins: tuple, axis: str, t: int) -> jax.Array:
-  """Per device: xs (b, s, *in_i/t), kernels (*in_i/t, *f) -> (b, s/t, *f),
-  sum_i x_i @ k_i summed over the ring.
+def _matmul_reduce_scatter_local(idx: jax.Array, xs: tuple, kernels: tuple, *, n_ins: tuple, axis: str,
+                                 t: int) -> jax.Array:
+  """Per device `idx` along `axis`: xs (b, s, *in_i/t), kernels (*in_i/t, *f)
+  -> (b, s/t, *f), sum_i x_i @ k_i summed over the ring.
 
   At step i device j adds its partial products for chunk (j + i + 1) % t to
   the sum received from device j + 1 (which had that chunk at step i - 1);
@@ -121,7 +133,6 @@ def _matmul_reduce_scatter_local(xs: tuple, kernels: tuple, *, n_ins: tuple, axi
   one ring.
   """
   sl = xs[0].shape[1] // t
-  idx = jax.lax.axis_index(axis)
 
   def part(c, xs):
     return sum(contract(jax.lax.dynamic_slice_in_dim(x, c * sl, sl, axis=1), k, n)
@@ -148,11 +159,11 @@ def all_gather_matmul(x: jax.Array, kernels: Sequence[jax.Array], *, n_in: int, 
   each (b, s, *f_i) with the whole sequence and the features split, as the
   all-gather + einsums would, with one ring for all of them."""
   t = jax.sharding.get_abstract_mesh().shape[axis]
-  body = lambda a, ks: _all_gather_matmul_local(a, ks, n_in=n_in, axis=axis, t=t)
+  body = lambda i, a, ks: _all_gather_matmul_local(i, a, ks, n_in=n_in, axis=axis, t=t)
   k_specs = tuple(_spec(k.ndim, n_in + d, axis) for k, d in zip(kernels, out_dims))
   o_specs = tuple(_spec(x.ndim - n_in + k.ndim - n_in, x.ndim - n_in + d, axis)
                   for k, d in zip(kernels, out_dims))
-  f = _shard_map(body, (_spec(x.ndim, 1, axis), k_specs), o_specs, axis)
+  f = _shard_map(body, (_spec(x.ndim, 1, axis), k_specs), o_specs, axis, t)
   return list(f(x, tuple(kernels)))
 
 
@@ -163,11 +174,11 @@ def matmul_reduce_scatter(xs: Sequence[jax.Array], kernels: Sequence[jax.Array],
   way -> (b, s, *f): the sum over i and over the ring, sequence-split over
   `axis`, as einsums + one reduce-scatter would."""
   t = jax.sharding.get_abstract_mesh().shape[axis]
-  body = lambda a, ks: _matmul_reduce_scatter_local(a, ks, n_ins=tuple(n_ins), axis=axis, t=t)
+  body = lambda i, a, ks: _matmul_reduce_scatter_local(i, a, ks, n_ins=tuple(n_ins), axis=axis, t=t)
   x_specs = tuple(_spec(x.ndim, x.ndim - n + d, axis) for x, n, d in zip(xs, n_ins, in_dims))
   k_specs = tuple(_spec(k.ndim, d, axis) for k, d in zip(kernels, in_dims))
   out_ndim = xs[0].ndim - n_ins[0] + kernels[0].ndim - n_ins[0]
-  f = _shard_map(body, (x_specs, k_specs), _spec(out_ndim, 1, axis), axis)
+  f = _shard_map(body, (x_specs, k_specs), _spec(out_ndim, 1, axis), axis, t)
   return f(tuple(xs), tuple(kernels))
 
 
