@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from mjax.config import MeshConfig
 from mjax.model.layers import constrain, embed_lookup, matmul
-from mjax.model.transformer import _gathered_twice, _tied_head
+from mjax.model.transformer import _gathered_head, _gathered_twice, _tied_head
 from mjax.parallel import logical_rules, make_mesh, scatter_sum
 
 VOCAB, EMBED, BATCH, SEQ = 64, 32, 8, 16
@@ -135,6 +135,43 @@ def test_data_parallel_all_reduces_the_tables_gradient_once(layout, dtype):
   assert collectives(hlo)['reduce-scatter'] == 0 and collectives(hlo)['all-to-all'] == 0
   if layout.get('tensor', 1) > 1:
     assert spec[0] == 'tensor', spec
+
+
+def untied_loss(head, x, v, tokens_shape=(BATCH, SEQ)):
+  """An untied (embed, vocab) head read as the model reads it: its logits of
+  x, weighted by v."""
+  plan = scatter_sum.plan(tokens_shape, head.shape[::-1])
+  g, partials = _gathered_head(constrain(head, ('embed', 'vocab')), x.dtype, plan)
+  x = constrain(x, ACT)
+  logits = matmul(x, g) if plan is None else _tied_head(x, g, plan, partials, kernel_in_last=False)
+  return jnp.sum(constrain(logits, ('batch', 'seq', 'vocab')).astype(jnp.float32) * v)
+
+
+@pytest.mark.parametrize('layout', [LAYOUTS['fsdp8'], LAYOUTS['data2_fsdp2_tensor2'], LAYOUTS['fsdp4_tensor2_sp'],
+                                    dict(data=8)], ids=['fsdp8', 'data2_fsdp2_tensor2', 'fsdp4_tensor2_sp', 'data8'])
+def test_an_untied_head_is_reduced_once(layout):
+  # The untied head goes the same way: gathered once, its partials summed
+  # per batch shard and reduce-scattered (all-reduced without FSDP) once.
+  # GSPMD had all-reduced it whole under data x fsdp x tensor.
+  rng = np.random.default_rng(1)
+  head = jnp.asarray(rng.normal(size=(EMBED, VOCAB)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(BATCH, SEQ, EMBED)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(BATCH, SEQ, VOCAB)), jnp.float32)
+  ref = jax.grad(untied_loss)(head, x, v)
+  mc = MeshConfig(**layout)
+  with jax.set_mesh(make_mesh(mc)), nn.logical_axis_rules(logical_rules(mc)):
+    f = jax.jit(jax.grad(untied_loss))
+    grad = f(head, x, v)
+    hlo = f.lower(head, x, v).compile().as_text()
+  np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)
+  fsdp, tensor = layout.get('fsdp', 1), layout.get('tensor', 1)
+  spec = tuple(grad.sharding.spec) + (None,) * 2
+  assert spec[0] == ('fsdp' if fsdp > 1 else None), grad.sharding.spec
+  ops = collectives(hlo)
+  assert ops['reduce-scatter'] == (1 if fsdp > 1 else 0) and ops['all-to-all'] == 0, ops
+  data = layout.get('data', 1)
+  tables = all_reduced_tables(hlo)
+  assert tables == ([f'{VOCAB // tensor},{EMBED // fsdp}'] if data > 1 else []), tables
 
 
 def test_each_device_sums_its_rows_in_fp32_before_the_bf16_reduce_scatter():

@@ -46,15 +46,19 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     row-parallel matmul in the forward and of the input gradient in the
     backward: 1 + 1 per layer for the parallel block (attention and MLP partial
     sums add before one all-reduce, MegaScale's point) and 2 + 2 for the
-    sequential block; remat 'full' repeats the forward ones (the 'dots'
-    policies are assumed to keep the reduced outputs). Plus the
-    vocab-sharded embedding lookup (forward) and LM head (backward). With
-    sequence parallelism each all-reduce becomes an all-gather plus a
-    reduce-scatter with the same wire bytes; with collective matmul the
+    sequential block, under every remat policy (XLA keeps the reduced
+    outputs). Plus the vocab-sharded embedding lookup (forward) and LM head
+    (backward). With sequence parallelism each all-reduce becomes an
+    all-gather plus a reduce-scatter with the same wire bytes, and the
+    backward gathers each pass's input again for the weight gradients
+    (every policy but 'none'), as well as the head's input and the
+    embedding's cotangent; with collective matmul the
     layers' ones are rings of t-1 collective-permutes each (the same bytes
     again), and the embedding's and head's stay gathers and scatters. The loss's max / sum over the
     sharded vocabulary are (batch, seq) scalars and left out.
   * Pipeline stages (collective-permute of activations) are not modelled.
+    Their schedules add the micro-batches' gradients in fp32 and all-reduce
+    those sums over data once, at 4 bytes.
 """
 
 from __future__ import annotations
@@ -288,7 +292,11 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   # (kernels, the embedding) are cast to the compute dtype, and their
   # gradients come back through the cast in it; norms' scales and biases are
   # used, and reduced, in fp32.
-  reduced = lambda p: ec if len(p.shape) - int(p.layers) >= 2 else p.itemsize
+  # Pipeline schedules add their micro-batches' gradients in fp32 and
+  # all-reduce the sums once: the stages' layers (and under 1F1B the ends,
+  # which its stages run too) at 4 bytes.
+  piped = lambda p: mesh.get('pipeline', 1) > 1 and (p.in_layers or cfg.mesh.pipeline_schedule == '1f1b')
+  reduced = lambda p: ec if len(p.shape) - int(p.layers) >= 2 and not piped(p) else p.itemsize
   grad_bytes = lambda p, *axes: p.size * reduced(p) / p.shards(mesh, ('tensor', 'pipeline', *axes))
 
   fsdp_params = [p for p in params if 'fsdp' in p.axes()] if f > 1 else []
@@ -345,25 +353,39 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     b = cfg.train.global_batch_size / (d * f)
     act = b * cfg.data.seq_len * m.d_model * ec
     per_pass = 1 if m.block == 'parallel' else 2
-    per_layer = per_pass * (3 if m.remat_policy == 'full' else 2)
+    # One sum of partial products per pass forward and one of the input
+    # gradient backward; XLA keeps the forward's reduced outputs for the
+    # backward even under remat 'full' (a GPU compile of 1p3b shows 2).
+    per_layer = per_pass * 2
     vocab_sharded = any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']"))
     n = m.n_layers * per_layer + (2 if vocab_sharded else 0)
-    remat = ', remat full' if m.remat_policy == 'full' else ''
     ends = ' + embedding fwd + LM head bwd' if vocab_sharded else ''
-    what = (f'{per_layer} per layer ({m.block} block{remat}) x {m.n_layers} layers{ends} = {n}, each '
-            f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} = {act / MiB:.2f} MiB')
+    shape = f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} = {act / MiB:.2f} MiB'
+    what = f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{ends} = {n}, each {shape}'
     if not cfg.mesh.sequence_parallel:
       out.append(Expectation('all-reduce', n * 2 * (t - 1) / t * act,
                              f'tensor={t}: activation all-reduces, {what}, x 2 (t-1)/t'))
     else:
       # Each all-reduce is an all-gather of the sequence-split activations
       # before the column-parallel products and a reduce-scatter after the
-      # row-parallel ones: (t-1)/t each. Collective matmul moves the layers'
-      # halves as rings of collective-permutes, t-1 chunks of 1/t each.
+      # row-parallel ones: (t-1)/t each. The input products' weight
+      # gradients read their gathered input again, which every policy but
+      # 'none' gathers again in the backward (Megatron's sequence
+      # parallelism does the same), as the head does for its own and the
+      # embedding's gradient its cotangent (mjax/parallel/scatter_sum.py).
+      # Collective matmul moves the layers' halves as rings of
+      # collective-permutes, t-1 chunks of 1/t each.
+      again = m.remat_policy != 'none'
+      gathers = m.n_layers * per_pass * (2 + again) + (3 if vocab_sharded else 0)
       rings = m.n_layers * per_layer if cfg.mesh.collective_matmul else 0
-      for kind in ('all-gather', 'reduce-scatter'):
-        out.append(Expectation(kind, (n - rings) * (t - 1) / t * act,
-                               f'tensor={t}, sequence parallel: activation {kind}s, {what}'
+      for kind, count, note in (
+          ('all-gather', gathers, f'{per_pass * (2 + again)} per layer ({m.block} block'
+                                  + (', the backward gathering the input again' if again else '') + ')'
+                                  + f' x {m.n_layers} layers' + (' + LM head fwd, bwd + embedding bwd' if vocab_sharded
+                                                                 else '') + f' = {gathers}'),
+          ('reduce-scatter', n, f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{ends} = {n}')):
+        out.append(Expectation(kind, (count - rings) * (t - 1) / t * act,
+                               f'tensor={t}, sequence parallel: activation {kind}s, {note}, each {shape}'
                                + (f', less the layers\' {rings} in collective-matmul rings' if rings else '')
                                + ', x (t-1)/t'))
       if rings:
