@@ -450,7 +450,13 @@ def test_sequence_parallel_expects_gathers_and_scatters_not_all_reduces():
   dots = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
                                       'MeshConfig.sequence_parallel = True', 'ModelConfig.remat_policy = "dots"'])
   assert expected(dots, mesh, 'all-gather') == pytest.approx(activations / 2 * 15 / 10)
-  # 4 layers x 2 per layer in rings, the rest not.
+  # 4 layers x 2 per layer of each kind in rings, the rest not; with remat
+  # 'dots' the backward's gathers of the blocks' inputs too.
   assert expected(cm, mesh, 'all-gather') == pytest.approx(activations / 2 * 3 / 10)
   assert expected(cm, mesh, 'reduce-scatter') == pytest.approx(activations / 2 * 2 / 10)
   assert expected(cm, mesh, 'collective-permute') == pytest.approx(activations * 8 / 10)
+  cm_dots = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
+                                         'MeshConfig.sequence_parallel = True', 'MeshConfig.collective_matmul = True',
+                                         'ModelConfig.remat_policy = "dots"'])
+  assert expected(cm_dots, mesh, 'all-gather') == pytest.approx(activations / 2 * 3 / 10)
+  assert expected(cm_dots, mesh, 'collective-permute') == pytest.approx(activations / 2 * 20 / 10)

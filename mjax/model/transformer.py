@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from mjax.config import ModelConfig
-from mjax.parallel import scatter_sum
+from mjax.parallel import collective_matmul, scatter_sum
 from mjax.model.attention import Attention
 from mjax.model.layers import (CAST_KERNEL, MLP_ACTIVATION, MLP_PRODUCT, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
                                matmul, out_proj_std, project_many, project_sum)
@@ -105,14 +105,20 @@ class Block(nn.Module):
     fuse = fusion(c)
     # (Where a layout cannot join them, `_fused_parallel` falls back to
     # separate products with q and k unnamed: right, without that saving.)
-    joined = c.block == 'parallel' and c.parallel_norms != 'separate' and fuse != 'none'
+    shared = c.block == 'parallel' and c.parallel_norms != 'separate'
+    joined = shared and fuse != 'none'
     attn = Attention(c, self.window, std, keep_rotated=not joined, name='attn')
     mlp = Mlp(c, std, name='mlp')
     if c.block == 'parallel' and c.parallel_norms == 'separate':
       # GPT-NeoX: each branch its own norm (so no shared input to join on).
       a, cache = _split(attn(make_norm(c, 'norm_attn')(x), positions, segment_ids, cache), cache)
       x = x + (a + mlp(make_norm(c, 'norm_mlp')(x)))
-    elif joined:
+    elif joined or (shared and cache is None and collective_matmul.wanted(x)):
+      # Under collective matmul the branches share their rings even where
+      # the products stay apart (fuse 'none', the GPU's): one all-gather
+      # ring into q, k, v and the MLP, one reduce-scatter ring out of both.
+      # Each branch on its own ran its own two rings (1p3b, fsdp 4 x tensor
+      # 2 on 8 H100s: 7 ring transfers a layer where 4 do).
       y, cache = self._fused_parallel(attn, mlp, make_norm(c, 'norm')(x), positions, segment_ids, fuse,
                                       cache)
       x = x + y
@@ -136,8 +142,8 @@ class Block(nn.Module):
     """(Attn(h) + MLP(h), cache) with q, k, v and the MLP input as one matrix
     product and, with fuse_projections='all', both output projections as one."""
     ins = attn.inputs() + mlp.inputs()
-    ys = fused_inputs(h, ins)
-    if ys is None:  # a layout the kernels cannot be joined in
+    ys = fused_inputs(h, ins) if fuse != 'none' else None
+    if ys is None:  # a layout the kernels cannot be joined in, or not to be
       ys = project_many(h, ins, 1)
     a, cache = _split(attn.attend(*ys[:3], positions, segment_ids, cache), cache)
     m = mlp.activate(*ys[3:])

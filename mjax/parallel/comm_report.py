@@ -376,22 +376,26 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
       # Collective matmul moves the layers' halves as rings of
       # collective-permutes, t-1 chunks of 1/t each.
       again = m.remat_policy != 'none'
-      gathers = m.n_layers * per_pass * (2 + again) + (3 if vocab_sharded else 0)
-      rings = m.n_layers * per_layer if cfg.mesh.collective_matmul else 0
-      for kind, count, note in (
-          ('all-gather', gathers, f'{per_pass * (2 + again)} per layer ({m.block} block'
-                                  + (', the backward gathering the input again' if again else '') + ')'
-                                  + f' x {m.n_layers} layers' + (' + LM head fwd, bwd + embedding bwd' if vocab_sharded
-                                                                 else '') + f' = {gathers}'),
-          ('reduce-scatter', n, f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{ends} = {n}')):
+      layer_gathers = m.n_layers * per_pass * (2 + again)
+      gathers = layer_gathers + (3 if vocab_sharded else 0)
+      cm = cfg.mesh.collective_matmul
+      ring_gathers, ring_scatters = (layer_gathers, m.n_layers * per_layer) if cm else (0, 0)
+      for kind, count, rings, note in (
+          ('all-gather', gathers, ring_gathers,
+           f'{per_pass * (2 + again)} per layer ({m.block} block'
+           + (', the backward gathering the input again' if again else '') + ')'
+           + f' x {m.n_layers} layers' + (' + LM head fwd, bwd + embedding bwd' if vocab_sharded else '')
+           + f' = {gathers}'),
+          ('reduce-scatter', n, ring_scatters,
+           f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{ends} = {n}')):
         out.append(Expectation(kind, (count - rings) * (t - 1) / t * act,
                                f'tensor={t}, sequence parallel: activation {kind}s, {note}, each {shape}'
                                + (f', less the layers\' {rings} in collective-matmul rings' if rings else '')
                                + ', x (t-1)/t'))
-      if rings:
-        out.append(Expectation('collective-permute', 2 * rings * (t - 1) / t * act,
-                               f'tensor={t}, collective matmul: the layers\' {rings} all-gathers and '
-                               f'{rings} reduce-scatters as rings of t-1 chunk permutes, x (t-1)/t each'))
+      if cm:
+        out.append(Expectation('collective-permute', (ring_gathers + ring_scatters) * (t - 1) / t * act,
+                               f'tensor={t}, collective matmul: the layers\' {ring_gathers} all-gathers and '
+                               f'{ring_scatters} reduce-scatters as rings of t-1 chunk permutes, x (t-1)/t each'))
   return out
 
 
