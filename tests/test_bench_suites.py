@@ -262,3 +262,15 @@ def test_mfu_rows_are_chosen_by_substring_or_exactly():
   assert names('=1p3b remat=dots,dynamic-slice') == ['1p3b remat=dots', '1p3b remat=dots, dynamic-slice fusion']
   assert len(names('1p3b remat=dots')) > 2 and names('') == [r[0] for r in rows]
   assert names('=1p3b remat') == []
+
+
+COMM = _bench_module('comm_minimum')
+
+
+@pytest.mark.parametrize('layout', list(COMM.LAYOUTS))
+@pytest.mark.parametrize('variant', list(COMM.VARIANTS))
+def test_every_comm_minimum_layout_and_variant_is_a_valid_8_device_config(layout, variant):
+  # The sweep prints a refusal as a row; every combination it ships must
+  # compile instead, so a config change that breaks one fails here.
+  cfg = flags.load([os.path.join(REPO, 'configs', '1p3b.gin')], COMM.bindings(layout, variant), num_devices=8)
+  assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor * cfg.mesh.pipeline == 8
