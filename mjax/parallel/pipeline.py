@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from mjax.parallel.rules import mesh_axes
+
 STAGE_ACT = ('stage', 'batch', 'residual_seq', 'embed')
 BUF_ACT = (None, 'batch', 'residual_seq', 'embed')
 
@@ -78,11 +80,8 @@ def _stage_axis() -> str | None:
 def _data_axis() -> str | None:
   """The mesh axis of data parallelism when it splits the batch (size > 1):
   both schedules run manual over it, so gradients are summed over it once per step."""
-  axes = nn.logical_to_mesh_axes(('batch',))
-  batch = axes[0] if axes else None
-  names = batch if isinstance(batch, tuple) else (batch,)
   mesh = jax.sharding.get_abstract_mesh()
-  return 'data' if 'data' in names and mesh.shape.get('data', 1) > 1 else None
+  return 'data' if 'data' in mesh_axes('batch') and mesh.shape.get('data', 1) > 1 else None
 
 
 def _rules_without(axis: str | None):
