@@ -179,18 +179,11 @@ def _gathered_twice(table: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = 
     g = constrain(constrain(t.astype(dtype), ('vocab', 'embed')), ('vocab', None))
     return g, g, (None if plan is None else scatter_sum.zeros(plan, table.shape))
 
-  @jax.custom_vjp
-  def f(t):
-    return gather(t)
-
-  def fwd(t):
-    return gather(t), None
-
-  def bwd(_, cts):
+  def backward(cts):
     lookup, head, partials = cts
     if plan is not None:   # the readers' cotangents are zeros: all is in the partials
       total = scatter_sum.reduce_partials(plan, partials, dtype)
-      return (constrain(total.astype(table.dtype), ('vocab', 'embed')),)
+      return constrain(total.astype(table.dtype), ('vocab', 'embed'))
     # The head's gradient is a matrix product over the batch: laid out on
     # the table's own shards at once, its sum over the batch's devices is a
     # reduce-scatter (an all-reduce, twice the bytes, when it was first laid
@@ -200,10 +193,17 @@ def _gathered_twice(table: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = 
     # fsdp and other axes split the batch (data 2, fsdp 2, tensor 2).
     a = constrain(lookup.astype(jnp.float32), ('vocab', None))
     b = constrain(head.astype(jnp.float32), ('vocab', 'embed'))
-    return (constrain((a + b).astype(table.dtype), ('vocab', 'embed')),)
+    return constrain((a + b).astype(table.dtype), ('vocab', 'embed'))
 
-  f.defvjp(fwd, bwd)
-  return f(table)
+  return _with_backward(gather, backward)(table)
+
+
+def _with_backward(forward: Callable, backward: Callable) -> Callable:
+  """`forward` (one argument) with `backward(cotangents) -> its cotangent`
+  as its VJP; nothing is kept from the forward."""
+  f = jax.custom_vjp(forward)
+  f.defvjp(lambda x: (forward(x), None), lambda _, cts: (backward(cts),))
+  return f
 
 
 def _gathered_head(head: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = None):
@@ -221,19 +221,11 @@ def _gathered_head(head: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = No
   if plan is None:
     return gather(head)
 
-  @jax.custom_vjp
-  def f(h):
-    return gather(h)
-
-  def fwd(h):
-    return gather(h), None
-
-  def bwd(_, cts):
+  def backward(cts):
     total = scatter_sum.reduce_partials(plan, cts[1], dtype)   # (vocab, embed), as a table
-    return (constrain(total.T.astype(head.dtype), ('embed', 'vocab')),)
+    return constrain(total.T.astype(head.dtype), ('embed', 'vocab'))
 
-  f.defvjp(fwd, bwd)
-  return f(head)
+  return _with_backward(gather, backward)(head)
 
 
 def _tied_head(x: jax.Array, table: jax.Array, plan: scatter_sum.Plan, partials: jax.Array,
