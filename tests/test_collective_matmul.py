@@ -170,3 +170,23 @@ def test_model_with_collective_matmul_matches(sp_reference, fuse, monkeypatch):
 def test_config_errors(binding, needle):
   with pytest.raises(C.ConfigError, match=needle):
     make_cfg(*binding)
+
+
+def test_the_parallel_blocks_branches_share_their_rings_with_separate_products(monkeypatch):
+  # fuse 'none' (the GPU's default) keeps the products apart, yet q, k, v and
+  # the MLP input share one ring in and the two output projections one ring
+  # out, as with joined products: the same rings per traced block. Each
+  # branch had run its own two.
+  from mjax import train
+  from mjax.parallel import make_mesh
+
+  def rings(fuse):
+    calls = _counting(monkeypatch)
+    cfg = make_cfg(*CM, f'ModelConfig.fuse_projections = "{fuse}"')
+    program = train.make_program(cfg, make_mesh(cfg.mesh))
+    with program.context():
+      program.step.lower(program.abstract_state(), program.abstract_batch())   # traced, not compiled
+    return dict(calls)
+
+  none, joined = rings('none'), rings('inputs')
+  assert none['all_gather_matmul'] > 0 and none == joined, (none, joined)

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent('''
     from mjax import flags
     from mjax.parallel import gpu_target
     gpu_target.keep_local_backend_cpu()
-    from mjax.parallel.comm_report import collective_stats, schedule
+    from mjax.parallel.comm_report import collective_stats, expected_traffic, schedule
     args = json.loads(sys.argv[1])
     target = gpu_target.parse_target('h100:8')
     cfg = flags.load(['configs/tiny.gin'], args['bindings'], num_devices=target.devices)
@@ -51,6 +51,8 @@ SCRIPT = textwrap.dedent('''
         'all_reduced_arrays': [[str(x.dtype), list(x.dims)] for o in stats.of_kind('all-reduce') for x in o.arrays],
         'all_reduce_runs': [o.executions for o in stats.of_kind('all-reduce')],
         'wire': {k: stats.per_step(k)['wire'] for k in ('all-reduce', 'reduce-scatter')},
+        'minimum': {k: sum(e.wire_bytes for e in expected_traffic(out.cfg, dict(out.mesh.shape)) if e.kind == k)
+                    for k in ('all-reduce', 'reduce-scatter')},
     }))
 ''')
 
@@ -78,8 +80,10 @@ def of(result: dict, kind: str, axes: str) -> list[dict]:
 PROGRAMS = {
     'fsdp': (('MeshConfig.data = 1', 'MeshConfig.fsdp = 8'), True),
     'fsdp without the overlap options': (('MeshConfig.data = 1', 'MeshConfig.fsdp = 8'), False),
+    # Unrolled layers, as 1p3b.gin runs them on GPUs. (With scanned layers
+    # the layers' gradients are still all-reduced once per slice.)
     'data, 2 accumulation slices': (('MeshConfig.data = 8', 'TrainConfig.global_batch_size = 16',
-                                     'TrainConfig.grad_accum_steps = 2'), True),
+                                     'TrainConfig.grad_accum_steps = 2', 'ModelConfig.scan_layers = False'), True),
     '1f1b': (('MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.microbatches = 4',
               'MeshConfig.pipeline_schedule = "1f1b"'), True),
     'tensor + sequence': (('MeshConfig.data = 2', 'MeshConfig.tensor = 4', 'MeshConfig.sequence_parallel = True'),
@@ -144,15 +148,16 @@ def test_data_parallel_all_reduces_the_tied_table_once_in_bf16_once_a_step(compi
   # bf16 like the layers' gradients. GSPMD all-reduced the lookup's in fp32
   # and the head's in bf16: the table crossed twice, once at fp32.
   data = compiled('data, 2 accumulation slices')
-  tables = [a for a in data['all_reduced_arrays'] if len(a[1]) == 2]
-  assert tables == [['bf16', [384, 256]]], data['all_reduced_arrays']
+  # (The compiler combines every gradient into one flat buffer here: the
+  # table's single bf16 reduction shows as the total at the minimum below.)
   assert not any('_head' in name or 'scatter-add' in name for name in data['all_reduced']), data['all_reduced']
   assert {d for d, dims in data['all_reduced_arrays'] if math.prod(dims) > 10_000} == {'bf16'}, \
       data['all_reduced_arrays']
   # Summed over the accumulation slices first, all-reduced once a step (the
-  # GPU compiler moves the all-reduces out of the slices' loop; what
-  # mjax-report comm's expected traffic assumes).
-  assert data['all_reduce_runs'] and set(data['all_reduce_runs']) == {1}, data['all_reduce_runs']
+  # GPU compiler moves the all-reduces out of the slices' loop): at the
+  # report's minimum, which counts them once.
+  ratio = data['wire']['all-reduce'] / data['minimum']['all-reduce']
+  assert 0.99 < ratio < 1.01, (ratio, data['all_reduced_arrays'])
 
 
 def test_overlap_options_pipeline_the_fsdp_collectives(fsdp, compiled):

@@ -206,11 +206,9 @@ def test_plan_leaves_the_sum_to_gspmd_where_nothing_is_written_out():
     # Data parallelism: partials all-reduced over data, nothing scattered.
     assert scatter_sum.plan(tokens, shape) == scatter_sum.Plan(
         batch=('data',), seq=(), embed=(), vocab=(), n=8, vocab_shards=1)
-  mc = MeshConfig(data=1, tensor=8)
-  with jax.set_mesh(make_mesh(mc)), nn.logical_axis_rules(logical_rules(mc)):
-    assert scatter_sum.plan(tokens, shape) is None             # nothing splits the batch
 
-    # Inside a region already manual over data (a pipeline schedule's).
+    # Inside a region already manual over data (a pipeline schedule's),
+    # where the same mesh outside gives a plan.
     seen = []
 
     def body(x):
@@ -220,3 +218,6 @@ def test_plan_leaves_the_sum_to_gspmd_where_nothing_is_written_out():
     jax.jit(jax.shard_map(body, in_specs=P('data'), out_specs=P('data'), axis_names={'data'},
                           check_vma=False))(jnp.zeros(8))
     assert seen == [None]
+  mc = MeshConfig(data=1, tensor=8)
+  with jax.set_mesh(make_mesh(mc)), nn.logical_axis_rules(logical_rules(mc)):
+    assert scatter_sum.plan(tokens, shape) is None             # nothing splits the batch

@@ -28,8 +28,9 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     1F1B, twice there like the layers'):
         (f-1)/f x (2 sum_layers + sum_ends) elements_p / t_p x compute-dtype bytes
     (gathering after the bf16 cast is the minimum; gathering the fp32 master
-    weights doubles it). With k gradient-accumulation slices, k times: each
-    slice gathers again, and reduce-scatters its own gradients (below).
+    weights doubles it). With k gradient-accumulation slices still once
+    (keeping the gathered weights across slices); a step that does not
+    keep them gathers, and reduce-scatters, k times this.
   * FSDP gradients: reduce-scatter over fsdp in the compute dtype (the
     gradient of a weight cast before its gather comes back through the
     gather in that dtype; a GPU compile shows bf16 reduce-scatters),
@@ -47,7 +48,8 @@ fsdp, data sizes, B = d f, t_p: the tensor shards of parameter p:
     backward: 1 + 1 per layer for the parallel block (attention and MLP partial
     sums add before one all-reduce, MegaScale's point) and 2 + 2 for the
     sequential block, under every remat policy (XLA keeps the reduced
-    outputs). Plus the vocab-sharded embedding lookup (forward) and LM head
+    outputs), plus one per pass of each layer inside a remat group of
+    `layer_period` layers but its last (recomputed with the group's forward). Plus the vocab-sharded embedding lookup (forward) and LM head
     (backward). With sequence parallelism each all-reduce becomes an
     all-gather plus a reduce-scatter with the same wire bytes, and the
     backward gathers each pass's input again for the weight gradients
@@ -300,13 +302,15 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   grad_bytes = lambda p, *axes: p.size * reduced(p) / p.shards(mesh, ('tensor', 'pipeline', *axes))
 
   fsdp_params = [p for p in params if 'fsdp' in p.axes()] if f > 1 else []
-  # Each accumulation slice gathers the weights again and reduce-scatters its
-  # own gradients onto the shards (the sum across slices lives on the shards:
-  # reducing once would keep whole gradients on every device). What only
-  # adds up across slices, the data axis's all-reduce, runs once: XLA sums
-  # the slices' partials first.
+  # With accumulation slices the minimum is still once a step: gathering
+  # once means keeping the gathered weights across the slices, and
+  # reduce-scattering once keeping whole gradients, memory a step usually
+  # spends on neither, so its gathers and reduce-scatters run once per slice
+  # (k times this). The data axis's all-reduce can add up across slices
+  # first at no cost in memory.
   k = cfg.train.grad_accum_steps
-  per_slice = f' x {k} accumulation slices' if k > 1 else ''
+  per_slice = (f'; once a step: the {k} accumulation slices usually run it {k} times, unless the weights '
+               f'stay gathered') if k > 1 else ''
   if fsdp_params:
     elems = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params)
     # The ends (embedding, head) are gathered once: their gathered copy is
@@ -314,7 +318,7 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # 1F1B, whose stages run them per micro-batch in their own programs.
     ends = (sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params if not p.in_layers)
             if cfg.mesh.pipeline_schedule != '1f1b' else 0)
-    out.append(Expectation('all-gather', k * (f - 1) / f * (2 * elems - ends) * ec,
+    out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
                            f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
                            f'forward and again in the backward' + (' (the embedding and head once)' if ends else '')
                            + f', in {m.dtype} ((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
@@ -325,7 +329,7 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # A tied table once: its two readers' partials are summed before the
     # reduce-scatter (mjax/parallel/scatter_sum.py).
     rs = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) * reduced(p) for p in fsdp_params)
-    out.append(Expectation('reduce-scatter', k * (f - 1) / f * rs,
+    out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
                            f'FSDP: gradients reduce-scattered over fsdp={f} in {m.dtype}, the dtype of '
                            f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB{per_slice})'))
     if d > 1:
@@ -357,11 +361,15 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # gradient backward; XLA keeps the forward's reduced outputs for the
     # backward even under remat 'full' (a GPU compile of 1p3b shows 2).
     per_layer = per_pass * 2
+    # Remat recomputes a layer group's forward in the backward, and with it
+    # the sums inside the group; the group's output is kept.
+    recomputed = (m.n_layers - m.n_layers // m.layer_period) * per_pass if m.remat_policy != 'none' else 0
     vocab_sharded = any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']"))
-    n = m.n_layers * per_layer + (2 if vocab_sharded else 0)
+    n = m.n_layers * per_layer + recomputed + (2 if vocab_sharded else 0)
     ends = ' + embedding fwd + LM head bwd' if vocab_sharded else ''
+    again_in_groups = f' + {recomputed} recomputed inside remat groups of {m.layer_period}' if recomputed else ''
     shape = f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} = {act / MiB:.2f} MiB'
-    what = f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{ends} = {n}, each {shape}'
+    what = f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{again_in_groups}{ends} = {n}, each {shape}'
     if not cfg.mesh.sequence_parallel:
       out.append(Expectation('all-reduce', n * 2 * (t - 1) / t * act,
                              f'tensor={t}: activation all-reduces, {what}, x 2 (t-1)/t'))
@@ -379,7 +387,7 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
       layer_gathers = m.n_layers * per_pass * (2 + again)
       gathers = layer_gathers + (3 if vocab_sharded else 0)
       cm = cfg.mesh.collective_matmul
-      ring_gathers, ring_scatters = (layer_gathers, m.n_layers * per_layer) if cm else (0, 0)
+      ring_gathers, ring_scatters = (layer_gathers, m.n_layers * per_layer + recomputed) if cm else (0, 0)
       for kind, count, rings, note in (
           ('all-gather', gathers, ring_gathers,
            f'{per_pass * (2 + again)} per layer ({m.block} block'
@@ -387,7 +395,7 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
            + f' x {m.n_layers} layers' + (' + LM head fwd, bwd + embedding bwd' if vocab_sharded else '')
            + f' = {gathers}'),
           ('reduce-scatter', n, ring_scatters,
-           f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{ends} = {n}')):
+           f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{again_in_groups}{ends} = {n}')):
         out.append(Expectation(kind, (count - rings) * (t - 1) / t * act,
                                f'tensor={t}, sequence parallel: activation {kind}s, {note}, each {shape}'
                                + (f', less the layers\' {rings} in collective-matmul rings' if rings else '')
