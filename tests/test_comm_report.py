@@ -221,7 +221,7 @@ def test_data_parallel_all_reduces_the_gradients_only(data_parallel):
   assert 1.0 <= ratio < 1.01, ratio
 
 
-def test_accumulation_slices_gather_the_weights_per_slice():
+def test_accumulation_slices_gather_per_slice_and_all_reduce_once():
   # Two slices, each gathering the weights again (FSDP): twice the minimum,
   # which keeps them gathered across the slices, and the report says why.
   cfg, mesh, compiled = compile_step('MeshConfig.data = 2', 'MeshConfig.fsdp = 4',
@@ -230,6 +230,12 @@ def test_accumulation_slices_gather_the_weights_per_slice():
   assert 'the 2 accumulation slices usually run it 2 times' in ' '.join(e.note for e in expected_traffic(cfg, mesh))
   ratio = stats.per_step('all-gather')['wire'] / expected(cfg, mesh, 'all-gather')
   assert 1.8 < ratio < 2.4, ratio
+  # The data axis's sum adds up across the slices and is all-reduced once:
+  # the slices run manual over `data` (scanned layers, as here). Left to the
+  # automatic layout, every slice's gradients were all-reduced over `data`.
+  over_data = [o for o in stats.of_kind('all-reduce') if o.group_size == 2]
+  assert over_data and all(o.executions == 1 for o in over_data), \
+      [(o.executions, o.op_name[-60:]) for o in over_data]
 
 
 @pytest.mark.parametrize('schedule', ['1f1b', 'circular'])

@@ -77,14 +77,14 @@ def _stage_axis() -> str | None:
   return axes[0] if axes else None
 
 
-def _data_axis() -> str | None:
+def data_axis() -> str | None:
   """The mesh axis of data parallelism when it splits the batch (size > 1):
   both schedules run manual over it, so gradients are summed over it once per step."""
   mesh = jax.sharding.get_abstract_mesh()
   return 'data' if 'data' in mesh_axes('batch') and mesh.shape.get('data', 1) > 1 else None
 
 
-def _rules_without(axis: str | None):
+def rules_without(axis: str | None):
   """The current logical rules with `axis` taken out (a context manager):
   inside a region manual over `axis`, the batch is already this shard's and
   must not be placed on that axis again."""
@@ -120,7 +120,7 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *
   Returns:
     (batch, seq, embed), equal to running the groups in order on x.
   """
-  data = _data_axis()
+  data = data_axis()
   if data is None:
     return _circular(group_fn, layers, x, aux, microbatches)
   # Manual over the data axis: each data shard runs the schedule on its own
@@ -132,7 +132,7 @@ def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *
   # gradient bytes, and 684 MiB of all-gathers a step).
 
   def body(layers, x, aux):
-    with _rules_without(data):
+    with rules_without(data):
       return _circular(group_fn, layers, x, aux, microbatches)
 
   P = jax.sharding.PartitionSpec
@@ -276,7 +276,7 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
   if m % p:
     raise ValueError(f'1F1B takes micro-batches in groups of the {p} stages; {m} is not a multiple of {p}')
   axis = _stage_axis()
-  data = _data_axis()
+  data = data_axis()
   b = jax.tree.leaves(inputs)[0].shape[0]
   mb = b // m
   # Strided micro-batches, as in circular_pipeline: no data moves.
@@ -292,7 +292,7 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
     return rem // p, g * p + rem % p
 
   def body(layers, head_params, inputs, aux, head_aux):
-    with _rules_without(data):
+    with rules_without(data):
       return run_stage(layers, head_params, inputs, aux, head_aux)
 
   def run_stage(layers, head_params, inputs, aux, head_aux):
