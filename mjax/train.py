@@ -208,6 +208,14 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     total, count = _loss_sums_in_slices(loss_sums, params, batch, cfg.train.grad_accum_steps)
     return total / jnp.maximum(count, 1.0)
 
+  # The dtype gradients are reduced in over `data` when the step writes the
+  # reduction out (_grad_sums): the compute dtype, as GSPMD reduces them,
+  # except on CPUs, whose compiler widens 16-bit collectives to fp32 anyway
+  # and aborts on a bf16 one inside a region manual over some axes only
+  # (AllReducePromotion: "Invalid binary instruction opcode copy").
+  on_cpu = mesh.devices.flat[0].platform == 'cpu'
+  reduce_dtype = jnp.dtype(jnp.float32 if on_cpu else cfg.model.dtype)
+
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     # Scanned layers only: with unrolled ones the GPU compiler already moves
     # the all-reduce out of the slices' loop, and under tensor parallelism
@@ -216,7 +224,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     # over `data` themselves.
     manual = cfg.model.scan_layers and not pipe
     total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps,
-                                     reduce_dtype=jnp.dtype(cfg.model.dtype) if manual else None)
+                                     reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes)
     count = jnp.maximum(count, 1.0)
     updates, opt_state, norms = lamb.update(grads, count, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -386,7 +394,7 @@ def _sum_over_slices(fn, params, batch: Batch, k: int, zeros):
   return jax.lax.scan(body, zeros, _slices(batch, k))[0]
 
 
-def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None):
+def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer_axes=None):
   """(loss sum, token count, gradient sums) over the batch, in `k`
   sequential accumulation slices.
 
@@ -397,7 +405,8 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None):
   to the automatic layout, a program with scanned layers all-reduced every
   slice's gradients over `data` (the GPU compiler moves the all-reduce out
   of the slices' loop only when the layers are unrolled): k times the
-  cross-host traffic of HSDP."""
+  cross-host traffic of HSDP. `layer_axes` (per param, its leading axes
+  that index layers) tells a stacked vector from a matrix."""
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
 
   def sums(p, b):
@@ -414,8 +423,9 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None):
       total, count, grads = _sum_over_slices(sums, p, b, k, zeros(p))
     # Matrices are used in the compute dtype, and their gradients reduced in
     # it, as without slices; vectors (norm scales) in fp32.
-    narrow = lambda g: g.astype(reduce_dtype) if g.ndim >= 2 else g
-    grads = jax.tree.map(lambda g: jax.lax.psum(narrow(g), data).astype(g.dtype), grads)
+    narrow = lambda g, lead: g.astype(reduce_dtype) if g.ndim - lead >= 2 else g
+    leads = layer_axes if layer_axes is not None else jax.tree.map(lambda _: 0, grads)
+    grads = jax.tree.map(lambda g, lead: jax.lax.psum(narrow(g, lead), data).astype(g.dtype), grads, leads)
     return jax.lax.psum(total, data), jax.lax.psum(count, data), grads
 
   replicated = lambda tree: jax.tree.map(lambda _: P(), tree)

@@ -480,3 +480,13 @@ def test_an_untied_head_is_gathered_once_a_step():
   stats = collective_stats(compiled.as_text())
   runs = sum(o.executions for o in stats.of_kind('all-gather') for a in o.arrays if a.dims == head)
   assert runs == 1, [(o.executions, [a.dims for a in o.arrays]) for o in stats.of_kind('all-gather')]
+
+
+def test_bf16_accumulation_slices_reduce_once_on_cpu_too():
+  # The slices' gradients, summed manual over `data`, are reduced in fp32 on
+  # CPUs: a bf16 reduction inside a region manual over some axes only
+  # aborted XLA's CPU compiler (AllReducePromotion), killing the process.
+  cfg, mesh, compiled = compile_step('MeshConfig.data = 8', 'TrainConfig.grad_accum_steps = 2',
+                                     'ModelConfig.dtype = "bfloat16"')
+  over_data = [o for o in collective_stats(compiled.as_text()).of_kind('all-reduce') if o.group_size == 8]
+  assert over_data and all(o.executions == 1 for o in over_data)
