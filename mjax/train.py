@@ -31,6 +31,7 @@ from mjax.model.transformer import LayerGroup, remat
 from mjax.model.loss import cross_entropy
 from mjax.optim import Lamb, make_optimizer
 from mjax.parallel import logical_rules, pipeline
+from mjax.parallel.rules import data_axis, rules_without
 
 Batch = dict[str, jax.Array]
 
@@ -414,12 +415,12 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer
     return total, count, grads
 
   zeros = lambda p: (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, p))
-  data = pipeline.data_axis() if k > 1 and reduce_dtype is not None else None
+  data = data_axis() if k > 1 and reduce_dtype is not None else None
   if data is None:
     return _sum_over_slices(sums, params, batch, k, zeros(params))
 
   def local(p, b):
-    with pipeline.rules_without(data):
+    with rules_without(data):
       total, count, grads = _sum_over_slices(sums, p, b, k, zeros(p))
     # Matrices are used in the compute dtype, and their gradients reduced in
     # it, as without slices; vectors (norm scales) in fp32.

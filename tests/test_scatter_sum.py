@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from mjax.config import MeshConfig
 from mjax.model.layers import constrain, embed_lookup, matmul
-from mjax.model.transformer import _gathered_head, _gathered_twice, _tied_head
+from mjax.model.transformer import _gathered_head, _gathered_twice, _head_to_partials
 from mjax.parallel import logical_rules, make_mesh, scatter_sum
 
 VOCAB, EMBED, BATCH, SEQ = 64, 32, 8, 16
@@ -32,7 +32,7 @@ def loss(table, tokens, w, v=None):
   x = constrain(embed_lookup(t, tokens, plan, partials), ACT)
   out = jnp.sum(x.astype(jnp.float32) * w.astype(jnp.float32))
   if v is not None:
-    logits = matmul(x, h, kernel_in_last=True) if plan is None else _tied_head(x, h, plan, partials)
+    logits = matmul(x, h, kernel_in_last=True) if plan is None else _head_to_partials(x, h, plan, partials)
     out = out + jnp.sum(constrain(logits, ('batch', 'seq', 'vocab')).astype(jnp.float32) * v)
   return out
 
@@ -143,7 +143,7 @@ def untied_loss(head, x, v, tokens_shape=(BATCH, SEQ)):
   plan = scatter_sum.plan(tokens_shape, head.shape[::-1])
   g, partials = _gathered_head(constrain(head, ('embed', 'vocab')), x.dtype, plan)
   x = constrain(x, ACT)
-  logits = matmul(x, g) if plan is None else _tied_head(x, g, plan, partials, kernel_in_last=False)
+  logits = matmul(x, g) if plan is None else _head_to_partials(x, g, plan, partials, kernel_in_last=False)
   return jnp.sum(constrain(logits, ('batch', 'seq', 'vocab')).astype(jnp.float32) * v)
 
 

@@ -386,10 +386,10 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, plan: Optional[scatter_sum
   The backward sums in fp32 and rounds once, as a matrix product's
   accumulator does for every other weight gradient.
 
-  With a `plan` (FSDP, mjax/parallel/scatter_sum.py) the table's gradient
-  goes to `partials` instead (their zeros in, each batch shard's fp32 partial
-  table out, for the caller to reduce-scatter once with the tied head's), and
-  the table's own cotangent is zero.
+  With a `plan` (data parallelism or FSDP, mjax/parallel/scatter_sum.py) the
+  table's gradient goes to `partials` instead (their zeros in, each batch
+  shard's fp32 partial table out, for the caller to reduce once with the
+  tied head's), and the table's own cotangent is zero.
   """
   shape = table.shape
 

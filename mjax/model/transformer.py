@@ -228,9 +228,9 @@ def _gathered_head(head: jax.Array, dtype, plan: Optional[scatter_sum.Plan] = No
   return _with_backward(gather, backward)(head)
 
 
-def _tied_head(x: jax.Array, table: jax.Array, plan: scatter_sum.Plan, partials: jax.Array,
-               kernel_in_last: bool = True) -> jax.Array:
-  """x table^T, the tied head's logits, whose weight gradient goes to
+def _head_to_partials(x: jax.Array, table: jax.Array, plan: scatter_sum.Plan, partials: jax.Array,
+                      kernel_in_last: bool = True) -> jax.Array:
+  """x table^T, the logits of the tied head, whose weight gradient goes to
   `partials` (each batch shard's fp32 partial: scatter_sum.head_partials)
   rather than to the table: see _gathered_twice. With `kernel_in_last`
   False, x head for an untied (embed, vocab) head (_gathered_head); its
@@ -375,12 +375,10 @@ class Transformer(nn.Module):
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
     x = make_norm(c, 'final_norm')(x)
-    if c.tie_embeddings and plan is not None:
-      logits = _tied_head(x, head_table, plan, partials)
-    elif c.tie_embeddings:
+    if c.tie_embeddings:
       # The gathered table of the lookup serves the tied head too: one
       # all-gather of the embedding per step instead of two.
-      logits = matmul(x, head_table, kernel_in_last=True)
+      kernel, in_last = head_table, True
     else:
       head = self.param('lm_head', nn.with_logical_partitioning(
           nn.initializers.normal(c.init_std), ('embed', 'vocab')), (c.d_model, c.vocab_size), pdtype)
@@ -390,10 +388,10 @@ class Transformer(nn.Module):
       # tensor the head was gathered three times a step and its gradient
       # reduce-scattered twice (1p3b, fsdp 4 x tensor 2 with sequence
       # parallelism: 281 MiB gathered where 94 do).
-      head, head_partials = _gathered_head(head, dtype, plan)
-      if plan is None:
-        logits = matmul(x, head)
-      else:
-        logits = _tied_head(x, head, plan, head_partials, kernel_in_last=False)
+      (kernel, partials), in_last = _gathered_head(head, dtype, plan), False
+    if plan is None:
+      logits = matmul(x, kernel, kernel_in_last=in_last)
+    else:
+      logits = _head_to_partials(x, kernel, plan, partials, kernel_in_last=in_last)
     # The softmax / loss run in fp32 whatever the compute dtype.
     return constrain(logits.astype(jnp.float32), ('batch', 'seq', 'vocab'))

@@ -146,27 +146,12 @@ class CommStats:
 # ----------------------------------------------------------------------------
 
 def _group_size(attrs: str, default: int) -> Optional[int]:
-  """Devices per replica group, from any of XLA's printed forms."""
-  m = re.search(r'replica_groups=', attrs)
-  if not m:
-    return default
-  rest = attrs[m.end():]
-  if rest.startswith('{}'):
-    return default
-  if rest.startswith('{{'):
-    first = rest[2:rest.index('}')]
-    return len([x for x in first.split(',') if x.strip()])
-  iota = re.match(r'\[(\d+),(\d+)\]<=', rest)
-  if iota:
-    return int(iota.group(2))
-  mesh = re.match(r"mesh\[([^\]]*)\]", rest)
-  if mesh:
-    # mesh['axis_0'=4,'axis_1'=2], device_ids=(...) {'axis_1'}: the groups
-    # run along the braced axes, which may follow a device list.
-    total = math.prod(int(v) for v in re.findall(r"=\s*(\d+)", mesh.group(1)))
-    groups = _replica_groups(attrs, total)
-    return len(groups[0]) if groups else default
-  return default
+  """Devices per replica group, from any of XLA's printed forms
+  (`_replica_groups`); `default` (every partition) when there are none."""
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]", attrs)
+  n = math.prod(int(v) for v in re.findall(r"=\s*(\d+)", mesh.group(1))) if mesh else default
+  groups = _replica_groups(attrs, n)
+  return len(groups[0]) if groups and groups[0] else default
 
 
 def _buffer(module: Module, inst: Instruction, kind: str, group: Optional[int]):

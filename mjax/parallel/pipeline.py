@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from mjax.parallel.rules import mesh_axes
+from mjax.parallel.rules import data_axis, rules_without
 
 STAGE_ACT = ('stage', 'batch', 'residual_seq', 'embed')
 BUF_ACT = (None, 'batch', 'residual_seq', 'embed')
@@ -75,35 +75,6 @@ def _stage_axis() -> str | None:
   """The mesh axis the current logical rules give the `stage` dimension."""
   axes = nn.logical_to_mesh_axes(('stage',))
   return axes[0] if axes else None
-
-
-def data_axis() -> str | None:
-  """The mesh axis of data parallelism when it splits the batch (size > 1):
-  both schedules run manual over it, so gradients are summed over it once per step."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return 'data' if 'data' in mesh_axes('batch') and mesh.shape.get('data', 1) > 1 else None
-
-
-def rules_without(axis: str | None):
-  """The current logical rules with `axis` taken out (a context manager):
-  inside a region manual over `axis`, the batch is already this shard's and
-  must not be placed on that axis again."""
-  return nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), axis))
-
-
-def _without_axis(rules, axis: str | None):
-  """Logical rules with `axis` taken out of every mapping."""
-  if axis is None:
-    return rules
-  out = []
-  for name, target in rules:
-    if isinstance(target, (tuple, list)):
-      kept = tuple(t for t in target if t != axis)
-      target = kept if len(kept) > 1 else (kept[0] if kept else None)
-    elif target == axis:
-      target = None
-    out.append((name, target))
-  return tuple(out)
 
 
 def circular_pipeline(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, *,

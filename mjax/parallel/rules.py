@@ -25,6 +25,7 @@ it from the context like every other rule.
 
 from __future__ import annotations
 
+import jax
 from flax import linen as nn
 
 from mjax.config import MeshConfig
@@ -61,3 +62,33 @@ def mesh_axes(name: str) -> tuple[str, ...]:
   if axes is None:
     return ()
   return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def data_axis() -> str | None:
+  """The mesh axis of data parallelism when it splits the batch (size > 1):
+  the pipeline schedules and the accumulation slices run manual over it,
+  so gradients are summed over it once per step."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 'data' if 'data' in mesh_axes('batch') and mesh.shape.get('data', 1) > 1 else None
+
+
+def rules_without(axis: str | None):
+  """The current logical rules with `axis` taken out (a context manager):
+  inside a region manual over `axis`, the batch is already this shard's and
+  must not be placed on that axis again."""
+  return nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), axis))
+
+
+def _without_axis(rules, axis: str | None):
+  """Logical rules with `axis` taken out of every mapping."""
+  if axis is None:
+    return rules
+  out = []
+  for name, target in rules:
+    if isinstance(target, (tuple, list)):
+      kept = tuple(t for t in target if t != axis)
+      target = kept if len(kept) > 1 else (kept[0] if kept else None)
+    elif target == axis:
+      target = None
+    out.append((name, target))
+  return tuple(out)

@@ -9,10 +9,9 @@ devices that split the batch. The lookup's partial is a scatter-add, for
 which GSPMD has no way to say "partial sums, reduce them onto the shards":
 it all-reduced each device's whole table in fp32 (and under FSDP sliced
 the shard out: twice a reduce-scatter's bytes, at twice the dtype's). The
-tied head's
-partial is a matrix product over the batch, which GSPMD reduce-scatters, but
-on its own: autodiff hands each reader its own sum, so the table crossed the
-network twice.
+tied head's partial is a matrix product over the batch, which GSPMD
+reduces, but on its own: autodiff hands each reader its own sum, so the
+table crossed the network twice.
 
 Here the readers leave their partials, stacked along a leading dim of one
 per batch shard (`p.n`), in the cotangent of a zeros array that nothing
@@ -23,9 +22,10 @@ each device. `reduce_partials` then rounds the sum once to the compute dtype
 and reduce-scatters it over the axes that also split the table's `embed`
 dimension (FSDP), all-reducing only over the others (data parallelism), as
 every other weight gradient is (they come back through the kernels' casts,
-in the compute dtype). Tensor-split vocabularies stay split:
-each device adds only its vocab slice's rows. The axes come from the
-context's logical rules; model code never holds a mesh.
+in the compute dtype). Tensor-split vocabularies stay split: each device
+adds only its vocab slice's rows. The axes come from the context's logical
+rules; model code never holds a mesh. The untied head's gradient takes the
+same way (its partials laid out as a table's).
 
 1p3b (4 layers) on 8 H100s (deviceless): under FSDP 2,321 -> 1,446 MiB of
 collectives a step, data parallel 1,985 -> 1,110 MiB; both at `mjax-report
