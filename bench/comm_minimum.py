@@ -53,6 +53,9 @@ VARIANTS = {
     'remat dots_attention_mlp': ["ModelConfig.remat_policy = 'dots_attention_mlp'"],
     'remat full': ["ModelConfig.remat_policy = 'full'"],
     'scanned': ['ModelConfig.scan_layers = True'],
+    # FSDP's weights gathered once a step, gradients reduce-scattered once.
+    'gather once': ['MeshConfig.fsdp_gather = "step"'],
+    'gather once, accumulation 2': ['MeshConfig.fsdp_gather = "step"', 'TrainConfig.grad_accum_steps = 2'],
 }
 
 

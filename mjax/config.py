@@ -237,6 +237,17 @@ class MeshConfig:
   # 2 x virtual_stages x pipeline chunk inputs per stage) whatever the
   # micro-batch count, for one extra forward per chunk (mjax/parallel/pipeline.py).
   pipeline_schedule: Literal['circular', '1f1b'] = 'circular'
+  # When FSDP gathers the weights. 'pass' (ZeRO-3): in every forward and
+  # backward pass, so each accumulation slice and each pipeline micro-batch
+  # gathers them again and reduce-scatters its own gradients. 'step': once a
+  # step, cast to the compute dtype, held gathered through the step's slices
+  # and micro-batches, with the gradients summed on each device in fp32 and
+  # reduce-scattered once: Megatron's distributed optimizer (ZeRO-2 within a
+  # step), MegaScale's data parallelism. Costs the gathered weights (compute
+  # dtype; fp32 on a circular pipeline, whose schedule sums their gradients)
+  # and fp32 gradient sums at the size of an fsdp group's shard times fsdp
+  # (`mjax-report memory`).
+  fsdp_gather: Literal['pass', 'step'] = 'pass'
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')
 

@@ -31,7 +31,7 @@ from mjax.model.transformer import LayerGroup, remat
 from mjax.model.loss import cross_entropy
 from mjax.optim import Lamb, make_optimizer
 from mjax.parallel import logical_rules, pipeline
-from mjax.parallel.rules import data_axis, rules_without
+from mjax.parallel.rules import data_axis, mesh_axes, rules_without
 
 Batch = dict[str, jax.Array]
 
@@ -216,6 +216,10 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   # (AllReducePromotion: "Invalid binary instruction opcode copy").
   on_cpu = mesh.devices.flat[0].platform == 'cpu'
   reduce_dtype = jnp.dtype(jnp.float32 if on_cpu else cfg.model.dtype)
+  # MeshConfig.fsdp_gather = 'step': the weights gathered once a step, the
+  # gradients reduce-scattered once (_grad_sums_gathered).
+  gather_once = cfg.mesh.fsdp_gather == 'step' and mesh.shape['fsdp'] > 1
+  param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     # Scanned layers only: with unrolled ones the GPU compiler already moves
@@ -224,8 +228,14 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     # data 2 x fsdp 2 x tensor 2, 2 slices). Pipeline schedules run manual
     # over `data` themselves.
     manual = cfg.model.scan_layers and not pipe
-    total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps,
-                                     reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes)
+    if gather_once:
+      total, count, grads = _grad_sums_gathered(
+          loss_sums, state.params, batch, cfg.train.grad_accum_steps, param_specs=param_specs,
+          compute_dtype=jnp.dtype(cfg.model.dtype), reduce_dtype=reduce_dtype, layer_axes=lay.layer_axes,
+          keep_fp32=pipe and cfg.mesh.pipeline_schedule == 'circular')
+    else:
+      total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps,
+                                       reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes)
     count = jnp.maximum(count, 1.0)
     updates, opt_state, norms = lamb.update(grads, count, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -433,6 +443,97 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer
   run = jax.shard_map(local, in_specs=(replicated(params), jax.tree.map(lambda _: P(data), batch)),
                       out_specs=(P(), P(), replicated(params)), axis_names={data}, check_vma=False)
   return run(params, batch)
+
+
+_on = lambda dim: -1 if dim is None else dim   # (None is no pytree leaf)
+
+
+def _axis_dim(spec: P, axis: str) -> Optional[int]:
+  """The dimension `spec` splits over mesh axis `axis` (None if none)."""
+  for i, entry in enumerate(spec):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if axis in names:
+      if len(names) > 1:
+        raise NotImplementedError(f'a parameter dimension split over {names}: MeshConfig.fsdp_gather '
+                                  f"= 'step' gathers dimensions split over {axis!r} alone")
+      return i
+  return None
+
+
+def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs, compute_dtype,
+                        reduce_dtype, layer_axes, keep_fp32: bool):
+  """`_grad_sums` with FSDP's weights gathered once for the whole step
+  (MeshConfig.fsdp_gather = 'step'), returning the same sums.
+
+  Every weight is cast to the compute dtype on its shards and gathered over
+  `fsdp` once (norm scales and other vectors stay fp32). The step then runs
+  manual over the axes that split the batch (data, fsdp): each device runs
+  all its accumulation slices and pipeline micro-batches on the gathered
+  copy and sums their gradients in fp32 on the device. The sums are
+  reduce-scattered over `fsdp` once, in `reduce_dtype` (vectors fp32), and
+  all-reduced over `data` on the shards. Left to GSPMD inside the slices'
+  loop or the pipeline's scan, every slice and micro-batch gathers the
+  weights again and reduce-scatters its own gradients (ZeRO-3): k times the
+  traffic. Held gathered in fp32 (`keep_fp32`, values as cast) where
+  autodiff of a scan sums the micro-batches' gradients in the weights' own
+  dtype: the circular pipeline.
+
+  The gather is GSPMD's and the reduction runs manual over every axis: a
+  collective over `fsdp` inside a region manual over the batch axes only
+  makes JAX gather its operand over the automatic axes (tensor) first.
+
+  Args:
+    param_specs: per param, its PartitionSpec.
+    layer_axes: per param, its leading axes that index layers (a stacked
+      vector is not a matrix).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = tuple(a for a in mesh_axes('batch') if mesh.shape[a] > 1)
+  rest = tuple(a for a in manual if a != 'fsdp')
+  is_matrix = lambda w, lead: w.ndim - lead >= 2
+  full = lambda spec, w: tuple(spec) + (None,) * (w.ndim - len(spec))
+  fsdp_dims = jax.tree.map(lambda s: _on(_axis_dim(s, 'fsdp')), param_specs)
+  # Each param's layout with `fsdp` taken out: what it is gathered to.
+  gathered_specs = jax.tree.map(lambda s: P(*(None if _axis_dim(P(e), 'fsdp') is not None else e for e in s)),
+                                param_specs)
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+  def gather(w, lead, spec):
+    g = jax.lax.with_sharding_constraint(w.astype(compute_dtype) if is_matrix(w, lead) else w, spec)
+    return g.astype(jnp.float32) if keep_fp32 and is_matrix(w, lead) else g
+
+  def sums(p, b):
+    (total, count), grads = grad_fn(p, b)
+    return total, count, grads
+
+  def local(p, b):
+    # Held as gathered: without a loop of slices around the passes, GSPMD
+    # moved the gather into the forward and the backward each (1p3b, fsdp
+    # 8, no slices: twice the gathers' bytes).
+    p = jax.lax.optimization_barrier(p)
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
+    with rules_without(*manual):
+      total, count, grads = _sum_over_slices(sums, p, b, k, zeros)
+    # Each device's sums leave stacked along a leading dim of one per batch
+    # shard, rounded once to the dtype they are reduced in.
+    narrow = lambda g, lead: (g.astype(reduce_dtype) if is_matrix(g, lead) else g)[None]
+    return jax.lax.psum(total, manual), jax.lax.psum(count, manual), jax.tree.map(narrow, grads, layer_axes)
+
+  def reduce(g, dim):
+    g = g[0]
+    g = jax.lax.psum_scatter(g, 'fsdp', scatter_dimension=dim, tiled=True) if dim >= 0 else jax.lax.psum(g, 'fsdp')
+    return jax.lax.psum(g, rest) if rest else g
+
+  gathered = jax.tree.map(gather, params, layer_axes, gathered_specs)
+  replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
+  stacked_specs = jax.tree.map(lambda s, w: P(manual, *full(s, w)), gathered_specs, params)
+  run = jax.shard_map(local, in_specs=(replicated(params), jax.tree.map(lambda _: P(manual), batch)),
+                      out_specs=(P(), P(), jax.tree.map(lambda _: P(manual), params)),
+                      axis_names=set(manual), check_vma=False)
+  total, count, partials = run(gathered, batch)
+  grads = jax.shard_map(lambda t: jax.tree.map(reduce, t, fsdp_dims), in_specs=(stacked_specs,),
+                        out_specs=param_specs, check_vma=False)(partials)
+  return total, count, jax.tree.map(lambda g, w: g.astype(w.dtype), grads, params)
 
 
 def _loss_sums_in_slices(loss_sums, params, batch: Batch, k: int):

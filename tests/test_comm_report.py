@@ -238,6 +238,28 @@ def test_accumulation_slices_gather_per_slice_and_all_reduce_once():
       [(o.executions, o.op_name[-60:]) for o in over_data]
 
 
+def test_fsdp_gathered_once_a_step_whatever_the_slices():
+  # fsdp_gather = 'step': the weights gathered once before the slices and
+  # the gradient sums reduce-scattered once after them, where each slice
+  # gathers and reduce-scatters its own by default (the test above).
+  once = ['MeshConfig.data = 2', 'MeshConfig.fsdp = 4', 'MeshConfig.fsdp_gather = "step"']
+  per_step = {}
+  for k in (1, 2):
+    cfg, mesh, compiled = compile_step(*once, f'TrainConfig.grad_accum_steps = {k}')
+    stats = collective_stats(compiled.as_text())
+    for kind in ('all-gather', 'reduce-scatter'):
+      assert all(o.executions == 1 for o in stats.of_kind(kind)), kind
+      per_step[kind, k] = stats.per_step(kind)['wire']
+    # Every weight once (the backward reads the gathered copy): the minimum
+    # the report computes for this setting, which says so.
+    assert 0.95 < per_step['all-gather', k] / expected(cfg, mesh, 'all-gather') < 1.05
+    assert 'once a step and held' in ' '.join(e.note for e in expected_traffic(cfg, mesh))
+    over_data = [o for o in stats.of_kind('all-reduce') if o.group_size == 2 and o.wire_bytes > 2 ** 12]
+    assert over_data and all(o.executions == 1 for o in over_data)
+  assert per_step['all-gather', 2] == per_step['all-gather', 1]
+  assert per_step['reduce-scatter', 2] == per_step['reduce-scatter', 1]
+
+
 @pytest.mark.parametrize('schedule', ['1f1b', 'circular'])
 def test_pipelines_sum_data_parallel_gradients_once_per_step(schedule):
   # Both schedules accumulate each stage's gradients over its micro-batches

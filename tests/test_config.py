@@ -94,6 +94,7 @@ def test_resolved_config_round_trips(tmp_path):
     ('OptimConfig.learning_rate = 1e999', ['OptimConfig.learning_rate = inf', 'a finite float']),
     ('FaultConfig.collective_timeout_s = -1e400', ['collective_timeout_s = -inf', 'a finite float']),
     ('MeshConfig.pipeline_schedule = "bogus"', ["'bogus'", "'circular', '1f1b'"]),
+    ('MeshConfig.fsdp_gather = "once"', ["'once'", "'pass', 'step'"]),
     # A prime model width: its divisors, found at once.
     ('ModelConfig.d_model = 2147483647', ['d_model = 2147483647', 'divisors: 1, 2147483647)']),
     ('TrainConfig.seed = 9223372036854775808', ['seed = 9223372036854775808', 'a 64-bit integer']),

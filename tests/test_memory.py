@@ -55,6 +55,29 @@ def test_dots_policies_keep_the_layers_kernels_cast():
   assert 'weights kept cast' not in [r[0] for r in one.rows]
 
 
+def test_fsdp_gathered_once_a_step_holds_the_weights_and_gradient_sums():
+  # fsdp_gather = 'step': every weight gathered over fsdp (still split over
+  # tensor) in bf16, norms fp32; gradient sums fp32 with accumulation
+  # slices, bf16 without; no per-group gather buffers or kept casts.
+  mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
+  matrices = 49152 / 2 + 4 * 131072 / 2          # embedding (vocab / tensor), layer kernels / tensor
+  vectors = 256 + 4 * 256                        # final norm, layer norms: whole
+  once = ['MeshConfig.fsdp_gather = "step"']
+  est = estimate_memory(small(*once, 'TrainConfig.grad_accum_steps = 2'), mesh, flash=False)
+  assert est.get('weights gathered for the step') == matrices * 2 + vectors * 4
+  assert est.get('gradient sums, gathered') == matrices * 4 + vectors * 4
+  rows = [r[0] for r in est.rows]
+  assert 'FSDP gather buffers' not in rows and 'weights kept cast' not in rows
+  single = estimate_memory(small(*once), mesh, flash=False)
+  assert single.get('gradient sums, gathered') == matrices * 2 + vectors * 4
+  # The circular pipeline holds the gathered matrices in fp32.
+  piped = estimate_memory(small(*once), {'fsdp': 2, 'pipeline': 2}, micro_batch=2, flash=False)
+  stage = 49152 + 4 * 131072 / 2
+  assert piped.get('weights gathered for the step') == stage * 4 + (256 + 4 * 256 / 2) * 4
+  # Without fsdp there is nothing to gather.
+  assert 'weights gathered for the step' not in [r[0] for r in estimate_memory(small(*once), {'data': 8}).rows]
+
+
 def test_pipeline_stages_and_what_each_schedule_keeps():
   est = estimate_memory(small(), {'pipeline': 2}, micro_batch=2, flash=False, schedule='circular')
   # Layers split into 2 stages; embedding and final norm stay whole.

@@ -96,6 +96,22 @@ LAYOUTS = {
                                       'MeshConfig.microbatches = 4', 'ModelConfig.fuse_projections = "none"'],
     # The GeLU MLP as one unit with its own backward (ModelConfig.gelu_epilogue),
     # traced outside the pipeline's forward, which takes 'data' out of the rules.
+    # FSDP's weights gathered once a step (MeshConfig.fsdp_gather = 'step'):
+    # every slice and micro-batch on the gathered copy, gradients summed on
+    # each device and reduce-scattered once.
+    'data2_fsdp4_grad_accum2_gather_once': ['MeshConfig.data = 2', 'MeshConfig.fsdp = 4',
+                                            'TrainConfig.grad_accum_steps = 2', 'MeshConfig.fsdp_gather = "step"'],
+    'data2_fsdp2_tensor2_gather_once': ['MeshConfig.data = 2', 'MeshConfig.fsdp = 2', 'MeshConfig.tensor = 2',
+                                        'MeshConfig.fsdp_gather = "step"'],
+    'fsdp2_pipeline2_tensor2_sp_gather_once': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.pipeline = 2',
+                                               'MeshConfig.tensor = 2', 'MeshConfig.sequence_parallel = True',
+                                               'TrainConfig.grad_accum_steps = 2', 'MeshConfig.fsdp_gather = "step"'],
+    'fsdp2_pipeline2_tensor2_sp_1f1b_gather_once': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2',
+                                                    'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
+                                                    'MeshConfig.sequence_parallel = True',
+                                                    'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 4',
+                                                    'MeshConfig.pipeline_schedule = "1f1b"',
+                                                    'MeshConfig.fsdp_gather = "step"'],
     'data2_pipeline2_tensor2_gelu_epilogue': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2',
                                               'MeshConfig.tensor = 2', 'MeshConfig.microbatches = 4',
                                               'ModelConfig.fuse_projections = "none"',

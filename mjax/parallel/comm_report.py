@@ -282,7 +282,12 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   # Pipeline schedules add their micro-batches' gradients in fp32 and
   # all-reduce the sums once: the stages' layers (and under 1F1B the ends,
   # which its stages run too) at 4 bytes.
-  piped = lambda p: mesh.get('pipeline', 1) > 1 and (p.in_layers or cfg.mesh.pipeline_schedule == '1f1b')
+  # MeshConfig.fsdp_gather = 'step' gathers every weight once a step and
+  # holds it, and sums every gradient on the device first, pipelined or not
+  # (train._grad_sums_gathered).
+  once = cfg.mesh.fsdp_gather == 'step' and f > 1
+  piped = lambda p: (mesh.get('pipeline', 1) > 1 and not once
+                     and (p.in_layers or cfg.mesh.pipeline_schedule == '1f1b'))
   reduced = lambda p: ec if len(p.shape) - int(p.layers) >= 2 and not piped(p) else p.itemsize
   grad_bytes = lambda p, *axes: p.size * reduced(p) / p.shards(mesh, ('tensor', 'pipeline', *axes))
 
@@ -295,7 +300,7 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
   # first at no cost in memory.
   k = cfg.train.grad_accum_steps
   per_slice = (f'; once a step: the {k} accumulation slices usually run it {k} times, unless the weights '
-               f'stay gathered') if k > 1 else ''
+               f"stay gathered (MeshConfig.fsdp_gather = 'step')") if k > 1 and not once else ''
   if fsdp_params:
     elems = sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params)
     # The ends (embedding, head) are gathered once: their gathered copy is
@@ -303,11 +308,17 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # 1F1B, whose stages run them per micro-batch in their own programs.
     ends = (sum(p.size / p.shards(mesh, ('tensor', 'pipeline')) for p in fsdp_params if not p.in_layers)
             if cfg.mesh.pipeline_schedule != '1f1b' else 0)
-    out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
-                           f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
-                           f'forward and again in the backward' + (' (the embedding and head once)' if ends else '')
-                           + f', in {m.dtype} ((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
-                           f'elements x {ec} B{per_slice})'))
+    if once:
+      out.append(Expectation('all-gather', (f - 1) / f * elems * ec,
+                             f"FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} once a step and held "
+                             f"(MeshConfig.fsdp_gather = 'step'), in {m.dtype} ((f-1)/f x {elems / 1e6:.2f}M "
+                             f'elements x {ec} B)'))
+    else:
+      out.append(Expectation('all-gather', (f - 1) / f * (2 * elems - ends) * ec,
+                             f'FSDP: {len(fsdp_params)} weight arrays gathered over fsdp={f} in the '
+                             f'forward and again in the backward' + (' (the embedding and head once)' if ends else '')
+                             + f', in {m.dtype} ((f-1)/f x (2 x {(elems - ends) / 1e6:.2f}M + {ends / 1e6:.2f}M) '
+                             f'elements x {ec} B{per_slice})'))
     # The weights are cast to the compute dtype on their shards before the
     # gather, so their gradients come back through the gather, and are
     # reduce-scattered, in that dtype (then widened to fp32 for LAMB).

@@ -220,11 +220,30 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
       ('LAMB moments', 2 * param_bytes, f'2 x {m.param_dtype} per parameter, sharded like them'),
   ]
   e = jnp.dtype(m.dtype).itemsize
-  if f > 1:
+  once = f > 1 and cfg.mesh.fsdp_gather == 'step'
+  if once:
+    # Every weight gathered over fsdp for the whole step, and each device's
+    # fp32 gradient sums at the same size (train._grad_sums_gathered). A
+    # circular pipeline holds the gathered matrices in fp32 (its scan sums
+    # their gradients in their dtype).
+    unsharded = lambda p: p.size / p.shards(sizes, ('tensor', 'pipeline'))
+    matrix = lambda p: len(p.shape) - int(p.layers) >= 2
+    held = 4 if pp > 1 and schedule == 'circular' else e
+    kept = sum(unsharded(p) * (held if matrix(p) else p.itemsize) for p in params)
+    rows.append(('weights gathered for the step', kept,
+                 f"fsdp_gather = 'step': every weight / (tensor; layers / pipeline), "
+                 f"matrices in {'float32' if held == 4 else m.dtype}"))
+    # Summed in fp32 over accumulation slices and pipeline micro-batches; a
+    # single pass leaves its gradients in the compute dtype.
+    summed = 4 if cfg.train.grad_accum_steps > 1 or pp > 1 else e
+    rows.append(('gradient sums, gathered', sum(unsharded(p) * (summed if matrix(p) else p.itemsize) for p in params),
+                 f"{'fp32' if summed == 4 else m.dtype}, reduce-scattered over fsdp once a step"))
+  elif f > 1:
     group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
     rows.append(('FSDP gather buffers', 2 * group * e,
                  f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
-  if m.remat_policy != 'full' and m.param_dtype != m.dtype and not one_f_one_b:
+  if m.remat_policy != 'full' and m.param_dtype != m.dtype and not one_f_one_b and not once:
+    # (Gathered once a step, the weights are already cast.)
     # The dots policies keep each projection's kernel as cast for the
     # backward's products (transformer._and_named), on the parameters'
     # shards, and so does autodiff without remat. (1F1B runs each chunk's

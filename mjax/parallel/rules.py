@@ -72,11 +72,14 @@ def data_axis() -> str | None:
   return 'data' if 'data' in mesh_axes('batch') and mesh.shape.get('data', 1) > 1 else None
 
 
-def rules_without(axis: str | None):
-  """The current logical rules with `axis` taken out (a context manager):
-  inside a region manual over `axis`, the batch is already this shard's and
-  must not be placed on that axis again."""
-  return nn.logical_axis_rules(_without_axis(nn.get_logical_axis_rules(), axis))
+def rules_without(*axes: str | None):
+  """The current logical rules with `axes` taken out (a context manager):
+  inside a region manual over them, the batch is already this shard's and
+  must not be placed on those axes again."""
+  rules = nn.get_logical_axis_rules()
+  for axis in axes:
+    rules = _without_axis(rules, axis)
+  return nn.logical_axis_rules(rules)
 
 
 def _without_axis(rules, axis: str | None):
