@@ -513,7 +513,17 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     p = jax.lax.optimization_barrier(p)
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
     with rules_without(*manual):
-      total, count, grads = _sum_over_slices(sums, p, b, k, zeros)
+      if k == 1:
+        total, count, grads = sums(p, b)
+      else:
+        # The last slice outside the loop: each layer's gradient sum is
+        # final, and its reduce-scatter can start, as soon as that slice's
+        # backward leaves the layer.
+        slices = _slices(b, k)
+        add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, new)
+        acc = jax.lax.scan(lambda acc, sl: (add(acc, sums(p, sl)), None), zeros,
+                           jax.tree.map(lambda a: a[:-1], slices))[0]
+        total, count, grads = add(acc, sums(p, jax.tree.map(lambda a: a[-1], slices)))
     # Each device's sums leave stacked along a leading dim of one per batch
     # shard, rounded once to the dtype they are reduced in.
     narrow = lambda g, lead: (g.astype(reduce_dtype) if is_matrix(g, lead) else g)[None]

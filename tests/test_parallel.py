@@ -101,8 +101,9 @@ LAYOUTS = {
     # each device and reduce-scattered once.
     'data2_fsdp4_grad_accum2_gather_once': ['MeshConfig.data = 2', 'MeshConfig.fsdp = 4',
                                             'TrainConfig.grad_accum_steps = 2', 'MeshConfig.fsdp_gather = "step"'],
-    'data2_fsdp2_tensor2_gather_once': ['MeshConfig.data = 2', 'MeshConfig.fsdp = 2', 'MeshConfig.tensor = 2',
-                                        'MeshConfig.fsdp_gather = "step"'],
+    'data2_fsdp2_tensor2_grad_accum4_gather_once': ['MeshConfig.data = 2', 'MeshConfig.fsdp = 2',
+                                                    'MeshConfig.tensor = 2', 'TrainConfig.grad_accum_steps = 4',
+                                                    'MeshConfig.fsdp_gather = "step"'],
     'fsdp2_pipeline2_tensor2_sp_gather_once': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.pipeline = 2',
                                                'MeshConfig.tensor = 2', 'MeshConfig.sequence_parallel = True',
                                                'TrainConfig.grad_accum_steps = 2', 'MeshConfig.fsdp_gather = "step"'],
