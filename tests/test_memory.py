@@ -28,6 +28,9 @@ def test_data_fsdp_tensor_mesh_by_hand():
   assert est.get('LAMB moments') == elems * 8
   # FSDP: two gathered groups of 2 layers, bf16, kernels split over tensor.
   assert est.get('FSDP gather buffers') == 2 * 2 * (131072 / 2 + 256) * 2
+  # The same groups when the layers are unrolled (each group its own subtree).
+  unrolled = estimate_memory(small('ModelConfig.scan_layers = False'), {'data': 2, 'fsdp': 2, 'tensor': 2}, flash=False)
+  assert unrolled.get('FSDP gather buffers') == est.get('FSDP gather buffers')
   # Activations: replica batch 16 / (2*2) = 4 sequences, s*b = 256, t = 2.
   sb, e = 64 * 4, 2
   norm = 2 * e * sb * 128 + 8 * sb                 # norm input + output, its fp32 mean and 1/std

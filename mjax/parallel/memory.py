@@ -239,7 +239,10 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
     rows.append(('gradient sums, gathered', sum(unsharded(p) * (summed if matrix(p) else p.itemsize) for p in params),
                  f"{'fp32' if summed == 4 else m.dtype}, reduce-scattered over fsdp once a step"))
   elif f > 1:
-    group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
+    if any(p.layers for p in params):
+      group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
+    else:   # unrolled: each layer group is a subtree of its own
+      group = sum(p.size / p.shards(sizes, ('tensor',)) for p in params if p.path.startswith("['layers_0']"))
     rows.append(('FSDP gather buffers', 2 * group * e,
                  f'2 gathered layer groups (in use + prefetched) in {m.dtype}'))
   if m.remat_policy != 'full' and m.param_dtype != m.dtype and not one_f_one_b and not once:
