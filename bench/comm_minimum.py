@@ -44,6 +44,8 @@ LAYOUTS = {
                   'MeshConfig.microbatches = 4', 'MeshConfig.pipeline_schedule = "1f1b"', *_PIPELINE],
     'f2t2p2': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.tensor = 2', 'MeshConfig.pipeline = 2',
                'MeshConfig.microbatches = 2', *_PIPELINE],
+    'f2t2p2_1f1b': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.tensor = 2', 'MeshConfig.pipeline = 2',
+                    'MeshConfig.microbatches = 2', 'MeshConfig.pipeline_schedule = "1f1b"', *_PIPELINE],
 }
 VARIANTS = {
     '': [],

@@ -333,6 +333,16 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
       out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,
                              f'data={d}: all-reduce of the 1/fsdp gradient shards in {m.dtype} '
                              f'(2 (d-1)/d x {ar / MiB:.1f} MiB)'))
+    pp = mesh.get('pipeline', 1)
+    if cfg.mesh.pipeline_schedule == '1f1b' and pp > 1:
+      # 1F1B computes the ends' gradients on its first and last stage and
+      # sums them over the stages in fp32 (pipeline.one_f_one_b), on their
+      # fsdp shards, or gathered where the step holds the weights gathered.
+      ends_bytes = sum(p.size * 4 / p.shards(mesh, ('tensor',) if once else ('tensor', 'fsdp'))
+                       for p in fsdp_params if not p.in_layers)
+      out.append(Expectation('all-reduce', 2 * (pp - 1) / pp * ends_bytes,
+                             f'1F1B: the embedding\'s and head\'s gradients summed over pipeline={pp} stages '
+                             f'in fp32 (2 (p-1)/p x {ends_bytes / MiB:.1f} MiB)'))
   replicated = [p for p in params if p not in fsdp_params]
   # The 1F1B schedule computes the embedding's gradient on the first stage
   # and the head's on the last: the params outside the layer stack (one
@@ -360,10 +370,15 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     # Remat recomputes a layer group's forward in the backward, and with it
     # the sums inside the group; the group's output is kept.
     recomputed = (m.n_layers - m.n_layers // m.layer_period) * per_pass if m.remat_policy != 'none' else 0
+    # 1F1B runs each chunk's forward again in its backward tick.
+    if cfg.mesh.pipeline_schedule == '1f1b' and mesh.get('pipeline', 1) > 1:
+      recomputed += m.n_layers * per_pass
     vocab_sharded = any('tensor' in p.axes() for p in params if p.path.startswith("['embedding']"))
     n = m.n_layers * per_layer + recomputed + (2 if vocab_sharded else 0)
     ends = ' + embedding fwd + LM head bwd' if vocab_sharded else ''
-    again_in_groups = f' + {recomputed} recomputed inside remat groups of {m.layer_period}' if recomputed else ''
+    again_in_groups = (f' + {recomputed} recomputed (inside remat groups of {m.layer_period}'
+                       + (", 1F1B's chunks run forward again" if cfg.mesh.pipeline_schedule == '1f1b'
+                          and mesh.get('pipeline', 1) > 1 else '') + ')') if recomputed else ''
     shape = f'(batch {b:g}, seq {cfg.data.seq_len}, d_model {m.d_model}) {m.dtype} = {act / MiB:.2f} MiB'
     what = f'{per_layer} per layer ({m.block} block) x {m.n_layers} layers{again_in_groups}{ends} = {n}, each {shape}'
     if not cfg.mesh.sequence_parallel:
