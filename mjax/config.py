@@ -243,10 +243,12 @@ class MeshConfig:
   # step, cast to the compute dtype, held gathered through the step's slices
   # and micro-batches, with the gradients summed on each device in fp32 and
   # reduce-scattered once: Megatron's distributed optimizer (ZeRO-2 within a
-  # step), MegaScale's data parallelism. Costs the gathered weights (compute
+  # step), MegaScale's data parallelism. For slow links (fsdp across hosts)
+  # and many slices or micro-batches. Costs memory, each at the size of the
+  # whole model over tensor and pipeline: the gathered weights (compute
   # dtype; fp32 on a circular pipeline, whose schedule sums their gradients)
-  # and fp32 gradient sums at the size of an fsdp group's shard times fsdp
-  # (`mjax-report memory`).
+  # and the fp32 gradient sums (`mjax-report memory`). The gathers run ahead
+  # of the first slice, not behind its products (bench/RESULTS.md).
   fsdp_gather: Literal['pass', 'step'] = 'pass'
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')

@@ -666,6 +666,20 @@ def test_tensor_and_pipeline_groups_across_processes_read_their_rows_once_per_gr
   np.testing.assert_allclose(_losses(tmp_path / 'tp'), _losses(two_process_run[0] / 'multi'), rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_fsdp_across_processes_gathered_once_a_step(two_process_run, tmp_path):
+  """FSDP x tensor with the fsdp axis across the processes (MeshConfig.dcn_fsdp,
+  the slow network it is for) and the weights gathered once a step
+  (MeshConfig.fsdp_gather = 'step') over 2 accumulation slices: the gathers
+  and reduce-scatters run between processes. Same rows as the data-parallel
+  run: the same losses, up to the order of the sums."""
+  out = _train_two(tmp_path / 'hsdp', '--gin.MeshConfig.data=1', '--gin.MeshConfig.fsdp=2',
+                   '--gin.MeshConfig.tensor=2', '--gin.MeshConfig.dcn_fsdp=2', "--gin.MeshConfig.fsdp_gather='step'",
+                   '--gin.TrainConfig.grad_accum_steps=2')
+  assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'pipeline': 1}" in out, out[-2000:]
+  np.testing.assert_allclose(_losses(tmp_path / 'hsdp'), _losses(two_process_run[0] / 'multi'), rtol=1e-4)
+
+
 def test_the_coordinator_raises_its_open_files_limit_for_the_job():
   """Process 0 hosts jax's coordination service, one connection per process:
   a soft limit of 1,024 open files held a job of a few hundred hosts."""
