@@ -246,9 +246,11 @@ class MeshConfig:
   # step), MegaScale's data parallelism. For slow links (fsdp across hosts)
   # and many slices or micro-batches. Costs memory, each at the size of the
   # whole model over tensor and pipeline: the gathered weights (compute
-  # dtype; fp32 on a circular pipeline, whose schedule sums their gradients)
-  # and the fp32 gradient sums (`mjax-report memory`). The gathers run ahead
-  # of the first slice, not behind its products (bench/RESULTS.md).
+  # dtype; fp32 where a pipeline's gradients would otherwise come back in
+  # it), a pass's gradients, their fp32 sums over slices and the copy
+  # reduce-scattered (`mjax-report memory`). The gathers run ahead
+  # of the first slice, not behind its products (bench/RESULTS.md). No
+  # effect where no fsdp axis splits the weights (fsdp x dcn_fsdp = 1).
   fsdp_gather: Literal['pass', 'step'] = 'pass'
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')

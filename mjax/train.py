@@ -232,7 +232,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
       total, count, grads = _grad_sums_gathered(
           loss_sums, state.params, batch, cfg.train.grad_accum_steps, param_specs=param_specs,
           compute_dtype=jnp.dtype(cfg.model.dtype), reduce_dtype=reduce_dtype, layer_axes=lay.layer_axes,
-          keep_fp32=pipe and cfg.mesh.pipeline_schedule == 'circular')
+          keep_fp32=_gathered_in_fp32(cfg))
     else:
       total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps,
                                        reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes)
@@ -445,6 +445,17 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer
   return run(params, batch)
 
 
+def _gathered_in_fp32(cfg: Config) -> bool:
+  """Whether fsdp_gather = 'step' holds the gathered weights in fp32 (their
+  values as cast): where the gradients would otherwise come back in the
+  compute dtype before they are summed. The circular schedule's scan sums
+  its micro-batches' in the weights' dtype; 1F1B sums them in fp32 but
+  returns them in the weights' dtype, once per accumulation slice."""
+  if not cfg.mesh.pipelined:
+    return False
+  return cfg.mesh.pipeline_schedule == 'circular' or cfg.train.grad_accum_steps > 1
+
+
 _on = lambda dim: -1 if dim is None else dim   # (None is no pytree leaf)
 
 
@@ -474,9 +485,9 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
   all-reduced over `data` on the shards. Left to GSPMD inside the slices'
   loop or the pipeline's scan, every slice and micro-batch gathers the
   weights again and reduce-scatters its own gradients (ZeRO-3): k times the
-  traffic. Held gathered in fp32 (`keep_fp32`, values as cast) where
-  autodiff of a scan sums the micro-batches' gradients in the weights' own
-  dtype: the circular pipeline.
+  traffic. Held gathered in fp32 (`keep_fp32`, values as cast) where the
+  gradients would come back in the weights' dtype before they are summed
+  (`_gathered_in_fp32`).
 
   The gather is GSPMD's and the reduction runs manual over every axis: a
   collective over `fsdp` inside a region manual over the batch axes only
@@ -531,7 +542,9 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
 
   def reduce(g, dim):
     g = g[0]
-    g = jax.lax.psum_scatter(g, 'fsdp', scatter_dimension=dim, tiled=True) if dim >= 0 else jax.lax.psum(g, 'fsdp')
+    if dim < 0:   # not split over fsdp: one sum over every batch axis
+      return jax.lax.psum(g, manual)
+    g = jax.lax.psum_scatter(g, 'fsdp', scatter_dimension=dim, tiled=True)
     return jax.lax.psum(g, rest) if rest else g
 
   gathered = jax.tree.map(gather, params, layer_axes, gathered_specs)

@@ -60,23 +60,37 @@ def test_dots_policies_keep_the_layers_kernels_cast():
 
 def test_fsdp_gathered_once_a_step_holds_the_weights_and_gradient_sums():
   # fsdp_gather = 'step': every weight gathered over fsdp (still split over
-  # tensor) in bf16, norms fp32; gradient sums fp32 with accumulation
-  # slices, bf16 without; no per-group gather buffers or kept casts.
+  # tensor) in bf16, norms fp32, and the gradients at the same size until
+  # the one reduce-scatter; no per-group gather buffers or kept casts.
   mesh = {'data': 2, 'fsdp': 2, 'tensor': 2}
   matrices = 49152 / 2 + 4 * 131072 / 2          # embedding (vocab / tensor), layer kernels / tensor
-  vectors = 256 + 4 * 256                        # final norm, layer norms: whole
+  vectors = (256 + 4 * 256) * 4                  # final norm, layer norms: whole, fp32
   once = ['MeshConfig.fsdp_gather = "step"']
-  est = estimate_memory(small(*once, 'TrainConfig.grad_accum_steps = 2'), mesh, flash=False)
-  assert est.get('weights gathered for the step') == matrices * 2 + vectors * 4
-  assert est.get('gradient sums, gathered') == matrices * 4 + vectors * 4
+  # 2 slices (the replica batch of 4 in micro-batches of 2): a slice's
+  # bf16 gradients, their fp32 sums and the bf16 copy reduce-scattered.
+  est = estimate_memory(small(*once), mesh, micro_batch=2, flash=False)
+  assert est.get('weights gathered for the step') == matrices * 2 + vectors
+  assert est.get('gradients of a pass, gathered') == matrices * 2 + vectors
+  assert est.get('gradient sums, gathered') == matrices * 4 + vectors
+  assert est.get('gradients as reduce-scattered') == matrices * 2 + vectors
   rows = [r[0] for r in est.rows]
   assert 'FSDP gather buffers' not in rows and 'weights kept cast' not in rows
-  single = estimate_memory(small(*once), mesh, flash=False)
-  assert single.get('gradient sums, gathered') == matrices * 2 + vectors * 4
-  # The circular pipeline holds the gathered matrices in fp32.
-  piped = estimate_memory(small(*once), {'fsdp': 2, 'pipeline': 2}, micro_batch=2, flash=False)
+  # One pass: its gradients are what is reduce-scattered.
+  single = [r[0] for r in estimate_memory(small(*once), mesh, flash=False).rows]
+  assert 'gradient sums, gathered' not in single and 'gradients as reduce-scattered' not in single
+  # The circular pipeline holds the gathered matrices in fp32: its scan sums
+  # their gradients in their dtype. 1F1B keeps fp32 accumulators of its own.
   stage = 49152 + 4 * 131072 / 2
-  assert piped.get('weights gathered for the step') == stage * 4 + (256 + 4 * 256 / 2) * 4
+  stage_vectors = (256 + 4 * 256 / 2) * 4
+  piped = estimate_memory(small(*once), {'fsdp': 2, 'pipeline': 2}, micro_batch=2, flash=False)
+  assert piped.get('weights gathered for the step') == stage * 4 + stage_vectors
+  one = estimate_memory(small(*once), {'fsdp': 2, 'pipeline': 2}, micro_batch=4, flash=False, schedule='1f1b')
+  assert one.get('weights gathered for the step') == stage * 2 + stage_vectors
+  assert one.get('1F1B gradient accumulators') == stage * 4 + stage_vectors
+  # With accumulation slices too (2 micro-batches of 2, twice) 1F1B hands
+  # back each slice's gradients in the weights' dtype: held in fp32.
+  sliced = estimate_memory(small(*once), {'fsdp': 2, 'pipeline': 2}, micro_batch=2, flash=False, schedule='1f1b')
+  assert sliced.get('weights gathered for the step') == stage * 4 + stage_vectors
   # Without fsdp there is nothing to gather.
   assert 'weights gathered for the step' not in [r[0] for r in estimate_memory(small(*once), {'data': 8}).rows]
 

@@ -94,8 +94,6 @@ LAYOUTS = {
                                         'MeshConfig.pipeline_schedule = "1f1b"'],
     'data2_pipeline2_tensor2_apart': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2',
                                       'MeshConfig.microbatches = 4', 'ModelConfig.fuse_projections = "none"'],
-    # The GeLU MLP as one unit with its own backward (ModelConfig.gelu_epilogue),
-    # traced outside the pipeline's forward, which takes 'data' out of the rules.
     # FSDP's weights gathered once a step (MeshConfig.fsdp_gather = 'step'):
     # every slice and micro-batch on the gathered copy, gradients summed on
     # each device and reduce-scattered once.
@@ -112,7 +110,10 @@ LAYOUTS = {
                                                     'MeshConfig.sequence_parallel = True',
                                                     'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 4',
                                                     'MeshConfig.pipeline_schedule = "1f1b"',
+                                                    'TrainConfig.grad_accum_steps = 2',
                                                     'MeshConfig.fsdp_gather = "step"'],
+    # The GeLU MLP as one unit with its own backward (ModelConfig.gelu_epilogue),
+    # traced outside the pipeline's forward, which takes 'data' out of the rules.
     'data2_pipeline2_tensor2_gelu_epilogue': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2',
                                               'MeshConfig.tensor = 2', 'MeshConfig.microbatches = 4',
                                               'ModelConfig.fuse_projections = "none"',

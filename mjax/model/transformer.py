@@ -336,11 +336,11 @@ class Transformer(nn.Module):
     if part == 'head':
       return self._head(hidden, head_table)
     x = embed_lookup(lookup, tokens, plan, partials)                 # (batch, seq, embed)
-    if getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()):
-      # Whole along the sequence first: in a region manual over the batch's
-      # axes (MeshConfig.fsdp_gather = 'step'), XLA's SPMD partitioner
-      # (jax 0.10) aborts on a lookup from a tensor-split vocabulary straight
-      # into the sequence-parallel layout.
+    if 'fsdp' in getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()):
+      # Whole along the sequence first: in a region manual over `fsdp`
+      # (MeshConfig.fsdp_gather = 'step'), XLA's SPMD partitioner (jax 0.10)
+      # aborts on a lookup from a tensor-split vocabulary straight into the
+      # sequence-parallel layout.
       x = constrain(x, ('batch', 'seq', 'embed'))
     x = constrain(x, ACT)
     if part == 'embed':

@@ -328,21 +328,27 @@ def expected_traffic(cfg: Config, mesh: Mapping[str, int], params=None) -> list[
     out.append(Expectation('reduce-scatter', (f - 1) / f * rs,
                            f'FSDP: gradients reduce-scattered over fsdp={f} in {m.dtype}, the dtype of '
                            f'the gathered weights ((f-1)/f x {rs / MiB:.1f} MiB{per_slice})'))
+    pp = mesh.get('pipeline', 1)
+    # 1F1B computes the ends' gradients on its first and last stage and
+    # sums them over the stages in fp32 (pipeline.one_f_one_b), on their
+    # fsdp shards; in the same all-reduce over data, unless the step holds
+    # the weights gathered ('step': over the stages only, gathered, and over
+    # data with the rest).
+    ends_in_schedule = cfg.mesh.pipeline_schedule == '1f1b' and pp > 1
+    over_data = [p for p in fsdp_params if once or not ends_in_schedule or p.in_layers]
     if d > 1:
-      ar = sum(grad_bytes(p, 'fsdp') for p in fsdp_params)
+      ar = sum(grad_bytes(p, 'fsdp') for p in over_data)
       out.append(Expectation('all-reduce', 2 * (d - 1) / d * ar,
                              f'data={d}: all-reduce of the 1/fsdp gradient shards in {m.dtype} '
                              f'(2 (d-1)/d x {ar / MiB:.1f} MiB)'))
-    pp = mesh.get('pipeline', 1)
-    if cfg.mesh.pipeline_schedule == '1f1b' and pp > 1:
-      # 1F1B computes the ends' gradients on its first and last stage and
-      # sums them over the stages in fp32 (pipeline.one_f_one_b), on their
-      # fsdp shards, or gathered where the step holds the weights gathered.
+    if ends_in_schedule:
+      n = pp if once else pp * d
       ends_bytes = sum(p.size * 4 / p.shards(mesh, ('tensor',) if once else ('tensor', 'fsdp'))
                        for p in fsdp_params if not p.in_layers)
-      out.append(Expectation('all-reduce', 2 * (pp - 1) / pp * ends_bytes,
-                             f'1F1B: the embedding\'s and head\'s gradients summed over pipeline={pp} stages '
-                             f'in fp32 (2 (p-1)/p x {ends_bytes / MiB:.1f} MiB)'))
+      out.append(Expectation('all-reduce', 2 * (n - 1) / n * ends_bytes,
+                             f'1F1B: the embedding\'s and head\'s gradients summed over {n} devices '
+                             f'(pipeline={pp}' + ('' if once else f' x data={d}') + ') in fp32 '
+                             f'(2 (n-1)/n x {ends_bytes / MiB:.1f} MiB)'))
   replicated = [p for p in params if p not in fsdp_params]
   # The 1F1B schedule computes the embedding's gradient on the first stage
   # and the head's on the last: the params outside the layer stack (one

@@ -222,22 +222,28 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
   e = jnp.dtype(m.dtype).itemsize
   once = f > 1 and cfg.mesh.fsdp_gather == 'step'
   if once:
-    # Every weight gathered over fsdp for the whole step, and each device's
-    # fp32 gradient sums at the same size (train._grad_sums_gathered). A
-    # circular pipeline holds the gathered matrices in fp32 (its scan sums
-    # their gradients in their dtype).
-    unsharded = lambda p: p.size / p.shards(sizes, ('tensor', 'pipeline'))
+    # Every weight gathered over fsdp for the whole step, and the gradients
+    # at the same size until they are reduce-scattered once
+    # (train._grad_sums_gathered): a pass's, 1F1B's fp32 accumulators, the
+    # fp32 sums over accumulation slices, and the copy that is reduced.
+    # Held in fp32 where the gradients would otherwise come back in the
+    # compute dtype before being summed (train._gathered_in_fp32).
+    slices = n_micro // m_pipe if pp > 1 else n_micro
+    held = 4 if pp > 1 and (schedule == 'circular' or slices > 1) else e
     matrix = lambda p: len(p.shape) - int(p.layers) >= 2
-    held = 4 if pp > 1 and schedule == 'circular' else e
-    kept = sum(unsharded(p) * (held if matrix(p) else p.itemsize) for p in params)
-    rows.append(('weights gathered for the step', kept,
-                 f"fsdp_gather = 'step': every weight / (tensor; layers / pipeline), "
-                 f"matrices in {'float32' if held == 4 else m.dtype}"))
-    # Summed in fp32 over accumulation slices and pipeline micro-batches; a
-    # single pass leaves its gradients in the compute dtype.
-    summed = 4 if cfg.train.grad_accum_steps > 1 or pp > 1 else e
-    rows.append(('gradient sums, gathered', sum(unsharded(p) * (summed if matrix(p) else p.itemsize) for p in params),
-                 f"{'fp32' if summed == 4 else m.dtype}, reduce-scattered over fsdp once a step"))
+    whole = lambda nbytes: sum(p.size / p.shards(sizes, ('tensor', 'pipeline')) * (nbytes if matrix(p) else p.itemsize)
+                               for p in params)
+    dtype = lambda nbytes: 'float32' if nbytes == 4 else m.dtype
+    rows.append(('weights gathered for the step', whole(held),
+                 f"fsdp_gather = 'step': every weight / (tensor; layers / pipeline), matrices in {dtype(held)}"))
+    rows.append(('gradients of a pass, gathered', whole(held), f'in {dtype(held)}, the same size'))
+    if one_f_one_b:
+      rows.append(('1F1B gradient accumulators', whole(4), 'fp32, the same size'))
+    if slices > 1:
+      rows.append(('gradient sums, gathered', whole(4), f'fp32 over the {slices} accumulation slices'))
+    if slices > 1 or held != e:
+      rows.append(('gradients as reduce-scattered', whole(e), f'{m.dtype}, the same size, reduce-scattered over '
+                   f'fsdp once a step'))
   elif f > 1:
     if any(p.layers for p in params):
       group = sum(p.size / p.shape[0] / p.shards(sizes, ('tensor',)) for p in params if p.layers)
