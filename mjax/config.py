@@ -248,9 +248,8 @@ class MeshConfig:
   # whole model over tensor and pipeline: the gathered weights (compute
   # dtype; fp32 where a pipeline's gradients would otherwise come back in
   # it), a pass's gradients, their fp32 sums over slices and the copy
-  # reduce-scattered (`mjax-report memory`). The gathers run ahead
-  # of the first slice, not behind its products (bench/RESULTS.md). No
-  # effect where no fsdp axis splits the weights (fsdp x dcn_fsdp = 1).
+  # reduce-scattered (`mjax-report memory`). No effect where no fsdp axis
+  # splits the weights (fsdp x dcn_fsdp = 1).
   fsdp_gather: Literal['pass', 'step'] = 'pass'
 
   AXES = ('data', 'fsdp', 'tensor', 'pipeline')
