@@ -520,10 +520,8 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
   def local(p, b):
     # Held as gathered: without a loop of slices around the passes, GSPMD
     # moved the gather into the forward and the backward each (1p3b, fsdp
-    # 8, no slices: twice the gathers' bytes). One barrier per weight, so
-    # that each layer's gather need only end before that layer's forward,
-    # behind the products of the layers before it.
-    p = jax.tree.map(jax.lax.optimization_barrier, p)
+    # 8, no slices: twice the gathers' bytes).
+    p = jax.lax.optimization_barrier(p)
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
     with rules_without(*manual):
       if k == 1:
@@ -531,18 +529,13 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
       else:
         # The last slice outside the loop: each layer's gradient sum is
         # final, and its reduce-scatter can start, as soon as that slice's
-        # backward leaves the layer.
-        # The first and the last slice outside the slices' loop: the
-        # gathers can then run behind the first slice's forward, and each
-        # layer's reduce-scatter start as the last slice's backward leaves
-        # the layer. (A loop takes its inputs whole and gives its outputs
-        # at its end.)
+        # backward leaves the layer. (Known: with the 1F1B schedule and
+        # slices, XLA's CPU runtime aborts now and then under load, with no
+        # message, whichever way the slices are laid out; not tried on GPUs.)
         slices = _slices(b, k)
         add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, new)
-        acc = add(zeros, sums(p, jax.tree.map(lambda a: a[0], slices)))
-        if k > 2:
-          acc = jax.lax.scan(lambda acc, sl: (add(acc, sums(p, sl)), None), acc,
-                             jax.tree.map(lambda a: a[1:-1], slices))[0]
+        acc = jax.lax.scan(lambda acc, sl: (add(acc, sums(p, sl)), None), zeros,
+                           jax.tree.map(lambda a: a[:-1], slices))[0]
         total, count, grads = add(acc, sums(p, jax.tree.map(lambda a: a[-1], slices)))
     # Each device's sums leave stacked along a leading dim of one per batch
     # shard, rounded once to the dtype they are reduced in.
