@@ -393,16 +393,40 @@ def _slices(batch: Batch, k: int) -> Batch:
   return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _sum_over_slices(fn, params, batch: Batch, k: int, zeros):
+def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, last_apart: bool = False):
   """fn(params, batch), a tree of sums, over the batch in `k` sequential
-  slices, summed (fp32 sums across slices, one division by the caller)."""
+  slices, summed (fp32 sums across slices, one division by the caller).
+  `last_apart`: the last slice runs after the slices' loop, not in it, so
+  that what follows can start on each of its results as it is made."""
   if k == 1:
     return fn(params, batch)
 
   def body(acc, sl):
     return jax.tree.map(jnp.add, acc, fn(params, sl)), None
 
-  return jax.lax.scan(body, zeros, _slices(batch, k))[0]
+  slices = _slices(batch, k)
+  if not last_apart:
+    return jax.lax.scan(body, zeros, slices)[0]
+  acc = jax.lax.scan(body, zeros, jax.tree.map(lambda a: a[:-1], slices))[0]
+  return jax.tree.map(jnp.add, acc, fn(params, jax.tree.map(lambda a: a[-1], slices)))
+
+
+def _sums_with_grads(loss_sums):
+  """(params, batch) -> (loss sum, token count, gradient sums)."""
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+
+  def sums(p, b):
+    (total, count), grads = grad_fn(p, b)
+    return total, count, grads
+
+  return sums
+
+
+def _is_matrix(w, lead: int) -> bool:
+  """A weight matrix (used, and its gradient reduced, in the compute dtype),
+  not a vector such as a norm scale; `lead`: its leading axes that index
+  layers."""
+  return w.ndim - lead >= 2
 
 
 def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer_axes=None):
@@ -418,12 +442,7 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer
   of the slices' loop only when the layers are unrolled): k times the
   cross-host traffic of HSDP. `layer_axes` (per param, its leading axes
   that index layers) tells a stacked vector from a matrix."""
-  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-
-  def sums(p, b):
-    (total, count), grads = grad_fn(p, b)
-    return total, count, grads
-
+  sums = _sums_with_grads(loss_sums)
   zeros = lambda p: (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, p))
   data = data_axis() if k > 1 and reduce_dtype is not None else None
   if data is None:
@@ -434,7 +453,7 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer
       total, count, grads = _sum_over_slices(sums, p, b, k, zeros(p))
     # Matrices are used in the compute dtype, and their gradients reduced in
     # it, as without slices; vectors (norm scales) in fp32.
-    narrow = lambda g, lead: g.astype(reduce_dtype) if g.ndim - lead >= 2 else g
+    narrow = lambda g, lead: g.astype(reduce_dtype) if _is_matrix(g, lead) else g
     leads = layer_axes if layer_axes is not None else jax.tree.map(lambda _: 0, grads)
     grads = jax.tree.map(lambda g, lead: jax.lax.psum(narrow(g, lead), data).astype(g.dtype), grads, leads)
     return jax.lax.psum(total, data), jax.lax.psum(count, data), grads
@@ -501,21 +520,15 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
   mesh = jax.sharding.get_abstract_mesh()
   manual = tuple(a for a in mesh_axes('batch') if mesh.shape[a] > 1)
   rest = tuple(a for a in manual if a != 'fsdp')
-  is_matrix = lambda w, lead: w.ndim - lead >= 2
   full = lambda spec, w: tuple(spec) + (None,) * (w.ndim - len(spec))
   fsdp_dims = jax.tree.map(lambda s: _on(_axis_dim(s, 'fsdp')), param_specs)
   # Each param's layout with `fsdp` taken out: what it is gathered to.
-  gathered_specs = jax.tree.map(lambda s: P(*(None if _axis_dim(P(e), 'fsdp') is not None else e for e in s)),
-                                param_specs)
-  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  gathered_specs = jax.tree.map(lambda s: P(*(None if e == 'fsdp' else e for e in s)), param_specs)
+  sums = _sums_with_grads(loss_sums)
 
   def gather(w, lead, spec):
-    g = jax.lax.with_sharding_constraint(w.astype(compute_dtype) if is_matrix(w, lead) else w, spec)
-    return g.astype(jnp.float32) if keep_fp32 and is_matrix(w, lead) else g
-
-  def sums(p, b):
-    (total, count), grads = grad_fn(p, b)
-    return total, count, grads
+    g = jax.lax.with_sharding_constraint(w.astype(compute_dtype) if _is_matrix(w, lead) else w, spec)
+    return g.astype(jnp.float32) if keep_fp32 and _is_matrix(w, lead) else g
 
   def local(p, b):
     # Held as gathered: without a loop of slices around the passes, GSPMD
@@ -523,23 +536,16 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     # 8, no slices: twice the gathers' bytes).
     p = jax.lax.optimization_barrier(p)
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
+    # The last slice apart from the loop: each layer's reduce-scatter can
+    # start as that slice's backward leaves the layer. (Known: with the 1F1B
+    # schedule and slices, XLA's CPU runtime aborts now and then under load,
+    # with no message, whichever way the slices are laid out; not tried on
+    # GPUs.)
     with rules_without(*manual):
-      if k == 1:
-        total, count, grads = sums(p, b)
-      else:
-        # The last slice outside the loop: each layer's gradient sum is
-        # final, and its reduce-scatter can start, as soon as that slice's
-        # backward leaves the layer. (Known: with the 1F1B schedule and
-        # slices, XLA's CPU runtime aborts now and then under load, with no
-        # message, whichever way the slices are laid out; not tried on GPUs.)
-        slices = _slices(b, k)
-        add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, new)
-        acc = jax.lax.scan(lambda acc, sl: (add(acc, sums(p, sl)), None), zeros,
-                           jax.tree.map(lambda a: a[:-1], slices))[0]
-        total, count, grads = add(acc, sums(p, jax.tree.map(lambda a: a[-1], slices)))
+      total, count, grads = _sum_over_slices(sums, p, b, k, zeros, last_apart=True)
     # Each device's sums leave stacked along a leading dim of one per batch
     # shard, rounded once to the dtype they are reduced in.
-    narrow = lambda g, lead: (g.astype(reduce_dtype) if is_matrix(g, lead) else g)[None]
+    narrow = lambda g, lead: (g.astype(reduce_dtype) if _is_matrix(g, lead) else g)[None]
     return jax.lax.psum(total, manual), jax.lax.psum(count, manual), jax.tree.map(narrow, grads, layer_axes)
 
   def reduce(g, dim):
