@@ -30,7 +30,7 @@ from mjax.model import Transformer
 from mjax.model.transformer import LayerGroup, remat
 from mjax.model.loss import cross_entropy
 from mjax.optim import Lamb, make_optimizer
-from mjax.parallel import logical_rules, pipeline
+from mjax.parallel import logical_rules, ordering, pipeline
 from mjax.parallel.rules import data_axis, mesh_axes, rules_without
 
 Batch = dict[str, jax.Array]
@@ -199,7 +199,10 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
     params = lay.init_params(rng)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  loss_sums = _loss_fn(cfg, model)
+  # XLA's CPU runtime needs a program's collectives in one order on every
+  # device (mjax.parallel.ordering); GPU programs keep their freedom.
+  on_cpu = mesh.devices.flat[0].platform == 'cpu'
+  loss_sums = _loss_fn(cfg, model, ordered=on_cpu)
 
   def eval_loss(params, batch: Batch) -> jax.Array:
     # In the training step's slices: a batch taken in slices to fit the
@@ -214,7 +217,6 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   # except on CPUs, whose compiler widens 16-bit collectives to fp32 anyway
   # and aborts on a bf16 one inside a region manual over some axes only
   # (AllReducePromotion: "Invalid binary instruction opcode copy").
-  on_cpu = mesh.devices.flat[0].platform == 'cpu'
   reduce_dtype = jnp.dtype(jnp.float32 if on_cpu else cfg.model.dtype)
   # MeshConfig.fsdp_gather = 'step': the weights gathered once a step, the
   # gradients reduce-scattered once (_grad_sums_gathered).
@@ -232,7 +234,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
       total, count, grads = _grad_sums_gathered(
           loss_sums, state.params, batch, cfg.train.grad_accum_steps, param_specs=param_specs,
           compute_dtype=jnp.dtype(cfg.model.dtype), reduce_dtype=reduce_dtype, layer_axes=lay.layer_axes,
-          keep_fp32=_gathered_in_fp32(cfg))
+          keep_fp32=_gathered_in_fp32(cfg), ordered=on_cpu)
     else:
       total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps,
                                        reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes)
@@ -298,7 +300,7 @@ def _split_stages(params, cfg: Config):
   return {**params, 'layers': pipeline.to_pipeline_layout(params['layers'], stages, repeats)}
 
 
-def _loss_fn(cfg: Config, model: Transformer):
+def _loss_fn(cfg: Config, model: Transformer, ordered: bool = False):
   """params, batch -> (sum of token losses, number of counted tokens): sums,
   not a mean, so that micro-batches and accumulation slices add up to the
   exact batch mean."""
@@ -324,11 +326,11 @@ def _loss_fn(cfg: Config, model: Transformer):
     nll = cross_entropy(logits, batch['targets'])
     return jnp.sum(nll * batch['loss_mask']), jnp.sum(batch['loss_mask'])
   if pipe and cfg.mesh.pipeline_schedule == '1f1b':
-    return _one_f_one_b_loss(cfg, model, group_fn, loss_sums)
+    return _one_f_one_b_loss(cfg, model, group_fn, loss_sums, ordered=ordered)
   return loss_sums
 
 
-def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
+def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain, ordered: bool = False):
   """`plain` (the circular schedule's loss sums) whose gradient comes from
   the 1F1B schedule (pipeline.one_f_one_b), which computes loss and
   gradients together: evaluation runs `plain`, differentiation the schedule.
@@ -359,7 +361,7 @@ def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain):
     total, count, d_layers, d_rest, dx = pipeline.one_f_one_b(
         embed_fn, stage_fn, head_fn, params['layers'], rest, (tokens, positions),
         (positions, batch.get('segment_ids')), (batch['targets'], batch['loss_mask']),
-        microbatches=cfg.mesh.num_microbatches(), embed_backward=inside)
+        microbatches=cfg.mesh.num_microbatches(), embed_backward=inside, ordered=ordered)
     if not inside:
       _, embed_vjp = jax.vjp(lambda r: embed_fn(r, (tokens, positions)), rest)
       (d_embed,) = embed_vjp(dx)
@@ -393,11 +395,15 @@ def _slices(batch: Batch, k: int) -> Batch:
   return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, last_apart: bool = False):
+def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, last_apart: bool = False,
+                     ordered: bool = False):
   """fn(params, batch), a tree of sums, over the batch in `k` sequential
   slices, summed (fp32 sums across slices, one division by the caller).
   `last_apart`: the last slice runs after the slices' loop, not in it, so
-  that what follows can start on each of its results as it is made."""
+  that what follows can start on each of its results as it is made;
+  `ordered`: and only once the loop has finished (XLA's CPU runtime would
+  run the two side by side, their collectives in any order:
+  `mjax.parallel.ordering`)."""
   if k == 1:
     return fn(params, batch)
 
@@ -408,7 +414,10 @@ def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, last_apart: bool =
   if not last_apart:
     return jax.lax.scan(body, zeros, slices)[0]
   acc = jax.lax.scan(body, zeros, jax.tree.map(lambda a: a[:-1], slices))[0]
-  return jax.tree.map(jnp.add, acc, fn(params, jax.tree.map(lambda a: a[-1], slices)))
+  last = jax.tree.map(lambda a: a[-1], slices)
+  if ordered:
+    last = ordering.after(last, acc)
+  return jax.tree.map(jnp.add, acc, fn(params, last))
 
 
 def _sums_with_grads(loss_sums):
@@ -491,7 +500,7 @@ def _axis_dim(spec: P, axis: str) -> Optional[int]:
 
 
 def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs, compute_dtype,
-                        reduce_dtype, layer_axes, keep_fp32: bool):
+                        reduce_dtype, layer_axes, keep_fp32: bool, ordered: bool = False):
   """`_grad_sums` with FSDP's weights gathered once for the whole step
   (MeshConfig.fsdp_gather = 'step'), returning the same sums.
 
@@ -516,6 +525,8 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     param_specs: per param, its PartitionSpec.
     layer_axes: per param, its leading axes that index layers (a stacked
       vector is not a matrix).
+    ordered: the last slice after the slices' loop, for XLA's CPU runtime
+      (`_sum_over_slices`).
   """
   mesh = jax.sharding.get_abstract_mesh()
   manual = tuple(a for a in mesh_axes('batch') if mesh.shape[a] > 1)
@@ -537,12 +548,9 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     p = jax.lax.optimization_barrier(p)
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
     # The last slice apart from the loop: each layer's reduce-scatter can
-    # start as that slice's backward leaves the layer. (Known: with the 1F1B
-    # schedule and slices, XLA's CPU runtime aborts now and then under load,
-    # with no message, whichever way the slices are laid out; not tried on
-    # GPUs.)
+    # start as that slice's backward leaves the layer.
     with rules_without(*manual):
-      total, count, grads = _sum_over_slices(sums, p, b, k, zeros, last_apart=True)
+      total, count, grads = _sum_over_slices(sums, p, b, k, zeros, last_apart=True, ordered=ordered)
     # Each device's sums leave stacked along a leading dim of one per batch
     # shard, rounded once to the dtype they are reduced in.
     narrow = lambda g, lead: (g.astype(reduce_dtype) if _is_matrix(g, lead) else g)[None]

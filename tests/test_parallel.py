@@ -110,6 +110,7 @@ LAYOUTS = {
                                                     'MeshConfig.sequence_parallel = True',
                                                     'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 4',
                                                     'MeshConfig.pipeline_schedule = "1f1b"',
+                                                    'TrainConfig.grad_accum_steps = 2',
                                                     'MeshConfig.fsdp_gather = "step"'],
     # The GeLU MLP as one unit with its own backward (ModelConfig.gelu_epilogue),
     # traced outside the pipeline's forward, which takes 'data' out of the rules.

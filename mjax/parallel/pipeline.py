@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from mjax.parallel import ordering
 from mjax.parallel.rules import data_axis, rules_without
 
 STAGE_ACT = ('stage', 'batch', 'residual_seq', 'embed')
@@ -182,7 +183,8 @@ def in_flight_bound(stages: int, repeats: int) -> int:
 
 
 def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layers: Any, head_params: Any,
-                inputs: Any, aux: Any, head_aux: Any, *, microbatches: int, embed_backward: bool = True):
+                inputs: Any, aux: Any, head_aux: Any, *, microbatches: int, embed_backward: bool = True,
+                ordered: bool = False):
   """Loss and gradients of the layer stack + head by an interleaved 1F1B
   schedule (Megatron-LM's interleaved schedule, run in lockstep).
 
@@ -235,6 +237,9 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
       embedding, the stack and the head (None leaves allowed), split into
       micro-batches.
     microbatches: m, a multiple of the stage count.
+    ordered: run a tick's collectives in one chain (backward, forward,
+      head, then the two shifts) on every device, for XLA's CPU runtime
+      (`mjax.parallel.ordering`).
   Returns:
     (loss_sum, count, d_layers, d_rest, dx): sums over the batch, the
     gradients of the layer params (pipeline layout, fp32) and of
@@ -256,6 +261,7 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
   n_items, slots, first_back = m * v, in_flight_bound(p, v), v * p
   ticks = one_f_one_b_ticks(p, v, m)
   f32 = lambda t: jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), t)
+  then = ordering.after if ordered else (lambda x, dep: x)
 
   def decode(k):
     """Sequence index -> (trip, micro-batch)."""
@@ -308,7 +314,7 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
       on_f = (kf >= 0) & (kf < n_items)
       kf_c = jnp.clip(kf, 0, n_items - 1)
       r_f, i_f = decode(kf_c)
-      inp = jnp.where((stage == 0) & (r_f == 0), xs[i_f], c['f_in'])
+      inp = then(jnp.where((stage == 0) & (r_f == 0), xs[i_f], c['f_in']), dh)
       y = jax.lax.cond(on_f, stage_fn, lambda w, h, a: zeros, chunk(r_f), inp, pick(aux, i_f))
       slot = kf_c % slots
       saved = c['saved'].at[slot].set(jnp.where(on_f, inp, c['saved'][slot]))
@@ -325,8 +331,8 @@ def one_f_one_b(embed_fn: Callable, stage_fn: Callable, head_fn: Callable, layer
                                                 head_params, y, pick(head_aux, i_f))
       d_head = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), c['d_head'], d_hp)
       # Outputs one stage on round the ring; cotangents one stage back.
-      f_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % p) for i in range(p)])
-      b_in = jax.lax.ppermute(dh, axis, [(i, (i - 1) % p) for i in range(p)])
+      f_in = jax.lax.ppermute(then(y, pending), axis, [(i, (i + 1) % p) for i in range(p)])
+      b_in = jax.lax.ppermute(then(dh, f_in), axis, [(i, (i - 1) % p) for i in range(p)])
       return dict(f_in=f_in, b_in=b_in, pending=pending, saved=saved, d_layers=d_layers, d_head=d_head,
                   loss=c['loss'] + loss, count=c['count'] + count, dx=dx), None
 
