@@ -395,29 +395,34 @@ def _slices(batch: Batch, k: int) -> Batch:
   return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, last_apart: bool = False,
-                     ordered: bool = False):
+def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, apart: bool = False, ordered: bool = False):
   """fn(params, batch), a tree of sums, over the batch in `k` sequential
   slices, summed (fp32 sums across slices, one division by the caller).
-  `last_apart`: the last slice runs after the slices' loop, not in it, so
-  that what follows can start on each of its results as it is made;
-  `ordered`: and only once the loop has finished (XLA's CPU runtime would
-  run the two side by side, their collectives in any order:
-  `mjax.parallel.ordering`)."""
+
+  `apart`: the first and the last slice run outside the slices' loop (a
+  loop takes its inputs whole and gives its outputs at its end): what
+  comes before can finish behind the first slice's work, each input
+  arriving by the time it is read, and what follows can start on each of
+  the last slice's results as it is made. `ordered`: the loop and the last
+  slice each start once the part before them has finished (XLA's CPU
+  runtime would otherwise run them side by side, their collectives in any
+  order: `mjax.parallel.ordering`)."""
   if k == 1:
     return fn(params, batch)
-
-  def body(acc, sl):
-    return jax.tree.map(jnp.add, acc, fn(params, sl)), None
-
+  add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, new)
   slices = _slices(batch, k)
-  if not last_apart:
-    return jax.lax.scan(body, zeros, slices)[0]
-  acc = jax.lax.scan(body, zeros, jax.tree.map(lambda a: a[:-1], slices))[0]
-  last = jax.tree.map(lambda a: a[-1], slices)
+  if not apart:
+    return jax.lax.scan(lambda acc, sl: (add(acc, fn(params, sl)), None), zeros, slices)[0]
+  pick = lambda i: jax.tree.map(lambda a: a[i], slices)
+  acc = add(zeros, fn(params, pick(0)))
+  if k > 2:
+    # The loop reads `acc` as its start: after the first slice already.
+    acc = jax.lax.scan(lambda acc, sl: (add(acc, fn(params, sl)), None), acc,
+                       jax.tree.map(lambda a: a[1:-1], slices))[0]
+  last = pick(k - 1)
   if ordered:
     last = ordering.after(last, acc)
-  return jax.tree.map(jnp.add, acc, fn(params, last))
+  return add(acc, fn(params, last))
 
 
 def _sums_with_grads(loss_sums):
@@ -525,8 +530,8 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     param_specs: per param, its PartitionSpec.
     layer_axes: per param, its leading axes that index layers (a stacked
       vector is not a matrix).
-    ordered: the last slice after the slices' loop, for XLA's CPU runtime
-      (`_sum_over_slices`).
+    ordered: for XLA's CPU runtime, the gathers all before the first slice,
+      and the slices one after another (`_sum_over_slices`).
   """
   mesh = jax.sharding.get_abstract_mesh()
   manual = tuple(a for a in mesh_axes('batch') if mesh.shape[a] > 1)
@@ -542,15 +547,20 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     return g.astype(jnp.float32) if keep_fp32 and _is_matrix(w, lead) else g
 
   def local(p, b):
-    # Held as gathered: without a loop of slices around the passes, GSPMD
-    # moved the gather into the forward and the backward each (1p3b, fsdp
-    # 8, no slices: twice the gathers' bytes).
-    p = jax.lax.optimization_barrier(p)
+    # Held as gathered: without a barrier GSPMD moved the gather into the
+    # forward and the backward each (1p3b, fsdp 8, no slices: twice the
+    # gathers' bytes). One barrier per weight, so that each layer's gather
+    # need only end before that layer's forward reads it, behind the
+    # products of the layers before; on CPUs one over them all, so that
+    # every gather ends before the first slice's collectives start
+    # (`mjax.parallel.ordering`).
+    p = jax.lax.optimization_barrier(p) if ordered else jax.tree.map(jax.lax.optimization_barrier, p)
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
-    # The last slice apart from the loop: each layer's reduce-scatter can
-    # start as that slice's backward leaves the layer.
+    # The first and last slices apart from the loop: the gathers run behind
+    # the first slice's forward, and each layer's reduce-scatter can start
+    # as the last slice's backward leaves the layer.
     with rules_without(*manual):
-      total, count, grads = _sum_over_slices(sums, p, b, k, zeros, last_apart=True, ordered=ordered)
+      total, count, grads = _sum_over_slices(sums, p, b, k, zeros, apart=True, ordered=ordered)
     # Each device's sums leave stacked along a leading dim of one per batch
     # shard, rounded once to the dtype they are reduced in.
     narrow = lambda g, lead: (g.astype(reduce_dtype) if _is_matrix(g, lead) else g)[None]
