@@ -6,9 +6,11 @@ participant arrives; collectives that two devices start in different orders
 deadlock the step (`mjax.parallel.ordering`). That happened now and then to
 the 1F1B schedule, whose tick has a backward, a forward and a head
 conditional and two stage shifts, none of them reading the others. The
-check here reads the compiled step: inside every loop body that shifts
-activations between stages, every op that holds a collective must reach
-or be reached by every other through its operands.
+check here reads the compiled step: in every computation, each loop,
+conditional or stage shift that holds a collective must reach or be
+reached by every other op holding one through its operands. (Pairs of
+plain gathers and reductions are left out: GSPMD leaves many of them
+unordered in every layout, and none has been seen to deadlock.)
 """
 
 import itertools
@@ -39,8 +41,8 @@ def compiled_step_text():
 
 
 def unordered_collectives(text: str) -> list[tuple[str, str]]:
-  """Pairs of collective-holding ops in a stage-shifting loop body that no
-  operand path orders."""
+  """Pairs of ops holding collectives, at least one of them a loop, a
+  conditional or a stage shift, that no operand path orders."""
   module = hlo_text.parse_module(text)
   memo: dict[str, bool] = {}
 
