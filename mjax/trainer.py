@@ -86,8 +86,11 @@ class NonFiniteLoss(FloatingPointError):
     # one it started from does not.
     n = self.step - base + (skipped if base == start else 0)
     where = f'the checkpoint of step {base}' if base else 'the start'
+    # With the step the skip is counted from: a later start from a newer
+    # checkpoint (saved past the skipped batches) must not skip again.
     self.args = (f'{self.args[0]}; a restart from {where} replays the {n} batch(es) that led here: '
-                 f'TrainConfig.skip_batches = {n} skips them (mjax-launch does so itself)',)
+                 f'TrainConfig.skip_batches = {n} with TrainConfig.skip_batches_after = {base} skips them '
+                 f'(mjax-launch does so itself)',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +193,7 @@ class Trainer:
     self._startup = startup if startup is not None else StartupPhase()
     self._startup.current = 'startup:mesh'
     self._trained = self._closed = False
+    self.skipped, self.skip_record = 0, None   # TrainConfig.skip_batches as this start applies it
     self._claim = _Claim(workdir)
     weakref.finalize(self, self._claim.release)
     try:
@@ -253,12 +257,15 @@ class Trainer:
                            (saved.get('train') or {}).get('steps') or cfg.train.steps)
     if restored is not None and not restored.explicit:
       self._check_schedule(saved)
+    if restored is not None:
+      self._check_model_function(saved, restored.step)
     if self.finished:
       return   # nothing to train: no data, no compilation, nothing written
     self._mark('state', then='startup:data')
 
     share, shares = self.program.data_share()   # this process's block of every batch
-    self.train_iter = self._train_iterator(restored.data if restored is not None else None, share, shares)
+    self.train_iter = self._train_iterator(restored.data if restored is not None else None, share, shares,
+                                           restored.meta.get('skipped') if restored is not None else None)
     self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
         cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
         process_count=shares)]
@@ -377,6 +384,8 @@ class Trainer:
     # and export check theirs against it (a file edited or replaced since).
     meta = {'config': config_lib.to_dict(self.recorded),
             'tokenizer': data_sources.tokenizer_identity(cfg.data).to_json()}
+    if self.skip_record:
+      meta['skipped'] = self.skip_record
     try:
       return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
     except Exception as e:
@@ -401,7 +410,7 @@ class Trainer:
       with timer.phase('checkpoint'):
         self._finish_saves()
       if nonfinite:
-        e.resumes_from(self._record_resume_from(reporter), self.start_step, self.cfg.train.skip_batches)
+        e.resumes_from(self._record_resume_from(reporter), self.start_step, self.skipped)
       raise
 
   def _record_resume_from(self, reporter: 'StepReporter') -> Optional[int]:
@@ -549,6 +558,27 @@ class Trainer:
                f'{now:.3g} instead of {was:.3g}. Set OptimConfig.decay_steps = {before} to go on with the '
                f'schedule the run was trained with.')
 
+  # What the model computes from the same parameters, where a resume under
+  # another value is legal (the shapes match) but trains, evaluates and
+  # generates another function: longer contexts by rope_theta or the window
+  # are done this way on purpose, a stale override by mistake.
+  FUNCTION_KEYS = ('sliding_window', 'rope_theta', 'rotary_fraction', 'gelu_approximate', 'norm_eps')
+
+  def _check_model_function(self, saved: dict, step: int) -> None:
+    """Warns where the resumed step was trained to compute another function
+    than this config's model does (the shapes, which the checkpoint
+    enforces, being the same)."""
+    before = saved.get('model') or {}
+    now = dataclasses.asdict(self.cfg.model)
+    changed = [k for k in self.FUNCTION_KEYS if k in before and before[k] != now[k]]
+    if changed:
+      diff = ', '.join(f'ModelConfig.{k} = {before[k]!r} there, {now[k]!r} now' for k in changed)
+      self.say(f'mjax: warning: step {step} was trained with another model function than this config '
+               f'gives ({diff}). Training goes on with the new one; the run\'s config.gin is rewritten '
+               f'with it, and evaluation, generation and export of this workdir use it. If that is not '
+               f'meant, stop and resume with ' +
+               ' '.join(f'--gin.ModelConfig.{k}={before[k]!r}' for k in changed) + '.')
+
   def _check_state_fits(self, devices: list) -> None:
     """Refuses a train state that cannot fit the devices before anything is
     allocated (otherwise the run sits in initialization, or dies without a
@@ -598,7 +628,13 @@ class Trainer:
       process, message = min(refused.items())
       raise ConfigError(message if jax.process_count() == 1 else f'process {process}: {message}')
 
-  def _train_iterator(self, data_state: Optional[dict], share: int, shares: int):
+  def _train_iterator(self, data_state: Optional[dict], share: int, shares: int,
+                      skipped_before: Optional[dict] = None):
+    """The training batches from the start position, past
+    TrainConfig.skip_batches where it holds. `skipped_before`: the skip the
+    checkpoint's data position already holds ({'batches', 'at_step'}: a
+    run that started from `at_step` skipped that many), carried in every
+    checkpoint saved since."""
     cfg = self.cfg
     it = data_lib.make_train_iterator(cfg.data, cfg.train.global_batch_size,
                                       process_index=share, process_count=shares)
@@ -612,6 +648,18 @@ class Trainer:
       self.say(f'mjax: TrainConfig.skip_batches = {skip} holds for a start from step {after} '
                f'(TrainConfig.skip_batches_after); this run starts from step {self.start_step}: nothing skipped')
       skip = 0
+    elif skip and after is None and skipped_before and skipped_before.get('batches') == skip:
+      # The same override given again on a later start (the same command,
+      # or the run's own config.gin): the checkpoint holds the data position
+      # past the batches skipped then, and skipping again drops good ones.
+      self.say(f'mjax: TrainConfig.skip_batches = {skip}: the run that started from step '
+               f'{skipped_before.get("at_step")} skipped these batches already, and the checkpoint of step '
+               f'{self.start_step} holds its data position past them: nothing skipped. To skip {skip} more '
+               f'from here, add TrainConfig.skip_batches_after = {self.start_step}')
+      skip = 0
+    self.skipped = skip
+    # What this start's data position holds, recorded in its checkpoints.
+    self.skip_record = {'batches': skip, 'at_step': self.start_step} if skip else skipped_before
     if skip:
       data_lib.skip(it, skip)
       self.say(f'mjax: skipped {skip} batches (TrainConfig.skip_batches)')

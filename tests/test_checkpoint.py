@@ -282,7 +282,8 @@ def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_pat
   # how to skip them, as mjax-launch's rollback does.
   with pytest.raises(trainer.NonFiniteLoss, match=r'grad_norm is inf at step 4; a restart from the checkpoint of '
                                                   r'step 2 replays the 2 batch\(es\) that led here: '
-                                                  r'TrainConfig.skip_batches = 2 skips them'):
+                                                  r'TrainConfig.skip_batches = 2 with '
+                                                  r'TrainConfig.skip_batches_after = 2 skips them'):
     fit(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2'), str(tmp_path))
   assert sorted(n for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == ['2']
   # The driver's skip holds for a start from the step it counted from: a
@@ -300,6 +301,51 @@ def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_pat
                            'TrainConfig.skip_batches_after = 2'), str(tmp_path))
   t.close()
   assert t.train_iter.get_state()['next_index'] == 4 and 'mjax: skipped 2 batches (TrainConfig.skip_batches)' in said
+
+
+def test_a_skip_given_again_on_a_later_start_skips_nothing(tmp_path, monkeypatch):
+  # TrainConfig.skip_batches without skip_batches_after, as a person gives
+  # it: the same override on the next start (the same command, or the run's
+  # own config.gin, which keeps it) skipped the batches again from every
+  # newer checkpoint, each already past them: good data dropped silently on
+  # every resume. The checkpoints now carry the skip their data position
+  # holds.
+  said = []
+  monkeypatch.setattr(trainer.Trainer, 'say', lambda self, msg: said.append(msg))
+  skip = 'TrainConfig.skip_batches = 2'
+  fit(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2', skip), str(tmp_path))
+  assert 'mjax: skipped 2 batches (TrainConfig.skip_batches)' in said   # from the start: 2 skipped
+  said.clear()
+  fit(cfg8('TrainConfig.steps = 6', 'CheckpointConfig.save_every = 2', skip), str(tmp_path))
+  assert not any(m.startswith('mjax: skipped') for m in said), said
+  assert any('skipped these batches already' in m and 'skip_batches_after = 4' in m for m in said), said
+  # Carried on by the checkpoints of a start that skipped nothing.
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 8', 'CheckpointConfig.save_every = 2', skip), str(tmp_path))
+  t.close()
+  assert t.start_step == 6 and t.train_iter.get_state()['next_index'] == 2 + 6
+  # Asked for at this step, it skips.
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 8', 'CheckpointConfig.save_every = 2', skip,
+                           'TrainConfig.skip_batches_after = 6'), str(tmp_path))
+  t.close()
+  assert t.train_iter.get_state()['next_index'] == 2 + 6 + 2
+
+
+def test_a_resume_under_another_model_function_is_named(tmp_path, monkeypatch):
+  # The same shapes, another function: a stale --gin.ModelConfig.rope_theta
+  # or sliding_window resumed without a word, and the rewritten config.gin
+  # then evaluated the older steps under the new value too.
+  said = []
+  monkeypatch.setattr(trainer.Trainer, 'say', lambda self, msg: said.append(msg))
+  fit(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 2'), str(tmp_path))
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), str(tmp_path))
+  t.close()
+  assert t.start_step == 2 and not any('another model function' in m for m in said), said
+  t = trainer.Trainer(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2',
+                           'ModelConfig.rope_theta = 500000.0'), str(tmp_path))
+  t.close()
+  warned = [m for m in said if 'another model function' in m]
+  assert len(warned) == 1 and 'ModelConfig.rope_theta = 10000.0 there, 500000.0 now' in warned[0], said
+  assert '--gin.ModelConfig.rope_theta=10000.0' in warned[0]
 
 
 def test_a_crash_with_a_save_in_flight_completes_the_save_and_says_only_its_error(tmp_path, repo_root):
