@@ -57,7 +57,7 @@ from mjax.ft.gc_control import StepGC
 from mjax.ft.heartbeat import HeartbeatClient
 from mjax.ft.inject import Injector
 from mjax.ft.phases import PhaseTimer
-from mjax.metrics import MetricsWriter
+from mjax.metrics import MetricsWriter, read_metrics
 from mjax.model.flops import flops_per_token
 from mjax.parallel import make_mesh, pipeline
 from mjax.train import Program, evaluate, make_program, setup_compilation_cache
@@ -194,6 +194,7 @@ class Trainer:
     self._startup.current = 'startup:mesh'
     self._trained = self._closed = False
     self.skipped, self.skip_record = 0, None   # TrainConfig.skip_batches as this start applies it
+    self.final_eval_pending = False
     self._claim = _Claim(workdir)
     weakref.finalize(self, self._claim.release)
     try:
@@ -259,8 +260,17 @@ class Trainer:
       self._check_schedule(saved)
     if restored is not None:
       self._check_model_function(saved, restored.step)
+    # A run stopped in its final evaluation (its last step saved, its
+    # eval_loss never written) takes that evaluation on its next start:
+    # else the restart found it "finished" and the run never had one.
+    self.final_eval_pending = self.finished and self._final_eval_missing()
+    if self.final_eval_pending:
+      share, shares = self.program.data_share()
+      self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
+          cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
+          process_count=shares)]
     if self.finished:
-      return   # nothing to train: no data, no compilation, nothing written
+      return   # nothing to train: no data (but the pending evaluation's), no compilation, nothing written
     self._mark('state', then='startup:data')
 
     share, shares = self.program.data_share()   # this process's block of every batch
@@ -296,6 +306,25 @@ class Trainer:
   @property
   def finished(self) -> bool:
     return self.start_step >= self.cfg.train.steps
+
+  def _final_eval_missing(self) -> bool:
+    """Whether this workdir's run reached TrainConfig.steps without its
+    final evaluation: resumed (not CheckpointConfig.restore_from) at exactly
+    that step, with metrics that hold that step's loss but no eval_loss for
+    it. Process 0 reads the metrics; every process takes its answer."""
+    steps = self.cfg.train.steps
+    if self.start_step != steps or self.restored_explicitly:
+      return False
+    missing = '0'
+    if self.is_main:
+      try:
+        rows = [r for r in read_metrics(self.workdir) if r.get('step') == steps]
+      except OSError:
+        rows = []
+      missing = '1' if any('loss' in r for r in rows) and not any('eval_loss' in r for r in rows) else '0'
+    if jax.process_count() > 1:
+      missing = distributed.broadcast_str('final_eval/missing', missing)
+    return missing == '1'
 
   def say(self, msg: str) -> None:
     if self.is_main:
@@ -345,6 +374,22 @@ class Trainer:
     self.close()
     return summary
 
+  def _final_evaluation(self) -> Summary:
+    """The final evaluation a stop during it left undone (_final_eval_missing):
+    taken on the saved last step and written as that step's eval_loss."""
+    step = self.start_step
+    self.say(f'mjax: this run trained to step {step} but stopped in its final evaluation, which it takes now')
+    with self.program.context():
+      eval_loss, _ = evaluate(self.program, self.state.params, self.eval_batches)
+    writer = MetricsWriter(self.workdir, enabled=self.is_main, resume_step=step)
+    writer.write(step, {'eval_loss': eval_loss})
+    writer.close()
+    if self.ckpt is not None:
+      self.ckpt.close()
+    self.close_heartbeat()
+    self.say(f'mjax: done. eval_loss {eval_loss:.4f}')
+    return Summary(start_step=step, final_step=step, eval_loss=eval_loss)
+
   def _close_when_saved(self) -> None:
     try:
       if self.ckpt is not None:
@@ -356,6 +401,8 @@ class Trainer:
 
   def _train(self) -> Summary:
     cfg, start = self.cfg, self.start_step
+    if self.final_eval_pending:
+      return self._final_evaluation()
     if self.finished:
       # Re-running a finished run: say so, and touch neither metrics nor checkpoints.
       where = (f'CheckpointConfig.restore_from is at step {start}' if self.restored_explicitly

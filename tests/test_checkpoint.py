@@ -348,6 +348,24 @@ def test_a_resume_under_another_model_function_is_named(tmp_path, monkeypatch):
   assert '--gin.ModelConfig.rope_theta=10000.0' in warned[0]
 
 
+def test_a_run_stopped_in_its_final_evaluation_takes_it_on_the_next_start(tmp_path):
+  # A SIGTERM during the final evaluation: the last step was saved, its
+  # eval_loss never written, and every restart said "already finished":
+  # the run never had its final evaluation.
+  summary, _ = fit(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 2'), str(tmp_path))
+  full = summary.eval_loss
+  path = tmp_path / 'metrics.jsonl'
+  lines = path.read_text().splitlines()
+  path.write_text('\n'.join(line for line in lines if 'eval_loss' not in line) + '\n')
+  assert not any('eval_loss' in r for r in read_metrics(str(tmp_path)))
+  summary, _ = fit(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 2'), str(tmp_path))
+  assert not summary.already_finished and summary.eval_loss == full
+  assert [r['eval_loss'] for r in read_metrics(str(tmp_path)) if 'eval_loss' in r] == [full]
+  assert any(r.get('step') == 2 and 'loss' in r for r in read_metrics(str(tmp_path)))   # the step's own row kept
+  summary, _ = fit(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 2'), str(tmp_path))
+  assert summary.already_finished
+
+
 def test_a_crash_with_a_save_in_flight_completes_the_save_and_says_only_its_error(tmp_path, repo_root):
   # A data file gone bad right after an async save began: the process used to
   # exit with the save half-written (the step lost, its temporary directory
