@@ -286,7 +286,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
                     'a URL; the workdir is a local or mounted directory (checkpoints can go to a bucket '
                     'with CheckpointConfig.directory)') + '. Give the run directory, or leave --workdir out '
                     'for runs/<config>.')
-  workdir = args.workdir or os.path.join('runs', flags.run_name(args))
+  workdir = args.workdir or default_workdir(flags.gin_files(args))
   _exit_on_ctrl_c(prog)
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   heartbeat = None
@@ -335,6 +335,21 @@ def _early_heartbeat(args: argparse.Namespace, bindings: Sequence[str]):
   early = flags.load(flags.gin_files(args), bindings)   # FaultConfig's intervals; checked again in setup
   startup = StartupPhase('startup:join')
   return HeartbeatClient.from_env(startup, early.fault, int(os.environ.get(PROCESS_ID, '0') or 0)), startup
+
+
+def default_workdir(gin_files: list[str]) -> str:
+  """mjax-train's workdir without --workdir: runs/<the last gin file's
+  name>, except for a run's own config.gin, whose run goes on in its own
+  workdir (`--gin_file runs/pp/config.gin`, as the README resumes a run,
+  had started a new one in runs/config)."""
+  last = gin_files[-1]
+  folder = os.path.dirname(last) or '.'
+  if os.path.basename(last) == 'config.gin':
+    from mjax import checkpoint
+    if checkpoint._is_workdir(folder):
+      print(f'mjax: --workdir {folder}: the run whose config.gin this is', flush=True)
+      return folder
+  return os.path.join('runs', os.path.splitext(os.path.basename(last))[0])
 
 
 def _tell_driver(workdir: str, fact: str, value) -> None:

@@ -72,11 +72,6 @@ def gin_files(args: argparse.Namespace) -> list[str]:
   return list(args.gin_file) or [DEFAULT_GIN]
 
 
-def run_name(args: argparse.Namespace) -> str:
-  """The last gin file's name without extension: the default run directory's name."""
-  return os.path.splitext(os.path.basename(gin_files(args)[-1]))[0]
-
-
 def load(files: Sequence[str], bindings: Sequence[str] = (), num_devices: Optional[int] = None) -> Config:
   """The validated config, including the checks that read data files (the
   tokenizer's or the shards' vocabulary against the model's).

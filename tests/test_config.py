@@ -245,6 +245,22 @@ def test_train_refuses_an_empty_or_remote_workdir(tmp_path, monkeypatch, capsys)
   assert os.listdir(tmp_path) == []
 
 
+def test_a_runs_own_config_gin_goes_on_in_that_run(tmp_path, monkeypatch, capsys):
+  # The README resumes a run with `--gin_file runs/pp/config.gin`; without
+  # --workdir that started a new run in runs/config.
+  from mjax.cli import default_workdir
+  monkeypatch.chdir(tmp_path)
+  assert default_workdir(['configs/tiny.gin']) == os.path.join('runs', 'tiny')
+  run = tmp_path / 'runs' / 'pp'
+  run.mkdir(parents=True)
+  (run / 'config.gin').write_text('')
+  # Not a run's workdir (no config.json of a run): a gin file like any other.
+  assert default_workdir(['runs/pp/config.gin']) == os.path.join('runs', 'config')
+  (run / 'config.json').write_text('{"model": {}, "checkpoint": {}}')
+  assert default_workdir(['runs/pp/config.gin']) == 'runs/pp'
+  assert 'the run whose config.gin this is' in capsys.readouterr().out
+
+
 def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys):
   # Ctrl-C and SIGTERM unwind the tool (its clean-ups run) and end it with
   # one line and a documented status; before, SIGTERM killed a tool without
