@@ -317,6 +317,10 @@ def test_report_and_memory_analysis(fsdp):
   text = format_report(report)
   for word in ('all-gather', 'expected (analytical minimum)', 'memory analysis', 'largest'):
     assert word in text
+  # The CPU's gradient all-reduces are named where the minimum has none (the
+  # tied table's reduce-scatter made the old note's "no reduce-scatter"
+  # condition false, and the 2x went unexplained).
+  assert 'all-reduce instructions where the minimum has none' in text and '--target h100:8' in text
 
 
 WIDENED_HLO = """\

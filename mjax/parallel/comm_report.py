@@ -464,6 +464,7 @@ class CommReport:
   memory: Optional[dict[str, int]]
   mesh: dict[str, int]
   compute_dtype: str = 'bf16'   # HLO spelling of ModelConfig.dtype
+  gpu: bool = False             # compiled for GPUs (their library calls are in the HLO)
 
   def expected_wire(self, kind: str) -> float:
     return sum(e.wire_bytes for e in self.expected if e.kind == kind)
@@ -480,10 +481,12 @@ def comm_report(compiled: Any, cfg: Config, mesh: Mapping[str, int]) -> CommRepo
   hlo_dtype = {'bfloat16': 'bf16', 'float32': 'f32', 'float16': 'f16'}[cfg.model.dtype]
   # f32 compute: a convert from 16 bits (bf16 master weights, say) is the
   # program's own cast, and its f32 collectives are real.
-  stats = collective_stats(compiled.as_text(), trace_widening=hlo_dtype != 'f32')
+  text = compiled.as_text()
+  stats = collective_stats(text, trace_widening=hlo_dtype != 'f32')
   return CommReport(stats=stats,
                     expected=expected_traffic(cfg, mesh),
-                    memory=memory_stats(compiled), mesh=dict(mesh), compute_dtype=hlo_dtype)
+                    memory=memory_stats(compiled), mesh=dict(mesh), compute_dtype=hlo_dtype,
+                    gpu=bool(re.search(r'__cublas|__cudnn|triton', text)))
 
 
 def _mb(x: float) -> str:
@@ -527,10 +530,19 @@ def format_report(report: CommReport) -> str:
   if s.unknown_trip_loops:
     lines.append(f'WARNING: unknown trip count for {", ".join(s.unknown_trip_loops)}; '
                  'their collectives are counted once.')
-  if s.per_step('all-reduce')['static'] and report.expected_wire('reduce-scatter') \
-      and not s.per_step('reduce-scatter')['static']:
-    lines.append('note: no reduce-scatter in the HLO: this backend reduces the FSDP gradients with '
-                 'all-reduce + slice (2x the reduce-scatter wire bytes, counted under all-reduce).')
+  reduced = s.per_step('all-reduce')
+  # (Gradient-sized all-reduces only: the loss's scalar sums are in every program.)
+  if not report.gpu and reduced['wire'] > 0.1 * report.expected_wire('reduce-scatter') > 0 \
+      and not report.expected_wire('all-reduce'):
+    # XLA:CPU has no pass that turns all-reduce + dynamic-slice into a
+    # reduce-scatter (XLA:GPU's ReduceScatterCreator): the FSDP gradients
+    # of such a program are all-reduced whole.
+    some = 'no reduce-scatter in the HLO' if not s.per_step('reduce-scatter')['static'] else \
+        f'{reduced["static"]:g} all-reduce instructions where the minimum has none'
+    lines.append(f'note: {some}: this backend reduces the FSDP gradients with all-reduce + slice (2x the '
+                 f'reduce-scatter wire bytes, counted under all-reduce; as reduce-scatters '
+                 f'{_mb(reduced["wire"] / 2)} MiB). A GPU compile reduce-scatters them: --target h100:8 '
+                 'compiles the GPU\'s program without a GPU.')
   gathers = s.of_kind('all-gather')
   widened = [o for o in gathers if o.widened_from]
   if widened:
