@@ -16,7 +16,8 @@ next start).
 
 Restore takes the newest step across both tiers; a checkpoint that fails to
 read (truncated, corrupted, missing files) is reported and skipped, and the
-next older one is used.
+next older one is used; once that one is read, the failed one is moved aside
+(`damaged-<step>-<time>`), so that it takes no slot of the steps kept.
 
 Single-replica restore (MegaScale's): params and LAMB moments are replicated
 over the `data` mesh axis, so when the data-parallel replicas live in
@@ -1908,10 +1909,17 @@ class Checkpointer:
       self._unusable.add((name, step))
       failures.append(f'{path}: {"damaged" if damaged else "unreadable"} '
                       f'({mine or "in process(es) " + str(failed)})')
-      if len(verdicts) == jax.process_count() and damaged:
-        # Bits that changed since the save: never usable again. (An unreadable
-        # step may be a passing I/O fault: it stays where it is.)
-        damaged_steps.append((tier, step, path))
+      # Moved aside below, as damaged (bits that changed since the save:
+      # never usable again) or unreadable alike: left in the tier, an
+      # unreadable step takes one of the `keep` slots, and Orbax's next saves
+      # delete a good older step in its place (the one just fallen back to,
+      # even). Renamed, not deleted: evidence, and a step that a passing I/O
+      # fault kept from being read can be renamed back. A host-local copy
+      # newer than the step restored is dropped below instead, with every
+      # newer one (the failed copy may be only one process's), unless every
+      # process found its copy damaged.
+      if not tier.host or (damaged and len(verdicts) == jax.process_count()):
+        damaged_steps.append((tier, step, path, 'damaged' if damaged else 'unreadable'))
     if restored is None and abandoned and not failures:
       raise NoUsableCheckpoint(
           f'CheckpointConfig.restore_below = {below}: no checkpoint of this run is older than step '
@@ -1929,8 +1937,8 @@ class Checkpointer:
     # Moved aside only once an older step has been read and checked: a fault
     # in the devices that compute the checksums would otherwise make every
     # good step look damaged, and move them all.
-    for tier, step, path in damaged_steps:
-      self._move_aside(tier, step, path, self.cfg.io_timeout_s)
+    for tier, step, path, verdict in damaged_steps:
+      self._move_aside(tier, step, path, self.cfg.io_timeout_s, said=f'{verdict} at restore')
     for step, name in abandoned:
       tier = tiers[name]
       if tier.host:   # host copies: dropped below, with every newer one
@@ -1990,15 +1998,18 @@ class Checkpointer:
     return (None if verdicts else restored), verdicts
 
   @staticmethod
-  def _move_aside(tier: _Tier, step: int, path: str, timeout_s: float, why: str = 'damaged') -> None:
-    """Renames a damaged (or rolled-back) step out of the tier, kept for
-    inspection, so that training saves that step afresh when it gets there
-    again."""
+  def _move_aside(tier: _Tier, step: int, path: str, timeout_s: float, why: str = 'damaged',
+                  said: Optional[str] = None) -> None:
+    """Renames a damaged or unreadable (or rolled-back) step out of the tier,
+    kept for inspection and no longer among the `keep` steps, so that
+    training saves that step afresh when it gets there again. `said`: what
+    happened to it, for the log."""
     if (tier.host or jax.process_index() == 0) and '://' not in path and os.path.isdir(path):
       aside = os.path.join(tier.directory, f'{why}-{step}-{int(time.time())}')
       try:
         os.rename(path, aside)
-        log.warning('moved %s aside to %s', path, aside)
+        log.warning('moved %s aside to %s%s', path, aside,
+                    f' ({said}; kept for inspection, no longer one of the steps kept)' if said else '')
       except OSError as e:
         log.warning('could not move %s aside (%s); it will be skipped again', path, e)
     if jax.process_count() > 1:

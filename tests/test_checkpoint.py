@@ -947,6 +947,40 @@ def test_an_unreadable_newest_step_is_saved_afresh_when_training_passes_it(unint
   assert verify_step(os.path.join(workdir, 'checkpoints', '4'))[0] == 'ok'
 
 
+@pytest.mark.parametrize('damage', ['state deleted', 'meta not JSON'])
+def test_an_unreadable_newest_step_is_moved_aside_and_keeps_no_slot(tmp_path, caplog, damage):
+  """The newest step unreadable (not a checksum failure) and the run resumed
+  from the one before it, then ended before passing the unreadable step
+  again: that step stayed in checkpoints/, one of the `keep` steps, and the
+  next save made Orbax delete the good step the run had resumed from. It is
+  moved aside as a damaged step is (renamed, never deleted)."""
+  import shutil
+  workdir = str(tmp_path / 'run')
+  ckdir = os.path.join(workdir, 'checkpoints')
+  keep = ['CheckpointConfig.save_every = 2', 'CheckpointConfig.keep = 2']
+  trainer.run(cfg8('TrainConfig.steps = 3', *keep), workdir)   # saves 2, and 3 at the end
+  assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [2, 3]
+  if damage == 'state deleted':
+    shutil.rmtree(os.path.join(ckdir, '3', 'state'))
+  else:
+    with open(os.path.join(ckdir, '3', 'meta', 'metadata'), 'w') as fh:
+      fh.write('{"step": 3,')
+  with caplog.at_level('WARNING'):
+    out, _ = fit(cfg8('TrainConfig.steps = 4', *keep), workdir)   # saves 4 only
+  assert out.start_step == 2
+  # The good step resumed from survives retention; the unreadable one is
+  # kept aside, whole as it was, for inspection.
+  assert sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) == [2, 4]
+  aside = [n for n in os.listdir(ckdir) if n.startswith('damaged-3-')]
+  assert len(aside) == 1 and os.path.isdir(os.path.join(ckdir, aside[0], 'meta'))
+  assert 'checkpoints/3 (step 3) is unreadable' in caplog.text, caplog.text
+  assert re.search(r'moved \S+/checkpoints/3 aside to \S+/checkpoints/damaged-3-\d+ \(unreadable at restore',
+                   caplog.text), caplog.text
+  from mjax.checkpoint import verify_step
+  assert verify_step(os.path.join(ckdir, '2'))[0] == 'ok'
+  assert verify_step(os.path.join(ckdir, '4'))[0] == 'ok'
+
+
 # --- single-replica restore: the broadcast, in one process ------------------------
 
 def test_the_replica_broadcast_is_bit_exact_for_every_dtype():
