@@ -291,6 +291,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   heartbeat = None
   try:
+    from mjax.ft import inject
+    inject.parse(os.environ.get(protocol.INJECT_ENV, ''))   # a typo there said now, not after start-up
     heartbeat, startup = _early_heartbeat(args, bindings)
     cfg = flags.setup(flags.gin_files(args), bindings)
     summary = trainer.run(cfg, workdir, heartbeat, startup)

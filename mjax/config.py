@@ -508,8 +508,39 @@ def load_config(gin_files: Sequence[str] = (), bindings: Sequence[str] = (),
   return validate(cfg, num_devices=num_devices)
 
 
+def _guard_gin_file_readers() -> None:
+  """Makes gin's file-existence checks answer False instead of raising.
+
+  gin looks for an `include`d file with each registered reader in turn; the
+  one it adds itself (gin.resource_reader) reads a path with a folder
+  ('configs/tiny.gin') as a Python package and its file, and raises a
+  TypeError where that package has no file of its own (a folder without
+  __init__.py on sys.path: a namespace package). The search then ended in
+  'expected str, bytes or os.PathLike object, not NoneType' instead of gin's
+  own 'Unable to open file: ... Searched config paths: [...]'."""
+  readers = getattr(gin.config, '_FILE_READERS', None)   # gin has no public way to change them
+  if not isinstance(readers, list):
+    return
+  for i, entry in enumerate(readers):
+    try:
+      reader, exists = entry
+    except (TypeError, ValueError):
+      continue
+    if getattr(exists, '_mjax_guarded', False):
+      continue
+
+    def guarded(path, _exists=exists):
+      try:
+        return bool(_exists(path))
+      except Exception:  # noqa: BLE001 -- a reader that cannot tell has not found the file
+        return False
+    guarded._mjax_guarded = True
+    readers[i] = (reader, guarded)
+
+
 def _bound_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Config:
   """`load_config`'s parse: the Config the files and bindings make, unchecked."""
+  _guard_gin_file_readers()
   cfg_dir = default_config_dir()
   if cfg_dir:
     gin.add_config_file_search_path(cfg_dir)

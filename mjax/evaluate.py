@@ -224,14 +224,30 @@ def config_sources(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if not os.path.isdir(args.workdir):
       what = 'is not a directory' if os.path.exists(args.workdir) else 'does not exist'
       raise UserError(f'--workdir {args.workdir!r} {what}: give the workdir of an mjax-train run, or '
-                      f'--checkpoint PATH with --gin_file.')
+                      f'{_checkpoint_advice(None)}.')
     if not os.path.isfile(run_gin):
       raise UserError(f'--workdir {args.workdir!r} has no config.gin: give the workdir of an mjax-train '
-                      f'run, or --checkpoint PATH with --gin_file.')
+                      f'run, or {_checkpoint_advice(args.workdir)}.')
     return [run_gin, *args.gin_file], []
   if args.gin_file:
     return list(args.gin_file), []
   return [], saved_bindings(_meta_path(args))
+
+
+def _checkpoint_advice(workdir: Optional[str]) -> str:
+  """How to evaluate a checkpoint without a run's config.gin: --checkpoint
+  alone (the config saved with it), naming the newest step of `workdir`'s
+  checkpoints/ where it has one."""
+  try:
+    steps = steps_in(os.path.join(workdir, 'checkpoints')) if workdir else []
+  except OSError:   # an unreadable directory: the plain advice
+    steps = []
+  if steps:
+    where = os.path.join(workdir, 'checkpoints', str(steps[0]))
+    return (f'--checkpoint {where} on its own (its newest saved step, of {_list_steps(steps)}; the config '
+            f'saved with it is used, no --gin_file needed)')
+  return ('--checkpoint PATH on its own, PATH a saved step (.../checkpoints/120): the config saved with it is '
+          'used (--gin_file only to give another)')
 
 
 def _meta_path(args: argparse.Namespace) -> str:

@@ -189,6 +189,28 @@ def test_missing_gin_file_lists_bundled_configs(tmp_path):
     C.load_config(['/dev/null'], [])
 
 
+def test_a_missing_include_with_a_folder_is_said_with_where_it_was_searched(tmp_path, monkeypatch):
+  # gin also looks for 'folder/file.gin' as a file of a Python package; a
+  # folder on sys.path without __init__.py (the checkout's configs/ where the
+  # repository is on PYTHONPATH) made that look-up fail with "expected str,
+  # bytes or os.PathLike object, not NoneType" instead of saying the file
+  # is not there.
+  (tmp_path / 'nspkg').mkdir()
+  monkeypatch.syspath_prepend(str(tmp_path))
+  (tmp_path / 'x').mkdir()
+  top = tmp_path / 'x' / 'my2.gin'
+  top.write_text("include 'nspkg/tiny.gin'\n")
+  with pytest.raises(C.ConfigError) as e:
+    C.load_config([str(top)], [])
+  msg = str(e.value)
+  assert 'Unable to open file: nspkg/tiny.gin. Searched config paths: [' in msg and str(tmp_path / 'x') in msg, msg
+  assert 'NoneType' not in msg and '\n' not in msg, msg
+  # A file there is still found, through the search path of the including file.
+  (tmp_path / 'x' / 'nspkg').mkdir()
+  (tmp_path / 'x' / 'nspkg' / 'tiny.gin').write_text("include 'tiny.gin'\nTrainConfig.steps = 7\n")
+  assert C.load_config([str(top)], []).train.steps == 7
+
+
 def test_cli_error_exits_2_without_traceback(repo_root, tmp_path):
   bad = tmp_path / 'bad.gin'
   bad.write_text("include 'tiny.gin'\nModelConfig.n_heads = 6\n")

@@ -173,6 +173,24 @@ def test_config_of_another_model_is_refused(run, tmp_path):
     mjax_eval('--workdir', str(tmp_path / 'afile'))
 
 
+def test_a_workdir_without_config_gin_points_to_its_newest_checkpoint_alone(tmp_path):
+  # --checkpoint needs no --gin_file (the config saved with the step is
+  # used): the advice says so, and names the newest step the workdir holds.
+  for step in (3, 12, 6):
+    (tmp_path / 'checkpoints' / str(step) / 'state').mkdir(parents=True)
+  with pytest.raises(UserError) as e:
+    mjax_eval('--workdir', str(tmp_path))
+  msg = str(e.value)
+  assert f'--checkpoint {tmp_path}/checkpoints/12 on its own' in msg, msg
+  assert '--gin_file.' not in msg and 'with --gin_file' not in msg and '\n' not in msg, msg
+  # No steps there: --checkpoint PATH, still without --gin_file.
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  with pytest.raises(UserError, match=r'has no config.gin: .*--checkpoint PATH on its own') as e:
+    mjax_eval('--workdir', str(empty))
+  assert 'with --gin_file' not in str(e.value)
+
+
 def cli(repo_root: str, *argv: str, devices: int = 8) -> subprocess.CompletedProcess:
   env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}'}
   return subprocess.run([sys.executable, '-c', 'from mjax.cli import eval_main; eval_main()', *argv],

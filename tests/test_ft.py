@@ -387,6 +387,36 @@ def test_steps_longer_than_the_progress_timeout_are_no_hang():
   assert f.kind == 'hang' and f.detail.endswith('3 times its last step (20.0s)'), f.detail
 
 
+def test_a_malformed_injected_fault_is_bad_input_naming_what_is_allowed():
+  # A typo in MJAX_FAULT is the user's to fix: a UserError (exit status 2,
+  # never restarted, one paragraph), not a ValueError traceback (status 1,
+  # a crash the driver restarts).
+  from mjax.ft import inject
+  for spec, said in (('bogus', "unknown fault 'bogus'"), ('nan:stp=3', "unknown key 'stp'"),
+                     ('nan:step=x', "step='x' is not a whole number"), ('nan:step', 'step has no value'),
+                     ('delay:seconds=soon', "seconds='soon' is not a number")):
+    with pytest.raises(UserError) as e:
+      inject.parse(spec)
+    msg = str(e.value)
+    assert said in msg and f'MJAX_FAULT={spec!r}' in msg and '\n' not in msg, msg
+    assert 'the kinds: kill, hang, slow' in msg and 'the keys: step, process' in msg, msg
+  with pytest.raises(UserError, match="a throttle's factor"):
+    inject.parse('throttle:factor=2')
+  assert inject.parse(' nan:step=8 ; kill:step=3:process=1') == [
+      inject.InjectedFault('nan', step=8), inject.InjectedFault('kill', step=3, process=1)]
+
+
+def test_mjax_train_with_a_malformed_injected_fault_exits_2_in_one_paragraph(tmp_path, repo_root):
+  run = subprocess.run([sys.executable, '-c', 'from mjax.cli import train_main; train_main()', '--gin_file',
+                        'configs/tiny.gin', '--gin.TrainConfig.steps=1', '--gin.CheckpointConfig.enabled=False',
+                        '--workdir', str(tmp_path / 'run')], cwd=repo_root, capture_output=True, text=True,
+                       timeout=300, env=child_env(MJAX_FAULT='nan:stp=3'))
+  assert run.returncode == protocol.EXIT_USER_ERROR, run.stderr[-3000:]
+  assert 'Traceback' not in run.stderr, run.stderr[-3000:]
+  errors = [l for l in run.stderr.splitlines() if l.startswith('mjax-train: error:')]
+  assert len(errors) == 1 and "unknown key 'stp'" in errors[0] and 'the keys: step' in errors[0], run.stderr[-3000:]
+
+
 def test_an_injected_stall_holds_its_phase_once_after_its_step(tmp_path, monkeypatch):
   from mjax.ft import inject, phases
   with pytest.raises(ValueError, match='a stall names its phase'):

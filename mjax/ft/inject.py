@@ -40,6 +40,7 @@ import time
 from typing import Optional
 
 from mjax import protocol
+from mjax.errors import UserError
 
 KINDS = ('kill', 'hang', 'slow', 'throttle', 'delay', 'nan', 'overflow', 'spike', 'exit', 'term', 'raise', 'stall')
 
@@ -60,24 +61,47 @@ class InjectedFault:
   phase: str = ''
 
 
+# The keys a fault takes, and what each value must be.
+INTS = ('step', 'process', 'code', 'attempt')
+FLOATS = ('factor', 'seconds')
+FIELDS = INTS + FLOATS + ('phase',)
+_FORM = (f'each fault is KIND or KIND:KEY=VALUE:..., several separated by \';\' (e.g. \'nan:step=8\'); '
+         f'the kinds: {", ".join(KINDS)}; the keys: {", ".join(INTS)} (whole numbers), {", ".join(FLOATS)} '
+         f'(numbers) and phase (a phase name); see mjax/ft/inject.py, or unset {protocol.INJECT_ENV}')
+
+
 def parse(spec: str) -> list[InjectedFault]:
-  """Parses MJAX_FAULT; raises ValueError naming the bad part."""
+  """Parses MJAX_FAULT.
+
+  Raises:
+    UserError: (a ValueError) naming the bad part and what is allowed: a
+      typo in the test-only variable is bad input (exit status 2, never
+      restarted), not a crash.
+  """
+  def bad(part: str, what: str) -> UserError:
+    return UserError(f'{protocol.INJECT_ENV}={spec!r}: in {part!r}, {what}; {_FORM}.')
+
   faults = []
   for part in filter(None, (p.strip() for p in spec.split(';'))):
-    kind, *fields = part.split(':')
+    kind, *fields = (x.strip() for x in part.split(':'))
     if kind not in KINDS:
-      raise ValueError(f'{protocol.INJECT_ENV}: unknown fault {kind!r} in {part!r}; known: {", ".join(KINDS)}')
+      raise bad(part, f'unknown fault {kind!r}')
     kw = {}
     for f in fields:
-      key, _, value = f.partition('=')
-      if key not in ('step', 'process', 'factor', 'seconds', 'code', 'attempt', 'phase'):
-        raise ValueError(f'{protocol.INJECT_ENV}: unknown field {key!r} in {part!r}')
-      kw[key] = float(value) if key in ('factor', 'seconds') else value if key == 'phase' else int(value)
+      key, eq, value = (x.strip() for x in f.partition('='))
+      if key not in FIELDS:
+        raise bad(part, f'unknown key {key!r}')
+      if not eq or not value:
+        raise bad(part, f'{key} has no value (write {key}=VALUE)')
+      try:
+        kw[key] = float(value) if key in FLOATS else value if key == 'phase' else int(value)
+      except ValueError:
+        raise bad(part, f'{key}={value!r} is not {"a number" if key in FLOATS else "a whole number"}') from None
     if kind == 'throttle' and not 0 < kw.get('factor', 0) < 1:
-      raise ValueError(f'{protocol.INJECT_ENV}: {part!r}: a throttle\'s factor is the share of time '
-                       f'stopped, between 0 and 1 (factor=0.3)')
+      raise UserError(f'{protocol.INJECT_ENV}={spec!r}: {part!r}: a throttle\'s factor is the share of time '
+                      f'stopped, between 0 and 1 (factor=0.3).')
     if kind == 'stall' and not kw.get('phase'):
-      raise ValueError(f'{protocol.INJECT_ENV}: {part!r}: a stall names its phase (phase=checkpoint)')
+      raise UserError(f'{protocol.INJECT_ENV}={spec!r}: {part!r}: a stall names its phase (phase=checkpoint).')
     faults.append(InjectedFault(kind, **kw))
   return faults
 
