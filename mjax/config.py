@@ -19,7 +19,7 @@ import shlex
 import traceback
 import types
 import typing
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import gin
 
@@ -116,6 +116,20 @@ class ModelConfig:
     if self.full_attention_every and layer % self.full_attention_every == self.full_attention_every - 1:
       return None
     return self.sliding_window
+
+
+# What the model computes from the same parameters: a checkpoint resumes,
+# evaluates and generates under another value of these (the shapes match),
+# as another function. Longer contexts by rope_theta or the window are made
+# this way on purpose, a stale override by mistake, so it is said, not refused.
+MODEL_FUNCTION_KEYS = ('sliding_window', 'rope_theta', 'rotary_fraction', 'gelu_approximate', 'norm_eps')
+
+
+def model_function_changes(saved_model: dict, model: ModelConfig) -> list[tuple[str, Any, Any]]:
+  """(key, saved value, value now) for the MODEL_FUNCTION_KEYS that differ
+  between a saved config's model section and `model`."""
+  now = dataclasses.asdict(model)
+  return [(k, saved_model[k], now[k]) for k in MODEL_FUNCTION_KEYS if k in saved_model and saved_model[k] != now[k]]
 
 
 @gin.configurable

@@ -168,6 +168,9 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   changed = tokenizer_change(picked.path, cfg)
   if changed:
     say(f'{PROG}: warning: {changed}; the loss below is of that other tokenization.')
+  changed = model_function_change(picked.path, cfg)
+  if changed:
+    say(f'{PROG}: warning: {changed}; the loss below is of the config\'s model function.')
   trained = trained_seq_len(picked.path)
   if trained is not None and cfg.data.seq_len > trained:
     say(f'{PROG}: note: DataConfig.seq_len = {cfg.data.seq_len} is longer than the {trained} step '
@@ -199,6 +202,22 @@ def tokenizer_change(step_dir: str, cfg: Config) -> Optional[str]:
     return None
   return (f'DataConfig.tokenizer is {now.describe()}, but step {os.path.basename(step_dir.rstrip("/"))} was trained '
           f'with {then.describe()}: the same ids would stand for other text')
+
+
+def model_function_change(step_dir: str, cfg: Config) -> Optional[str]:
+  """What differs between the model function a step was trained with (its
+  meta record's config.MODEL_FUNCTION_KEYS) and the config's, or None."""
+  try:
+    saved = step_json(step_dir, 'meta/metadata')['config']['model']
+  except Exception:  # noqa: BLE001 -- no record, or not one: nothing to compare
+    return None
+  changed = config_lib.model_function_changes(saved if isinstance(saved, dict) else {}, cfg.model)
+  if not changed:
+    return None
+  return (f'step {os.path.basename(step_dir.rstrip("/"))} was trained with ' +
+          ', '.join(f'ModelConfig.{k} = {was!r}' for k, was, _ in changed) + ', and this config has ' +
+          ', '.join(f'{now!r}' for _, _, now in changed) + ' (to use it as trained: ' +
+          ' '.join(f'--gin.ModelConfig.{k}={was!r}' for k, was, _ in changed) + ')')
 
 
 def trained_seq_len(step_dir: str) -> Optional[int]:

@@ -605,26 +605,18 @@ class Trainer:
                f'{now:.3g} instead of {was:.3g}. Set OptimConfig.decay_steps = {before} to go on with the '
                f'schedule the run was trained with.')
 
-  # What the model computes from the same parameters, where a resume under
-  # another value is legal (the shapes match) but trains, evaluates and
-  # generates another function: longer contexts by rope_theta or the window
-  # are done this way on purpose, a stale override by mistake.
-  FUNCTION_KEYS = ('sliding_window', 'rope_theta', 'rotary_fraction', 'gelu_approximate', 'norm_eps')
-
   def _check_model_function(self, saved: dict, step: int) -> None:
     """Warns where the resumed step was trained to compute another function
     than this config's model does (the shapes, which the checkpoint
-    enforces, being the same)."""
-    before = saved.get('model') or {}
-    now = dataclasses.asdict(self.cfg.model)
-    changed = [k for k in self.FUNCTION_KEYS if k in before and before[k] != now[k]]
+    enforces, being the same): config.MODEL_FUNCTION_KEYS."""
+    changed = config_lib.model_function_changes(saved.get('model') or {}, self.cfg.model)
     if changed:
-      diff = ', '.join(f'ModelConfig.{k} = {before[k]!r} there, {now[k]!r} now' for k in changed)
+      diff = ', '.join(f'ModelConfig.{k} = {was!r} there, {now!r} now' for k, was, now in changed)
       self.say(f'mjax: warning: step {step} was trained with another model function than this config '
                f'gives ({diff}). Training goes on with the new one; the run\'s config.gin is rewritten '
                f'with it, and evaluation, generation and export of this workdir use it. If that is not '
                f'meant, stop and resume with ' +
-               ' '.join(f'--gin.ModelConfig.{k}={before[k]!r}' for k in changed) + '.')
+               ' '.join(f'--gin.ModelConfig.{k}={was!r}' for k, was, _ in changed) + '.')
 
   def _check_state_fits(self, devices: list) -> None:
     """Refuses a train state that cannot fit the devices before anything is

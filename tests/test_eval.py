@@ -161,6 +161,18 @@ def test_a_tokenizer_other_than_the_trained_one_is_said_and_refused_for_export(r
   assert not os.path.exists(tmp_path / 'hf')
 
 
+def test_a_step_evaluated_under_another_model_function_is_said(run, capsys):
+  # A resume with another rope_theta rewrites the run's config.gin, which
+  # then evaluated the steps trained before it under the new value, silently.
+  step = os.path.join(run, 'checkpoints', str(N))
+  assert evaluate.model_function_change(step, C.load_config(['tiny.gin'], SMALL)) is None
+  capsys.readouterr()
+  assert mjax_eval('--workdir', run, '--gin.ModelConfig.rope_theta=500000.0')['step'] == N
+  said = capsys.readouterr().err
+  assert ('warning: step 6 was trained with ModelConfig.rope_theta = 10000.0, and this config has 500000.0 '
+          '(to use it as trained: --gin.ModelConfig.rope_theta=10000.0)') in said, said
+
+
 def test_config_of_another_model_is_refused(run, tmp_path):
   with pytest.raises(UserError, match=r"another model.*params\['embedding'\] is \(384, 128\).* Run mjax-eval with "
                                       r"the config it was trained with"):
