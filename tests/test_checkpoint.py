@@ -1360,6 +1360,12 @@ def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
   monkeypatch.setattr(sys, 'unraisablehook', lambda u: seen.append(u.exc_value))
   ck.quiet_failed_io_aftermath()
   ck.quiet_failed_io_aftermath()          # twice: still one filter, one hook
+  import warnings
+  with warnings.catch_warnings(record=True) as warned:
+    # The unstarted reads of a restore that failed, collected.
+    warnings.warn("coroutine '_read_array_index_and_device_put' was never awaited", RuntimeWarning)
+    warnings.warn("coroutine 'mine' was never awaited", RuntimeWarning)
+  assert [str(w.message) for w in warned] == ["coroutine 'mine' was never awaited"]
   loop = asyncio.new_event_loop()
   loop.close()
   try:
