@@ -338,7 +338,7 @@ def ensure_run_id(cfg: CheckpointConfig, workdir: str) -> dict:
   claims = [_read_claim(d) for d in _claimable(tier_directories(cfg, workdir))]
   runs = {c['run'] for c in claims if c and os.path.realpath(c['workdir']) == me and c['run']}
   record = {'run': runs.pop(), 'fresh': False} if len(runs) == 1 else \
-      {'run': secrets.token_hex(8), 'fresh': not _is_workdir(workdir)}
+      {'run': secrets.token_hex(8), 'fresh': not is_workdir(workdir)}
   # Made whole under a private name, then linked into place, never over a
   # file: of two first starts at once, one id stands and the other start
   # reads it (and is then refused by the workdir's run lock).
@@ -390,7 +390,7 @@ def earlier_run(directory: str, workdir: str, record: Optional[dict] = None) -> 
   return claim['run'] if claim['run'] != record['run'] else None
 
 
-def _is_workdir(path: str) -> bool:
+def is_workdir(path: str) -> bool:
   """Whether `path` is an mjax run's workdir (it holds the run's config.json)."""
   try:
     with open(os.path.join(path, 'config.json')) as fh:
@@ -416,7 +416,7 @@ def _enclosing_workdir(directory: str, below: Optional[str] = None) -> Optional[
   """The workdir of the run whose directory holds `directory` (itself or its
   nearest ancestor with an mjax config.json), or None; with `below`, only
   a workdir inside `below`."""
-  return next((path for path in _ancestors(directory, below) if _is_workdir(path)), None)
+  return next((path for path in _ancestors(directory, below) if is_workdir(path)), None)
 
 
 def owner(directory: str) -> Optional[str]:
@@ -1167,7 +1167,7 @@ def check_same_model(cfg: Any, workdir: str) -> None:
   advice = ('Either train this model in a new --workdir (and checkpoint directory), or start it from a '
             'checkpoint of its own shape with CheckpointConfig.restore_from (in a new --workdir as well).')
   record = os.path.join(workdir, 'config.json')
-  unusual = (os.path.lexists(record) and not _is_workdir(workdir) or
+  unusual = (os.path.lexists(record) and not is_workdir(workdir) or
              os.path.lexists(os.path.join(workdir, 'config.gin')) and not os.path.lexists(record))
   run = _run_record(workdir)
   ours = bool(run)

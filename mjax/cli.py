@@ -348,7 +348,7 @@ def default_workdir(gin_files: list[str]) -> str:
   folder = os.path.dirname(last) or '.'
   if os.path.basename(last) == 'config.gin':
     from mjax import checkpoint
-    if checkpoint._is_workdir(folder):
+    if checkpoint.is_workdir(folder):
       print(f'mjax: --workdir {folder}: the run whose config.gin this is', flush=True)
       return folder
   return os.path.join('runs', os.path.splitext(os.path.basename(last))[0])

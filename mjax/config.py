@@ -132,6 +132,11 @@ def model_function_changes(saved_model: dict, model: ModelConfig) -> list[tuple[
   return [(k, saved_model[k], now[k]) for k in MODEL_FUNCTION_KEYS if k in saved_model and saved_model[k] != now[k]]
 
 
+def saved_model_overrides(changes: list[tuple[str, Any, Any]]) -> str:
+  """The command-line overrides that put `model_function_changes`' saved values back."""
+  return ' '.join(f'--gin.ModelConfig.{k}={was!r}' for k, was, _ in changes)
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class DataConfig:

@@ -216,8 +216,8 @@ def model_function_change(step_dir: str, cfg: Config) -> Optional[str]:
     return None
   return (f'step {os.path.basename(step_dir.rstrip("/"))} was trained with ' +
           ', '.join(f'ModelConfig.{k} = {was!r}' for k, was, _ in changed) + ', and this config has ' +
-          ', '.join(f'{now!r}' for _, _, now in changed) + ' (to use it as trained: ' +
-          ' '.join(f'--gin.ModelConfig.{k}={was!r}' for k, was, _ in changed) + ')')
+          ', '.join(f'{now!r}' for _, _, now in changed) +
+          f' (to use it as trained: {config_lib.saved_model_overrides(changed)})')
 
 
 def trained_seq_len(step_dir: str) -> Optional[int]:

@@ -410,15 +410,15 @@ def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, apart: bool = Fals
   if k == 1:
     return fn(params, batch)
   add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, new)
+  loop = lambda acc, sls: jax.lax.scan(lambda acc, sl: (add(acc, fn(params, sl)), None), acc, sls)[0]
   slices = _slices(batch, k)
   if not apart:
-    return jax.lax.scan(lambda acc, sl: (add(acc, fn(params, sl)), None), zeros, slices)[0]
+    return loop(zeros, slices)
   pick = lambda i: jax.tree.map(lambda a: a[i], slices)
   acc = add(zeros, fn(params, pick(0)))
   if k > 2:
     # The loop reads `acc` as its start: after the first slice already.
-    acc = jax.lax.scan(lambda acc, sl: (add(acc, fn(params, sl)), None), acc,
-                       jax.tree.map(lambda a: a[1:-1], slices))[0]
+    acc = loop(acc, jax.tree.map(lambda a: a[1:-1], slices))
   last = pick(k - 1)
   if ordered:
     last = ordering.after(last, acc)

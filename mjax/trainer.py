@@ -265,10 +265,7 @@ class Trainer:
     # else the restart found it "finished" and the run never had one.
     self.final_eval_pending = self.finished and self._final_eval_missing()
     if self.final_eval_pending:
-      share, shares = self.program.data_share()
-      self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
-          cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
-          process_count=shares)]
+      self.eval_batches = self._eval_batch_list(*self.program.data_share())
     if self.finished:
       return   # nothing to train: no data (but the pending evaluation's), no compilation, nothing written
     self._mark('state', then='startup:data')
@@ -276,9 +273,7 @@ class Trainer:
     share, shares = self.program.data_share()   # this process's block of every batch
     self.train_iter = self._train_iterator(restored.data if restored is not None else None, share, shares,
                                            restored.meta.get('skipped') if restored is not None else None)
-    self.eval_batches = [self.program.to_global(b) for b in data_lib.make_eval_batches(
-        cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
-        process_count=shares)]
+    self.eval_batches = self._eval_batch_list(share, shares)
     self._mark('data', then='startup:compile')
 
     t0 = time.perf_counter()
@@ -329,6 +324,13 @@ class Trainer:
   def say(self, msg: str) -> None:
     if self.is_main:
       print(msg, flush=True)
+
+  def _eval_batch_list(self, share: int, shares: int) -> list:
+    """The held-out batches every evaluation of the run reads, as global arrays."""
+    cfg = self.cfg
+    return [self.program.to_global(b) for b in data_lib.make_eval_batches(
+        cfg.data, cfg.train.global_batch_size, self._eval_batch_count(), process_index=share,
+        process_count=shares)]
 
   def _eval_batch_count(self) -> int:
     """TrainConfig.eval_batches, or the whole batches the held-out split
@@ -615,8 +617,7 @@ class Trainer:
       self.say(f'mjax: warning: step {step} was trained with another model function than this config '
                f'gives ({diff}). Training goes on with the new one; the run\'s config.gin is rewritten '
                f'with it, and evaluation, generation and export of this workdir use it. If that is not '
-               f'meant, stop and resume with ' +
-               ' '.join(f'--gin.ModelConfig.{k}={was!r}' for k, was, _ in changed) + '.')
+               f'meant, stop and resume with {config_lib.saved_model_overrides(changed)}.')
 
   def _check_state_fits(self, devices: list) -> None:
     """Refuses a train state that cannot fit the devices before anything is

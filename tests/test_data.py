@@ -316,7 +316,7 @@ def test_json_from_others_nested_too_deeply_is_malformed_json(tmp_path):
   # The run's own files, damaged so: a workdir's claim and its config are unreadable, not a crash.
   from mjax import checkpoint, protocol
   (tmp_path / 'config.json').write_text(deep)
-  assert not checkpoint._is_workdir(str(tmp_path))
+  assert not checkpoint.is_workdir(str(tmp_path))
   os.makedirs(os.path.dirname(protocol.facts_path(str(tmp_path), 0)), exist_ok=True)
   with open(protocol.facts_path(str(tmp_path), 0), 'w') as fh:
     fh.write(deep)

@@ -70,6 +70,7 @@ import math
 import re
 from typing import Any, Mapping, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -464,7 +465,7 @@ class CommReport:
   memory: Optional[dict[str, int]]
   mesh: dict[str, int]
   compute_dtype: str = 'bf16'   # HLO spelling of ModelConfig.dtype
-  gpu: bool = False             # compiled for GPUs (their library calls are in the HLO)
+  gpu: bool = False             # compiled for GPUs
 
   def expected_wire(self, kind: str) -> float:
     return sum(e.wire_bytes for e in self.expected if e.kind == kind)
@@ -481,12 +482,12 @@ def comm_report(compiled: Any, cfg: Config, mesh: Mapping[str, int]) -> CommRepo
   hlo_dtype = {'bfloat16': 'bf16', 'float32': 'f32', 'float16': 'f16'}[cfg.model.dtype]
   # f32 compute: a convert from 16 bits (bf16 master weights, say) is the
   # program's own cast, and its f32 collectives are real.
-  text = compiled.as_text()
-  stats = collective_stats(text, trace_widening=hlo_dtype != 'f32')
+  stats = collective_stats(compiled.as_text(), trace_widening=hlo_dtype != 'f32')
+  device = next(iter(jax.tree.leaves(compiled.input_shardings)[0].device_set))
   return CommReport(stats=stats,
                     expected=expected_traffic(cfg, mesh),
                     memory=memory_stats(compiled), mesh=dict(mesh), compute_dtype=hlo_dtype,
-                    gpu=bool(re.search(r'__cublas|__cudnn|triton', text)))
+                    gpu=device.platform in ('gpu', 'cuda', 'rocm'))
 
 
 def _mb(x: float) -> str:
