@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 from typing import Any, Callable, Iterable, Optional
 
@@ -222,6 +223,7 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   # gradients reduce-scattered once (_grad_sums_gathered).
   gather_once = cfg.mesh.fsdp_gather == 'step' and mesh.shape['fsdp'] > 1
   param_specs = jax.tree.map(lambda s: s.spec, param_shardings)
+  gemm_forms = _gemm_forms(lay.names)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     # Scanned layers only: with unrolled ones the GPU compiler already moves
@@ -234,10 +236,11 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
       total, count, grads = _grad_sums_gathered(
           loss_sums, state.params, batch, cfg.train.grad_accum_steps, param_specs=param_specs,
           compute_dtype=jnp.dtype(cfg.model.dtype), reduce_dtype=reduce_dtype, layer_axes=lay.layer_axes,
-          keep_fp32=_gathered_in_fp32(cfg), ordered=on_cpu)
+          keep_fp32=_gathered_in_fp32(cfg), ordered=on_cpu, forms=gemm_forms)
     else:
       total, count, grads = _grad_sums(loss_sums, state.params, batch, cfg.train.grad_accum_steps,
-                                       reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes)
+                                       reduce_dtype=reduce_dtype if manual else None, layer_axes=lay.layer_axes,
+                                       forms=gemm_forms)
     count = jnp.maximum(count, 1.0)
     updates, opt_state, norms = lamb.update(grads, count, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -409,7 +412,9 @@ def _sum_over_slices(fn, params, batch: Batch, k: int, zeros, apart: bool = Fals
   order: `mjax.parallel.ordering`)."""
   if k == 1:
     return fn(params, batch)
-  add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, new)
+  # Each new term is laid out as its sum (`zeros`), which may be a gradient's
+  # matrix-product form (`_gemm_forms`).
+  add = lambda acc, new: jax.tree.map(lambda a, x: a + x.astype(a.dtype).reshape(a.shape), acc, new)
   loop = lambda acc, sls: jax.lax.scan(lambda acc, sl: (add(acc, fn(params, sl)), None), acc, sls)[0]
   slices = _slices(batch, k)
   if not apart:
@@ -443,9 +448,47 @@ def _is_matrix(w, lead: int) -> bool:
   return w.ndim - lead >= 2
 
 
-def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer_axes=None):
+def _gemm_forms(names) -> Any:
+  """Per param, the 2-D shape its gradient's sum over accumulation slices is
+  kept in, or None for its own.
+
+  A projection kernel with more than two dims (attention's q, k, v, as
+  (embed, heads, head_dim), and its output, as (heads, head_dim, embed)) is
+  multiplied as a 2-D matrix, (embed, rest) or (rest, embed), and its
+  weight gradient comes out of one 2-D product. Summed in that form, the
+  sum is the product's own addend: the GPU compiler runs `sum + x^T dy` as
+  one cuBLAS call (beta = 1, the product's output fp32). Summed in the
+  kernel's shape, the reshape between product and sum stopped that fusion:
+  each slice wrote the gradient in bf16 and a pass of its own read it and
+  the fp32 sum and wrote the sum (1p3b on an H100, deviceless: 4 of each
+  layer's 6 weight gradients, 4 GB of memory traffic a slice). Stacked
+  layers' kernels (a scan's or a pipeline's) keep their shape: their
+  gradients leave a loop, not a product."""
+
+  def form(n) -> Optional[tuple[str, ...]]:
+    if len(n) < 3 or 'layers' in n or n.count('embed') != 1 or 'embed' not in (n[0], n[-1]):
+      return None
+    return n
+  return jax.tree.map(form, names, is_leaf=_is_names)
+
+
+def _gemm_zeros(w: jax.Array, names: Optional[tuple[str, ...]], dtype) -> jax.Array:
+  """Zeros for the sum of `w`'s gradients, in its `_gemm_forms` form."""
+  if names is None:
+    return jnp.zeros(w.shape, dtype)
+  rest = math.prod(w.shape[1:] if names[0] == 'embed' else w.shape[:-1])
+  return jnp.zeros((w.shape[0], rest) if names[0] == 'embed' else (rest, w.shape[-1]), dtype)
+
+
+def _in_shapes(grads, params):
+  """Sums kept in `_gemm_forms` form, back in their params' shapes."""
+  return jax.tree.map(lambda g, w: g.reshape(w.shape), grads, params)
+
+
+def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer_axes=None, forms=None):
   """(loss sum, token count, gradient sums) over the batch, in `k`
-  sequential accumulation slices.
+  sequential accumulation slices, each param's summed in its `forms` form
+  (`_gemm_forms`; None: every param's in its own shape).
 
   With `reduce_dtype` (the compute dtype) and a `data` axis splitting the
   batch, the slices run manual over `data`: each data shard sums its own
@@ -457,14 +500,18 @@ def _grad_sums(loss_sums, params, batch: Batch, k: int, reduce_dtype=None, layer
   cross-host traffic of HSDP. `layer_axes` (per param, its leading axes
   that index layers) tells a stacked vector from a matrix."""
   sums = _sums_with_grads(loss_sums)
-  zeros = lambda p: (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, p))
+  forms = forms if forms is not None else jax.tree.map(lambda _: None, params)
+  zeros = lambda p: (jnp.zeros(()), jnp.zeros(()),
+                     jax.tree.map(lambda w, n: _gemm_zeros(w, n, w.dtype), p, forms))
   data = data_axis() if k > 1 and reduce_dtype is not None else None
   if data is None:
-    return _sum_over_slices(sums, params, batch, k, zeros(params))
+    total, count, grads = _sum_over_slices(sums, params, batch, k, zeros(params))
+    return total, count, _in_shapes(grads, params)
 
   def local(p, b):
     with rules_without(data):
       total, count, grads = _sum_over_slices(sums, p, b, k, zeros(p))
+      grads = _in_shapes(grads, p)
     # Matrices are used in the compute dtype, and their gradients reduced in
     # it, as without slices; vectors (norm scales) in fp32.
     narrow = lambda g, lead: g.astype(reduce_dtype) if _is_matrix(g, lead) else g
@@ -505,7 +552,7 @@ def _axis_dim(spec: P, axis: str) -> Optional[int]:
 
 
 def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs, compute_dtype,
-                        reduce_dtype, layer_axes, keep_fp32: bool, ordered: bool = False):
+                        reduce_dtype, layer_axes, keep_fp32: bool, ordered: bool = False, forms=None):
   """`_grad_sums` with FSDP's weights gathered once for the whole step
   (MeshConfig.fsdp_gather = 'step'), returning the same sums.
 
@@ -532,8 +579,10 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
       vector is not a matrix).
     ordered: for XLA's CPU runtime, the gathers all before the first slice,
       and the slices one after another (`_sum_over_slices`).
+    forms: per param, the form its sum over slices is kept in (`_gemm_forms`).
   """
   mesh = jax.sharding.get_abstract_mesh()
+  forms = forms if forms is not None else jax.tree.map(lambda _: None, params)
   manual = tuple(a for a in mesh_axes('batch') if mesh.shape[a] > 1)
   rest = tuple(a for a in manual if a != 'fsdp')
   full = lambda spec, w: tuple(spec) + (None,) * (w.ndim - len(spec))
@@ -555,12 +604,13 @@ def _grad_sums_gathered(loss_sums, params, batch: Batch, k: int, *, param_specs,
     # every gather ends before the first slice's collectives start
     # (`mjax.parallel.ordering`).
     p = jax.lax.optimization_barrier(p) if ordered else jax.tree.map(jax.lax.optimization_barrier, p)
-    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), p))
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda w, n: _gemm_zeros(w, n, jnp.float32), p, forms))
     # The first and last slices apart from the loop: the gathers run behind
     # the first slice's forward, and each layer's reduce-scatter can start
     # as the last slice's backward leaves the layer.
     with rules_without(*manual):
       total, count, grads = _sum_over_slices(sums, p, b, k, zeros, apart=True, ordered=ordered)
+      grads = _in_shapes(grads, p)
     # Each device's sums leave stacked along a leading dim of one per batch
     # shard, rounded once to the dtype they are reduced in.
     narrow = lambda g, lead: (g.astype(reduce_dtype) if _is_matrix(g, lead) else g)[None]

@@ -261,6 +261,10 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
       T.REMAT_POLICIES['dots_attention'] = jax.checkpoint_policies.save_from_both_policies(
           T._dots_and_flash_attention, jax.checkpoint_policies.save_only_these_names(
               *(n for n in T.KEPT_NAMES if n != T.CAST_KERNEL)))
+    if args['sums_as_kernels']:   # the slices' gradient sums in the kernels' own shapes, as before
+      import jax
+      from mjax import train
+      train._gemm_forms = lambda names: jax.tree.map(lambda _: None, names, is_leaf=lambda n: isinstance(n, tuple))
     cfg = flags.load(['configs/tiny.gin'], args['bindings'], num_devices=1)
     out = gpu_target.compile_step(cfg, gpu_target.parse_target('h100:1'))
     text, m = out.compiled.as_text(), out.cfg.model
@@ -270,7 +274,12 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
     found = re.findall(r'bf16\\[([\\d,]+)\\]\\{[^}]*\\} convert\\(', text)
     rows = cfg.train.global_batch_size * cfg.data.seq_len
     residual_copies = len(re.findall(rf'bf16\\[{rows},{m.d_model}\\]\\{{[^}}]*\\}} copy\\(', text))
+    # Weight gradients that a cuBLAS call adds into their sum over slices
+    # (fp32 output, aliased to its addend), once per program (not XLA's
+    # double-buffered copies of the slices' loop body).
+    summed_in_gemm = len(re.findall(r'%cublas-lt-matmul\\.\\d+ = \\(f32\\[[^\\n]*output_to_operand_aliasing', text))
     print(json.dumps({'gelu_aux': text.count('"epilogue":"GELU_AUX"'), 'residual_copies': residual_copies,
+                      'summed_in_gemm': summed_in_gemm,
                       'kernel_casts': sum(s in kernels for s in found),
                       'triton_gemm': out.options.get('xla_gpu_enable_triton_gemm')}))
 ''')
@@ -280,12 +289,17 @@ ONE_GPU_PROGRAMS = {
     'gelu epilogue, dots_attention': ('ModelConfig.remat_policy = "dots_attention"',
                                       'ModelConfig.gelu_epilogue = True'),
     'gelu epilogue, no remat': ('ModelConfig.remat_policy = "none"', 'ModelConfig.gelu_epilogue = True'),
+    # 1p3b.gin's products (all cuBLAS under the epilogue) in 2 slices.
+    '2 slices': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.gelu_epilogue = True',
+                 'TrainConfig.grad_accum_steps = 2'),
+    '2 slices, sums in the kernels\' shapes': ('ModelConfig.remat_policy = "dots_attention"',
+                                               'ModelConfig.gelu_epilogue = True', 'TrainConfig.grad_accum_steps = 2'),
 }
 
 
 def one_gpu_compile(name: str) -> dict:
   return run_child(ONE_GPU_SCRIPT, {'bindings': TINY + ONE_GPU + list(ONE_GPU_PROGRAMS[name]),
-                                    'unsaved_casts': 'not kept' in name})
+                                    'unsaved_casts': 'not kept' in name, 'sums_as_kernels': 'kernels\'' in name})
 
 
 @pytest.fixture(scope='module')
@@ -316,3 +330,13 @@ def test_the_gelu_epilogue_fuses_the_gelu_into_the_product(one_gpu, remat):
   # the other's result (beta = 1) and the residual after: nothing copies it
   # (summed onto the residual first, XLA copied it once a layer without remat).
   assert fused['residual_copies'] == 0, fused
+
+
+def test_the_weight_gradients_are_summed_over_slices_inside_their_products(one_gpu):
+  """With accumulation slices each of the 2 layers' 6 weight gradients is
+  added into its fp32 sum by the product that makes it (cuBLAS, beta = 1):
+  the sums are kept in the products' 2-D form (`train._gemm_forms`). Kept in
+  the kernels' own shapes, attention's 3-D kernels (q, k, v, out) took a
+  pass of their own per slice; only the MLP's 2-D ones were added in place."""
+  assert one_gpu['2 slices']['summed_in_gemm'] == 2 * 6, one_gpu['2 slices']
+  assert one_gpu["2 slices, sums in the kernels' shapes"]['summed_in_gemm'] == 2 * 2
