@@ -265,6 +265,9 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
       import jax
       from mjax import train
       train._gemm_forms = lambda names: jax.tree.map(lambda _: None, names, is_leaf=lambda n: isinstance(n, tuple))
+    if args['autodiff_sums']:   # the readers' gradients summed in autodiff's order, as before fan_out
+      from mjax.model import layers, transformer
+      layers.fan_out = transformer.fan_out = lambda x, n: (x,) * n
     cfg = flags.load(['configs/tiny.gin'], args['bindings'], num_devices=1)
     out = gpu_target.compile_step(cfg, gpu_target.parse_target('h100:1'))
     text, m = out.compiled.as_text(), out.cfg.model
@@ -274,12 +277,15 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
     found = re.findall(r'bf16\\[([\\d,]+)\\]\\{[^}]*\\} convert\\(', text)
     rows = cfg.train.global_batch_size * cfg.data.seq_len
     residual_copies = len(re.findall(rf'bf16\\[{rows},{m.d_model}\\]\\{{[^}}]*\\}} copy\\(', text))
+    # Passes that only add two (rows, d_model) bf16 values: the input
+    # gradients of the norm output, summed outside the products.
+    lone_sums = len(re.findall(rf'%wrapped_add[.\\d]* = bf16\\[{rows},{m.d_model}\\]', text))
     # Weight gradients that a cuBLAS call adds into their sum over slices
     # (fp32 output, aliased to its addend), once per program (not XLA's
     # double-buffered copies of the slices' loop body).
     summed_in_gemm = len(re.findall(r'%cublas-lt-matmul\\.\\d+ = \\(f32\\[[^\\n]*output_to_operand_aliasing', text))
     print(json.dumps({'gelu_aux': text.count('"epilogue":"GELU_AUX"'), 'residual_copies': residual_copies,
-                      'summed_in_gemm': summed_in_gemm,
+                      'summed_in_gemm': summed_in_gemm, 'lone_sums': lone_sums,
                       'kernel_casts': sum(s in kernels for s in found),
                       'triton_gemm': out.options.get('xla_gpu_enable_triton_gemm')}))
 ''')
@@ -290,6 +296,8 @@ ONE_GPU_PROGRAMS = {
                                       'ModelConfig.gelu_epilogue = True'),
     'gelu epilogue, no remat': ('ModelConfig.remat_policy = "none"', 'ModelConfig.gelu_epilogue = True'),
     # 1p3b.gin's products (all cuBLAS under the epilogue) in 2 slices.
+    'gelu epilogue, dots_attention, autodiff\'s sums': ('ModelConfig.remat_policy = "dots_attention"',
+                                                       'ModelConfig.gelu_epilogue = True'),
     '2 slices': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.gelu_epilogue = True',
                  'TrainConfig.grad_accum_steps = 2'),
     '2 slices, sums in the kernels\' shapes': ('ModelConfig.remat_policy = "dots_attention"',
@@ -299,7 +307,8 @@ ONE_GPU_PROGRAMS = {
 
 def one_gpu_compile(name: str) -> dict:
   return run_child(ONE_GPU_SCRIPT, {'bindings': TINY + ONE_GPU + list(ONE_GPU_PROGRAMS[name]),
-                                    'unsaved_casts': 'not kept' in name, 'sums_as_kernels': 'kernels\'' in name})
+                                    'unsaved_casts': 'not kept' in name, 'sums_as_kernels': 'kernels\'' in name,
+                                    'autodiff_sums': 'autodiff' in name})
 
 
 @pytest.fixture(scope='module')
@@ -340,3 +349,12 @@ def test_the_weight_gradients_are_summed_over_slices_inside_their_products(one_g
   pass of their own per slice; only the MLP's 2-D ones were added in place."""
   assert one_gpu['2 slices']['summed_in_gemm'] == 2 * 6, one_gpu['2 slices']
   assert one_gpu["2 slices, sums in the kernels' shapes"]['summed_in_gemm'] == 2 * 2
+
+
+def test_the_norm_outputs_gradients_are_summed_inside_the_products(one_gpu):
+  """q, k, v and the MLP input read the norm's output; each of their input
+  gradients is a product, and each is added onto the sum so far as that
+  product's addend (layers.fan_out): no pass of its own sums two of them.
+  In autodiff's order one sum a layer stayed a pass."""
+  assert one_gpu['gelu epilogue, dots_attention']['lone_sums'] == 0, one_gpu['gelu epilogue, dots_attention']
+  assert one_gpu["gelu epilogue, dots_attention, autodiff's sums"]['lone_sums'] == 2

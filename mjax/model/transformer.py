@@ -24,7 +24,7 @@ from flax import linen as nn
 from mjax.config import ModelConfig
 from mjax.parallel import collective_matmul, scatter_sum
 from mjax.model.attention import Attention
-from mjax.model.layers import (CAST_KERNEL, MLP_ACTIVATION, MLP_PRODUCT, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fused_inputs, fused_outputs, make_norm,
+from mjax.model.layers import (CAST_KERNEL, MLP_ACTIVATION, MLP_PRODUCT, NORM_STATS, ROTATED, Mlp, constrain, dtype_of, embed_lookup, fan_out, fused_inputs, fused_outputs, make_norm,
                                matmul, out_proj_std, project_many, project_sum)
 
 # The residual stream: sharded over the sequence under sequence parallelism.
@@ -124,7 +124,9 @@ class Block(nn.Module):
       x = x + y
     elif c.block == 'parallel':
       h = make_norm(c, 'norm')(x)
-      a, cache = _split(attn(h, positions, segment_ids, cache), cache)
+      # (Both branches' input gradients summed into the products: fan_out.)
+      h_attn, h = fan_out(h, 2)
+      a, cache = _split(attn(h_attn, positions, segment_ids, cache), cache)
       # The branches summed first: cuBLAS then adds one output projection
       # into the other's result (beta = 1), and x comes once after. Summed
       # onto x first, XLA copies x for that (the backward still reads it):
