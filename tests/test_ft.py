@@ -540,6 +540,18 @@ def test_a_bind_that_cannot_listen_leaves_no_workdir_behind(tmp_path):
   assert sorted(os.listdir(tmp_path)) == []     # neither the new workdir nor logs/ or events.jsonl in an old one
 
 
+def test_a_workdir_that_exists_but_cannot_be_written_is_said_in_one_paragraph(tmp_path):
+  """makedirs passes on an existing workdir that cannot be written (a
+  read-only mount, another user's); the driver's first write failed with a
+  traceback and exit status 1, a crash to restart. (events.jsonl as a
+  folder fails that write the same way, for root too.)"""
+  (tmp_path / 'events.jsonl').mkdir()
+  opts = driver.parse_args(['--processes', '1', '--workdir', str(tmp_path), '--quiet', '--', '--gin_file',
+                            'tiny.gin'])
+  with pytest.raises(UserError, match=r'--workdir .* cannot be made or written \(Is a directory\)'):
+    driver.Driver(opts, executor_factory=FakeExecutor)
+
+
 def test_launch_flags_are_checked(capsys):
   with pytest.raises(SystemExit):
     driver.parse_args(['--processes', '2', '--workdir', 'w', '--hosts', 'a', '--', '--gin_file', 'x'])

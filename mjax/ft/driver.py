@@ -397,6 +397,9 @@ class Driver:
     made += [events_path] if not os.path.exists(events_path) else []
     try:
       os.makedirs(os.path.join(self.workdir, 'logs'), exist_ok=True)
+      # Opened here, in the same guard: an existing workdir that cannot be
+      # written (read-only, another user's) passes makedirs and fails first here.
+      self.events = events_lib.EventLog(events_path, echo=None if opts.quiet else _echo)
     except OSError as e:
       raise UserError(f'--workdir {opts.workdir!r} cannot be made or written ({e.strerror or e}): the driver '
                       f'keeps events.jsonl and logs/ there, and the run its config and checkpoints; give a '
@@ -404,9 +407,6 @@ class Driver:
     self.trainer = opts.trainer or _script('mjax-train') or [
         sys.executable, '-c', 'import sys; from mjax.cli import train_main; sys.argv[0] = "mjax-train"; train_main()']
     self.diagnose_cmd = opts.diagnose or _script('mjax-diagnose')
-    self.events = events_lib.EventLog(
-        os.path.join(self.workdir, 'events.jsonl'),
-        echo=None if opts.quiet else _echo)
     # The agents were started with the job's secret (MJAX_JOB_SECRET) before
     # the driver: it is theirs to share. Otherwise the driver makes one.
     self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
