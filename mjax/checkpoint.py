@@ -1043,7 +1043,15 @@ def _read_only_notice(record: logging.LogRecord) -> bool:
 
 
 def _no_item_metadata_warning(record: logging.LogRecord) -> bool:
-  return not record.getMessage().startswith('Metadata file does not exist')
+  # (The second: a step whose tree metadata cannot be read, which the
+  # verdict says with the file's name.)
+  return not record.getMessage().startswith(('Metadata file does not exist', 'Failed to get item metadata'))
+
+
+def _tree_metadata_missing(step_path: str) -> Optional[str]:
+  """'state/_METADATA: missing' when a step has lost the file Orbax reads its
+  state's tree from (every later error then names no file), else None."""
+  return None if os.path.exists(os.path.join(step_path, 'state', '_METADATA')) else 'state/_METADATA: missing'
 
 
 class BadRecord(Exception):
@@ -1090,7 +1098,11 @@ def verify_step(path: str) -> tuple[str, str]:
     absl_log = logging.getLogger('absl')
     absl_log.addFilter(_no_item_metadata_warning)
     try:
-      tree = reader.metadata(os.path.join(path, 'state')).item_metadata.tree
+      item = reader.metadata(os.path.join(path, 'state')).item_metadata
+      if item is None:
+        raise BadRecord(_tree_metadata_missing(path) or
+                        "state/_METADATA: the state's tree metadata cannot be read (damaged)")
+      tree = item.tree
       state = reader.restore(os.path.join(path, 'state'), restore_args=jax.tree.map(
           lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
     finally:
@@ -1981,7 +1993,7 @@ class Checkpointer:
     try:
       restored, error = read_step(manager, step, abstract_state, path, plan, host), None
     except Exception as e:  # any unreadable checkpoint: report, fall back
-      restored, error = None, read_error(e)
+      restored, error = None, _tree_metadata_missing(path) or read_error(e)
     # Every process learns whether every read went well before any
     # collective (the broadcast, the checksums): a process whose read failed
     # must not leave the others waiting in one.

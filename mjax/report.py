@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from typing import Callable, Optional, Sequence
 
 from mjax import flags, jsonfile, protocol
@@ -265,6 +266,13 @@ def checkpoint(prog: str, argv: list[str]) -> int:
     for step in steps_in(directory):
       path = os.path.join(directory, str(step))
       verdict, detail = verify_step(path) if args.verify else ('-', '')
+      # Listed, then deleted before or while it was read: the run's own
+      # retention (`keep`) beside this check, not a damaged step. (A
+      # deletion under way takes a moment to remove the step's folder.)
+      if verdict == 'unreadable' and os.path.lexists(path):
+        time.sleep(1.0)
+      if verdict in ('damaged', 'unreadable') and not os.path.lexists(path):
+        verdict, detail = 'rotated out', 'deleted by the run while this read it (its `keep` retention)'
       bad += verdict in ('damaged', 'unreadable')
       rows.append((tier, str(step), verdict, detail, path))
     rows += [(tier, n.split('-')[1], 'moved aside', 'damaged at restore', os.path.join(directory, n))

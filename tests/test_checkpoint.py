@@ -661,6 +661,9 @@ def damage_step(step_dir, damage):
   (rightly "ok"). Positions are tried from the middle on until the offline
   check sees the damage; the restore path is what the tests then judge."""
   from mjax.checkpoint import verify_step
+  if damage == 'tree metadata':   # the file Orbax reads the state's tree from
+    os.remove(os.path.join(step_dir, 'state', '_METADATA'))
+    return
   files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, 'state')) for f in fs]
   target = max(files, key=os.path.getsize)
   if damage == 'delete':
@@ -686,20 +689,30 @@ def damage_step(step_dir, damage):
 
 
 @pytest.mark.parametrize('where', ['newest', 'older'])
-@pytest.mark.parametrize('damage', ['flip', 'truncate', 'delete'])
-def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, damage, where):
-  """A flipped bit, a truncated or a deleted array file, in the newest step
-  (the restore falls back past it) or an older one (nothing needs it): the
-  offline check names it, and the run ends bitwise equal to an uninterrupted one."""
+@pytest.mark.parametrize('damage', ['flip', 'truncate', 'delete', 'tree metadata'])
+def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, caplog, damage, where):
+  """A flipped bit, a truncated or a deleted array file, or the state's
+  tree metadata gone, in the newest step (the restore falls back past it)
+  or an older one (nothing needs it): the offline check names it, and the
+  run ends bitwise equal to an uninterrupted one."""
   from mjax.checkpoint import verify_step
   full_dir, full_state = uninterrupted
   workdir = str(tmp_path / 'run')
   trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
   step_dir = os.path.join(workdir, 'checkpoints', '4' if where == 'newest' else '2')
   damage_step(step_dir, damage)
-  assert verify_step(step_dir)[0] in ('damaged', 'unreadable')
-  out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
+  with caplog.at_level('WARNING'):
+    verdict = verify_step(step_dir)
+  assert verdict[0] in ('damaged', 'unreadable')
+  if damage == 'tree metadata':
+    # Named by its file: it was "AttributeError: 'NoneType' object has no
+    # attribute 'tree'", under Orbax's own warning.
+    assert verdict == ('unreadable', 'state/_METADATA: missing') and 'item metadata' not in caplog.text
+  with caplog.at_level('WARNING'):
+    out, out_state = fit(cfg8(f'TrainConfig.steps = {N}', 'CheckpointConfig.save_every = 2'), workdir)
   assert out.start_step == (2 if where == 'newest' else 4)
+  if damage == 'tree metadata' and where == 'newest':
+    assert 'is unreadable (state/_METADATA: missing)' in caplog.text, caplog.text
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
   assert_bitwise(out_state.opt_state, full_state.opt_state)
@@ -730,6 +743,28 @@ def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninte
   assert report.main(['checkpoint', workdir, '--verify']) == 1
   assert 'no step can be read, so a restart stops with an error' in capsys.readouterr().err
   assert snapshot() == before
+
+
+def test_verify_beside_a_training_run_says_a_rotated_out_step_is_not_damaged(tmp_path, monkeypatch, capsys):
+  """`mjax-report checkpoint --verify` beside a run that trains: the run's
+  `keep` retention deleted a step between the listing and its read. That
+  was "unreadable" and exit status 1, the alarm for a damaged step."""
+  import shutil
+  from mjax import checkpoint as ck, report
+  workdir = str(tmp_path / 'run')
+  trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
+  read = ck.verify_step
+
+  def rotated_while_read(path):
+    if path.endswith(os.sep + '2'):
+      shutil.rmtree(path)
+    return read(path)
+
+  monkeypatch.setattr(ck, 'verify_step', rotated_while_read)
+  assert report.main(['checkpoint', workdir, '--verify']) == 0
+  table = capsys.readouterr().out
+  assert re.search(r'persistent\s+2\s+rotated out\s+deleted by the run while this read it', table), table
+  assert re.search(r'persistent\s+4\s+ok', table), table
 
 
 def test_a_checkpoint_of_another_shape_is_said_without_orbaxs_advice():
