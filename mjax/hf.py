@@ -508,11 +508,15 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
 
 def _rope(conf: dict) -> tuple[float, float]:
   """(theta, rotary fraction) from a config of transformers 4.x or 5.x."""
+  # Both read: a config with both has transformers apply the legacy
+  # `rope_scaling` (it becomes `rope_parameters`), so a scaling in either
+  # one is what the model computes.
+  for key in ('rope_scaling', 'rope_parameters'):
+    kind = (conf.get(key) or {}).get('rope_type', (conf.get(key) or {}).get('type', 'default'))
+    if kind != 'default':
+      raise UserError(f'{key}: rope_type {kind!r} (rope scaling) cannot be imported: mjax computes plain '
+                      f'rotary embeddings.')
   rope = conf.get('rope_parameters') or conf.get('rope_scaling') or {}
-  kind = rope.get('rope_type', rope.get('type', 'default'))
-  if kind != 'default':
-    raise UserError(f'rope_type {kind!r} (rope scaling) cannot be imported: mjax computes plain rotary '
-                    f'embeddings.')
   theta = rope.get('rope_theta', conf.get('rope_theta', conf.get('rotary_emb_base', 10000.0)))
   fraction = rope.get('partial_rotary_factor', conf.get('rotary_pct', 1.0))
   return float(theta), float(fraction)
@@ -521,8 +525,9 @@ def _rope(conf: dict) -> tuple[float, float]:
 def _layer_windows(conf: dict, n_layers: int) -> tuple[Optional[int], int]:
   """(ModelConfig.sliding_window, full_attention_every) of a Llama-family config."""
   window = conf.get('sliding_window') if conf['model_type'] in ('mistral', 'ministral') else None
-  if window is None:
-    return None, 0
+  positions = conf.get('max_position_embeddings')
+  if window is None or (isinstance(positions, int) and isinstance(window, int) and window >= positions):
+    return None, 0    # (a window as long as every position the model knows: full attention)
   types = conf.get('layer_types') or ['sliding_attention'] * n_layers
   full = [t == 'full_attention' for t in types]
   if not any(full):

@@ -946,6 +946,33 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   d.server.close()
 
 
+def test_a_process_jax_aborted_because_the_coordinator_died_is_not_blamed(tmp_path, monkeypatch):
+  """Process 0, the coordination service's host, killed: jax's client aborts
+  process 1 in C++ (SIGABRT) before it can record anything, and says why
+  in its log. Both were blamed (when the driver polled after the abort):
+  no healthy host for the link check, every host diagnosed. Only this
+  attempt's part of the log counts."""
+  d = make_driver(tmp_path)
+  try:
+    att = fake_attempt(d, ['slot0', 'slot1'])
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+    for i in (0, 1):
+      att.logs[i] = (str(tmp_path / f'process-{i}.log'), 0)
+      open(att.logs[i][0], 'w').write('=== attempt ===\n')
+    abort = ('F1128 12:08:30.479367 25100 client.h:80] Terminating process because the JAX distributed service '
+             'detected fatal errors. This most likely indicates that another task died\n')
+    open(att.logs[1][0], 'a').write(abort)
+    fault = d._exit_fault(att, {0: -9, 1: -6})
+    assert fault.processes == [0] and fault.extra['peers_left_after'] == [1], fault
+    assert d._exit_fault(att, {0: -9, 1: 1}).processes == [0, 1]       # not aborted by jax: its own exit
+    open(att.logs[0][0], 'a').write(abort)
+    assert d._exit_fault(att, {0: -6, 1: -6}).processes == [0, 1]      # all of them: nothing to tell apart
+    att.logs[1] = (att.logs[1][0], os.path.getsize(att.logs[1][0]))   # the line is an older attempt's
+    assert d._exit_fault(att, {0: -9, 1: -6}).processes == [0, 1]
+  finally:
+    d.server.close()
+
+
 def test_a_loss_spike_rolls_back_to_a_step_saved_before_it_began(tmp_path):
   # Saves at 6, 8 and 10; the spike ran from step 9 to 11. Step 10 is finite
   # but spiked, and step 9's loss was taken on the state saved as 8: the next

@@ -405,3 +405,26 @@ def test_import_refuses_what_mjax_cannot_compute(tmp_path):
     export.gin_bindings(path)
   with pytest.raises(UserError, match='not a Hugging Face model directory'):
     export.gin_bindings(str(tmp_path))
+  # Both keys: transformers applies the legacy rope_scaling; a plain
+  # rope_parameters beside it imported the model as plain rotary.
+  path, _ = _hf_model('llama', tmp_path / 'both')
+  conf_path = os.path.join(path, 'config.json')
+  conf = json.load(open(conf_path))
+  conf['rope_parameters'] = {'rope_type': 'default', 'rope_theta': 10000.0}
+  conf['rope_scaling'] = {'type': 'linear', 'factor': 2.0}
+  json.dump(conf, open(conf_path, 'w'))
+  with pytest.raises(UserError, match="rope_scaling: rope_type 'linear'"):
+    export.gin_bindings(path)
+
+
+def test_import_keeps_sequences_within_the_models_positions(tmp_path):
+  """A Mistral window as long as max_position_embeddings or longer is full
+  attention: imported as such, at the positions the model knows (the
+  sequence length written was the window, 10**9)."""
+  path, _ = _hf_model('mistral', tmp_path)
+  conf_path = os.path.join(path, 'config.json')
+  conf = json.load(open(conf_path))
+  conf['sliding_window'] = 10**9
+  json.dump(conf, open(conf_path, 'w'))
+  lines = export.gin_bindings(path)
+  assert 'DataConfig.seq_len = 64' in lines and 'ModelConfig.sliding_window = None' in lines, lines

@@ -285,6 +285,11 @@ def _agent_secret() -> str:
     raise UserError(f'--executor agent: {e}') from None
 
 
+# What jax's coordination client logs as it aborts a process whose peer
+# (or the coordination service's host) died (jaxlib 0.4-0.12, client.h).
+_JAX_PEER_ABORT = 'the JAX distributed service detected fatal errors'
+
+
 def _read_from(path: str, offset: int, limit: int = 1 << 20) -> str:
   try:
     with open(path, 'rb') as fh:
@@ -959,11 +964,23 @@ class Driver:
     # Processes whose collectives failed because a peer left first (their
     # facts say so) are the fault's consequence: blaming them too left no
     # healthy host for the link check, and diagnosed healthy ones.
-    followed = {i for i in failed if self._facts(att, i).get(protocol.PEER_LOST) is not None}
+    followed = {i for i in failed if self._facts(att, i).get(protocol.PEER_LOST) is not None
+                or self._aborted_by_jax_for_a_peer(att, i, failed[i])}
     if followed and len(followed) < len(failed):
       return detect.Fault('exit', sorted(set(failed) - followed), 'exited abnormally',
                           extra={'exit': codes, 'peers_left_after': sorted(followed)})
     return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
+
+  def _aborted_by_jax_for_a_peer(self, att: Attempt, process: int, code: Optional[int]) -> bool:
+    """Whether jax's coordination client aborted `process` (SIGABRT) because
+    another task died: when the process hosting the coordination service
+    (process 0) goes, the others are killed in C++ before any Python runs,
+    so they cannot record PEER_LOST; jax's last words in their log say it."""
+    if code != -signal.SIGABRT or process not in att.logs:
+      return False
+    path, offset = att.logs[process]
+    tail = _read_from(path, max(offset, _size(path) - (64 << 10)))
+    return _JAX_PEER_ABORT in tail
 
   def _facts(self, att: Attempt, process: int) -> dict:
     """What process `process` of this attempt recorded for the driver (mjax/protocol.py)."""
