@@ -1134,6 +1134,10 @@ def test_a_driver_process_held_whole_says_that_its_trainers_were_let_go(tmp_path
   assert 'the whole driver process was held' in stall['detail'] and 'SIGSTOP' in stall['detail'], stall
   (fault,) = events(tmp_path, 'fault')
   assert set(fault['exit'].values()) == {'status 4'}, fault
+  # The driver's own hold-up: no host diagnosed, no link checked (every
+  # host was diagnosed and the link check found no healthy one to pair).
+  assert fault['kind'] == 'driver_held', fault
+  assert not events(tmp_path, 'diagnosis') and not events(tmp_path, 'link_check')
   assert len(events(tmp_path, 'launch')) == 2 and events(tmp_path, 'finish')
 
 
@@ -1144,7 +1148,7 @@ def test_a_driver_loop_stuck_past_the_collective_timeout_lets_its_trainers_go(tm
   train = [*QUICK, '--gin.FaultConfig.progress_timeout_s=2', '--gin.FaultConfig.collective_timeout_s=2.5']
   assert _driver_held_up_once(tmp_path, monkeypatch, 4.0, train) == driver.EXIT_OK
   (fault,) = events(tmp_path, 'fault')
-  assert fault['kind'] == 'exit' and 'heard nothing from the driver' in fault['detail'], fault
+  assert fault['kind'] == 'driver_held' and 'heard nothing from the driver' in fault['detail'], fault
   assert set(fault['exit'].values()) == {'status 4'}, fault
   (stall,) = events(tmp_path, 'driver_stalled')
   assert not stall['trainers_kept'] and 'stopped acknowledging' in stall['detail'], stall

@@ -34,6 +34,9 @@ a free port by default) and watches for:
                    the running median
   straggler        mjax.ft.stragglers.find_stragglers on <workdir>/timings:
                    flagged in the events; a fault only with evict_stragglers
+  driver_held      every trainer that stopped saved and exited 4: the driver
+                   was unreachable (held up, stopped whole): restarted with
+                   no host diagnosed
 
 Timeout hierarchy (FaultConfig; checked at start, see mjax/ft/detect.py):
 heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s <
@@ -574,7 +577,8 @@ class Driver:
         if self._signal is not None:
           self.events.emit('preempted', attempt=att.number, during='recovery')
           return self.opts.preempt_exit_status
-        self._diagnose(att, fault)
+        if fault.kind != 'driver_held':
+          self._diagnose(att, fault)
         if self._signal is not None:   # a stop asked for while the hosts were checked
           self.events.emit('preempted', attempt=att.number, during='diagnosis')
           return self.opts.preempt_exit_status
@@ -928,7 +932,14 @@ class Driver:
       procs = sorted(i for i, c in failed.items() if c == protocol.EXIT_NONFINITE)
       return detect.Fault('nonfinite_loss', procs, 'exit status 3 (non-finite loss)',
                           step=self._nan_step(att, procs), extra={'exit': codes})
-    if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable for a while
+    if set(failed.values()) == {protocol.EXIT_DRIVER_LOST}:
+      # Every trainer that stopped did so, saved, because the driver was
+      # unreachable (held up, stopped whole, its host slow): nothing of the
+      # hosts' to diagnose, no link to check.
+      return detect.Fault('driver_held', sorted(failed), 'stopped: heard nothing from the driver for '
+                          'heartbeat_timeout_s (the driver\'s own hold-up, not the hosts\')',
+                          extra={'exit': codes})
+    if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable, and more went wrong
       return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
                           'heartbeat_timeout_s', extra={'exit': codes})
     for i in range(len(att.hosts)):   # not only those gone yet: each records it
