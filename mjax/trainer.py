@@ -438,6 +438,10 @@ class Trainer:
     try:
       return self._loop(timer, injector, heartbeat, reporter, profiler, sampler, meta)
     except Exception as e:
+      # The bar ended on its own line first: the error and the warnings
+      # below were printed onto the bar's last line (in a log, its \r
+      # updates and the error run together).
+      reporter.close_bar()
       # A NaN loss, a data file gone bad, any crash of the loop: the saves
       # still being written hold states that were good when they began (each
       # was checked finite first), and the newest of them is where a restart

@@ -272,6 +272,21 @@ def test_a_stop_on_the_last_step_finishes_the_run(uninterrupted, tmp_path, monke
   assert summary.preempted and summary.final_step == N - 1
 
 
+def test_a_run_that_fails_ends_its_progress_bar_before_the_error(tmp_path, monkeypatch, capsys):
+  """The progress bar's last line is ended before the error leaves: the
+  error (and the warnings on the way out) were printed onto it, glued to
+  the bar in a log."""
+  import gc
+  monkeypatch.setenv('MJAX_FAULT', 'raise:step=3')
+  with pytest.raises(Exception) as failed:
+    fit(cfg8('TrainConfig.steps = 6', 'TrainConfig.progress = True'), str(tmp_path))
+  print('the error, as mjax-train says it', file=sys.stderr)
+  del failed   # the bar's last owner, the traceback: left open, the bar ended only now, after the error
+  gc.collect()
+  err = capsys.readouterr().err
+  assert 'step/s' in err and err.endswith('\nthe error, as mjax-train says it\n'), repr(err[-300:])
+
+
 def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_path, monkeypatch):
   # The gradient overflowed at step 4, a save step: its loss is finite (the
   # loss before the update), but the clip factor is 0 and the update 0 x inf
