@@ -321,7 +321,8 @@ def check_out(out: str) -> str:
   if os.path.islink(out):
     raise UserError(f'{out!r} is a symbolic link; give the path of a new directory (nothing is overwritten).')
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-    raise UserError(f'{out!r} exists and is not an empty directory; give a new path (nothing is '
+    what = 'a directory that holds files' if os.path.isdir(out) else 'a file'
+    raise UserError(f'{out!r} is {what}: the export writes a new directory; give a new path (nothing is '
                     f'overwritten).')
   if os.path.ismount(out):
     raise UserError(f'{out!r} is a mount point; give a new directory inside it.')

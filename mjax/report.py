@@ -253,8 +253,12 @@ def checkpoint(prog: str, argv: list[str]) -> int:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
       ck = CheckpointConfig(**jsonfile.load(fh)['checkpoint'])
   except (OSError, ValueError, KeyError, TypeError) as e:
+    from mjax.checkpoint import is_workdir
+    parent = os.path.dirname(os.path.abspath(args.workdir))
+    hint = (f' ({parent!r} is one: a run\'s checkpoints are read through its workdir)'
+            if is_workdir(parent) else '')
     raise UserError(f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
-                    f'of an mjax-train run.') from None
+                    f'of an mjax-train run{hint}.') from None
   rows, bad = [], 0
   for tier, directory in tier_directories(ck, args.workdir).items():
     other = foreign(directory, args.workdir)

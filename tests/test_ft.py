@@ -807,6 +807,8 @@ def test_a_straggler_in_the_last_seconds_is_named_when_the_job_finishes(tmp_path
   assert d._stragglers(att, set(), found, finished=True) is None
   (ev,) = events(tmp_path, 'straggler')
   assert ev['process'] == 1 and not ev['evict'] and 'found as the job finished' in ev['detail']
+  # One name for the host in the event: the driver's (the timings' is 'h').
+  assert ev['host'] == 'slot1' and ev['detail'].startswith('process 1 on slot1:') and ev['timing_host'] == 'h'
   # Stopped for any other reason, no last analysis is run.
   watch = driver._StragglerWatch(str(tmp_path), {0, 1, 2}, d.fault_cfg, every_s=3600.0, from_end=False)
   t0 = time.monotonic()

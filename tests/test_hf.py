@@ -155,6 +155,15 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
   assert {os.stat(tmp_path / 'ok' / n).st_mode & 0o777 for n in os.listdir(tmp_path / 'ok')} == {0o666 & ~umask}
 
 
+def test_an_export_path_that_is_taken_is_said_for_what_it_is(tmp_path):
+  (tmp_path / 'notes.txt').write_text('notes')
+  with pytest.raises(UserError, match=r"notes.txt' is a file: the export writes a new directory"):
+    export.check_out(str(tmp_path / 'notes.txt'))
+  with pytest.raises(UserError, match=r"is a directory that holds files: the export writes a new directory"):
+    export.check_out(str(tmp_path))
+  assert (tmp_path / 'notes.txt').read_text() == 'notes'
+
+
 def test_a_run_with_nothing_saved_is_said_first(tmp_path):
   # Before, the export asked for --drop_sliding_window first, then, given
   # it, said there was nothing to export.

@@ -1083,7 +1083,9 @@ class Driver:
       fields = {**s.to_json(), 'timing_host': s.host, 'host': host}   # host: the driver's name for it
       # Evicting the last host would end the job; slow is better than stopped.
       evict = f.evict_stragglers and not finished and self._can_run_without(host)
-      detail = s.describe() + (' (found as the job finished)' if finished else
+      # Described with the driver's name for its host, as the event's `host`
+      # (its timings carry the machine's own, `timing_host`: 'vm' for 'slot1').
+      detail = dataclasses.replace(s, host=host).describe() + (' (found as the job finished)' if finished else
                                '' if evict or not f.evict_stragglers else
                                f' (not evicted: no host left to run on without {host})')
       self.events.emit('straggler', attempt=att.number, detail=detail, evict=evict, **fields)
