@@ -128,7 +128,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
   monkeypatch.undo()
   (tmp_path / 'busy').mkdir()
   (tmp_path / 'busy' / 'keep.txt').write_text('mine')
-  with pytest.raises(UserError, match='not an empty directory'):
+  with pytest.raises(UserError, match='is a directory that holds files'):
     export.export_hf(params, cfg, str(tmp_path / 'busy'))
   assert (tmp_path / 'busy' / 'keep.txt').read_text() == 'mine'
   # Links (dangling, or to an empty directory) and a parent that is a file.
