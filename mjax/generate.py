@@ -109,17 +109,22 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved:
   if s.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / s.temperature
-  if s.top_k:
-    kth = jax.lax.top_k(logits, min(s.top_k, vocab))[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if s.top_p < 1:
-    desc = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(desc, axis=-1)
-    # Keep a token while the probability before it is below p: the most
-    # likely token always stays, and the set stops at the first to reach p.
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
-    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  if s.top_k or s.top_p < 1:
+    # The kept set chosen by rank, ties to the lower id (a stable sort): by
+    # value, every token tied with the k-th stayed, and top_k 1 drew among
+    # equal logits by seed where it is greedy.
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    desc = jnp.take_along_axis(logits, order, axis=-1)
+    keep = jnp.ones(desc.shape, bool)
+    if s.top_k:
+      keep &= jnp.arange(desc.shape[-1]) < min(s.top_k, vocab)
+    if s.top_p < 1:
+      probs = jax.nn.softmax(jnp.where(keep, desc, -jnp.inf), axis=-1)
+      # Keep a token while the probability before it is below p: the most
+      # likely token always stays, and the set stops at the first to reach p.
+      keep &= (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = jnp.full_like(logits, -jnp.inf).at[rows, order].set(jnp.where(keep, desc, -jnp.inf))
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

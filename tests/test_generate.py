@@ -69,6 +69,18 @@ def test_cached_decoding_gives_the_full_forward_logits(variant, prefill):
     assert sorted(np.asarray(cache['block_0']['pos'][0, 0]).tolist()) == [14, 15, 16, 17, 18]
 
 
+def test_generation_logits_are_not_rounded_to_the_compute_dtype():
+  """A bf16 model's logits for sampling come out of an fp32 product: rounded
+  to bf16, the most likely tokens tied often."""
+  cfg = dataclasses.replace(MODEL, dtype='bfloat16')
+  model, params, tokens = _setup(cfg)
+  positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
+  got, _ = _decode(model, params, tokens, positions, T, T)
+  got = np.asarray(got)
+  assert got.dtype == np.float32
+  assert np.mean(got != got.astype(jnp.bfloat16).astype(np.float32)) > 0.5
+
+
 def test_left_padded_prompts_decode_as_if_alone():
   """A batch of prompts of different lengths, aligned on their last token:
   each row's logits are those of its prompt run on its own."""
@@ -101,6 +113,14 @@ def test_greedy_and_filters():
   # Unfiltered: every token, at about its probability.
   counts = np.bincount(_draws(logits, Sampling(temperature=1.0), n=20000), minlength=4) / 20000
   np.testing.assert_allclose(counts, [0.05, 0.5, 0.3, 0.15], atol=0.02)
+  # Ties are cut by rank, the lower id first, whatever the seed: top_k 1 is
+  # greedy, and the k kept are k (by value, every token tied with the k-th
+  # stayed, and top_k 1 drew among them).
+  tied = [0.0, 2.0, 2.0, 2.0]
+  for seed in range(4):
+    assert set(_draws(tied, Sampling(temperature=1.0, top_k=1, seed=seed))) == {1}
+    assert set(_draws(tied, Sampling(temperature=1.0, top_p=1e-6, seed=seed))) == {1}
+  assert set(_draws(tied, Sampling(temperature=1.0, top_k=2))) == {1, 2}
   # Ids past the tokenizer's vocabulary (padding of the embedding) never come out.
   assert set(_draws([0.0, 0.0, 10.0, 10.0], Sampling(temperature=1.0), vocab=2)) <= {0, 1}
   # Nor do reserved ids within it (the byte tokenizer's PAD), greedy or not.

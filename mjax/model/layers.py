@@ -88,7 +88,8 @@ def apply_weights(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], n_
   return y if bias is None else y + bias
 
 
-def matmul(x: jax.Array, kernel: jax.Array, n_in: int = 1, kernel_in_last: bool = False) -> jax.Array:
+def matmul(x: jax.Array, kernel: jax.Array, n_in: int = 1, kernel_in_last: bool = False,
+           out_dtype=None) -> jax.Array:
   """x's trailing `n_in` dims contracted with the kernel's leading ones (with
   `kernel_in_last`, its trailing ones: a (vocab, embed) table as the head).
 
@@ -110,13 +111,15 @@ def matmul(x: jax.Array, kernel: jax.Array, n_in: int = 1, kernel_in_last: bool 
     size = math.prod(k_in)
     rows = x.reshape(-1, size)
     if kernel_in_last:
-      y = jax.lax.dot_general(rows, kernel.reshape(-1, size), (((1,), (1,)), ((), ())))
+      y = jax.lax.dot_general(rows, kernel.reshape(-1, size), (((1,), (1,)), ((), ())),
+                              preferred_element_type=out_dtype)
     else:
-      y = jax.lax.dot_general(rows, kernel.reshape(size, -1), (((1,), (0,)), ((), ())))
+      y = jax.lax.dot_general(rows, kernel.reshape(size, -1), (((1,), (0,)), ((), ())),
+                              preferred_element_type=out_dtype)
     return y.reshape(*lead, *k_out)
   x_in = tuple(range(x.ndim - n_in, x.ndim))
   k_dims = tuple(range(kernel.ndim - n_in, kernel.ndim)) if kernel_in_last else tuple(range(n_in))
-  return jax.lax.dot_general(x, kernel, ((x_in, k_dims), ((), ())))
+  return jax.lax.dot_general(x, kernel, ((x_in, k_dims), ((), ())), preferred_element_type=out_dtype)
 
 
 def project(x: jax.Array, w: Weights, n_in: int) -> jax.Array:

@@ -353,7 +353,11 @@ class Transformer(nn.Module):
       # Generation: no backward pass, so no remat; the caches ride along the
       # layer scan as per-group inputs and outputs.
       x, cache = self._cached_layers(x, positions, cache)
-      return self._head(x[:, -1:] if last_only else x, head_table), cache
+      # Logits accumulated and kept in fp32: sampling compares them, and
+      # rounded to bf16 the most likely tokens tie often (top_k 1 then
+      # drew among them by seed). Training keeps bf16 logits (the loss's
+      # passes read them: 4 GB a step for 1p3b).
+      return self._head(x[:, -1:] if last_only else x, head_table, out_dtype=jnp.float32), cache
     if c.remat_policy != 'none':
       # prevent_cse is only needed outside scan (scan already blocks CSE).
       group = nn.remat(group, policy=REMAT_POLICIES[c.remat_policy], prevent_cse=not c.scan_layers)
@@ -380,7 +384,7 @@ class Transformer(nn.Module):
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
   def _head(self, x: jax.Array, head_table: jax.Array, plan: Optional[scatter_sum.Plan] = None,
-            partials: Optional[jax.Array] = None) -> jax.Array:
+            partials: Optional[jax.Array] = None, out_dtype=None) -> jax.Array:
     c = self.cfg
     dtype, pdtype = dtype_of(c.dtype), dtype_of(c.param_dtype)
     x = make_norm(c, 'final_norm')(x)
@@ -399,7 +403,7 @@ class Transformer(nn.Module):
       # parallelism: 281 MiB gathered where 94 do).
       (kernel, partials), in_last = _gathered_head(head, dtype, plan), False
     if plan is None:
-      logits = matmul(x, kernel, kernel_in_last=in_last)
+      logits = matmul(x, kernel, kernel_in_last=in_last, out_dtype=out_dtype)
     else:
       logits = _head_to_partials(x, kernel, plan, partials, kernel_in_last=in_last)
     # The softmax / loss run in fp32 whatever the compute dtype.
