@@ -393,6 +393,35 @@ def test_position_restores_exactly_or_restarts_on_another_seq_len():
   np.testing.assert_array_equal(next(other)['inputs'], first)
 
 
+def test_a_position_names_its_data_by_content_not_by_path(tmp_path):
+  """A file renamed (the order is by name) or rewritten at the same size
+  keeps the file and token counts: resumed without a word, on other rows.
+  The same data copied to another path warned instead. A position saved
+  before content was named is checked the older way."""
+  import shutil
+  from mjax.config import DataConfig as DC
+  src = tmp_path / 'src'
+  src.mkdir()
+  for i in range(3):
+    (src / f'{i}.txt').write_text(f'document {i} ' * 400)
+  make = lambda root: data.make_train_iterator(DC(source=str(root), seq_len=32, file_pattern='*.txt'), 8)
+  it = make(src)
+  _take(it, 2)
+  state = data.position(it, 8, 32)
+  shutil.copytree(src, tmp_path / 'copy')
+  assert data.restore_position(make(tmp_path / 'copy'), state, 8, 32) == ''
+  legacy = {k: v for k, v in state.items() if k != 'data_content'}
+  assert data.restore_position(make(tmp_path / 'copy'), legacy, 8, 32).startswith('warning: the data is not')
+  assert data.restore_position(make(src), legacy, 8, 32) == ''
+  (src / '0.txt').rename(src / '9.txt')
+  assert data.restore_position(make(src), state, 8, 32).startswith('warning: the data is not what'), state
+  (src / '9.txt').rename(src / '0.txt')
+  (src / '1.txt').write_text('document 7 ' * 400)          # the same size
+  assert data.restore_position(make(src), state, 8, 32).startswith('warning: the data is not what')
+  (src / '1.txt').write_text('document 1 ' * 400)
+  assert data.restore_position(make(src), state, 8, 32) == ''
+
+
 def test_a_position_names_its_data_and_says_when_the_data_changed(tmp_path):
   # The position was only an index: files added to a source, another
   # shuffle_seed or tokenizer continued at index k of another order, silently.

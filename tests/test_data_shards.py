@@ -461,3 +461,19 @@ def test_prepare_and_verify_commands(tmp_path, corpus_dir, capsys):
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert 'mjax-prepare: error:' in err and str(victim) in err and 'sha256' in err
+
+
+def test_shards_and_their_text_name_their_content_alike_wherever_they_lie(tmp_path, shard_dir, shard_copy,
+                                                                           corpus_dir):
+  """A saved position is checked against the shards' content (their
+  manifest's sha256s), not their path: a copy is the same data, shards of
+  other text are not (checked by `mjax.data.pipeline.fingerprint`)."""
+  from mjax.config import DataConfig
+  from mjax.data.sources import load_source
+  content = lambda root: load_source(str(root), DataConfig(source=str(root))).content
+  assert content(shard_dir) == content(shard_copy) != ''
+  other = tmp_path / 'other'
+  shutil.copytree(corpus_dir, other)
+  next(other.rglob('*.py')).write_text('# another file\n', encoding='utf-8')
+  data.prepare_shards(str(other), str(tmp_path / 'shards2'), shard_tokens=1500, heldout_fraction=0.2)
+  assert content(tmp_path / 'shards2') != content(shard_dir)

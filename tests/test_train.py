@@ -442,8 +442,8 @@ def test_processes_that_see_different_data_stop_at_start(monkeypatch):
   # that sees other files would mix rows of another order into every batch.
   from mjax import distributed
   from mjax.data.errors import DataError
-  mine = {'digest': 'b' * 16, 'sources': [{'root': '/data', 'files': 9, 'tokens': 900}]}
-  first = {'digest': 'a' * 16, 'sources': [{'root': '/data', 'files': 10, 'tokens': 1000}]}
+  mine = {'content': 'b' * 16, 'sources': [{'root': '/data', 'files': 9, 'tokens': 900}]}
+  first = {'content': 'a' * 16, 'sources': [{'root': '/data', 'files': 10, 'tokens': 1000}]}
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
   monkeypatch.setattr(distributed, 'broadcast_str', lambda key, value, *a: json.dumps(first))
   monkeypatch.setattr(distributed, 'report_exceptions', lambda key, v, *a: {} if v is None else {1: v})

@@ -183,19 +183,27 @@ def make_train_dataset(cfg: DataConfig, global_batch_size: int, *, process_index
 
 
 def fingerprint(cfg: DataConfig, sources: Sequence[tuple[TokenSource, float]]) -> dict:
-  """What the train order is made of: each source (its path, weight,
-  tokenizer, files and tokens), the seed and the split. A saved position
-  names the same rows only where this is the same; processes of one job
-  must all have it alike. {'digest': short hex, 'sources': [...]} (the
-  list says what differs)."""
+  """What the train order is made of: each source (its content, weight,
+  tokenizer), the seed and the split. A saved position names the same rows
+  only where this is the same; processes of one job must all have it
+  alike. {'content': short hex, 'digest': the older, path-based one,
+  'sources': [...]} (the list says what differs).
+
+  `content` holds each source's files' names and ids (`TokenSource.content`),
+  not its path: a corpus copied elsewhere is the same data, and a file
+  renamed (the order is by name), reordered or rewritten at the same size
+  is not. `digest` (paths, file and token counts) is what positions saved
+  before `content` are checked against."""
   # Tokens, not windows: another seq_len cuts other windows of the same data
   # (restore_position says so on its own).
   described = [{'root': src.root, 'weight': weight, 'tokenizer': src.tokenizer.sha256 or src.tokenizer.name,
                 'files': len(src.train_files), 'tokens': int(sum(len(s) for s in src.train))}
                for src, weight in sources]
-  whole = [described, cfg.shuffle_seed, cfg.heldout_fraction, cfg.document_attention]
-  return {'digest': hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()[:16],
-          'sources': described}
+  rest = [cfg.shuffle_seed, cfg.heldout_fraction, cfg.document_attention]
+  short = lambda x: hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()[:16]
+  content = [{**{k: v for k, v in d.items() if k != 'root'}, 'content': src.content}
+             for d, (src, _) in zip(described, sources)]
+  return {'digest': short([described, *rest]), 'content': short([content, *rest]), 'sources': described}
 
 
 def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_index: int = 0,
@@ -222,7 +230,7 @@ def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_inde
   return it
 
 
-_SHAPE_KEYS = ('global_batch_size', 'seq_len', 'data')
+_SHAPE_KEYS = ('global_batch_size', 'seq_len', 'data', 'data_content')
 
 
 def position(it: grain.DatasetIterator, global_batch_size: int, seq_len: int) -> dict:
@@ -232,7 +240,7 @@ def position(it: grain.DatasetIterator, global_batch_size: int, seq_len: int) ->
   out = {**it.get_state(), 'global_batch_size': int(global_batch_size), 'seq_len': int(seq_len)}
   found = getattr(it, 'fingerprint', None)
   if found is not None:
-    out['data'] = found['digest']
+    out['data'], out['data_content'] = found['digest'], found['content']
   return out
 
 
@@ -273,10 +281,12 @@ def restore_position(it: grain.DatasetIterator, state: dict, global_batch_size: 
 
 
 def _changed_data(it: grain.DatasetIterator, state: dict) -> str:
-  saved, now = state.get('data'), getattr(it, 'fingerprint', None)
-  if saved is None or now is None or saved == now['digest']:
+  now = getattr(it, 'fingerprint', None)
+  key, saved = ('content', state['data_content']) if 'data_content' in state else ('digest', state.get('data'))
+  if saved is None or now is None or saved == now[key]:
     return ''   # saved before positions named their data, or the same data
-  return ('warning: the data is not what this position was saved with (other files or windows in a source, another '
+  return ('warning: the data is not what this position was saved with (other files, file names or contents in a '
+          'source, another '
           'tokenizer, shuffle_seed, mixture or heldout_fraction; now: '
           + ', '.join(f'{s["root"]}: {s["tokens"]:,} tokens in {s["files"]:,} files' for s in now['sources'])
           + '): training goes on at the same batch index of the new order, whose rows are not those the '

@@ -15,6 +15,8 @@ directories only takes their tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from typing import Literal, Optional
 
@@ -40,6 +42,10 @@ class TokenSource:
     train / heldout: token streams (documents joined by EOS), read-only:
       arrays for text, mjax.data.shards.ShardTokens for shards.
     train_files / heldout_files: text files or shard files behind them.
+    content: a digest of the train split's content, wherever it lies: its
+      files' names (relative to the source), each one's tokens, and the
+      tokens themselves (a shard's sha256 from its manifest; for text, a
+      hash of the ids). What a saved data position is checked against.
   """
   spec: str
   root: str
@@ -50,6 +56,7 @@ class TokenSource:
   heldout: tuple[np.ndarray | shards_lib.ShardTokens, ...]
   train_files: tuple[str, ...]
   heldout_files: tuple[str, ...]
+  content: str = ''
 
 
 def load_source(spec: str, cfg: DataConfig) -> TokenSource:
@@ -68,11 +75,21 @@ def load_source(spec: str, cfg: DataConfig) -> TokenSource:
     s = shards_lib.open_shards(spec, cfg.verify_checksums)
     if cfg.tokenizer != BYTES:
       shards_lib.check_tokenizer(s, load_tokenizer(cfg.tokenizer))
+    train = [(e['file'], e['tokens'], e['sha256']) for e in s.manifest['shards'] if e['split'] == 'train']
     return TokenSource(spec, s.root, 'shards', s.manifest.get('split', 'file'), s.tokenizer,
-                       s.train, s.heldout, s.train_files, s.heldout_files)
+                       s.train, s.heldout, s.train_files, s.heldout_files,
+                       hashlib.sha256(json.dumps(train).encode()).hexdigest())
   c = corpus_lib.load_text(spec, cfg.file_pattern, cfg.tokenizer, cfg.heldout_fraction)
   return TokenSource(spec, c.root, 'text', c.split, c.tokenizer, (c.train_tokens,),
-                     (c.heldout_tokens,), c.train_files, c.heldout_files)
+                     (c.heldout_tokens,), c.train_files, c.heldout_files, _text_content(c))
+
+
+def _text_content(c: corpus_lib.Corpus) -> str:
+  """`TokenSource.content` of a text corpus: its train files' names and the
+  ids they make (a hash at ~1 GB/s, beside the tokenizing it follows)."""
+  h = hashlib.blake2b(json.dumps(list(c.train_files)).encode(), digest_size=16)
+  h.update(np.ascontiguousarray(c.train_tokens).view(np.uint8))
+  return h.hexdigest()
 
 
 def load_sources(cfg: DataConfig) -> list[tuple[TokenSource, float]]:
