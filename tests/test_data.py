@@ -393,6 +393,19 @@ def test_position_restores_exactly_or_restarts_on_another_seq_len():
   np.testing.assert_array_equal(next(other)['inputs'], first)
 
 
+def test_linked_folders_of_a_text_source_are_read_once_each(tmp_path):
+  """A corpus folder of links to datasets' folders: the linked files were
+  left out without a word. A link back up the tree ends."""
+  from mjax.data import corpus
+  (tmp_path / 'mount' / 'a').mkdir(parents=True)
+  (tmp_path / 'mount' / 'a' / 'x.txt').write_text('x')
+  (tmp_path / 'corpus').mkdir()
+  (tmp_path / 'corpus' / 'local.txt').write_text('y')
+  os.symlink(tmp_path / 'mount' / 'a', tmp_path / 'corpus' / 'part1')
+  os.symlink(tmp_path / 'corpus', tmp_path / 'corpus' / 'loop')
+  assert corpus.list_files(str(tmp_path / 'corpus'), '*.txt') == ['local.txt', 'part1/x.txt']
+
+
 def test_a_position_names_its_data_by_content_not_by_path(tmp_path):
   """A file renamed (the order is by name) or rewritten at the same size
   keeps the file and token counts: resumed without a word, on other rows.

@@ -400,6 +400,9 @@ def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):
   (tmp_path / 'half' / 'train-00000.bin').write_bytes(b'\0' * 8)      # an interrupted run's
   with pytest.raises(data.DataError, match='what an mjax-prepare killed midway leaves'):
     data.prepare_shards(str(corpus_dir), str(tmp_path / 'half'))
+  # The input corpus given as the output: never called a leftover to remove.
+  with pytest.raises(data.DataError, match='not an empty directory; choose a new one.$'):
+    data.prepare_shards(str(corpus_dir), str(corpus_dir))
 
 
 def test_an_interrupted_prepare_leaves_nothing(tmp_path, corpus_dir, monkeypatch):

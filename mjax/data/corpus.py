@@ -87,11 +87,22 @@ def list_files(root: str, pattern: str, *, skip_packages: bool = False) -> list[
   if os.path.isfile(root):
     return [os.path.basename(root)]
   found = []
-  for folder, subdirs, names in os.walk(root):
+  # Linked folders are followed (a corpus folder of links to datasets'
+  # mounts: left out, they were dropped without a word), each real folder
+  # once, so a link back up the tree ends.
+  seen = {os.path.realpath(root)}
+  for folder, subdirs, names in os.walk(root, followlinks=True):
     if skip_packages:
       # Pruning in place stops os.walk from descending: the stdlib's
       # site-packages can hold ten times more files than the stdlib itself.
       subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
+    kept = []
+    for d in subdirs:
+      real = os.path.realpath(os.path.join(folder, d))
+      if real not in seen:
+        seen.add(real)
+        kept.append(d)
+    subdirs[:] = kept
     rel_folder = os.path.relpath(folder, root)
     for name in names:
       if fnmatch.fnmatch(name, pattern) and os.path.isfile(os.path.join(folder, name)):

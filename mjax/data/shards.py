@@ -51,6 +51,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import resource
 import weakref
 from typing import Callable, Iterator, Optional
@@ -224,10 +225,15 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                     f'0 and 1, got {heldout_fraction}.')
   output = os.path.abspath(os.path.expanduser(output))
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-    leftover = os.path.isdir(output) and not os.path.exists(os.path.join(output, 'manifest.json'))
+    # Only a folder of nothing but shard files (and the manifest's temporary
+    # file) is what an mjax-prepare killed midway leaves; any other (the
+    # input corpus itself, given as --output by mistake) is not to remove.
+    names = os.listdir(output) if os.path.isdir(output) else []
+    leftover = bool(names) and all(re.fullmatch(r'(train|heldout)-\d{5}\.bin|manifest\.json\.tmp', n)
+                                   for n in names)
     raise DataError(f'shard directory {output}: already exists and is not an empty directory; choose a new '
-                    'one' + (' (it holds no manifest.json: what an mjax-prepare killed midway leaves; remove it '
-                             'and run again)' if leftover else '') + '.')
+                    'one' + (' (it holds only shard files and no manifest.json: what an mjax-prepare killed '
+                             'midway leaves; remove it and run again)' if leftover else '') + '.')
   tok = load_tokenizer(tokenizer)
   # JSON Lines files stay unexpanded and their documents are streamed: a
   # list of every document's name (and split flag) costs hundreds of bytes
