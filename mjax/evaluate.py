@@ -159,10 +159,10 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
   n = args.batches or cfg.train.eval_batches
-  if args.split == 'heldout' and args.batches is not None:
+  if args.batches is not None:
     # Only a count asked for: the default is the trainer's own eval, which
     # this must equal.
-    n = _whole_heldout_batches(cfg, n)
+    n = _whole_heldout_batches(cfg, n, args.split)
   batches = make_batches(cfg, args.split, n, program.data_share())   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
   changed = tokenizer_change(picked.path, cfg)
@@ -470,14 +470,16 @@ def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
 
 # --- batches and the loss ---------------------------------------------------------
 
-def _whole_heldout_batches(cfg: Config, n: int) -> int:
-  """`n`, or the whole batches the held-out split holds where that is fewer
-  (`data.whole_heldout_batches`): past them its windows would repeat, and a
-  token counted twice would bias the mean this reports as exact."""
+def _whole_heldout_batches(cfg: Config, n: int, split: str = 'heldout') -> int:
+  """`n`, or the whole batches the split holds where that is fewer
+  (`data.whole_heldout_batches`; the train split's first pass): past them
+  its windows would repeat, and a token counted twice would bias the mean
+  this reports as exact."""
   gbs = cfg.train.global_batch_size
-  whole = data_lib.whole_heldout_batches(cfg.data, gbs)
+  whole = data_lib.whole_heldout_batches(cfg.data, gbs, split)
   if n > whole > 0:   # none at all: make_eval_batches says what is missing
-    say(f'{PROG}: the held-out split holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '
+    name = 'held-out split' if split == 'heldout' else 'train split'
+    say(f'{PROG}: the {name} holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '
         f'evaluating those, not the {n} asked for (beyond them its windows repeat).')
     return whole
   return n

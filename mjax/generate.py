@@ -355,10 +355,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
   if args.prompt_file:
     path = args.prompt_file
     try:
+      # utf-8-sig: a byte-order mark (Windows editors write one) is no part
+      # of the first prompt.
       if path == '-':   # standard input: `... | mjax-generate --prompt_file -`
-        text = sys.stdin.buffer.read().decode('utf-8')
+        text = sys.stdin.buffer.read().decode('utf-8-sig')
       else:
-        with open(path, encoding='utf-8') as fh:
+        with open(path, encoding='utf-8-sig') as fh:
           text = fh.read()
       # '\n' only: JSON strings may hold U+2028 and the like, which splitlines() splits on.
       lines = [line.rstrip('\r') for line in text.split('\n')]

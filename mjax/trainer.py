@@ -167,7 +167,8 @@ class Trainer:
       tokenizer, note = data_sources.shard_tokenizer(cfg.data)
       if note is not None:
         print(f'mjax: warning: {note}', flush=True)
-      self.recorded = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+      self.recorded = dataclasses.replace(cfg, data=_absolute_paths(dataclasses.replace(cfg.data,
+                                                                                         tokenizer=tokenizer)))
       for note in config_lib.doubtful(cfg):
         print(f'mjax: warning: {note}', flush=True)
     self._t_start = time.perf_counter()
@@ -1058,6 +1059,20 @@ def _check_utf8(path: str, what: str) -> None:
 
 def _size(nbytes: float) -> str:
   return f'{nbytes / 2**30:,.1f} GiB' if nbytes >= 2**30 else f'{nbytes / 2**20:,.1f} MiB'
+
+
+def _absolute_paths(data: config_lib.DataConfig) -> config_lib.DataConfig:
+  """The data config with its sources and tokenizer file as absolute paths,
+  for the run's recorded config: relative ones named other data (or none)
+  for mjax-eval, -generate and a resume started from another directory."""
+  path = lambda p: p if p == 'stdlib' else os.path.abspath(os.path.expanduser(p))
+  mixture = data.mixture
+  if mixture is not None:
+    mixture = ','.join(f'{path(src)}:{w!r}' for src, w in data.source_weights())
+  tokenizer = data.tokenizer
+  if tokenizer != 'bytes' and os.path.exists(os.path.expanduser(tokenizer)):
+    tokenizer = path(tokenizer)
+  return dataclasses.replace(data, source=path(data.source), mixture=mixture, tokenizer=tokenizer)
 
 
 def _check_same_data(fingerprint: dict) -> None:

@@ -248,6 +248,11 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
   assert evaluate._whole_heldout_batches(cfg, 10**6) == whole
   assert f'holds {whole} whole batch(es)' in capsys.readouterr().err and whole > 2
   assert evaluate._whole_heldout_batches(cfg, 2) == 2
+  # The train split too (its stream starts another pass past them): it
+  # counted every window again, ~2.4x for a small source, without a word.
+  train_whole = data_lib.describe(cfg.data)['train_windows'] // cfg.train.global_batch_size
+  assert evaluate._whole_heldout_batches(cfg, 10**7, 'train') == train_whole
+  assert f'the train split holds {train_whole} whole batch(es)' in capsys.readouterr().err
   # Not even one batch: no claim that the split "holds 1 whole batch", but
   # the error that says what one batch needs.
   seq = windows * cfg.data.seq_len // cfg.train.global_batch_size * 2

@@ -201,10 +201,10 @@ def test_prompt_file_and_bad_input(run, tmp_path, repo_root, monkeypatch):
                       '--format', 'jsonl')
   assert [r['prompt'] for r in got] == ['line one\nline two', 'b', 'c']
   # Standard input, one prompt per line.
-  monkeypatch.setattr(sys, 'stdin', io.TextIOWrapper(io.BytesIO('first\nsecond one\n'.encode())))
+  monkeypatch.setattr(sys, 'stdin', io.TextIOWrapper(io.BytesIO('\ufefffirst\nsecond one\n'.encode())))
   got = mjax_generate('--workdir', run, '--prompt_file', '-', '--max_new_tokens', '2', '--temperature', '0',
                       '--format', 'jsonl')
-  assert [r['prompt'] for r in got] == ['first', 'second one']
+  assert [r['prompt'] for r in got] == ['first', 'second one']   # a byte-order mark is no part of it
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"text": 1}\n')
   with pytest.raises(UserError, match='line 1'):

@@ -437,6 +437,19 @@ def test_a_workdir_deleted_under_the_run_stops_it_with_a_save_and_says_so(tmp_pa
   assert done.final_step == 8 and np.isfinite(done.eval_loss) and not done.preempted
 
 
+def test_the_recorded_config_names_its_data_by_absolute_path(tmp_path, monkeypatch):
+  """A run's config.gin / config.json, read by mjax-eval, -generate and a
+  resume from any directory: a relative source named other data there."""
+  from mjax.config import DataConfig
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / 'tok.json').write_text('{}')
+  got = trainer._absolute_paths(DataConfig(source='data/good', mixture='data/good:1.0,stdlib:2.5',
+                                           tokenizer='tok.json'))
+  assert got.source == str(tmp_path / 'data' / 'good') and got.tokenizer == str(tmp_path / 'tok.json')
+  assert got.source_weights() == ((str(tmp_path / 'data' / 'good'), 1.0), ('stdlib', 2.5))
+  assert trainer._absolute_paths(DataConfig()) == DataConfig()      # stdlib and the byte tokenizer stay
+
+
 def test_processes_that_see_different_data_stop_at_start(monkeypatch):
   # Each process builds the whole order and reads its rows of it: a host
   # that sees other files would mix rows of another order into every batch.

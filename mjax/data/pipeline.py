@@ -339,19 +339,21 @@ def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int,
   return [build(row) for row in ids]
 
 
-def whole_heldout_batches(cfg: DataConfig, global_batch_size: int) -> int:
-  """How many whole global batches the held-out split holds: past them
-  `make_eval_batches` wraps around and its windows repeat, and a token
-  counted twice biases a mean loss. A mixture takes each source's share of
-  a batch, so its smallest source, for its share, sets the count. 0: not
-  even one, which `make_eval_batches` refuses with the numbers."""
+def whole_heldout_batches(cfg: DataConfig, global_batch_size: int, split: str = 'heldout') -> int:
+  """How many whole global batches the held-out split (or, with `split`
+  'train', the train split's first pass) holds: past them
+  `make_eval_batches` wraps around (the train order starts another pass)
+  and windows repeat, and a token counted twice biases a mean loss. A
+  mixture takes each source's share of a batch, so its smallest source, for
+  its share, sets the count. 0: not even one, which `make_eval_batches`
+  refuses with the numbers."""
   info = describe(cfg)
+  key = f'{split}_windows'
   if 'mixture' in info:
     total = sum(s['weight'] for s in info['mixture'])
-    whole = min(int(s['heldout_windows'] // (global_batch_size * s['weight'] / total))
-                for s in info['mixture'])
+    whole = min(int(s[key] // (global_batch_size * s['weight'] / total)) for s in info['mixture'])
   else:
-    whole = info['heldout_windows'] // global_batch_size
+    whole = info[key] // global_batch_size
   return int(whole)
 
 
