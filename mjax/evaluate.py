@@ -171,6 +171,10 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   changed = model_function_change(picked.path, cfg)
   if changed:
     say(f'{PROG}: warning: {changed}; the loss below is of the config\'s model function.')
+  if args.split == 'heldout':
+    changed = heldout_change(picked.path, cfg)
+    if changed:
+      say(f'{PROG}: warning: {changed}')
   trained = trained_seq_len(picked.path)
   if trained is not None and cfg.data.seq_len > trained:
     say(f'{PROG}: note: DataConfig.seq_len = {cfg.data.seq_len} is longer than the {trained} step '
@@ -218,6 +222,24 @@ def model_function_change(step_dir: str, cfg: Config) -> Optional[str]:
           ', '.join(f'ModelConfig.{k} = {was!r}' for k, was, _ in changed) + ', and this config has ' +
           ', '.join(f'{now!r}' for _, _, now in changed) +
           f' (to use it as trained: {config_lib.saved_model_overrides(changed)})')
+
+
+def heldout_change(step_dir: str, cfg: Config) -> Optional[str]:
+  """What differs between the held-out data now and the held-out data of the
+  run that saved the step (its data position names it), or None: the same,
+  or a step saved before positions named it."""
+  try:
+    saved = step_json(step_dir, 'data/metadata', record=False).get('data_heldout')
+  except Exception:  # noqa: BLE001 -- no record, or not one: nothing to compare
+    return None
+  if not isinstance(saved, str):
+    return None
+  from mjax.data import pipeline
+  if pipeline.fingerprint(cfg.data, data_lib.load_sources(cfg.data))['heldout'] == saved:
+    return None
+  return ('the held-out data is not what the run that saved this step held out (a held-out file edited, '
+          'added or removed, another heldout_fraction or tokenizer): this loss is not comparable with the '
+          'run\'s eval_loss')
 
 
 def trained_seq_len(step_dir: str) -> Optional[int]:

@@ -151,6 +151,19 @@ def test_mixture_global_batches_do_not_depend_on_process_count(letters, digits, 
           np.concatenate([parts[p][k][key] for p in range(process_count)]), whole[k][key])
 
 
+def test_mixture_weights_at_another_scale_are_the_same_data(letters, digits):
+  """7:3 samples as 0.7:0.3 does: a position saved under one is not
+  "other data" under the other (it warned); 1:3 is other data."""
+  it = data.make_train_iterator(_mix_cfg(letters, digits, (0.75, 0.25)), 8)
+  _take(it, 2)
+  state = data.position(it, 8, SEQ)
+  same = data.make_train_iterator(_mix_cfg(letters, digits, (3, 1)), 8)
+  assert data.restore_position(same, state, 8, SEQ) == ''
+  np.testing.assert_array_equal(next(same)['inputs'], next(it)['inputs'])
+  other = data.make_train_iterator(_mix_cfg(letters, digits, (1, 3)), 8)
+  assert data.restore_position(other, state, 8, SEQ).startswith('warning: the data is not')
+
+
 def test_mixture_state_restores_exactly(letters, digits):
   cfg = _mix_cfg(letters, digits, num_threads=2, prefetch=3)
   it = data.make_train_iterator(cfg, 4, process_index=1, process_count=2)

@@ -391,6 +391,8 @@ def test_empty_corpus_and_bad_manifests(shard_copy):
     data.open_shards(str(shard_copy))
   with pytest.raises(data.DataError, match='manifest.json is a file, not a shard directory'):
     data.open_shards(str(shard_copy / 'manifest.json'))
+  with pytest.raises(data.DataError, match='nowhere: no such directory'):   # not "no manifest.json"
+    data.open_shards(str(shard_copy / 'nowhere'))
 
 
 def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):

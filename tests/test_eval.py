@@ -136,6 +136,19 @@ def test_a_damaged_step_record_is_named_not_a_decoder_error(run, tmp_path):
   assert 'meta/metadata is not JSON' in error and 'StopIteration' not in error, error
 
 
+def test_held_out_data_other_than_the_runs_is_said(run, capsys):
+  """A step's data position names the held-out split's content too: a
+  held-out file edited since (or another heldout_fraction) gave another
+  loss than the run's eval_loss without a word."""
+  step = os.path.join(run, 'checkpoints', str(N))
+  assert evaluate.heldout_change(step, C.load_config(['tiny.gin'], SMALL)) is None
+  other = C.load_config(['tiny.gin'], SMALL + ['DataConfig.heldout_fraction = 0.05'])
+  assert 'not comparable with the run\'s eval_loss' in evaluate.heldout_change(step, other)
+  capsys.readouterr()
+  mjax_eval('--workdir', run, '--gin.DataConfig.heldout_fraction=0.05')
+  assert 'warning: the held-out data is not what the run that saved this step held out' in capsys.readouterr().err
+
+
 def test_a_tokenizer_other_than_the_trained_one_is_said_and_refused_for_export(run, tmp_path, capsys):
   # Each step records the tokenizer that made its ids; one edited or
   # replaced since would decode them as other text.

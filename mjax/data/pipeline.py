@@ -187,7 +187,8 @@ def fingerprint(cfg: DataConfig, sources: Sequence[tuple[TokenSource, float]]) -
   tokenizer), the seed and the split. A saved position names the same rows
   only where this is the same; processes of one job must all have it
   alike. {'content': short hex, 'digest': the older, path-based one,
-  'sources': [...]} (the list says what differs).
+  'heldout': the held-out split's content (what mjax-eval checks a step
+  against), 'sources': [...]} (the list says what differs).
 
   `content` holds each source's files' names and ids (`TokenSource.content`),
   not its path: a corpus copied elsewhere is the same data, and a file
@@ -201,9 +202,14 @@ def fingerprint(cfg: DataConfig, sources: Sequence[tuple[TokenSource, float]]) -
                for src, weight in sources]
   rest = [cfg.shuffle_seed, cfg.heldout_fraction, cfg.document_attention]
   short = lambda x: hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()[:16]
-  content = [{**{k: v for k, v in d.items() if k != 'root'}, 'content': src.content}
-             for d, (src, _) in zip(described, sources)]
-  return {'digest': short([described, *rest]), 'content': short([content, *rest]), 'sources': described}
+  # Weights as shares: 0.7/0.3 and 7/3 sample alike.
+  total = sum(w for _, w in sources)
+  share = lambda w: round(w / total, 12)
+  content = [{**{k: v for k, v in d.items() if k != 'root'}, 'weight': share(weight), 'content': src.content}
+             for d, (src, weight) in zip(described, sources)]
+  heldout = [[src.heldout_content, share(weight), d['tokenizer']] for d, (src, weight) in zip(described, sources)]
+  return {'digest': short([described, *rest]), 'content': short([content, *rest]),
+          'heldout': short([heldout, cfg.heldout_fraction, cfg.document_attention]), 'sources': described}
 
 
 def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_index: int = 0,
@@ -230,7 +236,7 @@ def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_inde
   return it
 
 
-_SHAPE_KEYS = ('global_batch_size', 'seq_len', 'data', 'data_content')
+_SHAPE_KEYS = ('global_batch_size', 'seq_len', 'data', 'data_content', 'data_heldout')
 
 
 def position(it: grain.DatasetIterator, global_batch_size: int, seq_len: int) -> dict:
@@ -240,7 +246,7 @@ def position(it: grain.DatasetIterator, global_batch_size: int, seq_len: int) ->
   out = {**it.get_state(), 'global_batch_size': int(global_batch_size), 'seq_len': int(seq_len)}
   found = getattr(it, 'fingerprint', None)
   if found is not None:
-    out['data'], out['data_content'] = found['digest'], found['content']
+    out['data'], out['data_content'], out['data_heldout'] = found['digest'], found['content'], found['heldout']
   return out
 
 

@@ -464,6 +464,8 @@ def read_manifest(root: str) -> dict:
     with open(path) as fh:
       m = jsonfile.load(fh)
   except FileNotFoundError:
+    if not os.path.lexists(root):
+      raise DataError(f'shard directory {root}: no such directory (give the --output of an mjax-prepare).') from None
     raise DataError(f'shard directory {root}: no {MANIFEST}; make one with mjax-prepare.') from None
   except NotADirectoryError:
     raise DataError(f'{root} is a file, not a shard directory (one that mjax-prepare wrote, holding '

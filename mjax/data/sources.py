@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ class TokenSource:
   train_files: tuple[str, ...]
   heldout_files: tuple[str, ...]
   content: str = ''
+  heldout_content: str = ''   # the same of the held-out split (what mjax-eval checks)
 
 
 def load_source(spec: str, cfg: DataConfig) -> TokenSource:
@@ -75,20 +76,22 @@ def load_source(spec: str, cfg: DataConfig) -> TokenSource:
     s = shards_lib.open_shards(spec, cfg.verify_checksums)
     if cfg.tokenizer != BYTES:
       shards_lib.check_tokenizer(s, load_tokenizer(cfg.tokenizer))
-    train = [(e['file'], e['tokens'], e['sha256']) for e in s.manifest['shards'] if e['split'] == 'train']
+    digest = lambda split: hashlib.sha256(json.dumps(
+        [(e['file'], e['tokens'], e['sha256']) for e in s.manifest['shards'] if e['split'] == split]
+    ).encode()).hexdigest()
     return TokenSource(spec, s.root, 'shards', s.manifest.get('split', 'file'), s.tokenizer,
-                       s.train, s.heldout, s.train_files, s.heldout_files,
-                       hashlib.sha256(json.dumps(train).encode()).hexdigest())
+                       s.train, s.heldout, s.train_files, s.heldout_files, digest('train'), digest('heldout'))
   c = corpus_lib.load_text(spec, cfg.file_pattern, cfg.tokenizer, cfg.heldout_fraction)
   return TokenSource(spec, c.root, 'text', c.split, c.tokenizer, (c.train_tokens,),
-                     (c.heldout_tokens,), c.train_files, c.heldout_files, _text_content(c))
+                     (c.heldout_tokens,), c.train_files, c.heldout_files,
+                     _text_content(c.train_files, c.train_tokens), _text_content(c.heldout_files, c.heldout_tokens))
 
 
-def _text_content(c: corpus_lib.Corpus) -> str:
-  """`TokenSource.content` of a text corpus: its train files' names and the
-  ids they make (a hash at ~1 GB/s, beside the tokenizing it follows)."""
-  h = hashlib.blake2b(json.dumps(list(c.train_files)).encode(), digest_size=16)
-  h.update(np.ascontiguousarray(c.train_tokens).view(np.uint8))
+def _text_content(files: Sequence[str], tokens: np.ndarray) -> str:
+  """`TokenSource.content` of a text corpus's split: its files' names and
+  the ids they make (a hash at ~1 GB/s, beside the tokenizing it follows)."""
+  h = hashlib.blake2b(json.dumps(list(files)).encode(), digest_size=16)
+  h.update(np.ascontiguousarray(tokens).view(np.uint8))
   return h.hexdigest()
 
 
