@@ -499,3 +499,10 @@ def test_a_data_file_that_cannot_be_read_is_named(tmp_path, monkeypatch):
   monkeypatch.undo()
   with pytest.raises(data.DataError, match=r'/gone\.txt: reading the data file failed \(No such file'):
     corpus_lib.read_documents(str(tmp_path), ['gone.txt'])
+
+
+def test_a_huge_batch_is_refused_with_exact_figures():
+  from mjax.config import DataConfig as DC
+  with pytest.raises(data.DataError, match=r'one global batch of 99999999999999999999999 x seq_len 128 needs '
+                                           r'12799999999999999999999873;'):   # not a float's 127999...8926258177
+    next(data.make_train_iterator(DC(source='stdlib', seq_len=128), 99999999999999999999999))

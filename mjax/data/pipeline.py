@@ -70,7 +70,8 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
   for src, weight in sources:
     streams = src.train if split == 'train' else src.heldout
     win = Windows(streams, seq_len)
-    rows = math.ceil(global_batch_size * weight / total)
+    # (Exact for one source: a float product rounded a huge batch's figures.)
+    rows = global_batch_size if len(sources) == 1 else math.ceil(global_batch_size * weight / total)
     if len(win) < rows:
       share = (f'one global batch of {global_batch_size} x seq_len {seq_len}'
                if len(sources) == 1 else
