@@ -56,6 +56,9 @@ from mjax.model.layers import dtype_of
 from mjax.parallel import logical_rules, make_mesh
 from mjax.train import make_program, setup_compilation_cache
 
+# A prefill of this many chunks or more says where it is every PROGRESS_S.
+PROGRESS_CHUNKS = 16
+PROGRESS_S = 15.0
 PROG = 'mjax-generate'
 FORMATS = ('text', 'jsonl')
 # Logical names of the cache arrays: (layer groups, batch, slots, ...).
@@ -256,7 +259,8 @@ class Generator:
 
   def run(self, params: Any, prompts: Sequence[np.ndarray], max_new: int, eos: Optional[int],
           on_tokens: Optional[Callable[[np.ndarray], None]] = None, live: Optional[int] = None,
-          prefill_chunk: int = 512) -> tuple[np.ndarray, dict]:
+          prefill_chunk: int = 512,
+          on_prefill: Optional[Callable[[int, int], None]] = None) -> tuple[np.ndarray, dict]:
     """Generates up to `max_new` tokens after each prompt.
 
     Args:
@@ -270,14 +274,18 @@ class Generator:
       prefill_chunk: prompts longer than this run through the model in
         chunks of this many tokens (one compiled shape; attention scores
         chunk x (cache + chunk) instead of prompt x prompt).
+      on_prefill: called with (prompt tokens done, of how many) every
+        PROGRESS_S or so while a prompt of PROGRESS_CHUNKS chunks or more
+        runs through.
     Returns:
       ((batch, steps) new ids, timings {'prefill_s', 'decode_s', 'steps'}).
     """
     tokens, positions = left_pad(prompts)
     b, width = tokens.shape
+    extra_pad = 0
     if width > prefill_chunk:
       # More left padding, to whole chunks: every chunk has the same shape.
-      extra = -width % prefill_chunk
+      extra = extra_pad = -width % prefill_chunk
       tokens = np.pad(tokens, ((0, 0), (extra, 0)))
       positions = np.concatenate([positions[:, :1] - np.arange(extra, 0, -1), positions], axis=1)
       width += extra
@@ -289,10 +297,18 @@ class Generator:
     times = {'prefill_s': 0.0, 'decode_s': 0.0, 'steps': 0}
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       t0 = time.perf_counter()
+      said = time.perf_counter()
       for at in range(0, width, chunk):
         new, _, cache = self._advance(params, self.put(tokens[:, at:at + chunk], self.rows),
                                       self.put(positions[:, at:at + chunk].astype(np.int32), self.rows),
                                       cache, jax.random.fold_in(key, 0))
+        if on_prefill is not None and width // chunk >= PROGRESS_CHUNKS:
+          # A long prompt's prefill takes minutes: where it is, now and
+          # then (each chunk waited for, which a prefill this long affords).
+          jax.block_until_ready(new)
+          if time.perf_counter() - said >= PROGRESS_S and at + chunk < width:
+            on_prefill(at + chunk - extra_pad, width - extra_pad)
+            said = time.perf_counter()
       for step in range(max_new):
         # The next step is queued before this one's tokens are read: the
         # device never waits for the host (printing, the EOS check).
@@ -520,7 +536,9 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   printer = Printer(tokenizer, prompts, args.format, eos)
   try:
     _, times = gen.run(gen.compute_params(params), rows, args.max_new_tokens, eos,
-                       on_tokens=lambda ids: printer.add(ids[:len(prompts)]), live=len(prompts))
+                       on_tokens=lambda ids: printer.add(ids[:len(prompts)]), live=len(prompts),
+                       on_prefill=lambda done, total: evaluate.say(
+                           f'{PROG}: prefill: {done:,} of {total:,} prompt tokens'))
   except jax.errors.JaxRuntimeError as e:
     # The cache fitted, but a step's working memory (attention over every
     # slot of it) did not: what to lower is the same.

@@ -271,7 +271,7 @@ def test_cache_bytes_is_what_the_cache_allocates():
       assert cache_bytes(m, batch, max_len) == allocated
 
 
-def test_matrices_cast_once_give_the_same_tokens():
+def test_matrices_cast_once_give_the_same_tokens(monkeypatch):
   """bf16 compute: casting the weight matrices once before decoding (norm
   scales, stacked per layer, stay fp32) gives the tokens of casting them at
   every step, and the prompt's cached logits match the full forward pass."""
@@ -295,6 +295,14 @@ def test_matrices_cast_once_give_the_same_tokens():
   whole, _ = gen.run(cast, long, 10, None, prefill_chunk=1024)
   chunked, _ = gen.run(cast, long, 10, None, prefill_chunk=48)
   assert (whole == chunked).all()
+  # A prefill of many chunks says where it is (a 200k-token prompt ran for
+  # minutes without a word), and gives the same tokens.
+  said = []
+  monkeypatch.setattr(generate, 'PROGRESS_CHUNKS', 2)
+  monkeypatch.setattr(generate, 'PROGRESS_S', 0.0)
+  told, _ = gen.run(cast, long, 10, None, prefill_chunk=48, on_prefill=lambda done, total: said.append((done, total)))
+  assert (told == whole).all()
+  assert said == [(6, 150), (54, 150), (102, 150)], said   # chunks of 48 after 42 tokens of padding
 
 
 def test_prompts_start_where_documents_start_in_training():
