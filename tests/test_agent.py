@@ -93,10 +93,10 @@ def agents(monkeypatch):
     p.wait()
 
 
-def make_driver(tmp_path, port, *flags):
+def make_driver(tmp_path, port, *flags, train=()):
   opts = driver.parse_args(['--executor', 'agent', '--bind', f'127.0.0.1:{port}', '--workdir', str(tmp_path),
                             '--grace_s', '1', '--quiet', '--agent_wait_s', '60', *flags, '--',
-                            '--gin_file', 'tiny.gin', *QUICK])
+                            '--gin_file', 'tiny.gin', *QUICK, *train])
   opts.diagnose = [sys.executable, '-c', DIAGNOSE]
   d = driver.Driver(opts)
   d.trainer = [sys.executable, '-c', TRAINER]
@@ -559,7 +559,10 @@ def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_bloc
   no verdict; the host sits out until its agent is back and passes."""
   monkeypatch.setenv(protocol.SECRET_ENV, SECRET)
   port = launch.free_port()
-  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
+  # Agents silent for 1.5 s count as gone: on two busy CI cores a fake
+  # agent's beat thread was once held that long, and a1 sat out too.
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1',
+                  train=['--gin.FaultConfig.heartbeat_timeout_s=10', '--gin.FaultConfig.progress_timeout_s=20'])
   passing = (0, {'passed': True, 'checks': [{'name': 'memory', 'passed': True}]})
   fakes = []
   try:
