@@ -1051,6 +1051,8 @@ def _no_item_metadata_warning(record: logging.LogRecord) -> bool:
 def _tree_metadata_missing(step_path: str) -> Optional[str]:
   """'state/_METADATA: missing' when a step has lost the file Orbax reads its
   state's tree from (every later error then names no file), else None."""
+  if '://' in step_path or not os.path.isdir(os.path.join(step_path, 'state')):
+    return None   # a bucket's step (no local look), or a step gone whole: the read's error says it
   return None if os.path.exists(os.path.join(step_path, 'state', '_METADATA')) else 'state/_METADATA: missing'
 
 

@@ -1068,11 +1068,13 @@ def _absolute_paths(data: config_lib.DataConfig) -> config_lib.DataConfig:
   path = lambda p: p if p == 'stdlib' else os.path.abspath(os.path.expanduser(p))
   mixture = data.mixture
   if mixture is not None:
-    mixture = ','.join(f'{path(src)}:{w!r}' for src, w in data.source_weights())
+    # (A path with a comma cannot stand in a mixture: such a one stays as given.)
+    mixture = ','.join(f'{src if "," in path(src) else path(src)}:{w!r}' for src, w in data.source_weights())
   tokenizer = data.tokenizer
   if tokenizer != 'bytes' and os.path.exists(os.path.expanduser(tokenizer)):
     tokenizer = path(tokenizer)
-  return dataclasses.replace(data, source=path(data.source), mixture=mixture, tokenizer=tokenizer)
+  source = data.source if ',' in path(data.source) else path(data.source)
+  return dataclasses.replace(data, source=source, mixture=mixture, tokenizer=tokenizer)
 
 
 def _check_same_data(fingerprint: dict) -> None:

@@ -2145,3 +2145,18 @@ def test_a_second_driver_on_a_supervised_workdir_is_refused_before_it_writes(tmp
   finally:
     os.close(held)
   assert fake_run(tmp_path, monkeypatch, 'exit0') == driver.EXIT_OK   # free again: the next one runs
+
+
+def test_a_trainer_that_lost_the_driver_is_diagnosed_unless_the_driver_held_itself(tmp_path):
+  """Exit status 4 alone is no proof of the driver's own hold-up: one host
+  whose link to the driver failed exits 4 as well, while the others train
+  on, and is diagnosed. Only where the driver let its trainers go itself
+  (`_stalled`) is it the fault `driver_held`, with no host diagnosed."""
+  d = make_driver(tmp_path)
+  try:
+    att = fake_attempt(d, ['slot0', 'slot1'])
+    assert d._exit_fault(att, {1: protocol.EXIT_DRIVER_LOST}).kind == 'exit'
+    att.trainers_let_go = True
+    assert d._exit_fault(att, {0: protocol.EXIT_DRIVER_LOST, 1: protocol.EXIT_DRIVER_LOST}).kind == 'driver_held'
+  finally:
+    d.server.close()

@@ -97,7 +97,7 @@ def list_files(root: str, pattern: str, *, skip_packages: bool = False) -> list[
       # site-packages can hold ten times more files than the stdlib itself.
       subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
     kept = []
-    for d in subdirs:
+    for d in sorted(subdirs):   # the first of two links to one folder by name, on every host alike
       real = os.path.realpath(os.path.join(folder, d))
       if real not in seen:
         seen.add(real)

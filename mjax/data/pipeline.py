@@ -209,8 +209,12 @@ def fingerprint(cfg: DataConfig, sources: Sequence[tuple[TokenSource, float]]) -
   content = [{**{k: v for k, v in d.items() if k != 'root'}, 'weight': share(weight), 'content': src.content}
              for d, (src, weight) in zip(described, sources)]
   heldout = [[src.heldout_content, share(weight), d['tokenizer']] for d, (src, weight) in zip(described, sources)]
-  return {'digest': short([described, *rest]), 'content': short([content, *rest]),
-          'heldout': short([heldout, cfg.heldout_fraction, cfg.document_attention]), 'sources': described}
+  # heldout_fraction splits text sources only (shards keep mjax-prepare's
+  # split, and their content says which it is).
+  fraction = cfg.heldout_fraction if any(src.kind == 'text' for src, _ in sources) else None
+  return {'digest': short([described, *rest]), 'content': short([content, cfg.shuffle_seed, fraction,
+                                                                   cfg.document_attention]),
+          'heldout': short([heldout, fraction, cfg.document_attention]), 'sources': described}
 
 
 def make_train_iterator(cfg: DataConfig, global_batch_size: int, *, process_index: int = 0,

@@ -333,6 +333,7 @@ class Attempt:
   startup_reported: bool = False
   recovered: bool = False   # caught up with the step reached before the last fault
   checkpoint_at_launch: int = 0   # the newest checkpoint when it started (0: none)
+  trainers_let_go: bool = False   # the driver's own hold-up stopped acknowledging them (_stalled)
 
 
 # ----------------------------------------------------------------------------
@@ -913,6 +914,7 @@ class Driver:
     else:
       acked = (f'its heartbeat server stopped acknowledging the trainers after collective_timeout_s = '
                f'{allowance:g}s, so they save and stop by themselves (exit status 4) and are restarted')
+    att.trainers_let_go = att.trainers_let_go or not (seconds < allowance and not whole)
     self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3),
                      trainers_kept=seconds < allowance and not whole, process_held=whole,
                      detail=f'the driver\'s loop was held up {seconds:,.1f}s (longer than heartbeat_timeout_s = '
@@ -932,10 +934,11 @@ class Driver:
       procs = sorted(i for i, c in failed.items() if c == protocol.EXIT_NONFINITE)
       return detect.Fault('nonfinite_loss', procs, 'exit status 3 (non-finite loss)',
                           step=self._nan_step(att, procs), extra={'exit': codes})
-    if set(failed.values()) == {protocol.EXIT_DRIVER_LOST}:
+    if set(failed.values()) == {protocol.EXIT_DRIVER_LOST} and att.trainers_let_go:
       # Every trainer that stopped did so, saved, because the driver was
-      # unreachable (held up, stopped whole, its host slow): nothing of the
-      # hosts' to diagnose, no link to check.
+      # unreachable, and the driver knows it was held up itself (a host
+      # whose own link to the driver failed is no such case: diagnosed):
+      # nothing of the hosts' to diagnose, no link to check.
       return detect.Fault('driver_held', sorted(failed), 'stopped: heard nothing from the driver for '
                           'heartbeat_timeout_s (the driver\'s own hold-up, not the hosts\')',
                           extra={'exit': codes})
@@ -987,7 +990,8 @@ class Driver:
     another task died: when the process hosting the coordination service
     (process 0) goes, the others are killed in C++ before any Python runs,
     so they cannot record PEER_LOST; jax's last words in their log say it."""
-    if code != -signal.SIGABRT or process not in att.logs:
+    # (-SIGABRT from a local process; 128 + SIGABRT from a remote client's status.)
+    if code not in (-signal.SIGABRT, 128 + signal.SIGABRT) or process not in att.logs:
       return False
     path, offset = att.logs[process]
     tail = _read_from(path, max(offset, _size(path) - (64 << 10)))
