@@ -162,7 +162,7 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   if args.batches is not None:
     # Only a count asked for: the default is the trainer's own eval, which
     # this must equal.
-    n = _whole_heldout_batches(cfg, n, args.split)
+    n = _whole_batches(cfg, n, args.split)
   batches = make_batches(cfg, args.split, n, program.data_share())   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
   changed = tokenizer_change(picked.path, cfg)
@@ -492,13 +492,13 @@ def _shape_problem(saved: Any, wanted: Any) -> Optional[str]:
 
 # --- batches and the loss ---------------------------------------------------------
 
-def _whole_heldout_batches(cfg: Config, n: int, split: str = 'heldout') -> int:
+def _whole_batches(cfg: Config, n: int, split: str = 'heldout') -> int:
   """`n`, or the whole batches the split holds where that is fewer
-  (`data.whole_heldout_batches`; the train split's first pass): past them
+  (`data.whole_batches`; the train split's first pass): past them
   its windows would repeat, and a token counted twice would bias the mean
   this reports as exact."""
   gbs = cfg.train.global_batch_size
-  whole = data_lib.whole_heldout_batches(cfg.data, gbs, split)
+  whole = data_lib.whole_batches(cfg.data, gbs, split)
   if n > whole > 0:   # none at all: make_eval_batches says what is missing
     name = 'held-out split' if split == 'heldout' else 'train split'
     say(f'{PROG}: the {name} holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '

@@ -112,23 +112,31 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved:
   if s.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / s.temperature
-  if s.top_k or s.top_p < 1:
-    # The kept set chosen by rank, ties to the lower id (a stable sort): by
-    # value, every token tied with the k-th stayed, and top_k 1 drew among
-    # equal logits by seed where it is greedy.
-    order = jnp.argsort(-logits, axis=-1, stable=True)
+  if s.top_k and s.top_k < vocab:
+    # The k best by rank, ties to the lower id (lax.top_k keeps the lower
+    # index first): by value, every token tied with the k-th stayed, and
+    # top_k 1 drew among equal logits by seed where it is greedy. A partial
+    # selection, not a sort of the whole vocabulary every decoded token.
+    desc, order = jax.lax.top_k(logits, s.top_k)
+    pick = jax.random.categorical(key, _nucleus(desc, s.top_p), axis=-1)
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  if s.top_p < 1:
+    order = jnp.argsort(-logits, axis=-1, stable=True)   # by rank, as above
     desc = jnp.take_along_axis(logits, order, axis=-1)
-    keep = jnp.ones(desc.shape, bool)
-    if s.top_k:
-      keep &= jnp.arange(desc.shape[-1]) < min(s.top_k, vocab)
-    if s.top_p < 1:
-      probs = jax.nn.softmax(jnp.where(keep, desc, -jnp.inf), axis=-1)
-      # Keep a token while the probability before it is below p: the most
-      # likely token always stays, and the set stops at the first to reach p.
-      keep &= (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
     rows = jnp.arange(logits.shape[0])[:, None]
-    logits = jnp.full_like(logits, -jnp.inf).at[rows, order].set(jnp.where(keep, desc, -jnp.inf))
+    logits = jnp.full_like(logits, -jnp.inf).at[rows, order].set(_nucleus(desc, s.top_p))
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _nucleus(desc: jax.Array, top_p: float) -> jax.Array:
+  """Logits sorted high to low, with those outside the smallest set whose
+  probability reaches `top_p` set to -inf. A token stays while the
+  probability before it is below p: the most likely always stays, and the
+  set stops at the first to reach p."""
+  if top_p >= 1:
+    return desc
+  probs = jax.nn.softmax(desc, axis=-1)
+  return jnp.where((jnp.cumsum(probs, axis=-1) - probs) < top_p, desc, -jnp.inf)
 
 
 def _cache_layout(cfg: ModelConfig, batch: int, max_len: int) -> dict:

@@ -339,7 +339,7 @@ class Trainer:
     would count their tokens twice (mjax-eval stops there too)."""
     cfg = self.cfg
     want = cfg.train.eval_batches
-    whole = data_lib.whole_heldout_batches(cfg.data, cfg.train.global_batch_size)
+    whole = data_lib.whole_batches(cfg.data, cfg.train.global_batch_size)
     if want > whole > 0:   # none at all: make_eval_batches says what is missing
       self.say(f'mjax: warning: the held-out split holds {whole} whole batch(es) of '
                f'{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens; eval_loss is taken on those, '

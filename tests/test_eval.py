@@ -258,20 +258,20 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
   cfg = C.load_config(['tiny.gin'], SMALL, num_devices=8)
   windows = data_lib.describe(cfg.data)['heldout_windows']
   whole = windows // cfg.train.global_batch_size
-  assert evaluate._whole_heldout_batches(cfg, 10**6) == whole
+  assert evaluate._whole_batches(cfg, 10**6) == whole
   assert f'holds {whole} whole batch(es)' in capsys.readouterr().err and whole > 2
-  assert evaluate._whole_heldout_batches(cfg, 2) == 2
+  assert evaluate._whole_batches(cfg, 2) == 2
   # The train split too (its stream starts another pass past them): it
   # counted every window again, ~2.4x for a small source, without a word.
   train_whole = data_lib.describe(cfg.data)['train_windows'] // cfg.train.global_batch_size
-  assert evaluate._whole_heldout_batches(cfg, 10**7, 'train') == train_whole
+  assert evaluate._whole_batches(cfg, 10**7, 'train') == train_whole
   assert f'the train split holds {train_whole} whole batch(es)' in capsys.readouterr().err
   # Not even one batch: no claim that the split "holds 1 whole batch", but
   # the error that says what one batch needs.
   seq = windows * cfg.data.seq_len // cfg.train.global_batch_size * 2
   short = C.load_config(['tiny.gin'], SMALL + [f'DataConfig.seq_len = {seq}'], num_devices=8)
-  assert data_lib.whole_heldout_batches(short.data, short.train.global_batch_size) == 0
-  assert evaluate._whole_heldout_batches(short, 4) == 4 and 'whole batch' not in capsys.readouterr().err
+  assert data_lib.whole_batches(short.data, short.train.global_batch_size) == 0
+  assert evaluate._whole_batches(short, 4) == 4 and 'whole batch' not in capsys.readouterr().err
   with pytest.raises(data_lib.DataError, match=f'but one global batch of 16 x seq_len {seq} needs'):
     list(data_lib.make_eval_batches(short.data, 16, 4))
 
@@ -295,7 +295,7 @@ def test_trainer_eval_loss_stops_where_heldout_windows_would_repeat(capsys):
   # The trainer evaluated TrainConfig.eval_batches whatever the split held,
   # wrapping around and counting windows twice; it now stops where mjax-eval does.
   cfg = C.load_config(['tiny.gin'], SMALL + ['TrainConfig.eval_batches = 1000000'], num_devices=8)
-  whole = evaluate._whole_heldout_batches(cfg, 10**6)
+  whole = evaluate._whole_batches(cfg, 10**6)
   capsys.readouterr()
   count = trainer.Trainer._eval_batch_count(types.SimpleNamespace(cfg=cfg, say=print))
   assert count == whole

@@ -17,7 +17,7 @@ from mjax.data.corpus import EOS_ID, PAD_ID, VOCAB_SIZE, load_corpus
 from mjax.data.errors import DataError
 from mjax.data.packing import document_ids_and_positions
 from mjax.data.pipeline import (describe, make_eval_batches, make_train_iterator, position,
-                                restore_position, skip, whole_heldout_batches)
+                                restore_position, skip, whole_batches)
 from mjax.data.shards import open_shards, prepare_shards, verify_shards
 from mjax.data.sources import load_sources, run_tokenizer
 from mjax.data.tokenizer import load_tokenizer, never_sampled, train_bpe
@@ -27,5 +27,5 @@ __all__ = [
     'describe', 'document_ids_and_positions', 'load_corpus', 'load_sources', 'load_tokenizer',
     'make_eval_batches', 'make_train_iterator', 'never_sampled', 'open_shards', 'position', 'prepare_shards',
     'restore_position', 'run_tokenizer', 'skip', 'train_bpe',
-    'verify_shards', 'whole_heldout_batches',
+    'verify_shards', 'whole_batches',
 ]

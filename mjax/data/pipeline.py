@@ -350,7 +350,7 @@ def make_eval_batches(cfg: DataConfig, global_batch_size: int, num_batches: int,
   return [build(row) for row in ids]
 
 
-def whole_heldout_batches(cfg: DataConfig, global_batch_size: int, split: str = 'heldout') -> int:
+def whole_batches(cfg: DataConfig, global_batch_size: int, split: str = 'heldout') -> int:
   """How many whole global batches the held-out split (or, with `split`
   'train', the train split's first pass) holds: past them
   `make_eval_batches` wraps around (the train order starts another pass)

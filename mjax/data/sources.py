@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional
 
 import numpy as np
 
@@ -84,15 +84,7 @@ def load_source(spec: str, cfg: DataConfig) -> TokenSource:
   c = corpus_lib.load_text(spec, cfg.file_pattern, cfg.tokenizer, cfg.heldout_fraction)
   return TokenSource(spec, c.root, 'text', c.split, c.tokenizer, (c.train_tokens,),
                      (c.heldout_tokens,), c.train_files, c.heldout_files,
-                     _text_content(c.train_files, c.train_tokens), _text_content(c.heldout_files, c.heldout_tokens))
-
-
-def _text_content(files: Sequence[str], tokens: np.ndarray) -> str:
-  """`TokenSource.content` of a text corpus's split: its files' names and
-  the ids they make (a hash at ~1 GB/s, beside the tokenizing it follows)."""
-  h = hashlib.blake2b(json.dumps(list(files)).encode(), digest_size=16)
-  h.update(np.ascontiguousarray(tokens).view(np.uint8))
-  return h.hexdigest()
+                     c.train_content, c.heldout_content)
 
 
 def load_sources(cfg: DataConfig) -> list[tuple[TokenSource, float]]:

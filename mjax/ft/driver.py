@@ -934,17 +934,16 @@ class Driver:
       procs = sorted(i for i, c in failed.items() if c == protocol.EXIT_NONFINITE)
       return detect.Fault('nonfinite_loss', procs, 'exit status 3 (non-finite loss)',
                           step=self._nan_step(att, procs), extra={'exit': codes})
-    if set(failed.values()) == {protocol.EXIT_DRIVER_LOST} and att.trainers_let_go:
-      # Every trainer that stopped did so, saved, because the driver was
-      # unreachable, and the driver knows it was held up itself (a host
-      # whose own link to the driver failed is no such case: diagnosed):
-      # nothing of the hosts' to diagnose, no link to check.
-      return detect.Fault('driver_held', sorted(failed), 'stopped: heard nothing from the driver for '
-                          'heartbeat_timeout_s (the driver\'s own hold-up, not the hosts\')',
-                          extra={'exit': codes})
-    if protocol.EXIT_DRIVER_LOST in failed.values():   # the driver was unreachable, and more went wrong
-      return detect.Fault('exit', sorted(failed), 'stopped: heard nothing from the driver for '
-                          'heartbeat_timeout_s', extra={'exit': codes})
+    if protocol.EXIT_DRIVER_LOST in failed.values():
+      what = 'stopped: heard nothing from the driver for heartbeat_timeout_s'
+      if set(failed.values()) == {protocol.EXIT_DRIVER_LOST} and att.trainers_let_go:
+        # Every trainer that stopped did so, saved, because the driver was
+        # unreachable, and the driver knows it was held up itself (a host
+        # whose own link to the driver failed is no such case: diagnosed):
+        # nothing of the hosts' to diagnose, no link to check.
+        return detect.Fault('driver_held', sorted(failed), f"{what} (the driver's own hold-up, not the hosts')",
+                            extra={'exit': codes})
+      return detect.Fault('exit', sorted(failed), what, extra={'exit': codes})   # and more went wrong
     for i in range(len(att.hosts)):   # not only those gone yet: each records it
       fact = self._facts(att, i).get(protocol.HOST_FAULT)
       if isinstance(fact, dict) and isinstance(fact.get('processes'), list):
