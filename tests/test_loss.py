@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from mjax.model import loss as loss_lib
 from mjax.model.loss import cross_entropy
 
 
@@ -55,3 +56,56 @@ def test_backward_is_one_pass_without_a_scatter():
     if name == 'mjax':
       assert not re.search(r' scatter\(', compiled.as_text())
   assert moved['mjax'] <= moved['optax'] - logits.size * 4, moved
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_the_one_pass_log_sum_exp_matches_the_two_passes(dtype):
+  """`logsumexp_and_target`, the accelerators' forward (one reduction, run
+  here element by element by XLA:CPU), against the CPU's max-then-sum:
+  logits far from 0, rows with masked (-inf) entries and a row with one
+  finite entry, ids at the vocabulary's ends. The value and gradient of
+  cross_entropy do not depend on which ran."""
+  k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+  logits = (3.0 * jax.random.normal(k1, (4, 6, 1000)) + 1000.0)
+  logits = logits.at[1, :, 500:].set(-jnp.inf).at[2, 0, 1:].set(-jnp.inf).astype(dtype)
+  targets = jax.random.randint(k2, (4, 6), 0, 500).at[3].set(jnp.array([0, 999, 0, 999, 1, 2]))
+  targets = targets.at[2, 0].set(0)
+  one = jax.jit(loss_lib.logsumexp_and_target)(logits, targets)
+  two = jax.jit(loss_lib._two_passes)(logits, targets)
+  # Within an ulp or two of the logits' magnitude (fp32 spacing at 1000: 6e-5).
+  np.testing.assert_allclose(one[0], two[0], rtol=0, atol=2.5e-4)
+  np.testing.assert_array_equal(one[1], two[1])
+  assert float(one[0][2, 0]) == float(logits[2, 0, 0])   # one finite entry: log(1) on top of it
+  grads = jax.grad(lambda x: jnp.sum(cross_entropy(x, targets)))(logits)
+  assert np.isfinite(np.asarray(grads, np.float32)).all()
+
+
+def test_the_accelerator_branch_is_not_in_a_cpu_program():
+  """CPU programs keep the two passes (XLA:CPU does not vectorize a
+  reduction of three values with its own combiner); no variadic reduce."""
+  x, t = jnp.zeros((8, 256)), jnp.zeros((8,), jnp.int32)
+  text = jax.jit(cross_entropy).lower(x, t).compile().as_text()
+  assert not re.search(r'\(f32\[8\]\{0\}, f32\[8\]\{0\}, f32\[8\]\{0\}\) reduce\(', text)
+  one = jax.jit(loss_lib.logsumexp_and_target).lower(x, t).compile().as_text()
+  assert re.search(r'\(f32\[8\]\{0\}, f32\[8\]\{0\}, f32\[8\]\{0\}\) reduce\(', one)
+
+
+def test_the_one_pass_log_sum_exp_with_the_vocabulary_split_over_devices():
+  """Under tensor parallelism the head's logits are split over the
+  vocabulary. XLA's partitioner reduces each shard and combines the shards'
+  (max, sum of exp, target logit) with the reduction's own combiner (on a
+  GPU, a gather of those few numbers per row): the same values as on one
+  device, for both branches."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ('data', 'tensor'))
+  k1, k2 = jax.random.split(jax.random.PRNGKey(2))
+  logits = 4.0 * jax.random.normal(k1, (8, 16, 512)) + 50.0
+  targets = jax.random.randint(k2, (8, 16), 0, 512)
+  split = NamedSharding(mesh, P('data', None, 'tensor'))
+  rows = NamedSharding(mesh, P('data', None))
+  for fn in (loss_lib.logsumexp_and_target, loss_lib._two_passes):
+    whole = jax.jit(fn)(logits, targets)
+    sharded = jax.jit(fn, in_shardings=(split, rows))(jax.device_put(logits, split), jax.device_put(targets, rows))
+    np.testing.assert_allclose(sharded[0], whole[0], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(sharded[1], whole[1])
+  np.testing.assert_allclose(whole[0], jax.jit(loss_lib.logsumexp_and_target)(logits, targets)[0], atol=1e-5)

@@ -17,6 +17,14 @@ The target's logit is a masked sum over the vocabulary rather than a
 gather: on the GPU it fuses into the gradient's pass, and XLA's partitioner
 can split it where the vocabulary is sharded over devices, inside a
 shard_map too (the 1F1B pipeline's head), where it cannot split a gather.
+
+The forward's log-sum-exp is the row's max and then its sum of exp: two
+reads of the logits. On accelerators it is one reduction instead
+(`logsumexp_and_target`): a running max with its sum of exp rescaled as
+the max grows, the target's logit carried along, so the logits are read
+once (4.2 GB less a step for 1p3b's 16 x 2048 tokens x 64k vocabulary on
+one GPU). XLA:CPU runs such a reduction element by element, without
+vectors, so CPU programs keep the two passes.
 """
 
 from __future__ import annotations
@@ -41,10 +49,38 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _forward(logits, targets):
-  x = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(x, axis=-1)
-  target_logit = jnp.sum(jnp.where(_is_target(logits, targets), x, 0.0), axis=-1)
+  # Both branches are traced; the compiled program holds the one of the
+  # platform it is lowered for.
+  lse, target_logit = jax.lax.platform_dependent(logits, targets, cpu=_two_passes,
+                                                 default=logsumexp_and_target)
   return lse - target_logit, (logits, targets, lse)
+
+
+def _two_passes(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  x = logits.astype(jnp.float32)
+  return (jax.nn.logsumexp(x, axis=-1),
+          jnp.sum(jnp.where(_is_target(logits, targets), x, 0.0), axis=-1))
+
+
+def _combine(a, b):
+  """Two partial (max, sum of exp(x - max), target logit) into one. One exp
+  per combine: the sum under the smaller max is scaled by exp of the
+  difference. Equal maxima (-inf and -inf of two empty partials too) take
+  a difference of 0, not inf - inf."""
+  (m1, s1, t1), (m2, s2, t2) = a, b
+  first = m1 >= m2
+  scale = jnp.exp(-jnp.abs(jnp.where(m1 == m2, 0.0, m1 - m2)))
+  return (jnp.maximum(m1, m2), jnp.where(first, s1 + s2 * scale, s1 * scale + s2), t1 + t2)
+
+
+def logsumexp_and_target(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(log-sum-exp over the last axis, the target's logit), both fp32, from
+  one reduction that reads the logits once: each element enters as
+  (x, 1, x if it is the target else 0)."""
+  x = logits.astype(jnp.float32)
+  t = jnp.where(_is_target(logits, targets), x, 0.0)
+  m, s, tl = jax.lax.reduce((x, jnp.ones_like(x), t), (-jnp.inf, 0.0, 0.0), _combine, (x.ndim - 1,))
+  return m + jnp.log(s), tl
 
 
 def _backward(res, g):
