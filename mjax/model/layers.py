@@ -211,40 +211,10 @@ class Norm(nn.Module):
 def _norm_stats(x: jax.Array, center: bool, eps: float) -> tuple[jax.Array, jax.Array]:
   """(row mean, or None without centering; 1 / row std), fp32, (..., 1)."""
   # Statistics in fp32: bf16 variance of a 12k-wide row loses the signal.
-  if not center:
-    return None, jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True) + eps)
-  # The mean, then the variance around it, reads the row twice; on
-  # accelerators one reduction gives both (Chan's pairwise combine of
-  # Welford's running mean and sum of squared deviations, as accurate as
-  # the two passes and never E[x^2] - E[x]^2, which cancels for rows far
-  # from 0). XLA:CPU runs such a reduction element by element: CPU
-  # programs keep the two passes.
-  mean, var = jax.lax.platform_dependent(x, cpu=_mean_var_two_passes, default=mean_var_one_pass)
-  return mean, jax.lax.rsqrt(var + eps)
-
-
-def _mean_var_two_passes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   xf = x.astype(jnp.float32)
-  mean = jnp.mean(xf, axis=-1, keepdims=True)
-  return mean, jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-
-
-def _chan(a, b):
-  """Two partial (count, mean, sum of squared deviations) into one."""
-  (n1, m1, q1), (n2, m2, q2) = a, b
-  n = n1 + n2
-  w = jnp.where(n > 0, n2 / jnp.maximum(n, 1.0), 0.0)   # two empty partials: nothing moves
-  d = m2 - m1
-  return n, m1 + d * w, q1 + q2 + d * d * n1 * w
-
-
-def mean_var_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(row mean, row variance), fp32, (..., 1), from one reduction: each
-  element enters as (1, x, 0)."""
-  xf = x.astype(jnp.float32)
-  _, mean, q = jax.lax.reduce((jnp.ones_like(xf), xf, jnp.zeros_like(xf)), (0.0, 0.0, 0.0), _chan,
-                              (x.ndim - 1,))
-  return mean[..., None], (q / x.shape[-1])[..., None]
+  mean = jnp.mean(xf, axis=-1, keepdims=True) if center else None
+  xc = xf - mean if center else xf
+  return mean, jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + eps)
 
 
 def _normalized(x: jax.Array, mean: Optional[jax.Array], rstd: jax.Array) -> jax.Array:
