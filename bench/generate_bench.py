@@ -3,6 +3,7 @@ full forward pass, on randomly initialized weights of a config.
 
   python bench/generate_bench.py --gin_file configs/125m.gin --batch 8 --prompt_len 512 --new_tokens 256
   python bench/generate_bench.py --gin_file configs/tiny.gin --batch 4 --prompt_len 64 --new_tokens 64
+  python bench/generate_bench.py --gin_file configs/125m.gin --temperature 0.8 --top_k 40   # sampled
 
 Prints one table row: prefill time, decode time per step, decoded tokens/s,
 the KV cache's size, and the largest difference between the cached logits of
@@ -39,6 +40,9 @@ def main(argv=None):
   p.add_argument('--batch', type=int, default=8)
   p.add_argument('--prompt_len', type=int, default=256)
   p.add_argument('--new_tokens', type=int, default=128)
+  p.add_argument('--temperature', type=float, default=0.0, help='0: greedy (the default)')
+  p.add_argument('--top_k', type=int, default=0)
+  p.add_argument('--top_p', type=float, default=1.0)
   p.add_argument('--json', default=None)
   p.add_argument('--profile', default='', help='also trace a short decode run (jax.profiler) into this folder')
   args, bindings = flags.parse(p, argv if argv is not None else sys.argv[1:])
@@ -51,7 +55,7 @@ def main(argv=None):
   vocab = cfg.model.vocab_size
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, vocab, args.prompt_len).astype(np.int32) for _ in range(args.batch)]
-  gen = Generator(cfg, mesh, vocab, Sampling(temperature=0))
+  gen = Generator(cfg, mesh, vocab, Sampling(args.temperature, args.top_k, args.top_p))
   cast = gen.compute_params(params)
   gen.run(cast, prompts, args.new_tokens, None)   # compiles prefill and decode (shapes as timed)
   _, times = gen.run(cast, prompts, args.new_tokens, None)
