@@ -121,21 +121,43 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved:
     pick = jax.random.categorical(key, _nucleus(desc, s.top_p), axis=-1)
     return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
   if s.top_p < 1:
-    order = jnp.argsort(-logits, axis=-1, stable=True)   # by rank, as above
-    desc = jnp.take_along_axis(logits, order, axis=-1)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    logits = jnp.full_like(logits, -jnp.inf).at[rows, order].set(_nucleus(desc, s.top_p))
+    # The nucleus is usually a few dozen tokens: taken from the best
+    # NUCLEUS_CANDIDATES by rank where they hold p for every row, the same
+    # set as a sort of the whole vocabulary gives, for a fraction of it.
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(NUCLEUS_CANDIDATES, logits.shape[-1])
+    desc, order = jax.lax.top_k(logits, k)
+    held = jnp.all(jnp.sum(jnp.exp(desc - lse), axis=-1) >= s.top_p)
+
+    def among_candidates(key):
+      pick = jax.random.categorical(key, _nucleus(desc, s.top_p, lse), axis=-1)
+      return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    def whole_vocabulary(key):
+      full = jnp.argsort(-logits, axis=-1, stable=True)   # by rank, as above
+      ranked = jnp.take_along_axis(logits, full, axis=-1)
+      rows = jnp.arange(logits.shape[0])[:, None]
+      kept = jnp.full_like(logits, -jnp.inf).at[rows, full].set(_nucleus(ranked, s.top_p, lse))
+      return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(held, among_candidates, whole_vocabulary, key)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _nucleus(desc: jax.Array, top_p: float) -> jax.Array:
+# How many of the most likely tokens `sample` looks for the top-p nucleus
+# among before it sorts the whole vocabulary.
+NUCLEUS_CANDIDATES = 256
+
+
+def _nucleus(desc: jax.Array, top_p: float, lse: Optional[jax.Array] = None) -> jax.Array:
   """Logits sorted high to low, with those outside the smallest set whose
   probability reaches `top_p` set to -inf. A token stays while the
   probability before it is below p: the most likely always stays, and the
-  set stops at the first to reach p."""
+  set stops at the first to reach p. Probabilities are over `desc` alone,
+  or over a whole row whose log-sum-exp `lse` is given (`desc` its best)."""
   if top_p >= 1:
     return desc
-  probs = jax.nn.softmax(desc, axis=-1)
+  probs = jax.nn.softmax(desc, axis=-1) if lse is None else jnp.exp(desc - lse)
   return jnp.where((jnp.cumsum(probs, axis=-1) - probs) < top_p, desc, -jnp.inf)
 
 

@@ -134,6 +134,37 @@ def test_greedy_and_filters():
   assert (_draws(logits, s) != _draws(logits, Sampling(temperature=1.0, seed=8))).any()
 
 
+def test_the_nucleus_over_a_large_vocabulary():
+  """top_p over 4,096 ids: a nucleus inside the best NUCLEUS_CANDIDATES is
+  drawn from them, one that reaches past them from the sorted vocabulary,
+  and both are the nucleus itself, highest ranks first (a tie at its edge
+  to the lower id)."""
+  from mjax import generate
+  v = 4096
+  rng = np.random.default_rng(0)
+  base = rng.permutation(v).astype(np.float32)   # distinct ranks, scattered over the ids
+  # Peaked: the best 3 ids hold ~90% of the probability.
+  peaked = np.full(v, -20.0, np.float32)
+  best3 = np.argsort(-base)[:3]
+  peaked[best3] = [6.0, 5.5, 5.0]
+  drawn = set(_draws(peaked, Sampling(temperature=1.0, top_p=0.8)))
+  assert drawn == set(best3[:2].tolist()), drawn   # 0.53 + 0.32 reach 0.8; the third does not enter
+  # Flat over the best 1,000 (each ~0.1%): a 0.9 nucleus is their best 900,
+  # past the candidates; drawn from the whole vocabulary's order.
+  ranked = np.argsort(-base)[:1000]
+  flat = np.full(v, -30.0, np.float32)
+  flat[ranked] = -1e-4 * np.arange(1000)   # nearly equal, in `ranked`'s order
+  drawn = _draws(flat, Sampling(temperature=1.0, top_p=0.9), n=4000)
+  assert set(drawn) <= set(ranked[:901].tolist())
+  assert len(set(drawn) - set(ranked[:generate.NUCLEUS_CANDIDATES].tolist())) > 100
+  # A tie at the nucleus's edge: the lower id is kept.
+  tie = np.full(v, -30.0, np.float32)
+  tie[[7, 3000]] = 1.0
+  tie[10] = 2.0
+  for seed in range(3):
+    assert set(_draws(tie, Sampling(temperature=1.0, top_p=0.75, seed=seed))) == {10, 7}
+
+
 @pytest.mark.parametrize('bad,needle', [(dict(temperature=-1), '--temperature -1'),
                                         (dict(top_p=0.0), '--top_p 0.0'), (dict(top_k=-2), '--top_k -2'),
                                         (dict(seed=2**63), f'--seed {2**63}')])
@@ -156,6 +187,7 @@ def run(tmp_path_factory) -> str:
   workdir = str(tmp_path_factory.mktemp('run'))
   trainer.run(C.load_config(['tiny.gin'], SMALL, num_devices=8), workdir)
   return workdir
+
 
 
 def mjax_generate(*argv):
