@@ -443,10 +443,15 @@ def test_prepare_splits_a_single_file_by_position(tmp_path):
   src = tmp_path / 'one.txt'
   src.write_text(''.join(chr(c) for c in range(32, 127)) * 50 + 'ünïcödé\n' * 40)
   out = tmp_path / 'one'
-  m = data.prepare_shards(str(src), str(out), heldout_fraction=0.25)
+  said = []
+  m = data.prepare_shards(str(src), str(out), heldout_fraction=0.25, log=said.append)
   c = data.load_corpus(DataConfig(source=str(src), heldout_fraction=0.25))
   s = data.open_shards(str(out))
   assert m['split'] == 'position'
+  # One document cut in two: no side holds it whole, and the log says why
+  # its counts are 0 and 1.
+  assert said[0].endswith('0 documents') and said[1].endswith('1 document'), said
+  assert 'cuts the token stream inside a document' in said[2]
   np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
   np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
 

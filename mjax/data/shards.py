@@ -295,8 +295,14 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
   if log:
     for s in SPLITS:
       entries = [e for e in shards if e['split'] == s]
+      docs = sum(e['documents'] for e in entries)
       log(f'{s}: {len(entries)} shard(s), {sum(e["tokens"] for e in entries):,} tokens, '
-          f'{sum(e["documents"] for e in entries):,} documents')
+          f'{docs:,} document{"" if docs == 1 else "s"}')
+    if manifest.get('split') == 'position':
+      # Documents are counted by their end-of-document token: the piece
+      # before the cut has none, and a one-document corpus said "0 documents".
+      log('the split cuts the token stream inside a document: train ends with its first part, held-out '
+          'starts with the rest (each side\'s count above is of whole documents)')
   return manifest
 
 
