@@ -111,37 +111,52 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved:
   logits = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
   if s.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / s.temperature
+  # -0.0 as 0.0: lax.top_k ranks +0.0 first, a sort takes them as tied.
+  logits = jnp.where(logits == 0, 0.0, logits / s.temperature)
+  # The draw is the argmax of logits plus Gumbel noise, one value per (row,
+  # id), as jax.random.categorical draws over the whole row: a row's token
+  # depends neither on the other rows (padding rows, finished ones) nor on
+  # which way below its kept set was found, and a seed gives the tokens it
+  # gave when every filter sorted the whole vocabulary.
+  noise = jax.random.gumbel(key, logits.shape, jnp.float32)
   if s.top_k and s.top_k < vocab:
     # The k best by rank, ties to the lower id (lax.top_k keeps the lower
     # index first): by value, every token tied with the k-th stayed, and
     # top_k 1 drew among equal logits by seed where it is greedy. A partial
     # selection, not a sort of the whole vocabulary every decoded token.
     desc, order = jax.lax.top_k(logits, s.top_k)
-    pick = jax.random.categorical(key, _nucleus(desc, s.top_p), axis=-1)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return _draw(_nucleus(desc, s.top_p), noise, order)
   if s.top_p < 1:
     # The nucleus is usually a few dozen tokens: taken from the best
     # NUCLEUS_CANDIDATES by rank where they hold p for every row, the same
     # set as a sort of the whole vocabulary gives, for a fraction of it.
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     k = min(NUCLEUS_CANDIDATES, logits.shape[-1])
     desc, order = jax.lax.top_k(logits, k)
-    held = jnp.all(jnp.sum(jnp.exp(desc - lse), axis=-1) >= s.top_p)
+    # The row's max (not desc[:, :1]: slicing top_k's values makes XLA:CPU
+    # sort the whole row for it): probabilities as softmax takes them.
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    total = jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)
+    held = jnp.all(jnp.sum(jnp.exp(desc - top), axis=-1, keepdims=True) >= s.top_p * total)
 
-    def among_candidates(key):
-      pick = jax.random.categorical(key, _nucleus(desc, s.top_p, lse), axis=-1)
-      return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    def among_candidates(noise):
+      return _draw(_nucleus(desc, s.top_p, (top, total)), noise, order)
 
-    def whole_vocabulary(key):
-      full = jnp.argsort(-logits, axis=-1, stable=True)   # by rank, as above
-      ranked = jnp.take_along_axis(logits, full, axis=-1)
-      rows = jnp.arange(logits.shape[0])[:, None]
-      kept = jnp.full_like(logits, -jnp.inf).at[rows, full].set(_nucleus(ranked, s.top_p, lse))
-      return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
+    def whole_vocabulary(noise):
+      ranked_ids = jnp.argsort(-logits, axis=-1, stable=True)   # by rank, as above
+      ranked = jnp.take_along_axis(logits, ranked_ids, axis=-1)
+      return _draw(_nucleus(ranked, s.top_p, (top, total)), noise, ranked_ids)
 
-    return jax.lax.cond(held, among_candidates, whole_vocabulary, key)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(held, among_candidates, whole_vocabulary, noise)
+  return _draw(logits, noise)
+
+
+def _draw(kept: jax.Array, noise: jax.Array, ids: Optional[jax.Array] = None) -> jax.Array:
+  """argmax of `kept` logits plus their ids' noise: the ids (batch,) int32.
+  `kept` holds the logits of `ids` (a row's ranked ids), or of every id."""
+  if ids is None:
+    return jnp.argmax(kept + noise, axis=-1).astype(jnp.int32)
+  pick = jnp.argmax(kept + jnp.take_along_axis(noise, ids, axis=-1), axis=-1)
+  return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 # How many of the most likely tokens `sample` looks for the top-p nucleus
@@ -149,15 +164,19 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved:
 NUCLEUS_CANDIDATES = 256
 
 
-def _nucleus(desc: jax.Array, top_p: float, lse: Optional[jax.Array] = None) -> jax.Array:
+def _nucleus(desc: jax.Array, top_p: float, row: Optional[tuple[jax.Array, jax.Array]] = None) -> jax.Array:
   """Logits sorted high to low, with those outside the smallest set whose
   probability reaches `top_p` set to -inf. A token stays while the
   probability before it is below p: the most likely always stays, and the
   set stops at the first to reach p. Probabilities are over `desc` alone,
-  or over a whole row whose log-sum-exp `lse` is given (`desc` its best)."""
+  or over a whole row of which `desc` is the best, `row` its (max, sum of
+  exp(x - max))."""
   if top_p >= 1:
     return desc
-  probs = jax.nn.softmax(desc, axis=-1) if lse is None else jnp.exp(desc - lse)
+  if row is None:
+    probs = jax.nn.softmax(desc, axis=-1)
+  else:
+    probs = jnp.exp(desc - row[0]) / row[1]
   return jnp.where((jnp.cumsum(probs, axis=-1) - probs) < top_p, desc, -jnp.inf)
 
 

@@ -186,9 +186,10 @@ def test_fsdp_gathered_once_a_step_on_the_gpu(compiled):
     assert 0.99 < r['wire'][kind] / r['minimum'][kind] < 1.01, (kind, r['wire'], r['minimum'])
   # Over tensor only the loss's row statistics, when the vocabulary is split
   # there: each shard's (max, sum of exp, target logit) per row
-  # (`loss.logsumexp_and_target`), a few KiB.
+  # (`loss.logsumexp_and_target`), a few KiB against the weights' MiB.
   over_tensor = [s['name'] for s in of(r, 'all-gather', 'tensor')]
-  assert all(r['gathered_bytes'][n] <= 16 * 1024 for n in over_tensor), (over_tensor, r['gathered_bytes'])
+  assert sum(r['gathered_bytes'][n] for n in over_tensor) < 0.01 * r['minimum']['all-gather'], \
+      (over_tensor, r['gathered_bytes'], r['minimum'])
 
 
 def test_1f1b_stage_shifts_are_asynchronous(compiled):
