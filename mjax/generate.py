@@ -136,15 +136,17 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int, reserved:
     # sort the whole row for it): probabilities as softmax takes them.
     top = jnp.max(logits, axis=-1, keepdims=True)
     total = jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)
-    held = jnp.all(jnp.sum(jnp.exp(desc - top), axis=-1, keepdims=True) >= s.top_p * total)
+    probs = jnp.exp(desc - top) / total
+    held = jnp.all(jnp.sum(probs, axis=-1) >= s.top_p)
 
     def among_candidates(noise):
-      return _draw(_nucleus(desc, s.top_p, (top, total)), noise, order)
+      return _draw(_nucleus(desc, s.top_p, probs), noise, order)
 
     def whole_vocabulary(noise):
-      ranked_ids = jnp.argsort(-logits, axis=-1, stable=True)   # by rank, as above
-      ranked = jnp.take_along_axis(logits, ranked_ids, axis=-1)
-      return _draw(_nucleus(ranked, s.top_p, (top, total)), noise, ranked_ids)
+      # By rank, as above: values and ids from one stable sort.
+      neg, ranked_ids = jax.lax.sort((-logits, jnp.broadcast_to(jnp.arange(logits.shape[-1]), logits.shape)),
+                                     num_keys=1, is_stable=True)
+      return _draw(_nucleus(-neg, s.top_p, jnp.exp(-neg - top) / total), noise, ranked_ids)
 
     return jax.lax.cond(held, among_candidates, whole_vocabulary, noise)
   return _draw(logits, noise)
@@ -164,19 +166,15 @@ def _draw(kept: jax.Array, noise: jax.Array, ids: Optional[jax.Array] = None) ->
 NUCLEUS_CANDIDATES = 256
 
 
-def _nucleus(desc: jax.Array, top_p: float, row: Optional[tuple[jax.Array, jax.Array]] = None) -> jax.Array:
+def _nucleus(desc: jax.Array, top_p: float, probs: Optional[jax.Array] = None) -> jax.Array:
   """Logits sorted high to low, with those outside the smallest set whose
   probability reaches `top_p` set to -inf. A token stays while the
   probability before it is below p: the most likely always stays, and the
-  set stops at the first to reach p. Probabilities are over `desc` alone,
-  or over a whole row of which `desc` is the best, `row` its (max, sum of
-  exp(x - max))."""
+  set stops at the first to reach p. `probs`: those of `desc` within its
+  whole row, where `desc` is only the row's best (default: over `desc`)."""
   if top_p >= 1:
     return desc
-  if row is None:
-    probs = jax.nn.softmax(desc, axis=-1)
-  else:
-    probs = jnp.exp(desc - row[0]) / row[1]
+  probs = jax.nn.softmax(desc, axis=-1) if probs is None else probs
   return jnp.where((jnp.cumsum(probs, axis=-1) - probs) < top_p, desc, -jnp.inf)
 
 

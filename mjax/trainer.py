@@ -1065,15 +1065,17 @@ def _absolute_paths(data: config_lib.DataConfig) -> config_lib.DataConfig:
   """The data config with its sources and tokenizer file as absolute paths,
   for the run's recorded config: relative ones named other data (or none)
   for mjax-eval, -generate and a resume started from another directory."""
-  path = lambda p: p if p == 'stdlib' else os.path.abspath(os.path.expanduser(p))
+  def path(p: str) -> str:
+    # (A path with a comma cannot stand in a mixture: such a one stays as given.)
+    full = p if p == 'stdlib' else os.path.abspath(os.path.expanduser(p))
+    return p if ',' in full else full
   mixture = data.mixture
   if mixture is not None:
-    # (A path with a comma cannot stand in a mixture: such a one stays as given.)
-    mixture = ','.join(f'{src if "," in path(src) else path(src)}:{w!r}' for src, w in data.source_weights())
+    mixture = ','.join(f'{path(src)}:{w!r}' for src, w in data.source_weights())
   tokenizer = data.tokenizer
   if tokenizer != 'bytes' and os.path.exists(os.path.expanduser(tokenizer)):
     tokenizer = path(tokenizer)
-  source = data.source if ',' in path(data.source) else path(data.source)
+  source = path(data.source)
   return dataclasses.replace(data, source=source, mixture=mixture, tokenizer=tokenizer)
 
 

@@ -914,9 +914,10 @@ class Driver:
     else:
       acked = (f'its heartbeat server stopped acknowledging the trainers after collective_timeout_s = '
                f'{allowance:g}s, so they save and stop by themselves (exit status 4) and are restarted')
-    att.trainers_let_go = att.trainers_let_go or not (seconds < allowance and not whole)
+    kept = seconds < allowance and not whole
+    att.trainers_let_go = att.trainers_let_go or not kept
     self.events.emit('driver_stalled', attempt=att.number, seconds=round(seconds, 3),
-                     trainers_kept=seconds < allowance and not whole, process_held=whole,
+                     trainers_kept=kept, process_held=whole,
                      detail=f'the driver\'s loop was held up {seconds:,.1f}s (longer than heartbeat_timeout_s = '
                             f'{timeout:g}s); {acked}; the checks resume now. ' +
                             ('A SIGSTOP (Ctrl-Z), a paused container or a VM migration is the usual cause.' if whole
