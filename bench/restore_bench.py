@@ -66,7 +66,8 @@ def worker(args, bindings) -> None:
   import jax
   import numpy as np
   from mjax import flags, train
-  from mjax.checkpoint import Checkpointer, replica_plan
+  from mjax.checkpoint import Checkpointer
+  from mjax.checkpoint.replica import replica_plan
   from mjax.parallel import make_mesh
 
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=jax.device_count())

@@ -347,8 +347,8 @@ def default_workdir(gin_files: list[str]) -> str:
   last = gin_files[-1]
   folder = os.path.dirname(last) or '.'
   if os.path.basename(last) == 'config.gin':
-    from mjax import checkpoint
-    if checkpoint.is_workdir(folder):
+    from mjax.checkpoint.directories import is_workdir
+    if is_workdir(folder):
       print(f'mjax: --workdir {folder}: the run whose config.gin this is', flush=True)
       return folder
   return os.path.join('runs', os.path.splitext(os.path.basename(last))[0])

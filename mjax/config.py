@@ -293,7 +293,7 @@ FAST_SCOPES = ('shared', 'host')
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """Orbax checkpoints in two tiers; resume rules in mjax/checkpoint.py."""
+  """Orbax checkpoints in two tiers; resume rules in mjax/checkpoint/checkpointer.py."""
   enabled: bool = True
   directory: Optional[str] = None   # persistent tier; None: <workdir>/checkpoints; a relative path: in the workdir
   # Persistent-tier cadence in steps (0: only at the end and on SIGTERM):
@@ -320,7 +320,7 @@ class CheckpointConfig:
   # Multi-process jobs whose data-parallel replicas live in different
   # processes: one replica reads the train state and sends it to the others
   # over the network, instead of every replica reading its own full copy
-  # (MegaScale's restore; mjax/checkpoint.py). False: every process reads.
+  # (MegaScale's restore; mjax/checkpoint/replica.py). False: every process reads.
   single_replica_restore: bool = True
   # How long one save or one restore may take: Orbax's deadline for a save
   # written in the background, the processes' waits for each other around
@@ -1081,7 +1081,7 @@ def to_gin(cfg: Config) -> str:
 
 def write(cfg: Config, workdir: str) -> None:
   """config.json, then config.gin, each replaced whole: the workdir check
-  (checkpoint.check_same_model) reads config.json as the mark of a run, so a
+  (checkpoint.guards.check_same_model) reads config.json as the mark of a run, so a
   process killed midway never leaves a half one, nor a config.gin alone."""
   os.makedirs(workdir, exist_ok=True)
   for name, text in (('config.json', json.dumps(to_dict(cfg), indent=2, sort_keys=True)),

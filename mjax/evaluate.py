@@ -42,8 +42,9 @@ from mjax import jsonfile
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax import distributed, flags
-from mjax.checkpoint import (FINGERPRINTS, first_mismatch, foreign, is_step_dir, quiet_failed_io_aftermath,
-                             read_error, saved_steps, step_json, steps_in, tier_directories)
+from mjax.checkpoint.directories import foreign, is_step_dir, saved_steps, steps_in, tier_directories
+from mjax.checkpoint.failures import quiet_failed_io_aftermath, read_error
+from mjax.checkpoint.integrity import FINGERPRINTS, first_mismatch, step_json
 from mjax.config import Config, ConfigError
 from mjax.data.tokenizer import BYTES
 from mjax.errors import UserError
@@ -365,7 +366,7 @@ def _list_steps(steps: Sequence[int]) -> str:
 
 def _list_tiers(cfg: Config, workdir: str, found: Sequence[Candidate]) -> str:
   """Saved steps per tier, e.g. 'persistent tier (/run/checkpoints): 8, 4; fast tier (/dev/shm/..): none'.
-  A tier of another run's (checkpoint.foreign) is said to be, with how to read it anyway."""
+  A tier of another run's (checkpoint.directories.foreign) is said to be, with how to read it anyway."""
   def steps(tier: str, d: str) -> str:
     other = foreign(d, workdir)
     if other is not None:

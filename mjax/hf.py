@@ -326,7 +326,7 @@ def check_out(out: str) -> str:
                     f'overwritten).')
   if os.path.ismount(out):
     raise UserError(f'{out!r} is a mount point; give a new directory inside it.')
-  from mjax.checkpoint import among_checkpoints  # noqa: PLC0415
+  from mjax.checkpoint.directories import among_checkpoints  # noqa: PLC0415
   # A run's checkpoint directory holds its steps only: a numbered export
   # there reads as a damaged step (the run then refuses to resume), and an
   # export inside a step goes when Orbax deletes that step.

@@ -248,12 +248,13 @@ def checkpoint(prog: str, argv: list[str]) -> int:
   p.add_argument('--verify', action='store_true', help='read every step and check its checksums')
   args = p.parse_args(argv)
   from mjax.config import CheckpointConfig
-  from mjax.checkpoint import foreign, steps_in, tier_directories, verify_step
+  from mjax.checkpoint.directories import foreign, steps_in, tier_directories
+  from mjax.checkpoint.integrity import verify_step
   try:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
       ck = CheckpointConfig(**jsonfile.load(fh)['checkpoint'])
   except (OSError, ValueError, KeyError, TypeError) as e:
-    from mjax.checkpoint import is_workdir
+    from mjax.checkpoint.directories import is_workdir
     parent = os.path.dirname(os.path.abspath(args.workdir))
     hint = (f' ({parent!r} is one: a run\'s checkpoints are read through its workdir)'
             if is_workdir(parent) else '')
@@ -367,7 +368,7 @@ def stragglers(prog: str, argv: list[str]) -> int:
   table = st.summary_table(rows, margin=margin, window=window, metric=args.phase, found=found)
   out = args.out or os.path.join(args.workdir, 'stragglers')
   shown = _report_processes(table, found)
-  from mjax.checkpoint import among_checkpoints
+  from mjax.checkpoint.directories import among_checkpoints
   problem = among_checkpoints(out)
   if problem:
     raise UserError(f'--out {problem}; give a directory outside it.')

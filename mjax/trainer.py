@@ -17,7 +17,7 @@ The loop itself is short because each concern owns its cadence:
   StepReporter    metrics one step behind (no device sync on the hot path),
                   written, shown, sent in heartbeats; a non-finite loss ends
                   the run (exit status 3, the driver rolls back)
-  Checkpointer    `due(step)`: two tiers, asynchronous (mjax/checkpoint.py)
+  Checkpointer    `due(step)`: two tiers, asynchronous (mjax/checkpoint/)
   evaluation      every TrainConfig.eval_every steps, and at the end
   StopAgreement   SIGTERM / SIGINT: every process stops after the same step
   StepGC          Python's garbage collection at the same steps in every
@@ -45,6 +45,10 @@ import numpy as np
 
 from mjax import jsonfile
 from mjax import checkpoint as checkpoint_lib
+from mjax.checkpoint.checkpointer import held_bytes
+from mjax.checkpoint.directories import ensure_run_id, tier_directories
+from mjax.checkpoint.failures import write_problem
+from mjax.checkpoint.guards import check_not_inside_a_tier, check_not_inside_a_workdir, check_same_model
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax.data import sources as data_sources
@@ -236,7 +240,7 @@ class Trainer:
     abstract = self.program.abstract_state(canonical=True)
     if self.ckpt is not None:
       state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-      for warning in self.ckpt.space_warnings(state_bytes, checkpoint_lib.held_bytes(abstract)):
+      for warning in self.ckpt.space_warnings(state_bytes, held_bytes(abstract)):
         print(f'mjax: warning: {warning}', flush=True)
     restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract)
     with self.program.context():
@@ -980,7 +984,7 @@ class StepProfiler:
 
 
 # The workdirs this process's live Trainers hold. The run lock
-# (mjax/checkpoint.py) keeps other processes out; within one process it is
+# (mjax/checkpoint/locks.py) keeps other processes out; within one process it is
 # re-entrant (a Checkpointer that reads a run's steps beside it), so a
 # second Trainer on the same workdir, in a notebook, trained over the first
 # one's checkpoints and metrics.
@@ -1015,10 +1019,10 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
   """Process 0 checks the workdir (writable; no checkpoints of another model)
   and makes its run id; every process raises the same ConfigError, so none
   is left waiting in the next collective, or gets the run's id record
-  (`checkpoint.ensure_run_id`): the hosts of a host-local fast tier need
+  (`ensure_run_id`): the hosts of a host-local fast tier need
   not share the workdir."""
   _check_utf8(workdir, '--workdir')
-  for tier, directory in checkpoint_lib.tier_directories(cfg.checkpoint, workdir).items():
+  for tier, directory in tier_directories(cfg.checkpoint, workdir).items():
     _check_utf8(directory, f'the {tier} checkpoint directory')
   verdict, record = '', {}
   if is_main:
@@ -1026,15 +1030,15 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
       # Before anything is made or written (write_problem makes the
       # workdir): a refused start leaves nothing in another run's directory,
       # where a new numbered folder would read as a step.
-      checkpoint_lib.check_not_inside_a_tier(workdir)
-      checkpoint_lib.check_not_inside_a_workdir(workdir)
-      problem = checkpoint_lib.write_problem(workdir)
+      check_not_inside_a_tier(workdir)
+      check_not_inside_a_workdir(workdir)
+      problem = write_problem(workdir)
       if problem:
         raise ConfigError(
             f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
             f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
-      checkpoint_lib.check_same_model(cfg, workdir)
-      record = checkpoint_lib.ensure_run_id(cfg.checkpoint, workdir)
+      check_same_model(cfg, workdir)
+      record = ensure_run_id(cfg.checkpoint, workdir)
     except ConfigError as e:
       verdict = str(e)
   said = jsonfile.loads(distributed.broadcast_str('workdir/verdict', json.dumps({'verdict': verdict, 'run': record}),

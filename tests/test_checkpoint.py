@@ -16,7 +16,9 @@ import pytest
 from mjax import config as C
 from mjax import train, trainer
 from mjax import checkpoint as checkpoint_lib
-from mjax.checkpoint import Checkpointer, saved_steps
+from mjax.checkpoint import Checkpointer
+from mjax.checkpoint import checkpointer, directories, failures, guards, integrity, locks
+from mjax.checkpoint.directories import saved_steps
 from mjax.parallel import make_mesh
 from mjax.errors import UserError
 from mjax.metrics import read_metrics
@@ -466,7 +468,7 @@ def test_a_workdir_that_is_a_file_is_refused_and_left_alone(tmp_path):
 
 
 def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_overwritten(uninterrupted):
-  from mjax.checkpoint import check_same_model
+  from mjax.checkpoint.guards import check_same_model
   workdir, _ = uninterrupted
   before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
   bigger = cfg8(f'TrainConfig.steps = {N}', 'ModelConfig.d_model = 256', 'ModelConfig.d_ff = 512')
@@ -492,7 +494,7 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
 def test_a_directory_with_files_of_another_tool_is_no_workdir(tmp_path):
   # A Hugging Face model directory (its own config.json), or a gin file of
   # the user's own as config.gin: a run there would write over them.
-  from mjax.checkpoint import check_same_model
+  from mjax.checkpoint.guards import check_same_model
   hf, mine = tmp_path / 'hf', tmp_path / 'mine'
   hf.mkdir()
   mine.mkdir()
@@ -511,7 +513,8 @@ def test_a_run_whose_config_json_was_damaged_or_lost_resumes(tmp_path, capsys):
   """Its run id says an mjax run lives there: the config.json is that run's
   own, damaged or deleted, and the start resumes (writing it again) instead
   of calling the workdir another tool's."""
-  from mjax.checkpoint import check_same_model, ensure_run_id
+  from mjax.checkpoint.directories import ensure_run_id
+  from mjax.checkpoint.guards import check_same_model
   run = tmp_path / 'run'
   run.mkdir()
   C.write(cfg8(), str(run))
@@ -541,7 +544,7 @@ def test_a_run_from_before_the_configs_unrolled_their_layers_is_told_how_to_resu
   """configs/125m.gin and 1p3b.gin unroll their layers now; a run of them
   from before holds scanned checkpoints: the same model, laid out the
   other way, and the refusal says which binding resumes it."""
-  from mjax.checkpoint import check_same_model
+  from mjax.checkpoint.guards import check_same_model
   run = tmp_path / 'run'
   run.mkdir()
   C.write(C.load_config(['1p3b.gin'], ['ModelConfig.scan_layers = True']), str(run))
@@ -573,7 +576,7 @@ def test_checkpoints_of_another_model_in_a_shared_checkpoint_directory_are_refus
 
 def test_a_numbered_directory_that_is_no_checkpoint_is_refused_and_kept(uninterrupted, tmp_path):
   import shutil
-  from mjax.checkpoint import check_same_model
+  from mjax.checkpoint.guards import check_same_model
   workdir = str(tmp_path / 'run')
   shutil.copytree(uninterrupted[0], workdir)
   junk = os.path.join(workdir, 'checkpoints', '100')
@@ -656,7 +659,7 @@ def test_a_changed_data_position_is_caught_and_resaved(uninterrupted, tmp_path, 
   data = json.load(open(path))
   data['next_index'] += 1
   json.dump(data, open(path, 'w'))
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   assert verify_step(os.path.dirname(os.path.dirname(path))) == (
       'damaged', 'the data position (data/metadata) does not match its checksum')
   with caplog.at_level('WARNING'):
@@ -675,7 +678,7 @@ def damage_step(step_dir, damage):
   bytes no array of the step refers to, and a flip there changes nothing
   (rightly "ok"). Positions are tried from the middle on until the offline
   check sees the damage; the restore path is what the tests then judge."""
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   if damage == 'tree metadata':   # the file Orbax reads the state's tree from
     os.remove(os.path.join(step_dir, 'state', '_METADATA'))
     return
@@ -710,7 +713,7 @@ def test_a_damaged_step_ends_bitwise(uninterrupted, tmp_path, caplog, damage, wh
   tree metadata gone, in the newest step (the restore falls back past it)
   or an older one (nothing needs it): the offline check names it, and the
   run ends bitwise equal to an uninterrupted one."""
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   full_dir, full_state = uninterrupted
   workdir = str(tmp_path / 'run')
   trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
@@ -747,7 +750,7 @@ def test_when_no_checkpoint_can_be_used_the_run_stops_and_changes_nothing(uninte
   damage_step(os.path.join(ckdir, '2'), 'truncate')
   # (The run lock says who holds the directory: each run rewrites it.)
   snapshot = lambda: {os.path.relpath(os.path.join(d, f), ckdir): hashlib.sha1(open(os.path.join(d, f), 'rb').read()).hexdigest()
-                      for d, _, fs in os.walk(ckdir) for f in fs if f != checkpoint_lib.LOCK_FILE}
+                      for d, _, fs in os.walk(ckdir) for f in fs if f != locks.LOCK_FILE}
   before = snapshot()
   with pytest.raises(NoUsableCheckpoint, match=r'none of the 2 checkpoint\(s\) of this run can be used: '
                                                r'\S+/checkpoints/4: damaged .*/checkpoints/2: (damaged|unreadable)'):
@@ -765,17 +768,17 @@ def test_verify_beside_a_training_run_says_a_rotated_out_step_is_not_damaged(tmp
   `keep` retention deleted a step between the listing and its read. That
   was "unreadable" and exit status 1, the alarm for a damaged step."""
   import shutil
-  from mjax import checkpoint as ck, report
+  from mjax import report
   workdir = str(tmp_path / 'run')
   trainer.run(cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2'), workdir)
-  read = ck.verify_step
+  read = integrity.verify_step
 
   def rotated_while_read(path):
     if path.endswith(os.sep + '2'):
       shutil.rmtree(path)
     return read(path)
 
-  monkeypatch.setattr(ck, 'verify_step', rotated_while_read)
+  monkeypatch.setattr(integrity, 'verify_step', rotated_while_read)
   assert report.main(['checkpoint', workdir, '--verify']) == 0
   table = capsys.readouterr().out
   # Its checkpoints folder given instead: pointed to the workdir.
@@ -786,7 +789,7 @@ def test_verify_beside_a_training_run_says_a_rotated_out_step_is_not_damaged(tmp
 
 
 def test_a_checkpoint_of_another_shape_is_said_without_orbaxs_advice():
-  from mjax.checkpoint import read_error
+  from mjax.checkpoint.failures import read_error
   e = ValueError('Requested shape: (384, 128) is not compatible with the stored shape: (384, 256). '
                  'Truncating/padding is disabled. To enable it, set `strict=False` in `ArrayRestoreArgs`.')
   said = read_error(e)
@@ -795,7 +798,7 @@ def test_a_checkpoint_of_another_shape_is_said_without_orbaxs_advice():
 
 
 def test_a_step_record_that_is_not_json_is_named(tmp_path):
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   step = tmp_path / '4'
   (step / 'meta').mkdir(parents=True)
   (step / 'meta' / 'metadata').write_bytes(b'\x00\xf7garbage')
@@ -805,7 +808,8 @@ def test_a_step_record_that_is_not_json_is_named(tmp_path):
   assert verify_step(str(step)) == ('unreadable', 'meta/metadata is JSON but not a record (a list)')
   # The restore checks them before Orbax reads (its errors: a bare decoder
   # error, pages of a tree mismatch), and says the same.
-  from mjax.checkpoint import read_error, read_step
+  from mjax.checkpoint.checkpointer import read_step
+  from mjax.checkpoint.failures import read_error
   with pytest.raises(Exception) as e:
     read_step(None, 4, None, str(step), None)
   assert read_error(e.value) == 'meta/metadata is JSON but not a record (a list)'
@@ -814,7 +818,7 @@ def test_a_step_record_that_is_not_json_is_named(tmp_path):
 
 
 def test_a_change_of_parallel_norms_is_refused_by_name(uninterrupted):
-  from mjax.checkpoint import check_same_model
+  from mjax.checkpoint.guards import check_same_model
   with pytest.raises(C.ConfigError, match="ModelConfig.parallel_norms = 'shared' there, 'separate' now"):
     check_same_model(cfg8("ModelConfig.parallel_norms = 'separate'"), uninterrupted[0])
 
@@ -843,7 +847,7 @@ def test_a_new_run_at_a_deleted_runs_path_never_resumes_that_runs_fast_tier(tmp_
   # fast tier on: it resumed A's newer step 2 as its own. Each workdir now
   # has a run id, which the tiers' claims carry.
   import shutil
-  from mjax.checkpoint import OWNER_FILE, RUN_ID_FILE, run_id, saved_steps
+  from mjax.checkpoint.directories import OWNER_FILE, RUN_ID_FILE, run_id, saved_steps
   workdir, fast = tmp_path / 'run', tmp_path / 'fast'
   with_fast = ('CheckpointConfig.fast_every = 1', f"CheckpointConfig.fast_directory = '{fast}'")
   trainer.run(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 100', *with_fast), str(workdir))
@@ -869,7 +873,8 @@ def test_a_new_run_at_a_deleted_runs_path_never_resumes_that_runs_fast_tier(tmp_
 def test_a_lost_workdir_whose_tiers_name_one_run_resumes_it(tmp_path, monkeypatch):
   # The workdir gone, its checkpoints kept elsewhere (claimed by its path):
   # a new start there takes that run's id and resumes it, as before run ids.
-  from mjax.checkpoint import OWNER_FILE, RUN_ID_FILE, check_owner, ensure_run_id, run_id
+  from mjax.checkpoint.directories import OWNER_FILE, RUN_ID_FILE, ensure_run_id, run_id
+  from mjax.checkpoint.guards import check_owner
   workdir = str(tmp_path / 'run')
   ckpt = C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), fast_every=1, fast_directory=str(tmp_path / 'fast'))
   claim = lambda d, run: (tmp_path / d / OWNER_FILE).write_text(json.dumps({'workdir': workdir, 'run': run}))
@@ -906,9 +911,9 @@ def test_a_lost_workdir_whose_tiers_name_one_run_resumes_it(tmp_path, monkeypatc
   # and the later start takes it (its run lock then refuses it).
   os.unlink(os.path.join(workdir, RUN_ID_FILE))
   (tmp_path / 'run' / RUN_ID_FILE).write_text(json.dumps({'run': 'first', 'fresh': False}))
-  read = checkpoint_lib._run_record
+  read = directories.run_record
   calls = iter([{}])   # this start read before the other one wrote
-  monkeypatch.setattr(checkpoint_lib, '_run_record', lambda w: next(calls, None) or read(w))
+  monkeypatch.setattr(directories, 'run_record', lambda w: next(calls, None) or read(w))
   assert ensure_run_id(ckpt, workdir)['run'] == 'first' == run_id(workdir)
   assert sorted(os.listdir(workdir)) == [RUN_ID_FILE, 'config.json']   # no temporary file left
 
@@ -996,7 +1001,7 @@ def test_an_unreadable_newest_step_is_saved_afresh_when_training_passes_it(unint
   assert [s for s, _ in ck.steps()] == [6, 4, 2]
   assert ck.restore_latest(program.abstract_state(canonical=True)).step == 6
   ck.close()
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   assert verify_step(os.path.join(workdir, 'checkpoints', '4'))[0] == 'ok'
 
 
@@ -1029,7 +1034,7 @@ def test_an_unreadable_newest_step_is_moved_aside_and_keeps_no_slot(tmp_path, ca
   assert 'checkpoints/3 (step 3) is unreadable' in caplog.text, caplog.text
   assert re.search(r'moved \S+/checkpoints/3 aside to \S+/checkpoints/damaged-3-\d+ \(unreadable at restore',
                    caplog.text), caplog.text
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   assert verify_step(os.path.join(ckdir, '2'))[0] == 'ok'
   assert verify_step(os.path.join(ckdir, '4'))[0] == 'ok'
 
@@ -1043,7 +1048,7 @@ def test_the_replica_broadcast_is_bit_exact_for_every_dtype():
   (Two processes: tests/test_multihost.py.)"""
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from mjax.checkpoint import ReplicaPlan, broadcast_from_replica, on_replica
+  from mjax.checkpoint.replica import ReplicaPlan, broadcast_from_replica, on_replica
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4, 1, 1), C.MeshConfig.AXES)
   plan = ReplicaPlan(mesh=mesh, replica_mesh=Mesh(mesh.devices[:1], mesh.axis_names), replicas=2, source=True)
   f32 = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
@@ -1069,7 +1074,7 @@ def test_the_replica_broadcast_is_bit_exact_for_every_dtype():
 def test_one_process_has_no_replica_plan():
   """In one process Orbax already reads each shard once and copies it to the
   devices that hold it: nothing to gain, every restore takes the usual path."""
-  from mjax.checkpoint import replica_plan
+  from mjax.checkpoint.replica import replica_plan
   program = train.make_program(cfg8('MeshConfig.data = 2', 'MeshConfig.fsdp = 4'),
                                make_mesh(cfg8('MeshConfig.data = 2', 'MeshConfig.fsdp = 4').mesh))
   assert replica_plan(program.abstract_state(canonical=True)) is None
@@ -1154,17 +1159,17 @@ def test_a_full_disk_during_a_save_is_bad_input_naming_the_tier_and_the_steps_ke
   # steps kept are those on disk: Orbax strikes the ones beyond `keep` from
   # its own list before the save that would replace them commits.
   import types
-  from mjax.checkpoint import _full_disk_is_bad_input
+  from mjax.checkpoint.failures import full_disk_is_bad_input
   for step in (2, 4):
     (tmp_path / str(step)).mkdir()
   tier = types.SimpleNamespace(name='persistent', directory=str(tmp_path),
                                manager=types.SimpleNamespace(all_steps=lambda: []))
   with pytest.raises(C.ConfigError, match=r'persistent checkpoint tier \(.*\) is full: a save \(step 6, or the one before .*'
                                            r'saved steps: 4, 2\); free space there.*CheckpointConfig.directory'):
-    with _full_disk_is_bad_input(tier, 6):
+    with full_disk_is_bad_input(tier, 6):
       raise ValueError('RESOURCE_EXHAUSTED: write failed: [errno 28] No space left on device')
   with pytest.raises(C.ConfigError, match='is full'):
-    with _full_disk_is_bad_input(tier, None):
+    with full_disk_is_bad_input(tier, None):
       raise OSError(28, 'No space left on device')
   # A directory remounted read-only, or whose permissions were taken away,
   # midway: the same, not a traceback (wrapped, as Orbax raises it).
@@ -1176,10 +1181,10 @@ def test_a_full_disk_during_a_save_is_bad_input_naming_the_tier_and_the_steps_ke
       wrapped.__cause__ = inner
     with pytest.raises(C.ConfigError, match=rf'takes no more files: a save \(step 6.*failed with "{said}".*'
                                              r'saved steps: 4, 2\); make it writable again'):
-      with _full_disk_is_bad_input(tier, 6):
+      with full_disk_is_bad_input(tier, 6):
         raise wrapped
   with pytest.raises(ValueError, match='something else'):   # other failures stay what they are
-    with _full_disk_is_bad_input(tier, 6):
+    with full_disk_is_bad_input(tier, 6):
       raise ValueError('something else')
 
 
@@ -1188,23 +1193,22 @@ def test_a_disk_too_small_for_the_checkpoints_is_said_at_start_up(tmp_path, monk
   # perhaps; room for fewer than keep + 1 (a new step is written before the
   # oldest goes): a later one will. Said at start-up, by tier.
   import collections
-  from mjax import checkpoint as ck
   cfg = C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), keep=3)
   tier = Checkpointer(cfg, str(tmp_path / 'run'))
   usage = collections.namedtuple('usage', 'total used free')
   gib = 2 ** 30
-  monkeypatch.setattr(ck.shutil, 'disk_usage', lambda p: usage(100 * gib, 99.5 * gib, 0.5 * gib))
+  monkeypatch.setattr(checkpointer.shutil, 'disk_usage', lambda p: usage(100 * gib, 99.5 * gib, 0.5 * gib))
   (w,) = tier.space_warnings(2 * gib)
   assert f"CheckpointConfig.directory = '{tmp_path}/ckpt' (the persistent tier) has 0.50 GiB free" in w
   assert 'less than one checkpoint' in w and '~2.00 GiB' in w and 'exit status 2' in w
-  monkeypatch.setattr(ck.shutil, 'disk_usage', lambda p: usage(100 * gib, 95 * gib, 5 * gib))
+  monkeypatch.setattr(checkpointer.shutil, 'disk_usage', lambda p: usage(100 * gib, 95 * gib, 5 * gib))
   (w,) = tier.space_warnings(2 * gib)
   assert 'room for 2 more checkpoint(s)' in w and 'keep = 3' in w and '(4 more' in w
   # Steps already on disk count: with three there, one more is all it needs.
   for step in ('10', '20', '30'):
     os.makedirs(tmp_path / 'ckpt' / step)
   assert tier.space_warnings(2 * gib) == []
-  monkeypatch.setattr(ck.shutil, 'disk_usage', lambda p: usage(100 * gib, 10 * gib, 90 * gib))
+  monkeypatch.setattr(checkpointer.shutil, 'disk_usage', lambda p: usage(100 * gib, 10 * gib, 90 * gib))
   os.rmdir(tmp_path / 'ckpt' / '30')
   assert tier.space_warnings(2 * gib) == []
   tier.close()
@@ -1281,8 +1285,7 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
   import logging
   import threading
   import types
-  from mjax import checkpoint as ck
-  ck.quiet_failed_io_aftermath()
+  failures.quiet_failed_io_aftermath()
   persistent = types.SimpleNamespace(name='persistent', directory=str(tmp_path / 'ck'))
   fast = types.SimpleNamespace(name='fast', directory=str(tmp_path / 'ck-fast'))
   (tmp_path / 'ck-fast' / '2').mkdir(parents=True)
@@ -1307,8 +1310,8 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
   def watch():
     ckpt = Checkpointer.__new__(Checkpointer)
     ckpt.tiers, ckpt._closed, ckpt._locked, ckpt.leave_status = [persistent, fast], threading.Event(), [], None
-    checkpoint_lib._FailedSave.seen.clear()
-    checkpoint_lib._FailedSave.said_here.clear()
+    failures.FailedSave.seen.clear()
+    failures.FailedSave.said_here.clear()
     thread = threading.Thread(target=ckpt._watch_saves, daemon=True)
     thread.start()
     return ckpt, thread
@@ -1361,7 +1364,7 @@ def test_a_background_save_failed_in_this_process_alone_ends_it_with_the_message
   ckpt, thread = watch()
   failed_save('async_save')
   with pytest.raises(C.ConfigError, match='is full'):
-    with checkpoint_lib._full_disk_is_bad_input(fast, 4):
+    with failures.full_disk_is_bad_input(fast, 4):
       raise OSError(28, 'No space left on device')
   thread.join(timeout=10)
   assert not thread.is_alive() and len(said) == 1
@@ -1408,11 +1411,10 @@ def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
   import asyncio
   import logging
   import types
-  from mjax import checkpoint as ck
   seen = []
   monkeypatch.setattr(sys, 'unraisablehook', lambda u: seen.append(u.exc_value))
-  ck.quiet_failed_io_aftermath()
-  ck.quiet_failed_io_aftermath()          # twice: still one filter, one hook
+  failures.quiet_failed_io_aftermath()
+  failures.quiet_failed_io_aftermath()          # twice: still one filter, one hook
   import warnings
   with warnings.catch_warnings(record=True) as warned:
     # The unstarted reads of a restore that failed, collected.
@@ -1432,7 +1434,7 @@ def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
   sys.unraisablehook(types.SimpleNamespace(exc_value=other))
   assert seen == [elsewhere, other]
   absl = logging.getLogger('absl')
-  assert sum(isinstance(f, ck._FailedIoLogFilter) for f in absl.filters) == 1
+  assert sum(isinstance(f, failures._FailedIoLogFilter) for f in absl.filters) == 1
   full = (ValueError, ValueError('Failed to write: No space left on device'), None)
   orbax_file = os.path.join(os.sep, 'site-packages', 'orbax', 'checkpoint', 'async_checkpointer.py')
   from_orbax = logging.LogRecord('absl', logging.ERROR, orbax_file, 1, 'save failed', None, full)
@@ -1472,7 +1474,7 @@ def test_the_quieting_hooks_drop_only_the_failed_ios_aftermath(monkeypatch):
 
 
 def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
-  from mjax.checkpoint import read_error
+  from mjax.checkpoint.failures import read_error
   spec = ("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore details: "
           "<bound method spec of TensorStore({\n  'base': {'kvstore': {'base': {'driver': 'file', "
           "'path': '/run/checkpoints/4/state/'},\n 'path': 'opt_state.1.mu.layers.block_0.attn.query.kernel/'}}})>")
@@ -1484,7 +1486,8 @@ def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
 def test_a_runs_own_checkpoint_directory_is_refused_to_another_run(tmp_path):
   # The default tier (WORKDIR/checkpoints) is claimed too: another run
   # pointed at it would resume from and delete the first run's steps.
-  from mjax.checkpoint import check_owner, foreign, OWNER_FILE, saved_steps
+  from mjax.checkpoint.directories import foreign, OWNER_FILE, saved_steps
+  from mjax.checkpoint.guards import check_owner
   a, b = tmp_path / 'a', tmp_path / 'b'
   for w in (a, b):
     (w / 'checkpoints').mkdir(parents=True)
@@ -1534,7 +1537,8 @@ def test_two_tiers_in_one_directory_are_refused(tmp_path):
 
 
 def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):
-  from mjax.checkpoint import check_owner, foreign, OWNER_FILE
+  from mjax.checkpoint.directories import foreign, OWNER_FILE
+  from mjax.checkpoint.guards import check_owner
   (tmp_path / 'real' / 'run').mkdir(parents=True)
   os.symlink(tmp_path / 'real', tmp_path / 'link')
   tier = str(tmp_path / 'fast')
@@ -1557,46 +1561,46 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_and_a_nested_workdir_too(tm
   from mjax import protocol
   workdir, tier = str(tmp_path / 'run'), str(tmp_path / 'run' / 'checkpoints')
   holder = subprocess.Popen(
-      [sys.executable, '-c', 'import sys, time; from mjax import checkpoint as c; '
+      [sys.executable, '-c', 'import sys, time; from mjax.checkpoint import locks as c; '
        'assert c.lock_run({"persistent": sys.argv[2]}, sys.argv[1]) ; print("held", flush=True); time.sleep(600)',
        workdir, tier], stdout=subprocess.PIPE, text=True,
       env={**os.environ, protocol.DRIVER_ADDRESS_ENV: '127.0.0.1:1', protocol.SECRET_ENV: 'ab' * 16})
   try:
     assert holder.stdout.readline().strip() == 'held'
     monkeypatch.delenv(protocol.DRIVER_ADDRESS_ENV, raising=False)
-    monkeypatch.setattr(checkpoint_lib, 'UNDRIVEN_LOCK_WAIT_S', 1.0)
+    monkeypatch.setattr(locks, 'UNDRIVEN_LOCK_WAIT_S', 1.0)
     with pytest.raises(C.ConfigError, match=rf'{workdir} is in use by another run: process {holder.pid} on '):
-      checkpoint_lib.lock_run({'persistent': tier}, workdir)
+      locks.lock_run({'persistent': tier}, workdir)
     # The same job's next attempt, its predecessor not gone yet: warned, goes on.
     monkeypatch.setenv(protocol.DRIVER_ADDRESS_ENV, '127.0.0.1:1')
     monkeypatch.setenv(protocol.SECRET_ENV, 'ab' * 16)
-    assert checkpoint_lib.lock_run({'persistent': tier}, workdir, timeout_s=0.0) == []
+    assert locks.lock_run({'persistent': tier}, workdir, timeout_s=0.0) == []
     monkeypatch.setenv(protocol.SECRET_ENV, 'cd' * 16)   # another job's: refused
     with pytest.raises(C.ConfigError, match='in use by another run'):
-      checkpoint_lib.lock_run({'persistent': tier}, workdir, timeout_s=0.0)
+      locks.lock_run({'persistent': tier}, workdir, timeout_s=0.0)
   finally:
     holder.kill()
     holder.wait()
   # The holder gone (whatever killed it), the lock is free; held twice in
   # one process (two Checkpointers), it is let go of by the last close.
   monkeypatch.delenv(protocol.DRIVER_ADDRESS_ENV)
-  first = checkpoint_lib.lock_run({'persistent': tier}, workdir)
-  second = checkpoint_lib.lock_run({'persistent': tier}, workdir)
+  first = locks.lock_run({'persistent': tier}, workdir)
+  second = locks.lock_run({'persistent': tier}, workdir)
   assert sorted(first) == sorted(second) == sorted({os.path.realpath(workdir), os.path.realpath(tier)})
-  checkpoint_lib.unlock_run(first)
-  probe = [sys.executable, '-c', 'import sys; from mjax import checkpoint as c; c.UNDRIVEN_LOCK_WAIT_S = 0; '
+  locks.unlock_run(first)
+  probe = [sys.executable, '-c', 'import sys; from mjax.checkpoint import locks as c; c.UNDRIVEN_LOCK_WAIT_S = 0; '
            'c.lock_run({"persistent": sys.argv[2]}, sys.argv[1])', workdir, tier]
   assert subprocess.run(probe, capture_output=True, timeout=120).returncode != 0   # still held once
-  checkpoint_lib.unlock_run(second)
+  locks.unlock_run(second)
   assert subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
   # A workdir in (or being) another run's checkpoint directory: that run's
   # clean-up of old steps would delete it.
   from mjax import jsonfile
-  jsonfile.write_atomic(os.path.join(tier, checkpoint_lib.OWNER_FILE), {'workdir': os.path.realpath(workdir)})
-  checkpoint_lib.check_not_inside_a_tier(workdir)
+  jsonfile.write_atomic(os.path.join(tier, directories.OWNER_FILE), {'workdir': os.path.realpath(workdir)})
+  guards.check_not_inside_a_tier(workdir)
   for inside in (tier, os.path.join(tier, '4')):
     with pytest.raises(C.ConfigError, match=rf"is the checkpoint directory of the run with workdir '{os.path.realpath(workdir)}'"):
-      checkpoint_lib.check_not_inside_a_tier(inside)
+      guards.check_not_inside_a_tier(inside)
 
 
 def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_path):
@@ -1608,7 +1612,7 @@ def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_pat
   (base / 'checkpoints' / '4').mkdir(parents=True)
   (base / 'tensorboard').mkdir()
   (base / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
-  jsonfile.write_atomic(str(base / 'checkpoints' / checkpoint_lib.OWNER_FILE), {'workdir': str(base)})
+  jsonfile.write_atomic(str(base / 'checkpoints' / directories.OWNER_FILE), {'workdir': str(base)})
   files = lambda: sorted(os.path.join(d, f) for d, ds, fs in os.walk(tmp_path) for f in fs + ds)
   before = files()
   cfg = C.load_config(['tiny.gin'], [])
@@ -1631,16 +1635,16 @@ def test_checkpoint_directories_relative_to_the_workdir_and_unset_variables_refu
   monkeypatch.chdir(tmp_path)
   cfg = C.CheckpointConfig(directory='ckpt', fast_every=5, fast_directory='~/fast-$MJAX_TEST_SET')
   monkeypatch.setenv('MJAX_TEST_SET', 'x')
-  dirs = checkpoint_lib.tier_directories(cfg, '/data/run1')
+  dirs = directories.tier_directories(cfg, '/data/run1')
   assert dirs == {'persistent': '/data/run1/ckpt', 'fast': os.path.expanduser('~/fast-x')}
-  assert checkpoint_lib.tier_directories(C.CheckpointConfig(directory='gs://b/ck'), 'run')['persistent'] == 'gs://b/ck'
+  assert directories.tier_directories(C.CheckpointConfig(directory='gs://b/ck'), 'run')['persistent'] == 'gs://b/ck'
   monkeypatch.delenv('MJAX_TEST_SET')
   with pytest.raises(C.ConfigError, match=r"CheckpointConfig.fast_directory = '~/fast-\$MJAX_TEST_SET': "
                                           r"\$MJAX_TEST_SET is not set"):
-    checkpoint_lib.tier_directories(cfg, '/data/run1', strict=True)
+    directories.tier_directories(cfg, '/data/run1', strict=True)
   # Outside the run (the driver, mjax-eval), whose environment may lack it:
   # a tier with no steps seen here, not an error.
-  assert checkpoint_lib.tier_directories(cfg, '/data/run1')['fast'] == os.path.expanduser('~/fast-$MJAX_TEST_SET')
+  assert directories.tier_directories(cfg, '/data/run1')['fast'] == os.path.expanduser('~/fast-$MJAX_TEST_SET')
 
 
 def test_the_peak_is_measured_where_it_cannot_be_cached(tmp_path, monkeypatch):
@@ -1694,18 +1698,18 @@ def test_a_tier_few_processes_cannot_write_is_their_hosts_fault(tmp_path, monkey
   # missing there), not the config, which a restart without it cures.
   from mjax import distributed
   from mjax.errors import HostFault
-  monkeypatch.setattr(checkpoint_lib.jax, 'process_count', lambda: 3)
+  monkeypatch.setattr(jax, 'process_count', lambda: 3)
   dirs = {'persistent': str(tmp_path)}
   said = {2: json.dumps({'persistent': 'Read-only file system'})}
   monkeypatch.setattr(distributed, 'report_exceptions', lambda key, mine, timeout_s=300.0: said)
   with pytest.raises(HostFault, match=r"cannot be written in process\(es\) \[2\] of 3: Read-only file system\. "
                                       r"The other processes can write it") as e:
-    checkpoint_lib.check_writable(dirs)
+    guards.check_writable(dirs)
   assert e.value.processes == [2]
   # Two of three: the directory's fault, the config's to fix.
   said[1] = said[2]
   with pytest.raises(C.ConfigError, match=r'in process\(es\) \[1, 2\] of 3'):
-    checkpoint_lib.check_writable(dirs)
+    guards.check_writable(dirs)
 
 
 def test_a_replicated_state_is_saved_without_compiling_a_program_per_slice(tmp_path, monkeypatch):
@@ -1721,7 +1725,7 @@ def test_a_replicated_state_is_saved_without_compiling_a_program_per_slice(tmp_p
   host = {'w': rng.standard_normal((64, 96), np.float32), 'b': rng.standard_normal((96,), np.float32),
           'mu': {'w': rng.standard_normal((64, 96), np.float32)}, 'step': np.int32(7)}
   state = jax.device_put(host, NamedSharding(mesh, P()))
-  checkpoint_lib.fingerprints(state)   # its own program, compiled once per state's structure
+  integrity.fingerprints(state)   # its own program, compiled once per state's structure
   compiles = []
   listener = lambda event, duration, **_: compiles.append(event) if 'backend_compile' in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
@@ -1737,11 +1741,11 @@ def test_a_replicated_state_is_saved_without_compiling_a_program_per_slice(tmp_p
   handler = ocp_.type_handlers.get_type_handler(jax.Array)
   handler._min_slice_bytes_for_replica_parallel = None
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
-  checkpoint_lib._whole_small_slices()
+  checkpointer._whole_small_slices()
   assert handler._min_slice_bytes_for_replica_parallel is None
   monkeypatch.undo()
-  checkpoint_lib._whole_small_slices()
-  assert handler._min_slice_bytes_for_replica_parallel == checkpoint_lib.MIN_SLICE_BYTES
+  checkpointer._whole_small_slices()
+  assert handler._min_slice_bytes_for_replica_parallel == checkpointer.MIN_SLICE_BYTES
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   restored = ck.restore_latest(abstract)
   ck.close()

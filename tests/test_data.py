@@ -314,9 +314,10 @@ def test_json_from_others_nested_too_deeply_is_malformed_json(tmp_path):
     jsonfile.load(fh)
   assert jsonfile.loads('[[1]]') == [[1]]
   # The run's own files, damaged so: a workdir's claim and its config are unreadable, not a crash.
-  from mjax import checkpoint, protocol
+  from mjax import protocol
+  from mjax.checkpoint.directories import is_workdir
   (tmp_path / 'config.json').write_text(deep)
-  assert not checkpoint.is_workdir(str(tmp_path))
+  assert not is_workdir(str(tmp_path))
   os.makedirs(os.path.dirname(protocol.facts_path(str(tmp_path), 0)), exist_ok=True)
   with open(protocol.facts_path(str(tmp_path), 0), 'w') as fh:
     fh.write(deep)

@@ -1673,7 +1673,7 @@ def damage(step_dir, rng, tries=20):
   bit flipped in the unused tail of an OCDBT data file changes nothing, and
   the step rightly reads as intact (seen in CI), so each flip is checked
   with the product's own verifier."""
-  from mjax.checkpoint import verify_step
+  from mjax.checkpoint.integrity import verify_step
   state = os.path.join(step_dir, 'state')
   files = [os.path.join(d, f) for d, _, fs in os.walk(state) for f in fs]
   target = max(files, key=os.path.getsize)

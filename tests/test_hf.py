@@ -141,7 +141,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
     export.export_hf(params, cfg, str(tmp_path / 'busy' / 'keep.txt' / 'out'))
   # Not among a run's steps, nor inside one: the run would read it as a
   # damaged step, or delete it with the step.
-  from mjax.checkpoint import OWNER_FILE
+  from mjax.checkpoint.directories import OWNER_FILE
   (tmp_path / 'run' / 'checkpoints' / '40' / 'state').mkdir(parents=True)
   (tmp_path / 'run' / 'checkpoints' / OWNER_FILE).write_text('{"workdir": "run"}')
   for inside in ('50', '40/hf', 'hf/a'):

@@ -238,7 +238,7 @@ def test_foreign_or_damaged_timing_rows_are_skipped_and_bad_options_named(tmp_pa
   assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'afile')]) == 2
   assert 'give --out a directory' in capsys.readouterr().err
   # Not into a run's checkpoint directory, nor into a saved step of it.
-  from mjax.checkpoint import OWNER_FILE
+  from mjax.checkpoint.directories import OWNER_FILE
   (tmp_path / 'checkpoints' / '40' / 'state').mkdir(parents=True)
   (tmp_path / 'checkpoints' / OWNER_FILE).write_text('{"workdir": "."}')
   for inside in ('', '40'):

@@ -475,7 +475,7 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
   done frees it. `~` and path objects are paths."""
   import dataclasses
   import gc
-  from mjax import checkpoint
+  from mjax.checkpoint import locks
   cfg = _small('TrainConfig.steps = 2', 'TrainConfig.eval_every = 0')
   hand = lambda section, **kw: dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
   with pytest.raises(C.ConfigError, match=r'ModelConfig.n_heads = 3 is not allowed: must divide'):
@@ -491,10 +491,10 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
   del first
   gc.collect()
   run = os.path.realpath(tmp_path / 'run')
-  assert run not in checkpoint._held_locks and run not in trainer._WORKDIRS
+  assert run not in locks._held_locks and run not in trainer._WORKDIRS
   with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
     assert t.start_step == 0 and t.train().final_step == 3
-  assert run not in checkpoint._held_locks and run not in trainer._WORKDIRS
+  assert run not in locks._held_locks and run not in trainer._WORKDIRS
   with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
     assert t.start_step == 3   # resumed; closed without training
   from mjax.errors import UserError
@@ -518,7 +518,7 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
   deadline = time.time() + 60
   while ki in trainer._WORKDIRS and time.time() < deadline:
     time.sleep(0.05)
-  assert ki not in trainer._WORKDIRS and ki not in checkpoint._held_locks
+  assert ki not in trainer._WORKDIRS and ki not in locks._held_locks
   with trainer.Trainer(every2, tmp_path / 'ki') as t:
     assert t.start_step == 2
 

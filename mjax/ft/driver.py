@@ -675,7 +675,7 @@ class Driver:
     step `below` where given."""
     if not self.cfg.checkpoint.enabled:
       return 0
-    from mjax.checkpoint import saved_steps
+    from mjax.checkpoint.directories import saved_steps
     found = [s for s, _, _ in saved_steps(self.cfg.checkpoint, self.workdir) if below is None or s < below]
     return found[0] if found else 0
 
