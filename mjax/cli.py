@@ -442,6 +442,7 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
     return
   if not args.input or not args.output:
     p.error('needs --input and --output (or --verify DIR)')
+  _outside_checkpoints(args.output)
   manifest = prepare_shards(args.input, args.output, args.tokenizer,
                             shard_tokens=args.shard_tokens,
                             heldout_fraction=args.heldout_fraction,
@@ -450,6 +451,15 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
   print(f'{prog}: wrote {len(manifest["shards"])} shard(s) and manifest.json to '
         f'{os.path.abspath(args.output)} ({manifest["dtype"]}, tokenizer '
         f'{manifest["tokenizer"]["name"]}, {manifest["tokenizer"]["vocab_size"]} ids)')
+
+
+def _outside_checkpoints(path: str) -> None:
+  """Refuses an output in a run's checkpoint directory, which holds its
+  steps and nothing else (as mjax-export and mjax-import refuse one)."""
+  from mjax.checkpoint.directories import among_checkpoints
+  problem = among_checkpoints(os.path.abspath(os.path.expanduser(path)))
+  if problem:
+    raise UserError(f'{problem}; give --output a path outside it.')
 
 
 @entry_point('mjax-tokenizer')
@@ -471,7 +481,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   from mjax.data import train_bpe
   import itertools
-  from mjax.data.corpus import document_file, find_source_files, not_text, read_documents
+  from mjax.data.corpus import document_file, find_source_files, not_text, read_documents, what_documents_are
   root, files = find_source_files(args.input, args.file_pattern)
   dropped = []
 
@@ -488,9 +498,10 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
           continue
         yield doc.decode('utf-8', errors='replace')
 
+  _outside_checkpoints(args.output)
   info = train_bpe(texts(), args.vocab_size, args.output)
   if dropped:
-    print(f'{prog}: left out {len(dropped)} of {len(files)} files that are not text: '
+    print(f'{prog}: left out {len(dropped)} of {len(files)} {what_documents_are(files)} that are not text: '
           f'{", ".join(dropped[:5])}{" and more" if len(dropped) > 5 else ""}', file=sys.stderr)
   print(json.dumps({'files': len(files) - len(dropped), **info.to_json()}, indent=2))
 

@@ -248,8 +248,11 @@ def write_tokenizer(out: str, spec: str, eos_id: int, eos_first: bool = False) -
     tok.save(os.path.join(out, 'tokenizer.json'))
   else:
     shutil.copyfile(os.path.expanduser(spec), os.path.join(out, 'tokenizer.json'))
+  # split_special_tokens: the text '<|endoftext|>' (Python's sources hold
+  # it) is its bytes, as mjax encodes it (Tokenizer.encode_special_tokens),
+  # not an EOS mid-text; the EOS the post-processor puts first stays an id.
   conf = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': eos, 'bos_token': eos,
-          'model_max_length': 1_000_000, 'clean_up_tokenization_spaces': False}
+          'model_max_length': 1_000_000, 'clean_up_tokenization_spaces': False, 'split_special_tokens': True}
   if pad:
     conf['pad_token'] = pad
   with open(os.path.join(out, 'tokenizer_config.json'), 'w') as fh:
@@ -726,8 +729,15 @@ def import_main(argv: Sequence[str]) -> str:
   out = os.path.abspath(os.path.expanduser(args.out))
   if os.path.lexists(out):
     raise UserError(f'{out!r} exists; give a new path (nothing is overwritten).')
-  if not os.path.isdir(os.path.dirname(out)):
-    raise UserError(f'{out!r}: its directory {os.path.dirname(out)!r} does not exist; create it first.')
+  parent = os.path.dirname(out)
+  if not os.path.isdir(parent):
+    raise UserError(f'{out!r}: its directory {parent!r} ' +
+                    ('is a file, not a directory' if os.path.exists(parent) else 'does not exist; create it first')
+                    + '.')
+  from mjax.checkpoint.directories import among_checkpoints  # noqa: PLC0415
+  problem = among_checkpoints(out)
+  if problem:   # (as for an export: a run's checkpoint directory holds its steps only)
+    raise UserError(f'{problem}; give a path outside it.')
   lines = gin_bindings(args.model)
   # Without the model's own tokenizer the run would read text as mjax's
   # byte ids, which mean nothing to the imported embedding: said loudly.

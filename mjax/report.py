@@ -254,12 +254,18 @@ def checkpoint(prog: str, argv: list[str]) -> int:
     with open(os.path.join(args.workdir, 'config.json')) as fh:
       ck = CheckpointConfig(**jsonfile.load(fh)['checkpoint'])
   except (OSError, ValueError, KeyError, TypeError) as e:
-    from mjax.checkpoint.directories import is_workdir
-    parent = os.path.dirname(os.path.abspath(args.workdir))
-    hint = (f' ({parent!r} is one: a run\'s checkpoints are read through its workdir)'
-            if is_workdir(parent) else '')
-    raise UserError(f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
-                    f'of an mjax-train run{hint}.') from None
+    # A run's config.json lost or damaged: each step saved in its default
+    # tier carries the run's config too, which names the tiers as well.
+    ck, step = _saved_checkpoint_config(args.workdir)
+    if ck is None:
+      from mjax.checkpoint.directories import is_workdir
+      parent = os.path.dirname(os.path.abspath(args.workdir))
+      hint = (f' ({parent!r} is one: a run\'s checkpoints are read through its workdir)'
+              if is_workdir(parent) else '')
+      raise UserError(f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
+                      f'of an mjax-train run{hint}.') from None
+    print(f'{prog}: warning: {os.path.join(args.workdir, "config.json")} is unreadable ({type(e).__name__}); '
+          f'the checkpoint tiers are those of the config saved with step {step}', file=sys.stderr)
   rows, bad = [], 0
   for tier, directory in tier_directories(ck, args.workdir).items():
     other = foreign(directory, args.workdir)
@@ -295,6 +301,24 @@ def checkpoint(prog: str, argv: list[str]) -> int:
            'steps aside to start the run over)'), file=sys.stderr)
     return 1
   return 0
+
+
+def _saved_checkpoint_config(workdir: str):
+  """(CheckpointConfig, step) from the config saved with the newest step
+  of the workdir's default persistent tier that has a readable one, or
+  (None, None)."""
+  from mjax.checkpoint.directories import steps_in
+  from mjax.checkpoint.failures import BadRecord
+  from mjax.checkpoint.integrity import step_json
+  from mjax.config import CheckpointConfig
+  directory = os.path.join(workdir, 'checkpoints')
+  for step in steps_in(directory):
+    try:
+      return CheckpointConfig(**step_json(os.path.join(directory, str(step)), 'meta/metadata')['config']
+                              ['checkpoint']), step
+    except (BadRecord, KeyError, TypeError, ValueError):
+      continue
+  return None, None
 
 
 @command('stragglers', 'reads the per-process step timings of a run (WORKDIR/timings), prints a '

@@ -945,6 +945,12 @@ class StepProfiler:
     self.directory = os.path.join(workdir, 'profile')
     self.active = False
     self.done = self.first - 1
+    if self.steps and not start_step < self.first <= cfg.train.steps and jax.process_index() == 0:
+      # Else the run ends with no trace and no word of why.
+      when = (f'TrainConfig.profile_from_step = {cfg.train.profile_from_step}' if cfg.train.profile_from_step
+              else f'TrainConfig.profile_from_step = 0 (the second step of this run, {self.first})')
+      print(f'mjax: warning: {when}: this run trains steps {start_step + 1}-{cfg.train.steps}, so nothing is '
+            f'profiled. Set profile_from_step to a step in that range.', flush=True)
 
   def before(self, step: int) -> None:
     if self.steps and step == self.first:

@@ -786,6 +786,13 @@ def test_verify_beside_a_training_run_says_a_rotated_out_step_is_not_damaged(tmp
   assert re.search(r"has no readable config.json .*\('.*/run' is one", capsys.readouterr().err)
   assert re.search(r'persistent\s+2\s+rotated out\s+deleted by the run while this read it', table), table
   assert re.search(r'persistent\s+4\s+ok', table), table
+  # The run's config.json damaged: the config saved with its newest step names the tiers.
+  with open(os.path.join(workdir, 'config.json'), 'w') as fh:
+    fh.write('{"model": ')
+  assert report.main(['checkpoint', workdir, '--verify']) == 0
+  out = capsys.readouterr()
+  assert re.search(r'persistent\s+4\s+ok', out.out), out.out
+  assert 'is unreadable (JSONDecodeError); the checkpoint tiers are those of the config saved with step 4' in out.err
 
 
 def test_a_checkpoint_of_another_shape_is_said_without_orbaxs_advice():

@@ -248,6 +248,13 @@ def test_files_that_are_not_text_are_left_out_by_name_and_a_binary_source_is_ref
   assert set(c.train_files) == {'a.txt', 'b.txt'}
   assert 'left out 2 of 4 files that are not text' in caplog.text
   assert 'tool.txt (NUL bytes)' in caplog.text and 'latin1.txt (20% of it not UTF-8)' in caplog.text
+  # JSON Lines records are counted as documents, not files.
+  (tmp_path / 'r.jsonl').write_text(json.dumps({'text': 'fine text ' * 20}) + '\n' +
+                                    json.dumps({'text': 'a\u0000b'}) + '\n')
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    corpus_lib.load_text(str(tmp_path / 'r.jsonl'), '*', 'bytes', 0.0)
+  assert 'left out 1 of 2 documents that are not text: r.jsonl:2 (NUL bytes)' in caplog.text, caplog.text
   with pytest.raises(DataError, match=r'no text to train on: tool.txt \(NUL bytes\) is not text'):
     corpus_lib.load_text(str(src / 'tool.txt'), '*', 'bytes', 0.0)
   # Empty files are documents, but a source of nothing else is refused, as

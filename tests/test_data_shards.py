@@ -428,6 +428,50 @@ def test_an_interrupted_prepare_leaves_nothing(tmp_path, corpus_dir, monkeypatch
   assert (tmp_path / 'out' / 'manifest.json').exists()
 
 
+def test_an_output_that_cannot_be_written_is_bad_input_and_leaves_nothing(tmp_path, corpus_dir, monkeypatch):
+  # A path under a file, and a disk that fills midway: one DataError (exit 2)
+  # each, not an OSError's traceback, and nothing left in the output.
+  import errno
+  from mjax.data import shards
+  (tmp_path / 'a_file').write_text('x')
+  with pytest.raises(data.DataError, match=r'cannot be made: .*a_file is a file, not a directory\. Give --output'):
+    data.prepare_shards(str(corpus_dir), str(tmp_path / 'a_file' / 'out'))
+  real = shards._ShardWriter._open
+
+  class Full:   # a shard file on a disk that is full
+    def __init__(self, fh):
+      self.close = fh.close
+
+    def write(self, data):
+      raise OSError(errno.ENOSPC, 'No space left on device')
+
+  def full(self):
+    real(self)
+    self._fh = Full(self._fh)
+  monkeypatch.setattr(shards._ShardWriter, '_open', full)
+  with pytest.raises(data.DataError, match='writing the shards failed: No space left on device. Nothing was kept'):
+    data.prepare_shards(str(corpus_dir), str(tmp_path / 'out'), shard_tokens=200, heldout_fraction=0.2)
+  assert not (tmp_path / 'out').exists()
+
+
+def test_prepare_and_tokenizer_write_nothing_into_a_runs_checkpoints(tmp_path, corpus_dir, capsys):
+  # A run's checkpoint directory holds its steps and nothing else: a
+  # numbered folder there reads as a damaged step.
+  from mjax import cli
+  from mjax.checkpoint.directories import OWNER_FILE
+  ck = tmp_path / 'run' / 'checkpoints'
+  ck.mkdir(parents=True)
+  (ck / OWNER_FILE).write_text(json.dumps({'workdir': str(tmp_path / 'run')}))
+  for main, argv in [(cli.prepare_main, ['--input', str(corpus_dir), '--output', str(ck / '55')]),
+                     (cli.tokenizer_main, ['--input', str(corpus_dir), '--vocab_size', '300',
+                                           '--output', str(ck / 'tok.json')])]:
+    with pytest.raises(SystemExit) as exit_info:
+      main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and 'a checkpoint directory of a training run' in err, err
+  assert os.listdir(ck) == [OWNER_FILE]
+
+
 def test_a_tool_interrupted_says_so_and_exits_130(capsys):
   from mjax import cli
 
@@ -452,6 +496,11 @@ def test_prepare_splits_a_single_file_by_position(tmp_path):
   # its counts are 0 and 1.
   assert said[0].endswith('0 documents') and said[1].endswith('1 document'), said
   assert 'cuts the token stream inside a document' in said[2]
+  # Nothing held out: no cut to speak of.
+  said.clear()
+  (tmp_path / 'short.txt').write_text('hi\n')
+  data.prepare_shards(str(tmp_path / 'short.txt'), str(tmp_path / 'all'), heldout_fraction=0.01, log=said.append)
+  assert len(said) == 2 and said[1].startswith('heldout: 0 shard(s)'), said
   np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
   np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
 

@@ -232,6 +232,24 @@ def test_tokenizer_command_never_writes_over_a_file(tmp_path, corpus_dir, bpe_pa
     tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 'afile' / 't.json')])
   assert exit_info.value.code == 2 and f'afile is a file, not a directory' in capsys.readouterr().err
   assert not list(tmp_path.glob('.tokenizer-*'))
+  (tmp_path / 'a_dir').mkdir()
+  with pytest.raises(SystemExit) as exit_info:
+    tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 'a_dir')])
+  assert exit_info.value.code == 2 and 'already exists (a directory)' in capsys.readouterr().err
+
+
+def test_tokenizer_command_on_a_full_disk_says_so_and_leaves_nothing(tmp_path, corpus_dir, monkeypatch, capsys):
+  # The tokenizers library raises its I/O errors as bare Exceptions.
+  from tokenizers import Tokenizer
+
+  def full(self, path, *a, **k):
+    raise Exception('No space left on device (os error 28)')
+  monkeypatch.setattr(Tokenizer, 'save', full)
+  with pytest.raises(SystemExit) as exit_info:
+    tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 't.json')])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and 'cannot write it (No space left on device (os error 28))' in err, err
+  assert not (tmp_path / 't.json').exists() and not list(tmp_path.glob('.tokenizer-*'))
 
 
 def test_tokenizer_command_learns_from_text_files_only(tmp_path, capsys):

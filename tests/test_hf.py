@@ -197,6 +197,11 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   # document attention: model.generate(**tok(prompt)) continues it alike.
   assert tok(text)['input_ids'] == [256] + list(text.encode('utf-8'))
   assert tok(text, add_special_tokens=False)['input_ids'] == list(text.encode('utf-8'))
+  # Special tokens' text is text, as mjax encodes it: no EOS or PAD mid-text.
+  special = 'a<|endoftext|>b<|pad|>'
+  from mjax.data import load_tokenizer
+  mjax_ids = load_tokenizer('bytes').encode_documents([special.encode()])[:-1].tolist()   # less its closing EOS
+  assert tok(special)['input_ids'] == [256] + mjax_ids == [256] + list(special.encode())
   assert tok.eos_token_id == 256 and tok.decode(tok(text)['input_ids'], skip_special_tokens=True) == text
   with open(os.path.join(out, 'config.json')) as fh:
     assert json.load(fh)['eos_token_id'] == 256
@@ -210,7 +215,6 @@ def test_cli_exports_a_trained_run_with_its_byte_tokenizer(tmp_path, repo_root):
   from mjax.train import make_program
   program = make_program(cfg, make_mesh(cfg.mesh))
   _, params, _, _ = evaluate.restore(program, evaluate.choose(evaluate.parse_args(['--workdir', workdir])[0], cfg))
-  from mjax.data import load_tokenizer
   from mjax.generate import encode_prompt
   ids = jnp.asarray([encode_prompt(load_tokenizer('bytes'), text, cfg.data.document_attention)], jnp.int32)
   assert ids[0].tolist() == tok(text)['input_ids']
@@ -405,7 +409,17 @@ def test_import_writes_nothing_through_a_link_or_into_a_missing_directory(tmp_pa
   with pytest.raises(SystemExit) as exit_info:
     cli.import_main([path, str(tmp_path / 'nodir' / 'o.gin')])
   assert exit_info.value.code == 2 and 'does not exist; create it first' in capsys.readouterr().err
-  assert not list(tmp_path.glob('.mjax-import-*'))
+  with pytest.raises(SystemExit) as exit_info:
+    cli.import_main([path, str(precious / 'o.gin')])
+  assert exit_info.value.code == 2 and "precious.txt' is a file, not a directory." in capsys.readouterr().err
+  # Nor into a run's checkpoint directory, which holds its steps alone.
+  from mjax.checkpoint.directories import OWNER_FILE
+  (tmp_path / 'ck').mkdir()
+  (tmp_path / 'ck' / OWNER_FILE).write_text('{"workdir": "/r"}')
+  with pytest.raises(SystemExit) as exit_info:
+    cli.import_main([path, str(tmp_path / 'ck' / '5.gin')])
+  assert exit_info.value.code == 2 and 'a checkpoint directory of a training run' in capsys.readouterr().err
+  assert not list(tmp_path.glob('.mjax-import-*')) and not (tmp_path / 'ck' / '5.gin').exists()
 
 
 def test_import_refuses_what_mjax_cannot_compute(tmp_path):

@@ -304,6 +304,18 @@ def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
     assert float(parts.get(part, 0)) > 0, (part, summary)
 
 
+def test_a_profile_window_the_run_never_reaches_is_said_at_the_start(tmp_path, capsys):
+  from mjax.trainer import StepProfiler
+  for at, start, said in [(10, 0, 'profile_from_step = 10: this run trains steps 1-4'),
+                          (2, 3, 'profile_from_step = 2: this run trains steps 4-4'),
+                          (0, 3, 'profile_from_step = 0 (the second step of this run, 5): this run trains steps 4-4'),
+                          (3, 0, None), (0, 0, None)]:
+    cfg = _small('TrainConfig.steps = 4', 'TrainConfig.profile_steps = 2', f'TrainConfig.profile_from_step = {at}')
+    StepProfiler(cfg, str(tmp_path), start, lambda: '')
+    out = capsys.readouterr().out
+    assert (said in out and 'nothing is profiled' in out) if said else out == '', (at, start, out)
+
+
 def test_weights_and_biases_offline_run_gets_the_metrics_and_config(tmp_path, monkeypatch):
   pytest.importorskip('wandb')
   monkeypatch.setenv('WANDB_MODE', 'offline')

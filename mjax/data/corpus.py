@@ -183,6 +183,12 @@ def document_file(name: str) -> str:
   return name if parts is None else parts[0]
 
 
+def what_documents_are(names: list[str]) -> str:
+  """'files', or 'documents' where some are JSON Lines records: how a
+  message counts them."""
+  return 'files' if all(document_file(n) == n for n in names) else 'documents'
+
+
 def _jsonl_lines(path: str) -> list[bytes]:
   """A JSON Lines file's lines; the last file read is kept, since its
   documents are listed, then read batch by batch."""
@@ -398,8 +404,8 @@ def keep_text(source: str, files: list[str], docs: list[bytes],
                     f'({", ".join(blank[:5])}{" ..." if len(blank) > 5 else ""}) hold nothing but '
                     f'whitespace; give files with text in them (DataConfig.file_pattern selects them).')
   if dropped:
-    log.warning('data source %s: left out %d of %d files that are not text: %s', source, len(dropped),
-                len(files), names)
+    log.warning('data source %s: left out %d of %d %s that are not text: %s', source, len(dropped),
+                len(files), what_documents_are(files), names)
   return [f for f, _ in kept], [d for _, d in kept]
 
 

@@ -1,6 +1,7 @@
 """The one exception the data pipeline raises for bad sources or requests."""
 
 import errno
+import os
 
 from mjax.errors import Fault, UserError
 
@@ -17,6 +18,18 @@ class DataError(UserError):
 # is. Other errors (EIO from a disk, ESTALE from NFS) are the storage's.
 _BAD_INPUT_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
                                errno.ELOOP, errno.ENAMETOOLONG})
+
+
+def write_failure(e: OSError, path: str) -> str:
+  """Why writing at `path` failed, in words: a file standing where a
+  directory of the path should be (makedirs says only "File exists" or "Not
+  a directory"), else the error's own."""
+  parent = os.path.abspath(path)
+  while parent != os.path.dirname(parent):
+    if os.path.exists(parent) and not os.path.isdir(parent):
+      return f'{parent} is a file, not a directory'
+    parent = os.path.dirname(parent)
+  return e.strerror or str(e)
 
 
 def read_failure(e: OSError, bad_input: str, fault: str) -> Exception:

@@ -60,7 +60,7 @@ import numpy as np
 
 from mjax import jsonfile
 from mjax.data import corpus as corpus_lib
-from mjax.data.errors import DataError, read_failure
+from mjax.data.errors import DataError, read_failure, write_failure
 from mjax.data.tokenizer import Tokenizer, TokenizerInfo, load_tokenizer, token_dtype
 
 MANIFEST = 'manifest.json'
@@ -241,7 +241,11 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
   root, files = corpus_lib.find_source_files(source, file_pattern, expand=False)
   by_file = _splits_by_file(root, files, heldout_fraction)
   created = not os.path.exists(output)
-  os.makedirs(output, exist_ok=True)
+  try:
+    os.makedirs(output, exist_ok=True)
+  except OSError as e:
+    raise DataError(f'shard directory {output}: cannot be made: {write_failure(e, output)}. Give --output a path where '
+                    f'this user can write, on a filesystem with room for the shards.') from None
   dtype = token_dtype(tok.info.vocab_size)
   writers = {s: _ShardWriter(output, s, dtype, tok.info.eos_id, shard_tokens) for s in SPLITS}
   try:
@@ -279,7 +283,7 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
     with open(tmp, 'w') as fh:
       json.dump(manifest, fh, indent=1)
     os.replace(tmp, os.path.join(output, MANIFEST))
-  except BaseException:
+  except BaseException as e:
     # Bad input found midway (no text after all), an error or an interrupt
     # (Ctrl-C, SIGTERM): what this call wrote goes, so that the same command
     # runs again as it is. The directory was new or empty: all in it is ours.
@@ -291,6 +295,12 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
     if created:
       with contextlib.suppress(OSError):
         os.rmdir(output)
+    if isinstance(e, OSError) and (e.filename is None or
+                                   os.path.dirname(os.path.abspath(str(e.filename))) == output):
+      # The shards' own writes (a full disk, a filesystem gone read-only):
+      # bad ground for the output, said as such, with nothing left behind.
+      raise DataError(f'shard directory {output}: writing the shards failed: {e.strerror or e}. Nothing was kept '
+                      f'there; free space or give --output another filesystem, then run again.') from None
     raise
   if log:
     for s in SPLITS:
@@ -298,7 +308,8 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
       docs = sum(e['documents'] for e in entries)
       log(f'{s}: {len(entries)} shard(s), {sum(e["tokens"] for e in entries):,} tokens, '
           f'{docs:,} document{"" if docs == 1 else "s"}')
-    if manifest.get('split') == 'position':
+    if manifest.get('split') == 'position' and all(any(e['tokens'] for e in shards if e['split'] == s)
+                                                   for s in SPLITS):
       # Documents are counted by their end-of-document token: the piece
       # before the cut has none, and a one-document corpus said "0 documents".
       log('the split cuts the token stream inside a document: train ends with its first part, held-out '

@@ -22,14 +22,13 @@ import functools
 import hashlib
 import itertools
 import os
-import pathlib
 import tempfile
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
 from mjax import jsonfile
-from mjax.data.errors import DataError
+from mjax.data.errors import DataError, write_failure
 from mjax.jsonfile import place_new
 
 BYTES = 'bytes'
@@ -276,18 +275,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
   # Never over an existing file: shards and checkpoints are tied to their
   # tokenizer by its sha256, and the input may be the very file named.
   if os.path.lexists(output):
-    raise DataError(f'tokenizer {output} already exists: mjax-tokenizer never writes over a file (runs and '
-                    'shards made with a tokenizer need it as it is); give a new path.')
+    raise DataError(f'tokenizer {output} already exists{" (a directory)" if os.path.isdir(output) else ""}: '
+                    'mjax-tokenizer never writes over an existing path (runs and shards made with a tokenizer '
+                    'need it as it is); give a new file name.')
   parent = os.path.dirname(output)
   try:
     os.makedirs(parent, exist_ok=True)
     probe = tempfile.NamedTemporaryFile(dir=parent, prefix='.tokenizer-', suffix='.tmp', delete=False)
   except OSError as e:
-    # makedirs says "File exists" where a file stands in the path.
-    blocked = next((str(d) for d in reversed([pathlib.Path(parent), *pathlib.Path(parent).parents])
-                    if d.exists() and not d.is_dir()), None)
-    why = f'{blocked} is a file, not a directory' if blocked else (e.strerror or str(e))
-    raise DataError(f'tokenizer {output}: cannot write in {parent} ({why}).') from None
+    raise DataError(f'tokenizer {output}: cannot write in {parent} ({write_failure(e, parent)}).') from None
   probe.close()
   tok = HFTok(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -305,7 +301,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
     if not said[0]:
       raise DataError(f'tokenizer {output}: no text to train on: the input holds no text (empty or '
                       f'whitespace-only documents, or files that are not text); nothing was written.')
-    tok.save(probe.name)
+    try:
+      tok.save(probe.name)
+    except Exception as e:   # the Rust library's I/O errors are bare Exceptions ('... (os error 28)')
+      raise DataError(f'tokenizer {output}: cannot write it ({e}); nothing was written. Free space there, or '
+                      f'give another --output.') from None
     place_new(probe.name, output)
   except FileExistsError:
     raise DataError(f'tokenizer {output} appeared while training; nothing written over it.') from None
