@@ -46,7 +46,8 @@ import numpy as np
 from mjax import jsonfile
 from mjax import checkpoint as checkpoint_lib
 from mjax.checkpoint.checkpointer import held_bytes
-from mjax.checkpoint.directories import ensure_run_id, tier_directories
+from mjax.checkpoint.directories import (OWNER_FILE, RUN_ID_FILE, ensure_run_id, is_workdir, read_claim, run_id,
+                                         steps_in, tier_directories, with_host_dirs)
 from mjax.checkpoint.failures import write_problem
 from mjax.checkpoint.guards import check_not_inside_a_tier, check_not_inside_a_workdir, check_same_model
 from mjax import config as config_lib
@@ -186,6 +187,7 @@ class Trainer:
     # gather does not fail: it makes NaNs, read as a numerical fault).
     data_sources.check_vocab(cfg.model, cfg.data)
     config_lib.check_for_training(cfg)
+    made = self.is_main and not os.path.lexists(workdir)
     self._run_record = _check_workdir(cfg, workdir, self.is_main)   # the run's id, from process 0
     if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
       protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
@@ -206,8 +208,10 @@ class Trainer:
       self.heartbeat = (heartbeat if heartbeat is not None else
                         HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index()))
       self._build()
-    except BaseException:   # the workdir is free again for this process's next run
+    except BaseException as e:   # the workdir is free again for this process's next run
       self.close()
+      if isinstance(e, UserError) and self.is_main:
+        _forget_refused_start(cfg, workdir, self._run_record, made)
       raise
 
   def _build(self) -> None:
@@ -1052,6 +1056,38 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
   if said['verdict']:
     raise ConfigError(said['verdict'])
   return said['run']
+
+
+def _forget_refused_start(cfg: Config, workdir: str, record: dict, made: bool) -> None:
+  """Takes back what a new run's start wrote before it was refused (data
+  too small for a batch, a state that does not fit): its run id, its claims
+  on checkpoint directories that hold no step, and those directories and the
+  workdir where they are left empty and this start made the workdir. The
+  same command, corrected, then starts in a workdir as it found it; one
+  given up on leaves nothing behind. A run that ever started (its
+  config.json, written once everything worked) is left as it is."""
+  if not record.get('fresh') or is_workdir(workdir) or run_id(workdir) != record.get('run'):
+    return
+  for tier, directory in tier_directories(cfg.checkpoint, workdir).items():
+    if '://' in directory or not os.path.isdir(directory):
+      continue
+    # Directories the start made: the default tiers (in the workdir it made,
+    # or named after it in /dev/shm) and a host-local tier's per process.
+    # One of the user's, given in the config, stays, empty as it was.
+    ours = (made and os.path.commonpath([os.path.realpath(directory), os.path.realpath(workdir)]) ==
+            os.path.realpath(workdir)) or (tier == 'fast' and cfg.checkpoint.fast_directory is None)
+    for d in reversed(with_host_dirs(directory)):
+      if read_claim(d).get('run') == record['run'] and not steps_in(d):
+        with contextlib.suppress(OSError):
+          os.remove(os.path.join(d, OWNER_FILE))
+      if ours or d != directory:
+        with contextlib.suppress(OSError):
+          os.rmdir(d)   # only if empty
+  with contextlib.suppress(OSError):
+    os.remove(os.path.join(workdir, RUN_ID_FILE))
+  if made:
+    with contextlib.suppress(OSError):
+      os.rmdir(workdir)
 
 
 def _check_utf8(path: str, what: str) -> None:

@@ -478,6 +478,29 @@ def test_processes_that_see_different_data_stop_at_start(monkeypatch):
   trainer._check_same_data(first)   # the same data: nothing to say
 
 
+def test_a_new_runs_refused_start_leaves_nothing_behind(tmp_path):
+  """Data too small for one batch, found after the workdir checks made the
+  run's id and claimed its checkpoint directories: the refusal takes them
+  back. A workdir or checkpoint directory the user made stays, empty; the
+  fast tier named after the workdir in /dev/shm goes too."""
+  import glob
+  from mjax.checkpoint.directories import tier_directories
+  (tmp_path / 'few.txt').write_text('too few tokens for a batch\n')
+  (tmp_path / 'mine').mkdir()
+  (tmp_path / 'ck').mkdir()
+  fast = ['CheckpointConfig.fast_every = 2']
+  for workdir, extra in [(tmp_path / 'new', fast), (tmp_path / 'mine', [f'CheckpointConfig.directory = "{tmp_path}/ck"'])]:
+    cfg = _small('TrainConfig.steps = 2', f'DataConfig.source = "{tmp_path}/few.txt"', *extra)
+    dirs = tier_directories(cfg.checkpoint, str(workdir))
+    with pytest.raises(data_lib.DataError, match='global batch'):
+      trainer.Trainer(cfg, str(workdir))
+    for d in dirs.values():
+      assert not glob.glob(os.path.join(d, '.mjax-*')), (d, os.listdir(d))
+  assert not (tmp_path / 'new').exists() and not os.path.exists(tier_directories(
+      _small(*fast).checkpoint, str(tmp_path / 'new'))['fast'])
+  assert os.listdir(tmp_path / 'mine') == [] and os.listdir(tmp_path / 'ck') == []
+
+
 def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_path, monkeypatch):
   """The notebook path. A Config changed by hand gets load_config's checks,
   the mesh's against the devices there are, before anything is written. A
