@@ -75,6 +75,9 @@ DEVICES = 'devices'          # the process's devices (jax.local_device_count()),
                              # what the driver lays a job shrunk to fewer hosts out on
 HOST_FAULT = 'host_fault'    # {'processes': [i, ...], 'what': message}: a fault of those processes'
                              # hosts alone (mjax.errors.HostFault, exit status 1): not restarted there
+STOPPED = 'stopped'          # {'step': N, 'signal': name or None, 'why': words}: the run stopped early
+                             # on a stop signal, saved, and exited 0; 'signal' where this process got
+                             # it (a node's pre-emption), None where another one did
 
 
 def under_driver() -> bool:

@@ -573,6 +573,11 @@ class Trainer:
       reporter.close()
       why = f'received {stop.name}' if stop.signal is not None else f'stopping: {stop.name}'
       self.say(f'mjax: {why} after step {step}: checkpoint saved, exiting cleanly')
+      if protocol.under_driver():
+        # Exit status 0 says "done" too: the driver reads this to tell a
+        # stop short of the last step (a signal to some trainer, not to it).
+        protocol.Facts(self.workdir, jax.process_index()).record(protocol.STOPPED, {
+            'step': step, 'signal': stop.name if stop.signal is not None else None, 'why': why})
       return self._summary(reporter, final_step=step, preempted=True, driver_lost=stop.driver_lost)
     eval_loss, _ = evaluate(program, self.state.params, self.eval_batches)
     reporter.eval_loss(cfg.train.steps, eval_loss, show=False)

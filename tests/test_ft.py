@@ -1494,6 +1494,25 @@ def test_nan_rolls_back_and_skips_the_bad_batches(tmp_path, repo_root):
   assert data_position(tmp_path, N) == N + rb['skip_data_steps']
 
 
+def test_sigterm_to_one_trainer_alone_resumes_the_job_to_its_last_step(tmp_path, repo_root):
+  """A node's own pre-emption (or an scancel of one step): SIGTERM to one
+  trainer, not to the driver. Every trainer stops after the same step,
+  saves and exits 0, which said "finished" before: the job ended as a
+  success short of its last step. It is restarted from that save, with no
+  host diagnosed, and trains to the end."""
+  cmd = launch_cmd(tmp_path, 2)
+  proc = subprocess.run(cmd, cwd=repo_root, env=child_env(MJAX_FAULT='term:step=5:process=1'), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (fault,) = events(tmp_path, 'fault')
+  assert fault['kind'] == 'signalled' and fault['processes'] == [1], fault
+  assert 'SIGTERM to process(es) 1 (not to the driver)' in fault['detail'] and fault['step'] >= 4, fault
+  assert not events(tmp_path, 'diagnosis') and len(events(tmp_path, 'launch')) == 2
+  (finish,) = events(tmp_path, 'finish')
+  assert finish['step'] == N and finish['restarts'] == 1, finish
+  assert [r['step'] for r in read_metrics(str(tmp_path)) if 'loss' in r] == list(range(1, N + 1))
+
+
 @pytest.mark.slow
 def test_a_loss_spike_stops_the_job_without_saving_its_spiked_state(tmp_path, repo_root):
   """Losses 20x from step 14 (first attempt): the driver stops the job

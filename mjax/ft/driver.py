@@ -37,6 +37,11 @@ a free port by default) and watches for:
   driver_held      every trainer that stopped saved and exited 4: the driver
                    was unreachable (held up, stopped whole): restarted with
                    no host diagnosed
+  signalled        every trainer stopped short of the last step, saved and
+                   exited 0, because one of them got a stop signal that
+                   the driver did not (a node's own pre-emption, an scancel
+                   of one step): restarted with no host diagnosed; where
+                   the node is going away, the restart finds it lost
 
 Timeout hierarchy (FaultConfig; checked at start, see mjax/ft/detect.py):
 heartbeat_interval_s < heartbeat_timeout_s < progress_timeout_s <
@@ -578,7 +583,7 @@ class Driver:
         if self._signal is not None:
           self.events.emit('preempted', attempt=att.number, during='recovery')
           return self.opts.preempt_exit_status
-        if fault.kind != 'driver_held':
+        if fault.kind not in ('driver_held', 'signalled'):
           self._diagnose(att, fault)
         if self._signal is not None:   # a stop asked for while the hosts were checked
           self.events.emit('preempted', attempt=att.number, during='diagnosis')
@@ -876,7 +881,7 @@ class Driver:
       if failed:
         return self._exit_fault(att, failed)
       if all(c == 0 for c in codes.values()):
-        return 'finished'
+        return self._signalled(att) or 'finished'
       fault = att.monitor.check(now)
       if fault is not None:
         return fault
@@ -922,6 +927,22 @@ class Driver:
                             f'{timeout:g}s); {acked}; the checks resume now. ' +
                             ('A SIGSTOP (Ctrl-Z), a paused container or a VM migration is the usual cause.' if whole
                              else f'Slow storage under {self.workdir} is the usual cause.'))
+
+  def _signalled(self, att: Attempt) -> Optional[detect.Fault]:
+    """Where every trainer exited 0 but stopped short of the last step (the
+    facts say so), the fault: a stop signal that reached trainers and not
+    the driver, whose own stop is handled before this (`_watch`)."""
+    stopped = {i: f[protocol.STOPPED] for i in att.handles
+               if isinstance((f := self._facts(att, i)).get(protocol.STOPPED), dict)}
+    if not stopped:
+      return None
+    got = sorted(i for i, v in stopped.items() if v.get('signal')) or sorted(stopped)
+    steps = [v['step'] for v in stopped.values() if isinstance(v.get('step'), int)]
+    signal_name = next((stopped[i]['signal'] for i in got if stopped[i].get('signal')), 'a stop signal')
+    return detect.Fault('signalled', got, f'{signal_name} to process(es) {", ".join(map(str, got))} (not to the '
+                        f'driver): every process stopped after step {max(steps) if steps else "?"}, saved, and '
+                        f'exited 0 short of the last step; restarted from that checkpoint',
+                        step=max(steps) if steps else None)
 
   def _exit_fault(self, att: Attempt, failed: dict) -> detect.Fault:
     codes = {i: self._describe_status(c) for i, c in failed.items()}

@@ -15,7 +15,7 @@ mjax/ft/driver.py:
                    unread, those dropped while the driver's loop was held up)
   fault            kind (exit, heartbeat_lost, startup_timeout, hang,
                    nonfinite_loss, loss_spike, straggler, bad_input,
-                   host_fault, host_lost, driver_held),
+                   host_fault, host_lost, driver_held, signalled),
                    the processes and hosts named, details
   stack_dump       where a process was when asked to dump its stacks (hang)
   stopped          every process is gone: exit codes, seconds it took
