@@ -592,7 +592,7 @@ class FakeExecutor(executor.LocalExecutor):
   """LocalExecutor whose diagnostics answer from a table."""
   failing: dict = {}
 
-  def run(self, argv, env, timeout):
+  def run(self, argv, env, timeout, cancel=None):
     bad = self.failing.get(self.host)
     if bad == 'slow_under_load':   # passes, with a check only load excuses
       checks = [{'name': 'matmul_float32', 'passed': False, 'suspect': True}]
@@ -1862,7 +1862,7 @@ class FlakyLinkExecutor(FakeExecutor):
   fails = 1
   link_runs: list = []
 
-  def run(self, argv, env, timeout):
+  def run(self, argv, env, timeout, cancel=None):
     if '--no_baseline' not in argv:   # the host's own checks
       return super().run(argv, env, timeout)
     FlakyLinkExecutor.link_runs.append((self.host, env.get('MJAX_COORDINATOR_ADDRESS')))
@@ -1898,7 +1898,7 @@ class CrashingDiagnoseExecutor(FakeExecutor):
   crashes = 1
   runs: list = []
 
-  def run(self, argv, env, timeout):
+  def run(self, argv, env, timeout, cancel=None):
     if '--no_baseline' in argv:   # a link check: passes
       return 0, json.dumps({'host': self.host, 'passed': True, 'checks': []}), ''
     CrashingDiagnoseExecutor.runs.append(self.host)
@@ -2149,6 +2149,42 @@ def test_a_stop_in_the_back_off_ends_the_driver_without_a_relaunch(tmp_path, mon
   assert d.run() == d.opts.preempt_exit_status
   (pre,) = events(tmp_path, 'preempted')
   assert pre['during'] == 'back-off' and len(events(tmp_path, 'launch')) == 1, pre
+
+
+def test_a_stop_during_a_diagnosis_ends_it_there_and_blocks_no_host(tmp_path, monkeypatch):
+  # The driver waited for every diagnostic to its deadline (300 s by
+  # default, a hung check's 120 s), then blocked hosts on what it got, and
+  # only then said 'preempted': past SLURM's TERM-to-KILL window.
+  d = fake_driver(tmp_path, monkeypatch, 'crash_once', processes=2)
+  d.executor_factory = executor.LocalExecutor
+  d.diagnose_cmd = [sys.executable, '-c', 'import time; time.sleep(120)']   # a hung check
+  emit = d.events.emit
+
+  def emit_then_stop(event, **fields):
+    out = emit(event, **fields)
+    if event == 'fault':   # SIGTERM once the diagnosis has begun
+      threading.Timer(1.0, d._on_signal, args=(signal.SIGTERM, None)).start()
+    return out
+  d.events.emit = emit_then_stop
+  t0 = time.monotonic()
+  assert d.run() == d.opts.preempt_exit_status
+  assert time.monotonic() - t0 < 60
+  (pre,) = events(tmp_path, 'preempted')
+  assert pre['during'] == 'diagnosis', pre
+  assert not events(tmp_path, 'host_blocked') and not events(tmp_path, 'link_check')
+  assert not os.path.exists(tmp_path / 'blocked_hosts.json') or not json.load(open(tmp_path / 'blocked_hosts.json'))
+
+
+def test_a_command_the_driver_runs_ends_at_its_deadline_or_when_cancelled():
+  ex = executor.LocalExecutor('h')
+  sleep = [sys.executable, '-c', 'import sys, time; print("began", flush=True); time.sleep(60)']
+  t0 = time.monotonic()
+  code, out, err = ex.run(sleep, dict(os.environ), 1.0)
+  assert code == 124 and 'timed out after 1s' in err and out == 'began\n' and time.monotonic() - t0 < 10
+  t0 = time.monotonic()
+  code, _, err = ex.run(sleep, dict(os.environ), 60.0, cancel=lambda: time.monotonic() - t0 > 0.5)
+  assert code == executor.CANCELLED and 'cancelled' in err and time.monotonic() - t0 < 10
+  assert ex.run([sys.executable, '-c', 'print(7)'], dict(os.environ), 30.0, cancel=lambda: False) == (0, '7\n', '')
 
 
 def test_a_second_driver_on_a_supervised_workdir_is_refused_before_it_writes(tmp_path, monkeypatch):

@@ -101,6 +101,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mjax import jsonfile, protocol
 from mjax.ft import heartbeat as hb
+from mjax.ft.executor import CANCELLED
 
 log = logging.getLogger('mjax.agent')
 
@@ -408,7 +409,8 @@ class AgentServer:
     if handle.returncode is None:
       handle.link.send({'kind': 'kill', 'id': handle.id})
 
-  def run(self, host: str, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
+  def run(self, host: str, argv: Sequence[str], env: dict, timeout: float,
+          cancel: Optional[Callable[[], bool]] = None) -> tuple[int, str, str]:
     link = self.link(host)
     if link is None:
       return EXIT_HOST_LOST, '', f'no agent connected for host {host}'
@@ -417,10 +419,17 @@ class AgentServer:
     if not self._enrol(link, link.runs, ident, fut):
       return EXIT_HOST_LOST, '', f'the agent on {host} went away'
     link.send({'kind': 'run', 'id': ident, 'argv': list(argv), 'env': _env_delta(env), 'timeout': timeout})
-    try:
-      return fut.result(timeout + 30.0)   # the agent enforces `timeout`; this covers a silent agent
-    except concurrent.futures.TimeoutError:
-      return 124, '', f'the agent on {host} did not answer within {timeout + 30.0:.0f}s'
+    deadline = time.monotonic() + timeout + 30.0   # the agent enforces `timeout`; this covers a silent agent
+    while True:
+      try:
+        return fut.result(min(0.25, max(0.0, deadline - time.monotonic())))
+      except concurrent.futures.TimeoutError:
+        pass
+      if cancel is not None and cancel():
+        # Not waited for; the agent ends the command at its own timeout.
+        return CANCELLED, '', 'cancelled: the driver was asked to stop'
+      if time.monotonic() >= deadline:
+        return 124, '', f'the agent on {host} did not answer within {timeout + 30.0:.0f}s'
 
   def free_port(self, host: str, fallback: int) -> int:
     """A port free on `host` (its agent looks), else `fallback`."""
@@ -700,8 +709,9 @@ class AgentExecutor:
   def kill(self, handle: AgentHandle) -> None:
     self.server.kill(handle)
 
-  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
-    return self.server.run(self.host, argv, env, timeout)
+  def run(self, argv: Sequence[str], env: dict, timeout: float,
+          cancel: Optional[Callable[[], bool]] = None) -> tuple[int, str, str]:
+    return self.server.run(self.host, argv, env, timeout, cancel)
 
 
 # ----------------------------------------------------------------------------

@@ -1240,6 +1240,10 @@ class Driver:
     # SLURM 1,250 srun at once, on every fault otherwise.
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(att.hosts), DIAGNOSE_AT_ONCE)) as pool:
       results = list(pool.map(self._diagnose_host, att.hosts))
+    if self._stop_asked():
+      # A stop signal ends a diagnosis there (the caller says so): the hosts
+      # cut short have no verdict, and none is blocked on half of one.
+      return
     for host, (passed, report, detail) in zip(att.hosts, results):
       self.events.emit('diagnosis', host=host, passed=passed, detail=detail,
                        checks=report.get('checks') if report else None,
@@ -1281,6 +1285,9 @@ class Driver:
           continue
         self._block(host, f'slow under load in {SUSPECT_LIMIT} diagnoses in a row: {", ".join(suspects[host])}')
 
+  def _stop_asked(self) -> bool:
+    return self._signal is not None
+
   def _diagnose_env(self, host: str, base: Optional[dict] = None) -> dict:
     from mjax import distributed
     env = dict(os.environ if base is None else base)
@@ -1300,8 +1307,11 @@ class Driver:
       link = self._agent_link(host)
       began = time.time()
       code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
-                                                       self._diagnose_env(host), self.opts.diagnose_timeout_s)
+                                                       self._diagnose_env(host), self.opts.diagnose_timeout_s,
+                                                       cancel=self._stop_asked)
       ended = time.time()
+      if self._stop_asked():   # cut short by a stop signal: no verdict on the host
+        return None, None, 'not judged: the driver was asked to stop during the diagnostic'
       if self._agent_went(host, link, code):
         # The link dropped while it ran: no verdict on the host (a network
         # blip must not block it for good); it is diagnosed when it is back.
@@ -1385,7 +1395,7 @@ class Driver:
     named host: the healthy one has no fault against it. Numerical faults
     and stragglers say nothing about links; they are not checked.
     """
-    if fault.kind not in LINK_FAULTS or not self.diagnose_cmd:
+    if fault.kind not in LINK_FAULTS or not self.diagnose_cmd or self._stop_asked():
       return
     named = [att.hosts[i] for i in fault.processes if att.hosts[i] in passed and att.hosts[i] not in self.blocked]
     healthy = [h for h in passed if h not in named and h not in self.blocked]
@@ -1403,6 +1413,8 @@ class Driver:
       pairs = list(zip(named[first:first + len(healthy)], healthy))
       with concurrent.futures.ThreadPoolExecutor(max_workers=len(pairs)) as pool:
         results = list(pool.map(lambda pair: self._link_pair(*pair), pairs))
+      if self._stop_asked():
+        return   # checks cut short by a stop signal: no verdict, none blocked
       for (suspect, ref), (passed_, detail) in zip(pairs, results):
         self.events.emit('link_check', host=suspect, partner=ref, passed=passed_, detail=detail,
                          seconds=round(time.monotonic() - t0, 3))
@@ -1449,7 +1461,7 @@ class Driver:
     argv = [*self.diagnose_cmd, '--json', *self.opts.diagnose_args, '--checks', 'allreduce', '--no_baseline']
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
       runs = [pool.submit(ex.run, argv, self._diagnose_env(h, launch.local_env(i, 2, coordinator, self.opts.devices)),
-                          self.opts.diagnose_timeout_s)
+                          self.opts.diagnose_timeout_s, self._stop_asked)
               for i, (h, ex) in enumerate(zip(hosts, executors))]
       results = [r.result() for r in runs]
     gone = [h for h, link, (code, _, _) in zip(hosts, links, results) if self._agent_went(h, link, code)]

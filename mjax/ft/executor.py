@@ -18,7 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
+
+# What `run` returns when `cancel` ended it: the driver was asked to stop.
+CANCELLED = 130
 
 
 class LocalExecutor:
@@ -45,13 +48,29 @@ class LocalExecutor:
     except ProcessLookupError:
       pass
 
-  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
-    """Runs a command to completion: (status, stdout, stderr); status 124 on timeout."""
-    try:
-      p = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
-      return p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-      return 124, e.stdout or '', f'timed out after {timeout:.0f}s'
+  def run(self, argv: Sequence[str], env: dict, timeout: float,
+          cancel: Optional[Callable[[], bool]] = None) -> tuple[int, str, str]:
+    """Runs a command to completion: (status, stdout, stderr); status 124 on
+    timeout, CANCELLED once `cancel()` is true (checked a few times a
+    second: a stop signal to the driver ends a diagnosis there)."""
+    p = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)   # its own group: what it started goes with it
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        out, err = p.communicate(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+        return p.returncode, out, err
+      except subprocess.TimeoutExpired:
+        pass
+      cancelled = cancel is not None and cancel()
+      if cancelled or time.monotonic() >= deadline:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+        out, _ = p.communicate()
+        return (CANCELLED, out or '', 'cancelled: the driver was asked to stop') if cancelled else \
+            (124, out or '', f'timed out after {timeout:.0f}s')
 
 
 class SlurmExecutor:
@@ -125,8 +144,9 @@ class SlurmExecutor:
     except ProcessLookupError:
       pass
 
-  def run(self, argv: Sequence[str], env: dict, timeout: float) -> tuple[int, str, str]:
-    return LocalExecutor.run(self, [*self._srun(f'mjax-diagnose-{self.host}'), *argv], env, timeout)
+  def run(self, argv: Sequence[str], env: dict, timeout: float,
+          cancel: Optional[Callable[[], bool]] = None) -> tuple[int, str, str]:
+    return LocalExecutor.run(self, [*self._srun(f'mjax-diagnose-{self.host}'), *argv], env, timeout, cancel)
 
 
 def slurm_hosts() -> list[str]:
