@@ -1016,6 +1016,9 @@ while Timer.current == 'startup:restore':
   time.sleep(0.05)
 if mode == 'long':                       # trains until pre-empted, then exits cleanly
   signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
+if mode == 'long_143':                   # a trainer stopped outside its loop (start-up): status 143
+  signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(143)))
+  mode = 'long'
 if mode == 'slow_stop':                  # its stop save takes for ever
   signal.signal(signal.SIGTERM, lambda *a: None)
   mode = 'long'
@@ -1258,6 +1261,23 @@ def test_sigterm_to_the_driver_preempts_the_job(tmp_path, monkeypatch):
   assert fake_run(tmp_path, monkeypatch, 'long', processes=2) == driver.EXIT_OK
   (ev,) = events(tmp_path, 'preempted')
   assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and not events(tmp_path, 'fault')
+
+
+def test_a_preemption_in_the_trainers_start_up_is_clean(tmp_path, monkeypatch):
+  # SIGTERM taken outside the loop (start-up, a compile) is the trainers'
+  # clean stop, status 143: it exited 1, the "gave up" status, with a detail
+  # that said not every process had stopped cleanly.
+  import threading
+
+  def preempt():
+    while not events(tmp_path, 'running'):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+  threading.Thread(target=preempt, daemon=True).start()
+  d = fake_driver(tmp_path, monkeypatch, 'long_143', processes=2)
+  assert d.run() == d.opts.preempt_exit_status
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev['exit'] == {'0': 'status 143', '1': 'status 143'} and 'detail' not in ev, ev
 
 
 def test_a_second_signal_cuts_the_preemption_and_is_said(tmp_path, monkeypatch):
@@ -2185,6 +2205,23 @@ def test_a_command_the_driver_runs_ends_at_its_deadline_or_when_cancelled():
   code, _, err = ex.run(sleep, dict(os.environ), 60.0, cancel=lambda: time.monotonic() - t0 > 0.5)
   assert code == executor.CANCELLED and 'cancelled' in err and time.monotonic() - t0 < 10
   assert ex.run([sys.executable, '-c', 'print(7)'], dict(os.environ), 30.0, cancel=lambda: False) == (0, '7\n', '')
+
+
+def test_a_workdir_in_another_runs_checkpoints_or_logs_is_refused_before_the_driver_writes(tmp_path):
+  # The trainers refused it, but the driver had written its lock, events,
+  # logs/ and protocol/ among that run's steps already.
+  from mjax.checkpoint.directories import OWNER_FILE
+  run = tmp_path / 'k9'
+  (run / 'checkpoints' / '75').mkdir(parents=True)
+  (run / 'logs').mkdir()
+  (run / 'config.json').write_text(json.dumps({'model': {}, 'checkpoint': {}}))
+  (run / 'checkpoints' / OWNER_FILE).write_text(json.dumps({'workdir': str(run)}))
+  before = sorted(str(p) for p in run.rglob('*'))
+  for inside, said in [(run / 'checkpoints', 'the checkpoint directory of the run'),
+                       (run / 'logs' / 'x', "the logs/ folder of the mjax run")]:
+    with pytest.raises(UserError, match=re.escape(said)):
+      make_driver(inside)
+  assert sorted(str(p) for p in run.rglob('*')) == before
 
 
 def test_a_second_driver_on_a_supervised_workdir_is_refused_before_it_writes(tmp_path, monkeypatch):

@@ -404,6 +404,12 @@ class Driver:
     # The trainers validate exactly the same way; failing here spares a launch.
     self.cfg = flags.load(self.gin_files, bindings, num_devices=total)
     self.fault_cfg = self.cfg.fault
+    # Before anything is written (the trainers check the same, too late for
+    # the driver's lock, events and logs): a workdir in another run's
+    # checkpoint tier or in a folder that run writes.
+    from mjax.checkpoint.guards import check_not_inside_a_tier, check_not_inside_a_workdir
+    check_not_inside_a_tier(self.workdir)
+    check_not_inside_a_workdir(self.workdir)
     # A start refused below (a --bind it cannot listen on) leaves the
     # workdir as it found it: what this start made, it takes away.
     made = [d for d in (self.workdir, os.path.join(self.workdir, 'logs')) if not os.path.exists(d)]
@@ -1517,7 +1523,10 @@ class Driver:
     until a second signal says not to wait)."""
     killed = self._terminate(att, self.fault_cfg.collective_timeout_s + self.cfg.checkpoint.io_timeout_s,
                              patient=lambda: self._signals < 2)
-    clean = all(h.returncode == 0 for h in att.handles.values())
+    # 130 / 143: the signal taken outside the training loop (start-up, a
+    # compile), where nothing was trained since the last save: a clean stop.
+    clean = all(h.returncode in (0, protocol.EXIT_INTERRUPTED, protocol.EXIT_TERMINATED)
+                for h in att.handles.values())
     cut = bool(killed) and self._signals >= 2
     fields = {}
     if not clean:
