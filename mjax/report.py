@@ -371,12 +371,20 @@ def stragglers(prog: str, argv: list[str]) -> int:
     raise UserError(f'--steps {args.steps}: must be a positive integer.')
   # Bounded whatever the run's length and size: the latest steps only (at
   # 10,000 processes x 100 steps, whole files were 2.7 GB of rows in memory).
-  files = len(glob.glob(os.path.join(st.timings_dir(args.workdir), 'process-*.jsonl')))
-  steps = args.steps or max(2 * window, min(REPORT_MAX_STEPS, REPORT_ROWS // max(1, files)))
+  paths = glob.glob(os.path.join(st.timings_dir(args.workdir), 'process-*.jsonl'))
+  steps = args.steps or max(2 * window, min(REPORT_MAX_STEPS, REPORT_ROWS // max(1, len(paths))))
   try:
     rows = st.load_rows(args.workdir, last=steps)
   except (FileNotFoundError, NotADirectoryError) as e:
     raise UserError(str(e)) from None
+  # A process whose file holds no row the analysis can read is left out of
+  # it: said, or "one process, no verdict" hid that there were two.
+  unread = sorted(set(os.path.basename(p) for p in paths if os.path.isfile(p)) -
+                  {f'process-{int(r["process"]):05d}.jsonl' for r in rows})
+  if unread and rows:
+    print(f'{prog}: warning: {", ".join(unread[:8])}{" and more" if len(unread) > 8 else ""} in '
+          f'{st.timings_dir(args.workdir)} hold(s) no readable timing row (empty, damaged, or not a timing '
+          f'file): {len(unread)} process(es) left out of the analysis', file=sys.stderr)
   if rows:
     newest = max(int(r['step']) for r in rows)
     rows = [r for r in rows if int(r['step']) > newest - steps]

@@ -212,6 +212,16 @@ def test_report_stragglers_prints_table_and_writes_heatmap_and_trace(tmp_path, c
   assert json.load(open(tmp_path / 'out' / 'trace.json'))['traceEvents']
 
 
+def test_a_timing_file_with_no_readable_row_is_said_not_silently_dropped(tmp_path, capsys):
+  _write(tmp_path, lockstep_rows(n=3, steps=30, seed=2))
+  with open(tmp_path / 'timings' / 'process-00001.jsonl', 'wb') as fh:
+    fh.write(os.urandom(2000).replace(b'\n', b' '))    # overwritten with garbage
+  assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'out')]) == 0
+  err = capsys.readouterr().err
+  assert ('process-00001.jsonl in ' in err and 'hold(s) no readable timing row' in err and
+          '1 process(es) left out of the analysis' in err), err
+
+
 def test_report_stragglers_explains_a_missing_timings_folder(tmp_path, capsys):
   assert report.main(['stragglers', str(tmp_path)]) == 2
   assert capsys.readouterr().err.startswith('mjax-report stragglers: error: no timing files')
