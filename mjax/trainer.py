@@ -188,6 +188,9 @@ class Trainer:
     data_sources.check_vocab(cfg.model, cfg.data)
     config_lib.check_for_training(cfg)
     made = self.is_main and not os.path.lexists(workdir)
+    # This start's own run id (not one a run before it made): only that is
+    # taken back after a refusal (`_forget_refused_start`).
+    new_id = self.is_main and not os.path.lexists(os.path.join(workdir, RUN_ID_FILE))
     self._run_record = _check_workdir(cfg, workdir, self.is_main)   # the run's id, from process 0
     if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
       protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
@@ -210,7 +213,7 @@ class Trainer:
       self._build()
     except BaseException as e:   # the workdir is free again for this process's next run
       self.close()
-      if isinstance(e, UserError) and self.is_main:
+      if isinstance(e, UserError) and new_id:
         _forget_refused_start(cfg, workdir, self._run_record, made)
       raise
 
@@ -1070,7 +1073,8 @@ def _forget_refused_start(cfg: Config, workdir: str, record: dict, made: bool) -
   workdir where they are left empty and this start made the workdir. The
   same command, corrected, then starts in a workdir as it found it; one
   given up on leaves nothing behind. A run that ever started (its
-  config.json, written once everything worked) is left as it is."""
+  config.json, written once everything worked) is left as it is, and so is
+  a run id this start did not make (the caller's check)."""
   if not record.get('fresh') or is_workdir(workdir) or run_id(workdir) != record.get('run'):
     return
   for tier, directory in tier_directories(cfg.checkpoint, workdir).items():

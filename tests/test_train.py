@@ -499,6 +499,13 @@ def test_a_new_runs_refused_start_leaves_nothing_behind(tmp_path):
   assert not (tmp_path / 'new').exists() and not os.path.exists(tier_directories(
       _small(*fast).checkpoint, str(tmp_path / 'new'))['fast'])
   assert os.listdir(tmp_path / 'mine') == [] and os.listdir(tmp_path / 'ck') == []
+  # A run id this start did not make (a run whose config.json was lost) stays.
+  from mjax.checkpoint.directories import RUN_ID_FILE
+  (tmp_path / 'lost').mkdir()
+  (tmp_path / 'lost' / RUN_ID_FILE).write_text(json.dumps({'run': 'abc123', 'fresh': True}))
+  with pytest.raises(data_lib.DataError, match='global batch'):
+    trainer.Trainer(_small('TrainConfig.steps = 2', f'DataConfig.source = "{tmp_path}/few.txt"'), str(tmp_path / 'lost'))
+  assert json.loads((tmp_path / 'lost' / RUN_ID_FILE).read_text())['run'] == 'abc123'
 
 
 def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_path, monkeypatch):
