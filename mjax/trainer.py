@@ -212,9 +212,16 @@ class Trainer:
                         HeartbeatClient.from_env(self._startup, cfg.fault, jax.process_index()))
       self._build()
     except BaseException as e:   # the workdir is free again for this process's next run
+      empty = []
+      if isinstance(e, UserError) and new_id and self.ckpt is not None and jax.process_count() == 1:
+        try:   # under the run lock still; never in place of the error being raised
+          empty = _forget_refused_start(cfg, workdir, self._run_record, made)
+        except Exception:  # noqa: BLE001
+          empty = []
       self.close()
-      if isinstance(e, UserError) and new_id:
-        _forget_refused_start(cfg, workdir, self._run_record, made)
+      for d in empty:   # the lock's files gone with the lock: removed where empty
+        with contextlib.suppress(OSError):
+          os.rmdir(d)
       raise
 
   def _build(self) -> None:
@@ -957,7 +964,9 @@ class StepProfiler:
     self.directory = os.path.join(workdir, 'profile')
     self.active = False
     self.done = self.first - 1
-    if self.steps and not start_step < self.first <= cfg.train.steps and jax.process_index() == 0:
+    traced = os.path.exists(os.path.join(self.directory, PROFILE_STEPS_FILE))   # by an earlier start
+    if self.steps and not start_step < self.first <= cfg.train.steps and jax.process_index() == 0 and \
+        not (traced and self.first <= start_step):
       # Else the run ends with no trace and no word of why.
       when = (f'TrainConfig.profile_from_step = {cfg.train.profile_from_step}' if cfg.train.profile_from_step
               else f'TrainConfig.profile_from_step = 0 (the second step of this run, {self.first})')
@@ -1066,23 +1075,26 @@ def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
   return said['run']
 
 
-def _forget_refused_start(cfg: Config, workdir: str, record: dict, made: bool) -> None:
+def _forget_refused_start(cfg: Config, workdir: str, record: dict, made: bool) -> list[str]:
   """Takes back what a new run's start wrote before it was refused (data
-  too small for a batch, a state that does not fit): its run id, its claims
-  on checkpoint directories that hold no step, and those directories and the
-  workdir where they are left empty and this start made the workdir. The
-  same command, corrected, then starts in a workdir as it found it; one
-  given up on leaves nothing behind. A run that ever started (its
-  config.json, written once everything worked) is left as it is, and so is
-  a run id this start did not make (the caller's check)."""
+  too small for a batch, a state that does not fit): its run id and its
+  claims on checkpoint directories that hold no step. Called while the
+  start still holds the run lock (no other start is past it), in a
+  one-process job (a host-local tier's claims on other hosts are theirs to
+  keep). Returns the directories it made, to be removed where left empty
+  once the lock is let go (its files are in them): the default tiers (in the
+  workdir it made, or named after it in /dev/shm), a host-local tier's own,
+  and the workdir it made. The same command, corrected, then starts in a
+  workdir as it found it; one given up on leaves nothing behind. A run that
+  ever started (its config.json, written once everything worked) is left
+  as it is, and so is a run id this start did not make (the caller's
+  check). One of the user's directories stays, empty as it was."""
   if not record.get('fresh') or is_workdir(workdir) or run_id(workdir) != record.get('run'):
-    return
+    return []
+  empty = []
   for tier, directory in tier_directories(cfg.checkpoint, workdir).items():
     if '://' in directory or not os.path.isdir(directory):
       continue
-    # Directories the start made: the default tiers (in the workdir it made,
-    # or named after it in /dev/shm) and a host-local tier's per process.
-    # One of the user's, given in the config, stays, empty as it was.
     ours = (made and os.path.commonpath([os.path.realpath(directory), os.path.realpath(workdir)]) ==
             os.path.realpath(workdir)) or (tier == 'fast' and cfg.checkpoint.fast_directory is None)
     for d in reversed(with_host_dirs(directory)):
@@ -1090,13 +1102,10 @@ def _forget_refused_start(cfg: Config, workdir: str, record: dict, made: bool) -
         with contextlib.suppress(OSError):
           os.remove(os.path.join(d, OWNER_FILE))
       if ours or d != directory:
-        with contextlib.suppress(OSError):
-          os.rmdir(d)   # only if empty
+        empty.append(d)
   with contextlib.suppress(OSError):
     os.remove(os.path.join(workdir, RUN_ID_FILE))
-  if made:
-    with contextlib.suppress(OSError):
-      os.rmdir(workdir)
+  return empty + ([workdir] if made else [])
 
 
 def _check_utf8(path: str, what: str) -> None:

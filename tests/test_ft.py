@@ -1012,13 +1012,15 @@ if mode == 'stuck_in_start_up_once' and attempt == 0:   # heartbeats, but never 
   Timer.current = 'startup:restore'
 client = HeartbeatClient.from_env(Timer, FaultConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1),
                                   int(os.environ['MJAX_PROCESS_ID']))
+if mode == 'startup_143':                # SIGTERM in its start-up (a compile): status 143, no step run
+  Timer.current = 'startup:compile'
+  signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(143)))
+  while True:
+    time.sleep(0.05)
 while Timer.current == 'startup:restore':
   time.sleep(0.05)
 if mode == 'long':                       # trains until pre-empted, then exits cleanly
   signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
-if mode == 'long_143':                   # a trainer stopped outside its loop (start-up): status 143
-  signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(143)))
-  mode = 'long'
 if mode == 'slow_stop':                  # its stop save takes for ever
   signal.signal(signal.SIGTERM, lambda *a: None)
   mode = 'long'
@@ -1274,7 +1276,7 @@ def test_a_preemption_in_the_trainers_start_up_is_clean(tmp_path, monkeypatch):
       time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGTERM)
   threading.Thread(target=preempt, daemon=True).start()
-  d = fake_driver(tmp_path, monkeypatch, 'long_143', processes=2)
+  d = fake_driver(tmp_path, monkeypatch, 'startup_143', processes=2)
   assert d.run() == d.opts.preempt_exit_status
   (ev,) = events(tmp_path, 'preempted')
   assert ev['exit'] == {'0': 'status 143', '1': 'status 143'} and 'detail' not in ev, ev

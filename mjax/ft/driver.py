@@ -940,7 +940,7 @@ class Driver:
     the driver, whose own stop is handled before this (`_watch`)."""
     stopped = {i: f[protocol.STOPPED] for i in att.handles
                if isinstance((f := self._facts(att, i)).get(protocol.STOPPED), dict)}
-    if not stopped:
+    if not stopped or not self.cfg.checkpoint.enabled:   # nothing saved to go on from
       return None
     got = sorted(i for i, v in stopped.items() if v.get('signal')) or sorted(stopped)
     steps = [v['step'] for v in stopped.values() if isinstance(v.get('step'), int)]
@@ -1309,6 +1309,8 @@ class Driver:
     """(passed, report, detail); passed None: the host's agent is away, not judged."""
     if self.agents is not None and self._agent_link(host) is None:
       return None, None, 'no agent connected: diagnosed when it is back'
+    if self._stop_asked():   # a host whose turn came after the stop: none started
+      return None, None, 'not judged: the driver was asked to stop'
     for attempt in range(1, DIAGNOSE_TRIES + 1):
       link = self._agent_link(host)
       began = time.time()
@@ -1445,6 +1447,8 @@ class Driver:
     agent of the pair went away, no verdict."""
     first = None
     for _ in range(LINK_TRIES):
+      if self._stop_asked():
+        return None, 'not checked: the driver was asked to stop'
       passed, detail = self._link_job(suspect, ref)
       if passed is None:
         return None, detail
@@ -1523,10 +1527,13 @@ class Driver:
     until a second signal says not to wait)."""
     killed = self._terminate(att, self.fault_cfg.collective_timeout_s + self.cfg.checkpoint.io_timeout_s,
                              patient=lambda: self._signals < 2)
-    # 130 / 143: the signal taken outside the training loop (start-up, a
-    # compile), where nothing was trained since the last save: a clean stop.
-    clean = all(h.returncode in (0, protocol.EXIT_INTERRUPTED, protocol.EXIT_TERMINATED)
-                for h in att.handles.values())
+    # 130 / 143 from a process that never reported a step: the signal taken
+    # in its start-up, where nothing was trained: a clean stop. (In the loop
+    # a clean stop saves and exits 0; 143 there is a second signal that cut
+    # the save short.)
+    clean = all(h.returncode == 0 or (h.returncode in (protocol.EXIT_INTERRUPTED, protocol.EXIT_TERMINATED)
+                                      and att.monitor.procs[i].step is None)
+                for i, h in att.handles.items())
     cut = bool(killed) and self._signals >= 2
     fields = {}
     if not clean:

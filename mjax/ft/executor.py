@@ -68,7 +68,11 @@ class LocalExecutor:
           os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
           pass
-        out, _ = p.communicate()
+        p.wait()
+        try:   # bounded: a descendant that left the group may hold the pipes open
+          out, _ = p.communicate(timeout=5.0)
+        except subprocess.TimeoutExpired:
+          out = ''
         return (CANCELLED, out or '', 'cancelled: the driver was asked to stop') if cancelled else \
             (124, out or '', f'timed out after {timeout:.0f}s')
 
