@@ -392,6 +392,10 @@ class Trainer:
       self.close_heartbeat()
       threading.Thread(target=self._close_when_saved, name='mjax-trainer-close', daemon=True).start()
       raise
+    if protocol.under_driver() and not summary.preempted:
+      # Done: a stop recorded by an earlier start of this attempt's number
+      # (another driver's job on this workdir) is not this one's.
+      protocol.Facts(self.workdir, jax.process_index()).record(protocol.STOPPED, None)
     self.close()
     return summary
 
@@ -583,9 +587,10 @@ class Trainer:
       reporter.close()
       why = f'received {stop.name}' if stop.signal is not None else f'stopping: {stop.name}'
       self.say(f'mjax: {why} after step {step}: checkpoint saved, exiting cleanly')
-      if protocol.under_driver():
+      if protocol.under_driver() and not stop.driver_lost:
         # Exit status 0 says "done" too: the driver reads this to tell a
         # stop short of the last step (a signal to some trainer, not to it).
+        # (A lost driver's stop exits 4: no such doubt.)
         protocol.Facts(self.workdir, jax.process_index()).record(protocol.STOPPED, {
             'step': step, 'signal': stop.name if stop.signal is not None else None, 'why': why})
       return self._summary(reporter, final_step=step, preempted=True, driver_lost=stop.driver_lost)
