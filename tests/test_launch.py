@@ -179,6 +179,9 @@ def test_sbatch_checks_an_explicit_coordinator(cluster):
   out = _sbatch({**env, 'MJAX_COORDINATOR_ADDRESS': f'{UNRESOLVABLE}:1234'})
   assert out.returncode != 0 and UNRESOLVABLE in out.stderr
   assert not srun_args.exists()
+  # A bracketed IPv6 address, as mjax/distributed.py takes it, resolves.
+  out = _sbatch({**env, 'MJAX_COORDINATOR_ADDRESS': '[::1]:1234'})
+  assert out.returncode == 0 and 'does not resolve' not in out.stderr, out.stderr
 
 
 def _task_env(**extra):
