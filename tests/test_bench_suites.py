@@ -262,6 +262,9 @@ def test_mfu_rows_are_chosen_by_substring_or_exactly():
   assert names('=1p3b remat=dots,dynamic-slice') == ['1p3b remat=dots', '1p3b remat=dots, dynamic-slice fusion']
   assert len(names('1p3b remat=dots')) > 2 and names('') == [r[0] for r in rows]
   assert names('=1p3b remat') == []
+  # A name with ', ' in it is one selection: '=' picks that row alone.
+  assert names('=1p3b dots_attention unrolled, GeLU epilogue off,=1p3b remat=none unrolled') == [
+      '1p3b dots_attention unrolled, GeLU epilogue off', '1p3b remat=none unrolled']
 
 
 COMM = _bench_module('comm_minimum')
