@@ -249,6 +249,24 @@ def test_a_recorded_handshake_replayed_to_a_new_driver_registers_nothing():
     second.close()
 
 
+def test_refused_hellos_are_answered_and_written_once_per_host_and_reason():
+  seen = []
+  server = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0, on_event=lambda k, **kw: seen.append(kw))
+  try:
+    for host in ('x1', 'x1', 'x1', 'x2'):
+      with socket.create_connection(('127.0.0.1', server.port)) as sock:
+        agent_lib.Channel(sock, 'ee' * 32, 'agent', 'driver').send(
+            {'kind': 'hello', 'host': host, 'address': '127.0.0.1', 'pid': 1, 'nonce': 'n'})
+        sock.settimeout(5)
+        said = b''.join(iter(lambda: sock.recv(4096), b''))
+      assert agent_lib._refusal(said).startswith('bad signature')
+    time.sleep(0.2)
+    assert [e['claimed_host'] for e in seen] == ['x1', 'x2']   # x1's next two within REFUSED_EVENT_S
+    assert server.refusals['bad signature'][0] == 'an agent that says it is x2' and server.connected() == []
+  finally:
+    server.close()
+
+
 def test_hostile_connections_cost_the_driver_little_and_never_stop_it():
   seen = []
   server = agent_lib.AgentServer('127.0.0.1', 0, SECRET, 0.1, 2.0, on_event=lambda k, **kw: seen.append(kw))
@@ -258,7 +276,8 @@ def test_hostile_connections_cost_the_driver_little_and_never_stop_it():
     big = socket.create_connection(('127.0.0.1', server.port))
     big.sendall(b'x' * (agent_lib.MAX_HELLO + 10))
     big.settimeout(5)
-    assert big.recv(10) == b''            # dropped
+    said = b''.join(iter(lambda: big.recv(4096), b''))   # dropped, with one line of why
+    assert 'longer than' in agent_lib._refusal(said) and said.count(b'\n') == 1
     # More connections mid-handshake than allowed: the oldest go, the server serves on.
     for _ in range(agent_lib.MAX_PENDING + 20):
       socks.append(socket.create_connection(('127.0.0.1', server.port)))
@@ -482,6 +501,26 @@ def test_agent_and_driver_refuse_a_missing_secret_or_port(tmp_path, monkeypatch)
   from mjax.errors import UserError
   with pytest.raises(UserError, match=protocol.SECRET_ENV):
     make_driver(tmp_path, launch.free_port(), '--processes', '1')
+
+
+def test_an_agent_with_the_wrong_secret_is_told_so_and_the_driver_says_why_it_gave_up(tmp_path, agents):
+  # Before, the agent said 'waiting for the driver (closed by the driver)'
+  # and at the end 'no driver', while the driver wrote a rejection every
+  # 0.5 s and gave up with 'no healthy host left: none blocked'.
+  port = launch.free_port()
+  agent = agents(port, 'w0', env={protocol.SECRET_ENV: 'ab' * 32}, extra=('--connect_timeout_s', '3'))['w0']
+  d = make_driver(tmp_path, port, '--processes', '1', '--hosts', 'w0', '--agent_wait_s', '8')
+  assert d.run() == driver.EXIT_GAVE_UP
+  reason = events(tmp_path, 'giveup')[0]['reason']
+  assert 'no agent of hosts w0 connected within --agent_wait_s 8s' in reason
+  assert 'an agent that says it is w0: bad signature' in reason and protocol.SECRET_ENV in reason
+  rejected = events(tmp_path, 'agent_rejected')
+  assert len(rejected) == 1 and rejected[0]['claimed_host'] == 'w0' and rejected[0]['host'] is None
+  assert rejected[0]['peer'].startswith('127.0.0.1:')
+  assert agent.wait(30) == 1
+  err = agent.stderr.read()
+  assert err.count('refused this agent: bad signature') == 1 and protocol.SECRET_ENV in err
+  assert 'still refused this agent after 3s (bad signature' in err and 'no driver' not in err
 
 
 def test_sigterm_to_the_driver_stops_every_trainer_through_its_agent(tmp_path, agents):

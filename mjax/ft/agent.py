@@ -65,7 +65,10 @@ Failure behaviour:
     one small hello and has HANDSHAKE_S to finish; at most MAX_PENDING wait
     at once. The server's thread never blocks on one agent (a peer that
     stops reading is dropped) and no message stops it. A second agent
-    claiming a live host is refused.
+    claiming a live host is refused. A refused connection is told why in
+    one unsigned line before it is closed, so that an agent with the wrong
+    secret says so instead of 'no driver'; it tries again every
+    REFUSED_RETRY_S.
   - An agent hears nothing from its driver for heartbeat_timeout_s, or
     hears that its loop has stopped watching for collective_timeout_s
     (`supervised` false): it stops
@@ -85,6 +88,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import itertools
+import json
 import logging
 import math
 import os
@@ -114,10 +118,43 @@ SEND_TIMEOUT_S = 10.0     # a command to an agent that reads nothing for this lo
 MAX_PENDING = 256         # connections mid-handshake at once; the oldest go first
 EXIT_HOST_LOST = protocol.EXIT_HOST_LOST
 CONNECT_RETRY_S = 0.5
+REFUSED_RETRY_S = 5.0     # an agent the driver refused tries again this much later (its secret may be
+                          # fixed by a restarted driver; sooner would fill the driver's events)
+REFUSED_EVENT_S = 30.0    # a refusal of the same host for the same reason is written at most this often
 
 
 class ChannelError(Exception):
   """The peer sent something that is not an authentic, in-order message."""
+
+
+class Refused(Exception):
+  """The driver answered this agent's hello with a refusal and closed."""
+
+
+def _refusal(data: bytes) -> Optional[str]:
+  """The reason in a driver's refusal line (AgentServer._refuse), or None.
+  Unsigned, so it only ever changes what the agent tells its user."""
+  line = data.partition(b'\n')[0]
+  if len(line) > MAX_HELLO:
+    return None
+  try:
+    msg = jsonfile.loads(line)
+  except (ValueError, RecursionError):
+    return None
+  if isinstance(msg, dict) and set(msg) == {'refused'} and isinstance(msg['refused'], str):
+    return msg['refused'][:200]
+  return None
+
+
+def _claimed_host(data: bytes) -> Optional[str]:
+  """The host a hello that failed to authenticate names, unverified: only
+  for telling the user which agent holds the wrong secret."""
+  try:
+    hello = jsonfile.loads(jsonfile.loads(data.partition(b'\n')[0][:MAX_HELLO])['payload'])
+    host = hello['host']
+  except (ValueError, RecursionError, KeyError, TypeError, IndexError):
+    return None
+  return host[:100] if isinstance(host, str) and host.isprintable() and host else None
 
 
 class ChannelBusy(BlockingIOError):
@@ -328,6 +365,10 @@ class AgentServer:
     # counts as unsupervised (default: the heartbeat timeout).
     self.stall_s = timeout_s if stall_s is None else stall_s
     self._on_event = on_event or (lambda kind, **kw: None)
+    # Refused handshakes: (host, reason) -> [last written, refusals since].
+    # An agent with the wrong secret tries again and again; the driver's
+    # events say so once in REFUSED_EVENT_S, with the count in between.
+    self._refused: dict[tuple, list] = {}
     self._lock = threading.Lock()
     self._links: dict[str, AgentLink] = {}       # host -> its ready agent
     self._pending: dict[socket.socket, tuple[Channel, float, Optional[dict]]] = {}
@@ -338,6 +379,10 @@ class AgentServer:
     self._accept_paused_until = 0.0
     self.messages = 0            # beats messages received
     self.relayed = 0             # heartbeats inside them
+    # The newest refused handshake of each kind of reason ('bad signature',
+    # 'another agent ...'): (host, reason), for the driver to name when no
+    # agent of a host it waits for gets in.
+    self.refusals: dict[str, tuple[Optional[str], str]] = {}
     self._farewell = False
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, name='mjax-agent-server', daemon=True)
@@ -581,10 +626,44 @@ class AgentServer:
         else:
           raise ChannelError('expected ready')
     except (ChannelError, OSError) as e:
-      self._forget(sock)
-      channel.close()
       if data:
-        self._on_event('agent_rejected', host=(hello or {}).get('host'), reason=str(e))
+        self._refuse(sock, channel, (hello or {}).get('host'), str(e),
+                     claimed=None if hello else _claimed_host(data))
+      else:
+        self._forget(sock)
+        channel.close()
+
+  def _refuse(self, sock: socket.socket, channel: Channel, host: Optional[str], reason: str,
+              claimed: Optional[str] = None) -> None:
+    """Ends a connection that did not authenticate, saying why in one
+    unsigned line: the agent cannot check it (with the wrong secret nothing
+    the driver signs would verify), but it can tell its user that a driver
+    answered and refused it, and why, instead of 'no driver'. The line
+    carries nothing an impostor could use."""
+    try:
+      peer = '%s:%s' % sock.getpeername()[:2]
+    except OSError:
+      peer = '?'
+    try:
+      sock.send(json.dumps({'refused': reason[:200]}).encode() + b'\n')
+    except OSError:
+      pass   # gone, or its buffer full: it learns nothing, as before
+    self._forget(sock)
+    channel.close()
+    now = time.monotonic()
+    key = (str(host or claimed), reason.partition(':')[0])
+    last, since = self._refused.get(key, (-math.inf, 0))
+    if now - last < REFUSED_EVENT_S:
+      self._refused[key] = [last, since + 1]
+      return
+    if len(self._refused) > 4096:   # hosts named by hostile hellos: keep the table bounded
+      self._refused.clear()
+    self._refused[key] = [now, 0]
+    with self._lock:
+      self.refusals[key[1]] = (host or (claimed and f'an agent that says it is {claimed}'), reason)
+    self._on_event('agent_rejected', host=host, peer=peer, reason=reason,
+                   **({'claimed_host': claimed} if claimed else {}),
+                   **({'suppressed_before': since} if since else {}))
 
   def _forget(self, sock: socket.socket) -> None:
     self._pending.pop(sock, None)
@@ -603,9 +682,7 @@ class AgentServer:
       # A live agent already speaks for this host (two agents with one host
       # name would otherwise knock each other off in turn). A restarted
       # agent gets in once the old link falls silent.
-      self._forget(sock)
-      channel.close()
-      self._on_event('agent_rejected', host=host, reason='another agent of this host is connected and alive')
+      self._refuse(sock, channel, host, 'another agent of this host is connected and alive')
       return
     channel.max_line = MAX_LINE
     pid = hello.get('pid')
@@ -739,6 +816,7 @@ class Agent:
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
     self._exit = False
+    self.refused: Optional[str] = None   # why the driver refused this agent, while it does
 
   # --- connection -------------------------------------------------------------
 
@@ -746,7 +824,9 @@ class Agent:
     """Connects and completes the handshake, retrying until connect_timeout_s."""
     deadline = time.monotonic() + self.connect_timeout_s
     said = False
+    self.refused = None
     while time.monotonic() < deadline and self._signal is None:
+      sock = None
       try:
         sock = socket.create_connection(self.driver, timeout=5.0)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -759,6 +839,9 @@ class Agent:
           data = sock.recv(1 << 16)
           if not data:
             raise ConnectionError('closed by the driver')
+          reason = _refusal(data)
+          if reason is not None:
+            raise Refused(reason)
           welcome = next(ch.feed(data), None)
         if welcome.get('kind') != 'welcome' or not str(welcome.get('session', '')).endswith(f':{nonce}'):
           raise ChannelError('no welcome for this hello')
@@ -770,8 +853,27 @@ class Agent:
         sock.settimeout(10.0)
         print(f'mjax-agent: {self.host}: connected to the driver at {self.driver[0]}:{self.driver[1]}',
               file=sys.stderr, flush=True)
+        self.refused = None
         return ch
+      except Refused as e:
+        sock.close()
+        if str(e) != self.refused:
+          # Once per reason: the agent keeps trying (a driver restarted
+          # with the right secret lets it in), less often than for a driver
+          # that is not up yet, whose events would fill with refusals.
+          hint = (f' {protocol.SECRET_ENV} must be the same for the driver and every agent of the job.'
+                  if str(e).startswith('bad signature') else '')
+          print(f'mjax-agent: {self.host}: the driver at {self.driver[0]}:{self.driver[1]} refused this '
+                f'agent: {e}.{hint} Trying again every {REFUSED_RETRY_S:.0f}s until --connect_timeout_s.',
+                file=sys.stderr, flush=True)
+        self.refused = str(e)
+        wake = min(deadline, time.monotonic() + REFUSED_RETRY_S)
+        while time.monotonic() < wake and self._signal is None:
+          time.sleep(0.1)
       except (OSError, ChannelError) as e:
+        if sock is not None:
+          sock.close()
+        self.refused = None   # what it says at the end is what it saw last
         if not said:
           print(f'mjax-agent: {self.host}: waiting for the driver at {self.driver[0]}:{self.driver[1]} '
                 f'({e})', file=sys.stderr, flush=True)
@@ -788,8 +890,13 @@ class Agent:
         self._channel = self._connect()
         if self._channel is None:
           if self._signal is None:
-            print(f'mjax-agent: {self.host}: no driver at {self.driver[0]}:{self.driver[1]} within '
-                  f'{self.connect_timeout_s:.0f}s; exiting', file=sys.stderr, flush=True)
+            if self.refused is not None:
+              print(f'mjax-agent: {self.host}: the driver at {self.driver[0]}:{self.driver[1]} still refused '
+                    f'this agent after {self.connect_timeout_s:.0f}s ({self.refused}); exiting',
+                    file=sys.stderr, flush=True)
+            else:
+              print(f'mjax-agent: {self.host}: no driver at {self.driver[0]}:{self.driver[1]} within '
+                    f'{self.connect_timeout_s:.0f}s; exiting', file=sys.stderr, flush=True)
             return 1
           break
         self._session()

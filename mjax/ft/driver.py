@@ -554,10 +554,7 @@ class Driver:
           self.events.emit('preempted', attempt=restarts, during='waiting for hosts')
           return self.opts.preempt_exit_status
         if not hosts:
-          path = os.path.join(self.workdir, hosts_lib.BLOCKED_FILE)
-          return self._give_up(f'no healthy host left: {", ".join(self.blocked.hosts()) or "none"} blocked in '
-                               f'{path} (each with its reason); take a host out of that file once it is '
-                               f'repaired, or add hosts (--hosts, --spares)', restarts)
+          return self._give_up(self._no_hosts(), restarts)
         try:
           hosts, bindings = self._fit(hosts)
         except hosts_lib.ElasticError as e:
@@ -737,6 +734,32 @@ class Driver:
     missing = sorted(set(o.hosts) - set(self.blocked.hosts()) - set(self.agents.connected()))
     self.events.emit('agents', connected=self.agents.connected(), chosen=hosts, missing=missing)
     return hosts
+
+  def _no_hosts(self) -> str:
+    """Why `_plan` found no host to run on: every host blocked, or (with
+    agents) none of the others' agents connected in time, and what the
+    driver refused meanwhile (a wrong job secret)."""
+    o = self.opts
+    path = os.path.join(self.workdir, hosts_lib.BLOCKED_FILE)
+    blocked = self.blocked.hosts()
+    why = (f'no healthy host left: {", ".join(blocked) or "none"} blocked in {path} (each with its reason); '
+           f'take a host out of that file once it is repaired, or add hosts (--hosts, --spares)')
+    if self.agents is None:
+      return why
+    waited = [h for h in [*o.hosts, *o.spares] if h not in blocked]
+    if not waited and o.hosts:
+      return why
+    which = f'of hosts {", ".join(waited)} ' if waited else ''
+    why = f'no agent {which}connected within --agent_wait_s {o.agent_wait_s:g}s'
+    refusals = dict(self.agents.refusals)
+    if refusals:
+      why += '; the driver refused ' + '; '.join(
+          f'{host or "an agent"}: {reason}' for host, reason in refusals.values())
+      if any(r.startswith('bad signature') for _, r in refusals.values()):
+        why += f' ({protocol.SECRET_ENV} must be the same for the driver and every agent of the job)'
+    if blocked:
+      why += f'; blocked in {path}: {", ".join(blocked)}'
+    return why
 
   def _fit(self, hosts: list[str]) -> tuple[list[str], list[str]]:
     """The most of `hosts` the job can run on, keeping its global batch, and

@@ -21,6 +21,12 @@ mjax/ft/driver.py:
   stopped          every process is gone: exit codes, seconds it took
   agents           under agents, before a launch: the hosts whose agent is
                    connected, the ones chosen, the ones missing
+  agent_connected / agent_lost   an agent's link made (host, address, pid)
+                   or lost (host, reason)
+  agent_rejected   a connection refused: host (or claimed_host, unverified,
+                   when its hello did not authenticate: a wrong job secret),
+                   peer, reason; one per host and reason per 30 s
+                   (suppressed_before counts the others)
   diagnosis        one host's mjax-diagnose result
   link_check       a host's links, checked in a pair with a healthy host
                    (passed true / false, or null: not checked)
