@@ -14,6 +14,7 @@ a checkpoint and exits cleanly.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -34,7 +35,8 @@ def main(argv=None) -> int:
   p.add_argument('--log_dir', default=None,
                  help='write process i to LOG_DIR/logs/process-<i>.log instead of the console')
   p.add_argument('--port', type=int, default=None, help='coordinator port (default: a free one)')
-  p.add_argument('--timeout', type=float, default=None, help='kill everything after this many seconds')
+  p.add_argument('--timeout', type=float, default=None,
+                 help='kill everything after this many seconds and exit 124, as timeout(1) does')
   argv = list(sys.argv[1:] if argv is None else argv)
   if '--' not in argv and any(a in ('-h', '--help') for a in argv):
     p.print_help()
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
     p.error('the command after -- is empty')
   if args.processes < 1 or (args.devices is not None and args.devices < 1):
     p.error('--processes and --devices must be at least 1')
+  if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+    p.error(f'--timeout {args.timeout}: give a finite number of seconds above 0, or leave it out (no limit)')
   try:
     procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port)
   except OSError as e:
@@ -63,7 +67,13 @@ def main(argv=None) -> int:
 
   signal.signal(signal.SIGTERM, forward)
   signal.signal(signal.SIGINT, forward)
-  codes = launch.wait_all(procs, timeout=args.timeout)
+  timed_out = []
+  codes = launch.wait_all(procs, timeout=args.timeout, on_timeout=lambda: timed_out.append(True))
+  if timed_out:
+    # Said as such: the -9s alone read like a crash of every process.
+    print(f'launch/local.py: --timeout {args.timeout:g}s reached: stopped every process still running '
+          f'(exit statuses {codes})', file=sys.stderr)
+    return 124
   failed = [(i, c) for i, c in enumerate(codes) if c]
   if failed:
     print(f'launch/local.py: exit statuses {codes}', file=sys.stderr)

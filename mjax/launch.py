@@ -199,12 +199,15 @@ def terminate(handles: Mapping[Any, Any], grace_s: float, kill: Callable[[Any, A
   return killed
 
 
-def wait_all(procs: Sequence[subprocess.Popen], timeout: Optional[float] = None) -> list[int]:
+def wait_all(procs: Sequence[subprocess.Popen], timeout: Optional[float] = None,
+             on_timeout: Optional[Callable[[], None]] = None) -> list[int]:
   """Waits for every process; the first failure ends the others.
 
   Args:
     procs: as returned by spawn_local.
     timeout: seconds to wait in all (None: no limit).
+    on_timeout: called once if the timeout ends the wait, before the
+      processes still running are killed.
   Returns:
     The exit codes in process order (negative: killed by that signal).
   """
@@ -215,6 +218,8 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: Optional[float] = None)
       if all(c is not None for c in codes) or any(c for c in codes):
         break
       if deadline is not None and time.monotonic() > deadline:
+        if on_timeout is not None:
+          on_timeout()
         break
       time.sleep(0.1)
   finally:

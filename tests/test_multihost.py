@@ -285,6 +285,18 @@ def test_local_py_exits_with_the_failing_status(repo_root):
   assert 'exit statuses [5, -9]' in proc.stderr
 
 
+def test_local_py_says_its_timeout_fired_and_exits_124(repo_root):
+  # Before: 'exit statuses [-9, -9]' and 137, as if both had crashed.
+  cmd = [PY, 'launch/local.py', '--processes', '2', '--timeout', '1', '--', PY, '-c', 'import time; time.sleep(60)']
+  proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 124, proc.stderr
+  assert '--timeout 1s reached: stopped every process still running (exit statuses [-9, -9])' in proc.stderr
+  for bad in ('0', 'nan', '-5'):
+    proc = subprocess.run([*cmd[:4], '--timeout', bad, '--', PY, '-c', 'pass'], cwd=repo_root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f'--timeout {float(bad)}: give a finite number' in proc.stderr, proc.stderr
+
+
 def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):
   # A missing program, one that is not executable, and a log directory that
   # cannot be made were tracebacks (FileNotFoundError, PermissionError) and
