@@ -125,7 +125,8 @@ def test_cli_passes_and_rejects_unknown_injected_names(monkeypatch, capsys):
                      (['--checks', 'memory,matmull'], 'unknown check(s) matmull'),
                      (['--check_timeout_s', '1e12'], 'is too large'),
                      (['--check_timeout_s', 'nan'], 'must be >= 0 and --check_timeout_s nan > 0'),
-                     (['--cpu_memory_mib', '0'], 'must be at least 1')]:
+                     (['--cpu_memory_mib', '0'], '--cpu_memory_mib 0: give at least 1 MiB'),
+                     (['--collective_mib', '-3'], '--collective_mib -3: give at least 1 MiB')]:
     with pytest.raises(SystemExit) as e:
       diagnose_main(argv)
     assert e.value.code == 2 and said in capsys.readouterr().err, argv

@@ -2254,3 +2254,12 @@ def test_a_trainer_that_lost_the_driver_is_diagnosed_unless_the_driver_held_itse
     assert d._exit_fault(att, {0: protocol.EXIT_DRIVER_LOST, 1: protocol.EXIT_DRIVER_LOST}).kind == 'driver_held'
   finally:
     d.server.close()
+
+
+def test_an_address_is_host_and_port_and_a_port_out_of_range_is_named():
+  assert hb.parse_address('127.0.0.1:7000') == ('127.0.0.1', 7000)
+  assert hb.parse_address('[::1]:7000') == ('::1', 7000)
+  with pytest.raises(ValueError, match='is not an address: expected host:port'):
+    hb.parse_address('127.0.0.1')
+  with pytest.raises(ValueError, match='port 99999 is out of range; give a port from 0 to 65535'):
+    hb.parse_address('127.0.0.1:99999')

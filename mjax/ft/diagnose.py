@@ -900,9 +900,10 @@ def parse_args(argv: Sequence[str], parser_class=argparse.ArgumentParser) -> arg
   if unknown or not args.checks:
     raise UserError(f'--checks {",".join(args.checks)!r}: ' + (f'unknown check(s) {", ".join(unknown)}' if unknown
                     else 'no check named') + f'; give a comma-separated subset of {",".join(CHECKS)}.')
-  if args.cpu_memory_mib < 1 or (args.collective_mib is not None and args.collective_mib < 1):
-    raise UserError(f'--cpu_memory_mib {args.cpu_memory_mib} and --collective_mib {args.collective_mib} must be '
-                    f'at least 1.')
+  for name in ('cpu_memory_mib', 'collective_mib'):
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      raise UserError(f'--{name} {value}: give at least 1 MiB.')
   if not args.check_timeout_s < threading.TIMEOUT_MAX:
     raise UserError(f'--check_timeout_s {args.check_timeout_s} is too large (at most {threading.TIMEOUT_MAX:.0f}).')
   return args

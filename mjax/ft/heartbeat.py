@@ -106,8 +106,10 @@ def new_secret() -> str:
 def parse_address(address: str) -> tuple[str, int]:
   """'host:port' -> (host, port); raises ValueError with the expected form."""
   host, colon, port = address.strip().rpartition(':')
-  if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+  if not colon or not host or not port.isdigit():
     raise ValueError(f'{address!r} is not an address: expected host:port, e.g. 127.0.0.1:7000.')
+  if not 0 <= int(port) < 65536:
+    raise ValueError(f'{address!r}: port {int(port)} is out of range; give a port from 0 to 65535.')
   return host.strip('[]'), int(port)
 
 
