@@ -22,7 +22,7 @@ from mjax import launch, protocol
 # A regression here tends to hang (a process never stopped, an agent never
 # answering): fail instead.
 pytestmark = pytest.mark.timeout(300)
-from mjax.ft import agent as agent_lib, detect, driver, heartbeat as hb
+from mjax.ft import agent as agent_lib, detect, driver, executor, heartbeat as hb
 
 SECRET = 'cd' * 32
 BIN = os.path.dirname(sys.executable)
@@ -554,6 +554,36 @@ def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):
     # Meanwhile the agent kept relaying (its own heartbeat): it is still connected.
     assert server.link('h0') is not None
     assert server.run('nobody', ['true'], {}, 1.0)[0] == agent_lib.EXIT_HOST_LOST
+
+
+def test_a_diagnostic_the_driver_cancels_is_killed_on_its_host_with_what_it_started(tmp_path, agents):
+  # Before, the driver stopped waiting but the agent let the command (and
+  # the processes it started) run on to its deadline, holding the host.
+  pids = tmp_path / 'pids'
+  code = ('import os, subprocess, sys, time\n'
+          'child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])\n'
+          f'open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")\n'
+          'time.sleep(120)')
+  with served(agents, 'h4') as server:
+    t0 = time.monotonic()
+    got = server.run('h4', [sys.executable, '-c', code], dict(os.environ), 300.0,
+                     cancel=lambda: pids.exists() and bool(pids.read_text()))
+    assert got[0] == executor.CANCELLED and time.monotonic() - t0 < 60
+    started = [int(p) for p in pids.read_text().split()]
+
+    def gone(pid):
+      try:
+        os.kill(pid, 0)
+      except ProcessLookupError:
+        return True
+      with open(f'/proc/{pid}/stat') as fh:   # a zombie: killed, not yet reaped by its parent
+        return fh.read().rsplit(')', 1)[1].split()[0] == 'Z'
+    deadline = time.monotonic() + 10
+    while not all(gone(p) for p in started) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert all(gone(p) for p in started)
+    # The agent serves on: the next command runs.
+    assert server.run('h4', [sys.executable, '-c', 'print(3)'], dict(os.environ), 30.0)[:2] == (0, '3\n')
 
 
 class FakeAgent:

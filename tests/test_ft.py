@@ -2081,6 +2081,35 @@ def test_slurm_kills_of_one_attempt_list_the_steps_once_and_a_slurmctld_error_en
   assert h.wait(10) == -signal.SIGKILL
 
 
+def test_a_slurm_diagnostic_that_overruns_or_is_cancelled_has_its_step_cancelled(tmp_path, monkeypatch):
+  # Before, only the local srun client was killed: the step ran on, on its node.
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  calls, name = tmp_path / 'calls', tmp_path / 'name'
+  # srun: keeps its step's name for squeue, then runs the command after its options.
+  (bin_dir / 'srun').write_text(
+      '#!/bin/sh\nfor a in "$@"; do case "$a" in --job-name=*) echo "${a#--job-name=}" > %s;; esac; done\n'
+      'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n' % name)
+  (bin_dir / 'squeue').write_text(f'#!/bin/sh\necho "7.9 $(cat {name})"\n')
+  (bin_dir / 'scancel').write_text(f'#!/bin/sh\necho "scancel $*" >> {calls}\n')
+  for f in ('srun', 'squeue', 'scancel'):
+    os.chmod(bin_dir / f, 0o755)
+  monkeypatch.setenv('PATH', f'{bin_dir}{os.pathsep}{os.environ["PATH"]}')
+  monkeypatch.setenv('SLURM_JOB_ID', '7')
+  monkeypatch.setattr(executor.SlurmExecutor, '_steps', (-1e9, {}))
+  ex = executor.SlurmExecutor('n0')
+  sleep = [sys.executable, '-c', 'import time; time.sleep(60)']
+  t0 = time.monotonic()
+  code, _, _ = ex.run(sleep, dict(os.environ), 60.0, cancel=lambda: time.monotonic() - t0 > 1.0)
+  assert code == executor.CANCELLED and calls.read_text().splitlines() == ['scancel --signal=KILL 7.9']
+  first = name.read_text().strip()
+  assert first.startswith('mjax-diagnose-n0-')
+  assert ex.run(sleep, dict(os.environ), 1.0)[0] == 124
+  assert calls.read_text().splitlines()[-1] == 'scancel --signal=KILL 7.9' and name.read_text().strip() != first
+  assert ex.run([sys.executable, '-c', 'print(1)'], dict(os.environ), 30.0) == (0, '1\n', '')
+  assert len(calls.read_text().splitlines()) == 2   # one that ends by itself is left alone
+
+
 def test_rejected_heartbeats_are_logged_once_per_kind_whatever_their_numbers():
   # A flood that varies the datagram's size (or its clock offset) made each
   # size a reason of its own, logged once each: tens of thousands of lines.

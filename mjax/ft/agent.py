@@ -105,7 +105,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mjax import jsonfile, protocol
 from mjax.ft import heartbeat as hb
-from mjax.ft.executor import CANCELLED
+from mjax.ft.executor import CANCELLED, run_to_end
 
 log = logging.getLogger('mjax.agent')
 
@@ -471,9 +471,12 @@ class AgentServer:
       except concurrent.futures.TimeoutError:
         pass
       if cancel is not None and cancel():
-        # Not waited for; the agent ends the command at its own timeout.
+        # Not waited for: the agent kills the command (an older agent, which
+        # knows no 'cancel', ends it at its own timeout).
+        link.send({'kind': 'cancel', 'id': ident})
         return CANCELLED, '', 'cancelled: the driver was asked to stop'
       if time.monotonic() >= deadline:
+        link.send({'kind': 'cancel', 'id': ident})
         return 124, '', f'the agent on {host} did not answer within {timeout + 30.0:.0f}s'
 
   def free_port(self, host: str, fallback: int) -> int:
@@ -817,6 +820,8 @@ class Agent:
     self._signal: Optional[int] = None
     self._exit = False
     self.refused: Optional[str] = None   # why the driver refused this agent, while it does
+    self._running: set = set()     # ids of the driver's commands running (diagnostics)
+    self._cancelled: set = set()   # those of them the driver cancelled
 
   # --- connection -------------------------------------------------------------
 
@@ -1027,7 +1032,11 @@ class Agent:
       if p is not None:
         _kill_group(p)
     elif kind == 'run':
+      self._running.add(msg.get('id'))
       threading.Thread(target=self._run, args=(msg,), daemon=True).start()
+    elif kind == 'cancel':
+      if msg.get('id') in self._running:   # only what runs: a late cancel must not pile up
+        self._cancelled.add(msg.get('id'))
     elif kind == 'port':
       from mjax.launch import free_port
       self._send({'kind': 'port', 'id': msg.get('id'), 'port': free_port()})
@@ -1062,17 +1071,21 @@ class Agent:
     self._send({'kind': 'started', 'id': ident, 'pid': p.pid})
 
   def _run(self, msg: dict) -> None:
+    ident = msg.get('id')
     timeout = float(msg.get('timeout') or 300.0)
     argv = [str(a) for a in msg.get('argv') or []]
+    # Ended when the driver cancels it (a stop signal during a diagnosis)
+    # or this agent is stopped: it must not hold the host's devices for
+    # the rest of its deadline. Its own process group: what it started goes too.
+    stopped = lambda: ident in self._cancelled or self._signal is not None or self._exit
     try:
-      p = subprocess.run(argv, env=self._env(msg.get('env')), capture_output=True, text=True, timeout=timeout)
-      code, out, err = p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-      code, out, err = 124, (e.stdout or b'').decode() if isinstance(e.stdout, bytes) else (e.stdout or ''), \
-          f'timed out after {timeout:.0f}s'
+      code, out, err = run_to_end(argv, self._env(msg.get('env')), timeout, cancel=stopped)
     except OSError as e:
       code, out, err = 127, '', f'{argv[:1]}: {e}'
-    self._send({'kind': 'ran', 'id': msg.get('id'), 'code': code, 'out': _clip(out), 'err': _clip(err)})
+    finally:
+      self._running.discard(ident)
+      self._cancelled.discard(ident)
+    self._send({'kind': 'ran', 'id': ident, 'code': code, 'out': _clip(out), 'err': _clip(err)})
 
   def _send(self, msg: dict) -> None:
     ch = self._channel

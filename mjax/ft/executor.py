@@ -13,6 +13,7 @@ signals to the remote process through the agent.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -22,6 +23,39 @@ from typing import Callable, Optional, Sequence
 
 # What `run` returns when `cancel` ended it: the driver was asked to stop.
 CANCELLED = 130
+
+
+def run_to_end(argv: Sequence[str], env: dict, timeout: float, cancel: Optional[Callable[[], bool]] = None,
+               stop: Optional[Callable[[], None]] = None) -> tuple[int, str, str]:
+  """Runs a command in a process group of its own to completion: (status,
+  stdout, stderr); status 124 on timeout, CANCELLED once `cancel()` is true
+  (checked a few times a second). Either way the group is killed, after
+  `stop()` has ended whatever runs elsewhere for it (a SLURM step).
+  Raises OSError when the command cannot be started."""
+  p = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       start_new_session=True)   # its own group: what it started goes with it
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      out, err = p.communicate(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+      return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+      pass
+    cancelled = cancel is not None and cancel()
+    if cancelled or time.monotonic() >= deadline:
+      if stop is not None:
+        stop()
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      p.wait()
+      try:   # bounded: a descendant that left the group may hold the pipes open
+        out, _ = p.communicate(timeout=5.0)
+      except subprocess.TimeoutExpired:
+        out = ''
+      return (CANCELLED, out or '', 'cancelled: the driver was asked to stop') if cancelled else \
+          (124, out or '', f'timed out after {timeout:.0f}s')
 
 
 class LocalExecutor:
@@ -53,28 +87,7 @@ class LocalExecutor:
     """Runs a command to completion: (status, stdout, stderr); status 124 on
     timeout, CANCELLED once `cancel()` is true (checked a few times a
     second: a stop signal to the driver ends a diagnosis there)."""
-    p = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)   # its own group: what it started goes with it
-    deadline = time.monotonic() + timeout
-    while True:
-      try:
-        out, err = p.communicate(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
-        return p.returncode, out, err
-      except subprocess.TimeoutExpired:
-        pass
-      cancelled = cancel is not None and cancel()
-      if cancelled or time.monotonic() >= deadline:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-        p.wait()
-        try:   # bounded: a descendant that left the group may hold the pipes open
-          out, _ = p.communicate(timeout=5.0)
-        except subprocess.TimeoutExpired:
-          out = ''
-        return (CANCELLED, out or '', 'cancelled: the driver was asked to stop') if cancelled else \
-            (124, out or '', f'timed out after {timeout:.0f}s')
+    return run_to_end(argv, env, timeout, cancel)
 
 
 class SlurmExecutor:
@@ -113,6 +126,7 @@ class SlurmExecutor:
   # thousand calls to slurmctld on a 1,000-node job, when it is busiest.
   _steps: tuple[float, dict[str, list[str]]] = (-1e9, {})
   STEPS_FRESH_S = 2.0
+  _run_ids = itertools.count(1)
 
   @classmethod
   def _step_ids(cls, job: str, name: str) -> list[str]:
@@ -130,19 +144,22 @@ class SlurmExecutor:
       cls._steps = (time.monotonic(), steps)
     return steps.get(name, [])
 
-  def kill(self, handle: subprocess.Popen) -> None:
+  def _cancel_steps(self, name: Optional[str]) -> None:
+    """scancel of the job's running steps named `name`."""
     job = os.environ.get('SLURM_JOB_ID')
-    name = getattr(handle, 'step_name', None)
     if job and name:
       try:
         for step in self._step_ids(job, name):
           subprocess.run(['scancel', '--signal=KILL', step], capture_output=True, timeout=30)
       except (subprocess.TimeoutExpired, OSError) as e:
         # A slurmctld too busy to answer must not end the driver in the
-        # middle of a recovery: the client is killed below, and SLURM ends
-        # the step with its job at the latest.
+        # middle of a recovery: the client is killed after this, and SLURM
+        # ends the step with its job at the latest.
         print(f'mjax-launch: could not cancel the job step {name} of {self.host} ({e})', file=sys.stderr,
               flush=True)
+
+  def kill(self, handle: subprocess.Popen) -> None:
+    self._cancel_steps(getattr(handle, 'step_name', None))
     try:
       os.killpg(handle.pid, signal.SIGKILL)   # the srun client
     except ProcessLookupError:
@@ -150,7 +167,12 @@ class SlurmExecutor:
 
   def run(self, argv: Sequence[str], env: dict, timeout: float,
           cancel: Optional[Callable[[], bool]] = None) -> tuple[int, str, str]:
-    return LocalExecutor.run(self, [*self._srun(f'mjax-diagnose-{self.host}'), *argv], env, timeout, cancel)
+    # A diagnostic that overruns or is cancelled is a step of its own to
+    # cancel, as a trainer's: killing the srun client alone left it running
+    # on the node. Named apart from the host's other diagnostics (a link
+    # check may run beside one).
+    name = f'mjax-diagnose-{self.host}-{next(self._run_ids)}'
+    return run_to_end([*self._srun(name), *argv], env, timeout, cancel, stop=lambda: self._cancel_steps(name))
 
 
 def slurm_hosts() -> list[str]:
