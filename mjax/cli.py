@@ -442,7 +442,9 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
     return
   if not args.input or not args.output:
     p.error('needs --input and --output (or --verify DIR)')
-  _outside_checkpoints(args.output)
+  from mjax.checkpoint.directories import refuse_among_checkpoints
+  # A run's checkpoint directory holds its steps and nothing else.
+  refuse_among_checkpoints(os.path.abspath(os.path.expanduser(args.output)), give='--output a path')
   manifest = prepare_shards(args.input, args.output, args.tokenizer,
                             shard_tokens=args.shard_tokens,
                             heldout_fraction=args.heldout_fraction,
@@ -451,15 +453,6 @@ def prepare_main(argv: Optional[Sequence[str]] = None) -> None:
   print(f'{prog}: wrote {len(manifest["shards"])} shard(s) and manifest.json to '
         f'{os.path.abspath(args.output)} ({manifest["dtype"]}, tokenizer '
         f'{manifest["tokenizer"]["name"]}, {manifest["tokenizer"]["vocab_size"]} ids)')
-
-
-def _outside_checkpoints(path: str) -> None:
-  """Refuses an output in a run's checkpoint directory, which holds its
-  steps and nothing else (as mjax-export and mjax-import refuse one)."""
-  from mjax.checkpoint.directories import among_checkpoints
-  problem = among_checkpoints(os.path.abspath(os.path.expanduser(path)))
-  if problem:
-    raise UserError(f'{problem}; give --output a path outside it.')
 
 
 @entry_point('mjax-tokenizer')
@@ -498,7 +491,9 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
           continue
         yield doc.decode('utf-8', errors='replace')
 
-  _outside_checkpoints(args.output)
+  from mjax.checkpoint.directories import refuse_among_checkpoints
+  # A run's checkpoint directory holds its steps and nothing else.
+  refuse_among_checkpoints(os.path.abspath(os.path.expanduser(args.output)), give='--output a path')
   info = train_bpe(texts(), args.vocab_size, args.output)
   if dropped:
     print(f'{prog}: left out {len(dropped)} of {len(files)} {what_documents_are(files)} that are not text: '

@@ -329,13 +329,11 @@ def check_out(out: str) -> str:
                     f'overwritten).')
   if os.path.ismount(out):
     raise UserError(f'{out!r} is a mount point; give a new directory inside it.')
-  from mjax.checkpoint.directories import among_checkpoints  # noqa: PLC0415
+  from mjax.checkpoint.directories import refuse_among_checkpoints  # noqa: PLC0415
   # A run's checkpoint directory holds its steps only: a numbered export
   # there reads as a damaged step (the run then refuses to resume), and an
   # export inside a step goes when Orbax deletes that step.
-  problem = among_checkpoints(out)
-  if problem:
-    raise UserError(f'{problem}; give a path outside it.')
+  refuse_among_checkpoints(out)
   return out
 
 
@@ -734,10 +732,8 @@ def import_main(argv: Sequence[str]) -> str:
     raise UserError(f'{out!r}: its directory {parent!r} ' +
                     ('is a file, not a directory' if os.path.exists(parent) else 'does not exist; create it first')
                     + '.')
-  from mjax.checkpoint.directories import among_checkpoints  # noqa: PLC0415
-  problem = among_checkpoints(out)
-  if problem:   # (as for an export: a run's checkpoint directory holds its steps only)
-    raise UserError(f'{problem}; give a path outside it.')
+  from mjax.checkpoint.directories import refuse_among_checkpoints  # noqa: PLC0415
+  refuse_among_checkpoints(out)   # as for an export: a run's checkpoint directory holds its steps only
   lines = gin_bindings(args.model)
   # Without the model's own tokenizer the run would read text as mjax's
   # byte ids, which mean nothing to the imported embedding: said loudly.

@@ -469,6 +469,7 @@ def test_prepare_and_tokenizer_write_nothing_into_a_runs_checkpoints(tmp_path, c
       main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and 'a checkpoint directory of a training run' in err, err
+    assert err.rstrip().endswith('give --output a path outside it.'), err
   assert os.listdir(ck) == [OWNER_FILE]
 
 

@@ -21,6 +21,7 @@ from etils import epath
 
 from mjax import jsonfile
 from mjax.config import CheckpointConfig, ConfigError
+from mjax.errors import UserError
 
 
 def tier_directories(cfg: CheckpointConfig, workdir: str, strict: bool = False) -> dict[str, str]:
@@ -263,6 +264,15 @@ def among_checkpoints(path: str) -> Optional[str]:
               f'which holds its steps and nothing else (the run would read a new entry as a damaged step, or '
               f'delete it with an old step)')
   return None
+
+
+def refuse_among_checkpoints(path: str, give: str = 'a path') -> None:
+  """Raises UserError where `among_checkpoints` says no: for the tools
+  that write outside a run (mjax-export, mjax-import, mjax-prepare,
+  mjax-tokenizer); `give` names what the user should change."""
+  problem = among_checkpoints(path)
+  if problem:
+    raise UserError(f'{problem}; give {give} outside it.')
 
 
 def _expand(path: str, workdir: str, key: str, strict: bool) -> str:
