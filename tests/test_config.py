@@ -283,7 +283,22 @@ def test_a_runs_own_config_gin_goes_on_in_that_run(tmp_path, monkeypatch, capsys
   assert 'the run whose config.gin this is' in capsys.readouterr().out
 
 
-def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys):
+@pytest.fixture
+def foreground():
+  """Ctrl-C and SIGTERM as a tool started from a terminal has them. A
+  background job of a non-interactive shell (`cmd &`, as CI scripts start
+  the suite) inherits Ctrl-C ignored, which a tool rightly leaves so.
+  Yields what a child process should run before exec to have them too."""
+  import signal
+  old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  yield lambda: [signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)]
+  for sig, was in old.items():
+    signal.signal(sig, was)
+
+
+def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys, foreground):
   # Ctrl-C and SIGTERM unwind the tool (its clean-ups run) and end it with
   # one line and a documented status; before, SIGTERM killed a tool without
   # a word or its clean-ups (a half shard directory, a temporary file).
@@ -308,7 +323,7 @@ def test_a_tool_stopped_by_a_signal_cleans_up_and_says_so(capsys):
     assert signal.getsignal(sig) is before
 
 
-def test_a_tool_that_loses_the_interrupt_still_ends(capsys):
+def test_a_tool_that_loses_the_interrupt_still_ends(capsys, foreground):
   # Python drops an exception raised inside a garbage-collector callback
   # (JAX registers one): the tool ran on to the end. The signal watch ends
   # it after the grace, with the same line and status.
@@ -317,7 +332,8 @@ def test_a_tool_that_loses_the_interrupt_still_ends(capsys):
           '@cli.entry_point("mjax-tool")\ndef main(argv):\n  print("ready", flush=True)\n'
           '  while True:\n    try:\n      time.sleep(60)\n    except KeyboardInterrupt:\n      pass\nmain()\n')
   for sig, status, said in ((signal.SIGTERM, 143, 'terminated'), (signal.SIGINT, 130, 'interrupted')):
-    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=foreground)
     assert proc.stdout.readline() == 'ready\n'
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
