@@ -263,6 +263,7 @@ def test_refused_hellos_are_answered_and_written_once_per_host_and_reason():
     time.sleep(0.2)
     assert [e['claimed_host'] for e in seen] == ['x1', 'x2']   # x1's next two within REFUSED_EVENT_S
     assert server.refusals['bad signature'][0] == 'an agent that says it is x2' and server.connected() == []
+    assert agent_lib._refusal(b'{"refused": "bad\\u001b[2Jsecret"}\n') == 'bad?[2Jsecret'
   finally:
     server.close()
 

@@ -142,7 +142,8 @@ def _refusal(data: bytes) -> Optional[str]:
   except (ValueError, RecursionError):
     return None
   if isinstance(msg, dict) and set(msg) == {'refused'} and isinstance(msg['refused'], str):
-    return msg['refused'][:200]
+    # Printed as it came: no control characters (a terminal's escapes) from an unchecked peer.
+    return ''.join(c if c.isprintable() else '?' for c in msg['refused'][:200])
   return None
 
 
