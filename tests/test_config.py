@@ -288,12 +288,14 @@ def foreground():
   """Ctrl-C and SIGTERM as a tool started from a terminal has them. A
   background job of a non-interactive shell (`cmd &`, as CI scripts start
   the suite) inherits Ctrl-C ignored, which a tool rightly leaves so.
-  Yields what a child process should run before exec to have them too."""
+  Yields the lines a Python child runs first to have them too (not a
+  preexec_fn: a fork of this process, whose JAX threads run, can deadlock)."""
   import signal
   old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
   signal.signal(signal.SIGINT, signal.default_int_handler)
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
-  yield lambda: [signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)]
+  yield ('import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n'
+         'signal.signal(signal.SIGTERM, signal.SIG_DFL)\n')
   for sig, was in old.items():
     signal.signal(sig, was)
 
@@ -332,8 +334,8 @@ def test_a_tool_that_loses_the_interrupt_still_ends(capsys, foreground):
           '@cli.entry_point("mjax-tool")\ndef main(argv):\n  print("ready", flush=True)\n'
           '  while True:\n    try:\n      time.sleep(60)\n    except KeyboardInterrupt:\n      pass\nmain()\n')
   for sig, status, said in ((signal.SIGTERM, 143, 'terminated'), (signal.SIGINT, 130, 'interrupted')):
-    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=foreground)
+    proc = subprocess.Popen([sys.executable, '-c', foreground + code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == 'ready\n'
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
