@@ -2115,7 +2115,8 @@ def test_rejected_heartbeats_are_logged_once_per_kind_whatever_their_numbers():
   # size a reason of its own, logged once each: tens of thousands of lines.
   import types
   emitted = []
-  fake = types.SimpleNamespace(_rejected={}, _unread_seen=0, server=types.SimpleNamespace(rejected_dropped=0),
+  from mjax.ft.events import Throttle
+  fake = types.SimpleNamespace(_rejected=Throttle(5.0), _unread_seen=0, server=types.SimpleNamespace(rejected_dropped=0),
                                events=types.SimpleNamespace(emit=lambda *a, **kw: emitted.append(kw)))
   reject = lambda reason: driver.Driver._rejected_heartbeat(fake, reason, ('10.0.0.9', 1))
   for n in range(1000):
@@ -2126,7 +2127,7 @@ def test_rejected_heartbeats_are_logged_once_per_kind_whatever_their_numbers():
   # let go of while the driver's loop was held up (it keeps the last 1,024)
   # are counted on the next event, once.
   fake.server.rejected_dropped = 70
-  for kind in fake._rejected.values():
+  for kind in fake._rejected._keys.values():
     kind[0] -= 6
   reject('malformed: 9 bytes')
   reject('stale: timestamp +99.0s from now, outside +-60s')

@@ -104,7 +104,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from mjax import jsonfile, protocol
-from mjax.ft import heartbeat as hb
+from mjax.ft import events as events_lib, heartbeat as hb
 from mjax.ft.executor import CANCELLED, run_to_end
 
 log = logging.getLogger('mjax.agent')
@@ -366,10 +366,10 @@ class AgentServer:
     # counts as unsupervised (default: the heartbeat timeout).
     self.stall_s = timeout_s if stall_s is None else stall_s
     self._on_event = on_event or (lambda kind, **kw: None)
-    # Refused handshakes: (host, reason) -> [last written, refusals since].
     # An agent with the wrong secret tries again and again; the driver's
-    # events say so once in REFUSED_EVENT_S, with the count in between.
-    self._refused: dict[tuple, list] = {}
+    # events say so once in REFUSED_EVENT_S per host and reason, with the
+    # count in between.
+    self._refused = events_lib.Throttle(REFUSED_EVENT_S)
     self._lock = threading.Lock()
     self._links: dict[str, AgentLink] = {}       # host -> its ready agent
     self._pending: dict[socket.socket, tuple[Channel, float, Optional[dict]]] = {}
@@ -654,15 +654,10 @@ class AgentServer:
       pass   # gone, or its buffer full: it learns nothing, as before
     self._forget(sock)
     channel.close()
-    now = time.monotonic()
     key = (str(host or claimed), reason.partition(':')[0])
-    last, since = self._refused.get(key, (-math.inf, 0))
-    if now - last < REFUSED_EVENT_S:
-      self._refused[key] = [last, since + 1]
+    since = self._refused.admit(key)
+    if since is None:
       return
-    if len(self._refused) > 4096:   # hosts named by hostile hellos: keep the table bounded
-      self._refused.clear()
-    self._refused[key] = [now, 0]
     with self._lock:
       self.refusals[key[1]] = (host or (claimed and f'an agent that says it is {claimed}'), reason)
     self._on_event('agent_rejected', host=host, peer=peer, reason=reason,

@@ -481,7 +481,7 @@ class Driver:
     self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
     self._signal: Optional[int] = None
     self._signals = 0
-    self._rejected: dict[str, list] = {}
+    self._rejected = events_lib.Throttle(5.0)   # heartbeat rejections, by kind
     self._unread_seen = 0   # the server's rejected_dropped already reported
     self._suspect: dict[str, int] = {}   # host -> diagnoses in a row slow under load
     self._undiagnosed: set[str] = set()  # hosts whose agent was away when they were to be diagnosed
@@ -1076,13 +1076,9 @@ class Driver:
     flood the log). The kind is the reason's first word ('malformed',
     'stale', ...): its details carry numbers (a size, a clock offset), and a
     flood that varies them would otherwise make each one a reason of its own."""
-    now = time.monotonic()
-    kind = reason.partition(':')[0]
-    last, suppressed = self._rejected.get(kind, (-math.inf, 0))
-    if now - last < 5.0:
-      self._rejected[kind] = [last, suppressed + 1]
+    suppressed = self._rejected.admit(reason.partition(':')[0])
+    if suppressed is None:
       return
-    self._rejected[kind] = [now, 0]
     # Rejections the server let go of while this loop was held up (it keeps
     # the last 1,024): counted, of no kind, on the next event written.
     unread = self.server.rejected_dropped - self._unread_seen

@@ -62,6 +62,28 @@ from typing import Any, Optional
 from mjax import jsonfile
 
 
+class Throttle:
+  """At most one event per key every `every_s` (a flood of rejections must
+  not flood the log): `admit(key)` is None for one to drop, else how many
+  were dropped since the last one admitted. Keys may come from hostile
+  peers, so the table is cleared past `max_keys`."""
+
+  def __init__(self, every_s: float, max_keys: int = 4096):
+    self.every_s, self.max_keys = every_s, max_keys
+    self._keys: dict[Any, list] = {}   # key -> [last admitted, dropped since]
+
+  def admit(self, key: Any) -> Optional[int]:
+    now = time.monotonic()
+    last, dropped = self._keys.get(key, (-math.inf, 0))
+    if now - last < self.every_s:
+      self._keys[key] = [last, dropped + 1]
+      return None
+    if len(self._keys) >= self.max_keys:
+      self._keys.clear()
+    self._keys[key] = [now, 0]
+    return dropped
+
+
 def _clean(v: Any) -> Any:
   """JSON has no NaN/Inf: write them as strings so every line stays valid JSON."""
   if isinstance(v, float) and not math.isfinite(v):
