@@ -509,8 +509,9 @@ def test_an_agent_with_the_wrong_secret_is_told_so_and_the_driver_says_why_it_ga
   # and at the end 'no driver', while the driver wrote a rejection every
   # 0.5 s and gave up with 'no healthy host left: none blocked'.
   port = launch.free_port()
-  agent = agents(port, 'w0', env={protocol.SECRET_ENV: 'ab' * 32}, extra=('--connect_timeout_s', '3'))['w0']
+  # The driver listens first: the agent's 3 s must not pass before it is up (a loaded machine).
   d = make_driver(tmp_path, port, '--processes', '1', '--hosts', 'w0', '--agent_wait_s', '8')
+  agent = agents(port, 'w0', env={protocol.SECRET_ENV: 'ab' * 32}, extra=('--connect_timeout_s', '3'))['w0']
   assert d.run() == driver.EXIT_GAVE_UP
   reason = events(tmp_path, 'giveup')[0]['reason']
   assert 'no agent of hosts w0 connected within --agent_wait_s 8s' in reason
