@@ -53,7 +53,7 @@ def free_port() -> int:
     The port number. Another program may take it before the coordinator
     binds it: rare, but not never on a busy machine. A training attempt
     that loses it fails and is restarted; the driver's link check
-    (Driver._link_pair) tries again on a new port before it blocks a host.
+    (health.HostChecks._link_pair) tries again on a new port before it blocks a host.
   """
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(('127.0.0.1', 0))

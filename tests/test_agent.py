@@ -643,12 +643,12 @@ def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_bloc
     assert d.agents.wait_for(['a0', 'a1'], 10) == ['a0', 'a1']
     att = driver.Attempt(0, ['a0', 'a1'], {0: None, 1: None}, [], {}, None, [], 0.0)
     d._diagnose(att, detect.Fault('exit', [1], 'exited abnormally'))
-    assert d.blocked.hosts() == [] and d._undiagnosed == {'a1'}
+    assert d.blocked.hosts() == [] and d.health.undiagnosed == {'a1'}
     a1 = [e for e in events(tmp_path, 'diagnosis') if e['host'] == 'a1']
     assert a1[-1]['passed'] is None and 'went away' in a1[-1]['detail'], a1
     # Its agent is back: it is diagnosed before it runs anything, and passes.
     fakes.append(FakeAgent(port, 'a1', lambda host, argv: passing, nonce='n2'))
-    assert d._plan() == ['a0', 'a1'] and d._undiagnosed == set()
+    assert d._plan() == ['a0', 'a1'] and d.health.undiagnosed == set()
     late = events(tmp_path, 'diagnosis')[-1]
     assert (late['host'], late['passed'], late.get('late')) == ('a1', True, True), late
 
@@ -663,7 +663,7 @@ def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_bloc
     d._diagnose(att, detect.Fault('exit', [1], 'exited abnormally'))
     (check,) = events(tmp_path, 'link_check')
     assert check['passed'] is None and 'a0 went away' in check['detail'], check
-    assert d.blocked.hosts() == [] and d._undiagnosed == {'a0'} and not events(tmp_path, 'host_blocked')
+    assert d.blocked.hosts() == [] and d.health.undiagnosed == {'a0'} and not events(tmp_path, 'host_blocked')
   finally:
     for f in fakes:
       f.sock.close()

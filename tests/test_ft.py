@@ -29,7 +29,7 @@ import pytest
 from mjax.errors import UserError
 
 from mjax import config as C, protocol
-from mjax.ft import detect, driver, events as events_lib, executor, heartbeat as hb, hosts as hosts_lib, stragglers
+from mjax.ft import detect, driver, events as events_lib, executor, health, heartbeat as hb, hosts as hosts_lib, stragglers
 from mjax.metrics import read_metrics
 
 SECRET = 'ab' * 32
@@ -1204,8 +1204,8 @@ def test_progress_counts_checkpoints_only_where_the_driver_sees_them(tmp_path):
 def test_no_host_left_names_the_block_list(tmp_path, monkeypatch):
   monkeypatch.setattr(FakeExecutor, 'failing', {})
   d = make_driver(tmp_path)
-  d._block('slot0', 'test')
-  d._block('slot1', 'test')
+  d.health.block('slot0', 'test')
+  d.health.block('slot1', 'test')
   assert d.run() == driver.EXIT_GAVE_UP
   reason = events(tmp_path, 'giveup')[0]['reason']
   assert 'slot0, slot1 blocked in' in reason and 'blocked_hosts.json' in reason and 'repaired' in reason
@@ -2138,13 +2138,11 @@ def test_a_host_whose_clock_is_far_off_fails_its_diagnosis():
   # Its own checks pass, but its heartbeats fall outside the driver's window
   # (60 s): its processes would count as lost after every restart, until
   # max_restarts ended the job. Within half the window of the run, it passes.
-  import types
-  fake = types.SimpleNamespace(clock_window_s=60.0)
-  check = lambda t: driver.Driver._clock_check(fake, {'passed': True, 'time': t}, 1000.0, 1010.0)
+  check = lambda t: health.clock_verdict({'passed': True, 'time': t}, 1000.0, 1010.0, 60.0)
   assert check(1005.0) == (True, 'passed') and check(975.0)[0] and check(1035.0)[0]
   passed, detail = check(1100.0)
   assert not passed and 'its clock is +90s off the driver\'s' in detail and 'NTP' in detail
-  assert not check(900.0)[0] and check(float('nan'))[0] and driver.Driver._clock_check(fake, {}, 0, 1)[0]
+  assert not check(900.0)[0] and check(float('nan'))[0] and health.clock_verdict({}, 0, 1, 60.0)[0]
 
 
 def test_every_event_the_driver_writes_is_documented():
@@ -2208,8 +2206,8 @@ def test_a_stop_during_a_diagnosis_ends_it_there_and_blocks_no_host(tmp_path, mo
   # default, a hung check's 120 s), then blocked hosts on what it got, and
   # only then said 'preempted': past SLURM's TERM-to-KILL window.
   d = fake_driver(tmp_path, monkeypatch, 'crash_once', processes=2)
-  d.executor_factory = executor.LocalExecutor
-  d.diagnose_cmd = [sys.executable, '-c', 'import time; time.sleep(120)']   # a hung check
+  d.executor_factory = d.health.executor_factory = executor.LocalExecutor
+  d.health.diagnose_cmd = [sys.executable, '-c', 'import time; time.sleep(120)']   # a hung check
   emit = d.events.emit
 
   def emit_then_stop(event, **fields):

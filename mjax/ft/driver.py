@@ -59,7 +59,7 @@ Recovery, without a human:
      of a multi-host job fails, none is blocked (a shared cause is likelier);
      then the hosts the fault named (a crash, a lost or hung process) that
      passed run an all-reduce with a healthy host each, as two-process JAX
-     jobs, all at once: a failing link blocks the named host (_check_links);
+     jobs, all at once: a failing link blocks the named host (mjax/ft/health.py);
   3. wait restart_backoff_s (doubled after each restart in a row, at most
      60 s);
   4. restart from the newest good checkpoint (the trainer resumes from the
@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -110,21 +109,15 @@ from mjax import distributed, flags, jsonfile, protocol
 from mjax.ft import detect, events as events_lib, heartbeat as hb, hosts as hosts_lib
 from mjax.ft import executor as executor_lib
 from mjax.ft import agent as agent_lib
+from mjax.ft import health as health_lib
 from mjax.ft.executor import LocalExecutor
 from mjax.errors import UserError
 
 # The driver's own exit statuses.
 EXIT_OK, EXIT_GAVE_UP, EXIT_BAD_INPUT = protocol.EXIT_OK, protocol.EXIT_FAILED, protocol.EXIT_USER_ERROR
 MAX_BACKOFF_S = 60.0
-SUSPECT_LIMIT = 2             # diagnoses in a row a host may pass only because it was loaded
 STACK_WAIT_S = 1.0            # time given to faulthandler to write the stacks
 KILL_WAIT_S = 60.0            # after SIGKILL, a process still there this long counts its host as lost
-# Faults that may come from a host's network, so the hosts they name get a
-# collective with a healthy host after their own checks (Driver._check_links).
-LINK_FAULTS = ('exit', 'heartbeat_lost', 'hang', 'startup_timeout')
-LINK_TRIES = 2                # link-check jobs a named host must fail before it is blocked
-DIAGNOSE_TRIES = 2            # crashes without a report a host's own diagnostic may have before blocking
-DIAGNOSE_AT_ONCE = 128        # hosts diagnosed in parallel
 
 
 # ----------------------------------------------------------------------------
@@ -483,8 +476,8 @@ class Driver:
     self._signals = 0
     self._rejected = events_lib.Throttle(5.0)   # heartbeat rejections, by kind
     self._unread_seen = 0   # the server's rejected_dropped already reported
-    self._suspect: dict[str, int] = {}   # host -> diagnoses in a row slow under load
-    self._undiagnosed: set[str] = set()  # hosts whose agent was away when they were to be diagnosed
+    self.health = health_lib.HostChecks(opts, self.events, executor_factory, self.agents, self.blocked,
+                                        self.diagnose_cmd, self.clock_window_s, self._stop_asked)
     self._launched = False
     self._over = False
 
@@ -713,24 +706,14 @@ class Driver:
       pool = [h for h in [*o.hosts, *o.spares] if h not in self.blocked and self.agents.link(h) is not None]
     # A host whose agent was away when the hosts were diagnosed is checked
     # now that it is back, before it runs anything: those this attempt would
-    # take, all at once (as in _diagnose), until every host it takes has
+    # take, all at once (as after a fault), until every host it takes has
     # passed. One whose agent goes again meanwhile sits the attempt out.
     away: set[str] = set()
     while True:
       hosts = [h for h in pool if h not in self.blocked and h not in away][:o.processes]
-      late = [h for h in hosts if h in self._undiagnosed]
-      if not late:
+      if not any(h in self.health.undiagnosed for h in hosts):
         break
-      with concurrent.futures.ThreadPoolExecutor(max_workers=len(late)) as workers:
-        results = list(workers.map(self._diagnose_host, late))
-      for h, (passed, _, detail) in zip(late, results):
-        self.events.emit('diagnosis', host=h, passed=passed, detail=detail, late=True)
-        if passed is None:
-          away.add(h)
-          continue
-        self._undiagnosed.discard(h)
-        if not passed:
-          self._block(h, f'diagnostic failed: {detail}')
+      away |= self.health.diagnose_late(hosts)
     missing = sorted(set(o.hosts) - set(self.blocked.hosts()) - set(self.agents.connected()))
     self.events.emit('agents', connected=self.agents.connected(), chosen=hosts, missing=missing)
     return hosts
@@ -1248,265 +1231,11 @@ class Driver:
                        killed=killed, exit=self._exit_statuses(att))
 
   def _diagnose(self, att: Attempt, fault: detect.Fault) -> None:
-    """mjax-diagnose on every host of the attempt, in parallel; failing
-    hosts (and an evicted straggler's) are blocked."""
-    if fault.kind == 'straggler':
-      for i in fault.processes:
-        self._block(att.hosts[i], f'straggler: {fault.detail}')
-    if fault.kind == 'host_fault':   # found by the trainers themselves; the others passed
-      for i in fault.processes:
-        self._block(att.hosts[i], f'host fault: {fault.detail}')
-    if not self.diagnose_cmd:
-      self.events.emit('diagnosis', host=None, passed=None,
-                       detail='mjax-diagnose is not installed: no host checked, none blocked')
-      return
-    t0 = time.monotonic()
-    # At most DIAGNOSE_AT_ONCE hosts at a time: 1,250 threads, and under
-    # SLURM 1,250 srun at once, on every fault otherwise.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(att.hosts), DIAGNOSE_AT_ONCE)) as pool:
-      results = list(pool.map(self._diagnose_host, att.hosts))
-    if self._stop_asked():
-      # A stop signal ends a diagnosis there (the caller says so): the hosts
-      # cut short have no verdict, and none is blocked on half of one.
-      return
-    for host, (passed, report, detail) in zip(att.hosts, results):
-      self.events.emit('diagnosis', host=host, passed=passed, detail=detail,
-                       checks=report.get('checks') if report else None,
-                       seconds=round(time.monotonic() - t0, 3))
-    # A host whose agent is away is not judged now (a network blip must not
-    # block a healthy host for good): it sits out until its agent is back,
-    # and is diagnosed then (_plan). A host that is really gone never is.
-    self._undiagnosed |= {h for h, r in zip(att.hosts, results) if r[0] is None}
-    failing = [(h, r[2]) for h, r in zip(att.hosts, results) if r[0] is False]
-    if len(att.hosts) > 1 and len(failing) == len(att.hosts):
-      # Every host failing at once points at something they share (the
-      # diagnostic's thresholds, a shared file system, the driver itself)
-      # rather than at all of them: blocking them all would end this
-      # workdir for good. Restart as is; max_restarts still bounds it.
-      self.events.emit('diagnosis_suspect', hosts=att.hosts,
-                       detail='every host failed: none blocked, the cause is probably shared')
-      return
-    for host, detail in failing:
-      self._block(host, f'diagnostic failed: {detail}')
-    self._check_links(att, fault, [h for h, r in zip(att.hosts, results) if r[0] is True])
-    # Slow only while the host was loaded (mjax-diagnose's "suspect"): load
-    # may explain it once; the same twice in a row, it does not. Every host
-    # slow at once is load they share (hosts of one machine, diagnosed side
-    # by side), as every host failing at once is a shared cause: none is
-    # counted. Nor does a count ever block the last hosts left.
-    suspects = {host: (report or {}).get('suspect') or [] for host, (passed, report, _) in zip(att.hosts, results)
-                if passed}
-    suspects = {h: s for h, s in suspects.items() if s}
-    if len(att.hosts) > 1 and len(suspects) == len(att.hosts):
-      self.events.emit('diagnosis_suspect', hosts=att.hosts,
-                       detail='every host slow under load: the load is probably shared, none counted')
-      return
-    for host in att.hosts:
-      self._suspect[host] = self._suspect.get(host, 0) + 1 if host in suspects else 0
-      if self._suspect[host] >= SUSPECT_LIMIT:
-        if not [h for h in att.hosts + list(self.opts.spares) if h != host and h not in self.blocked]:
-          self.events.emit('diagnosis_suspect', hosts=[host],
-                           detail='slow under load again, but the last host left: not blocked')
-          continue
-        self._block(host, f'slow under load in {SUSPECT_LIMIT} diagnoses in a row: {", ".join(suspects[host])}')
+    """mjax-diagnose on every host of the attempt (mjax/ft/health.py)."""
+    self.health.after_fault(att.hosts, fault)
 
   def _stop_asked(self) -> bool:
     return self._signal is not None
-
-  def _diagnose_env(self, host: str, base: Optional[dict] = None) -> dict:
-    from mjax import distributed
-    env = dict(os.environ if base is None else base)
-    env.pop(protocol.INJECT_ENV, None)   # the trainer's test faults are not the host's
-    if self.opts.devices:
-      env['XLA_FLAGS'] = distributed.with_device_count(env.get('XLA_FLAGS', ''), self.opts.devices)
-      env['JAX_PLATFORMS'] = 'cpu'
-    env[protocol.HOST_ENV] = host
-    env.update(self.opts.host_env.get(host, {}))
-    return env
-
-  def _diagnose_host(self, host: str) -> tuple[Optional[bool], Optional[dict], str]:
-    """(passed, report, detail); passed None: the host's agent is away, not judged."""
-    if self.agents is not None and self._agent_link(host) is None:
-      return None, None, 'no agent connected: diagnosed when it is back'
-    if self._stop_asked():   # a host whose turn came after the stop: none started
-      return None, None, 'not judged: the driver was asked to stop'
-    for attempt in range(1, DIAGNOSE_TRIES + 1):
-      link = self._agent_link(host)
-      began = time.time()
-      code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
-                                                       self._diagnose_env(host), self.opts.diagnose_timeout_s,
-                                                       cancel=self._stop_asked)
-      ended = time.time()
-      if self._stop_asked():   # cut short by a stop signal: no verdict on the host
-        return None, None, 'not judged: the driver was asked to stop during the diagnostic'
-      if self._agent_went(host, link, code):
-        # The link dropped while it ran: no verdict on the host (a network
-        # blip must not block it for good); it is diagnosed when it is back.
-        return None, None, f'its agent went away during the diagnostic ({err.strip()[:300] or "no detail"})'
-      passed, report, detail = self._verdict(code, out, err)
-      # A failed check is a verdict, and a diagnostic that hangs points at
-      # the host; one that crashed before it could report says nothing
-      # about the host yet (the tool's own start failed: a port taken, a
-      # file system hiccup) and is run once more before the host is blocked.
-      if passed or report is not None or code == 124 or attempt == DIAGNOSE_TRIES:
-        break
-    if not passed and attempt > 1:
-      detail = f'{detail} (crashed {attempt} times)'
-    if passed:
-      passed, detail = self._clock_check(report, began, ended)
-    return passed, report, detail
-
-  def _clock_check(self, report: dict, began: float, ended: float) -> tuple[bool, str]:
-    """A host whose clock is far off the driver's passes every check of its
-    own, yet its heartbeats fall outside the window the driver accepts (and
-    the driver's acknowledgements outside its trainers'): its processes
-    count as lost again after every restart. The report's time must lie
-    within the run, give or take half that window."""
-    t = report.get('time')
-    if not isinstance(t, (int, float)) or not math.isfinite(t):
-      return True, 'passed'   # a diagnostic that does not say (older, or another tool)
-    slack = self.clock_window_s / 2
-    off = t - ended if t > ended else t - began if t < began else 0.0
-    if abs(off) <= slack:
-      return True, 'passed'
-    return False, (f'its clock is {off:+.0f}s off the driver\'s (more than {slack:.0f}s): its heartbeats would '
-                   f'be refused as stale and its processes lost again; fix its time sync (NTP, chrony)')
-
-  def _agent_link(self, host: str):
-    """The agent's link to `host` now (None without agents, or none connected)."""
-    return self.agents.link(host) if self.agents is not None else None
-
-  def _agent_went(self, host: str, link, code: int) -> bool:
-    """Whether a run on `host` that began on `link` ended because that agent
-    went away: status EXIT_HOST_LOST (what the agent server answers then)
-    and the link lost or replaced since (a diagnostic that itself exits 255
-    on a live link is a verdict)."""
-    if self.agents is None or code != protocol.EXIT_HOST_LOST:
-      return False
-    return link is None or link.lost or self.agents.link(host) is not link
-
-  @staticmethod
-  def _verdict(code: int, out: str, err: str) -> tuple[bool, Optional[dict], str]:
-    """(passed, report, detail) of one mjax-diagnose run."""
-    report = None
-    for line in reversed(out.strip().splitlines()):
-      try:
-        report = jsonfile.loads(line)
-        break
-      except ValueError:
-        continue
-    if not isinstance(report, dict):
-      # The whole output may be one indented JSON document.
-      try:
-        report = jsonfile.loads(out)
-      except ValueError:
-        report = None
-    passed = code == 0 and isinstance(report, dict) and bool(report.get('passed'))
-    if passed:
-      return True, report, 'passed'
-    failed = [c.get('name', '?') for c in (report or {}).get('checks', []) if not c.get('passed', True)]
-    if failed:
-      detail = 'failed checks: ' + ', '.join(failed)
-    else:
-      detail = f'exit status {code}: ' + (err.strip().splitlines() or ['no output'])[-1][:300]
-    return False, report, detail
-
-  def _check_links(self, att: Attempt, fault: detect.Fault, passed: list[str]) -> None:
-    """A collective between hosts, run only for the hosts the fault named.
-
-    Each host's own checks cannot see its network: a bad NIC, cable or
-    switch port passes them and fails the job's next collective again. So
-    each named host that passed its own checks runs an all-reduce with a
-    healthy host (one that passed and was not named), as a two-process JAX
-    job of mjax-diagnose; all pairs at once. A pair that fails blocks the
-    named host: the healthy one has no fault against it. Numerical faults
-    and stragglers say nothing about links; they are not checked.
-    """
-    if fault.kind not in LINK_FAULTS or not self.diagnose_cmd or self._stop_asked():
-      return
-    named = [att.hosts[i] for i in fault.processes if att.hosts[i] in passed and att.hosts[i] not in self.blocked]
-    healthy = [h for h in passed if h not in named and h not in self.blocked]
-    named = list(dict.fromkeys(named))
-    if not named:
-      return
-    if not healthy:
-      self.events.emit('link_check', hosts=named, passed=None,
-                       detail='no healthy host to pair with: links not checked')
-      return
-    # Rounds of pairs, each healthy host in one pair at a time: two jobs on
-    # one host's devices at once would fail each other.
-    t0 = time.monotonic()
-    for first in range(0, len(named), len(healthy)):
-      pairs = list(zip(named[first:first + len(healthy)], healthy))
-      with concurrent.futures.ThreadPoolExecutor(max_workers=len(pairs)) as pool:
-        results = list(pool.map(lambda pair: self._link_pair(*pair), pairs))
-      if self._stop_asked():
-        return   # checks cut short by a stop signal: no verdict, none blocked
-      for (suspect, ref), (passed_, detail) in zip(pairs, results):
-        self.events.emit('link_check', host=suspect, partner=ref, passed=passed_, detail=detail,
-                         seconds=round(time.monotonic() - t0, 3))
-        if passed_ is None:
-          # An agent of the pair went away: no verdict on the link, none
-          # blocked. A host whose agent is gone sits out until it is back
-          # and passes its diagnostic (_plan).
-          self._undiagnosed |= {h for h in (suspect, ref) if self._agent_link(h) is None}
-        elif not passed_:
-          self._block(suspect, f'collective with {ref} failed: {detail}')
-
-  def _link_pair(self, suspect: str, ref: str) -> tuple[Optional[bool], str]:
-    """mjax-diagnose --checks allreduce as one JAX job of two processes,
-    the named host first (process 0, so its coordinator is tested too).
-
-    A failing job is run once more, on a new coordinator port, before the
-    verdict: blocking is for good (and shrinks the job, which then no longer
-    trains bitwise as before), while one failed start of a two-process job
-    has causes that are not the link's: the port `free_port` chose taken by
-    another program before the coordinator bound it, a start-up slowed past
-    a deadline on a loaded host. A bad link fails both times. None: an
-    agent of the pair went away, no verdict."""
-    first = None
-    for _ in range(LINK_TRIES):
-      if self._stop_asked():
-        return None, 'not checked: the driver was asked to stop'
-      passed, detail = self._link_job(suspect, ref)
-      if passed is None:
-        return None, detail
-      if passed:
-        return True, 'passed' if first is None else f'passed when tried again (first try: {first})'
-      first = first or detail
-    return False, detail if LINK_TRIES == 1 else f'{detail} (failed {LINK_TRIES} times)'
-
-  def _link_job(self, suspect: str, ref: str) -> tuple[Optional[bool], str]:
-    """One two-process mjax-diagnose job (see `_link_pair`); passed None:
-    an agent of the pair went away while it ran."""
-    from mjax import launch
-    hosts = [suspect, ref]
-    links = [self._agent_link(h) for h in hosts]
-    executors = [self.executor_factory(h) for h in hosts]
-    coordinator = executors[0].coordinator(launch.free_port())
-    # Whether the collective works (right result, within its deadline), not
-    # how fast: one run on a loaded host is no measure of a link's speed,
-    # and a slow link shows up in the straggler analysis.
-    argv = [*self.diagnose_cmd, '--json', *self.opts.diagnose_args, '--checks', 'allreduce', '--no_baseline']
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-      runs = [pool.submit(ex.run, argv, self._diagnose_env(h, launch.local_env(i, 2, coordinator, self.opts.devices)),
-                          self.opts.diagnose_timeout_s, self._stop_asked)
-              for i, (h, ex) in enumerate(zip(hosts, executors))]
-      results = [r.result() for r in runs]
-    gone = [h for h, link, (code, _, _) in zip(hosts, links, results) if self._agent_went(h, link, code)]
-    if gone:
-      # Not the link's fault: the other side of a two-process job whose
-      # partner is gone fails too, waiting on a collective that never comes.
-      return None, f'the agent on {", ".join(gone)} went away during the check: no verdict'
-    verdicts = [self._verdict(*r) for r in results]
-    bad = [f'{h}: {v[2]}' for h, v in zip(hosts, verdicts) if not v[0]]
-    return (not bad), ('passed' if not bad else '; '.join(bad))
-
-  def _block(self, host: str, reason: str) -> None:
-    if host in self.blocked:
-      return
-    entry = self.blocked.add(host, reason)
-    self.events.emit('host_blocked', **entry)
 
   def _rollback(self, att: Attempt, fault: detect.Fault) -> None:
     """After a numerical fault: back to the newest checkpoint (always a
