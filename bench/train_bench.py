@@ -61,13 +61,18 @@ def bench(cfg, steps: int, warmup: int, profile_dir: str = '') -> dict:
         jax.block_until_ready((state, m))
       write_profile_steps(profile_dir, PROFILE_STEPS)
   fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+  # Megatron-LM's count, which MegaScale's and most peers' tables use: every
+  # key of the context, masked or not. For comparison only; mjax's MFU is
+  # `fpt`'s, which a causal mask or a sliding window cannot inflate.
+  fpt_dense = flops_per_token(cfg.model, cfg.data.seq_len, dense_attention=True)
   peak, source = peak_flops(devices, cfg.model.dtype, cfg.train.peak_cache_dir)
   tps = cfg.train.global_batch_size * cfg.data.seq_len / dt
   mem, mem_source = peak_memory_bytes(devices)
   return dict(batch=cfg.train.global_batch_size, seq_len=cfg.data.seq_len,
               devices=f'{len(devices)} x {devices[0].device_kind}', tokens_per_sec=tps, step_time=dt,
               flops_per_token=fpt, achieved=fpt * tps, peak=peak, peak_source=source,
-              mfu=fpt * tps / peak, mem=mem, mem_source=mem_source, loss=float(m['loss']))
+              mfu=fpt * tps / peak, mfu_dense_attention=fpt_dense * tps / peak, mem=mem,
+              mem_source=mem_source, loss=float(m['loss']))
 
 
 def row(name: str, r: dict) -> str:

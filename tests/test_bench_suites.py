@@ -277,3 +277,33 @@ def test_every_comm_minimum_layout_and_variant_is_a_valid_8_device_config(layout
   # compile instead, so a config change that breaks one fails here.
   cfg = flags.load([os.path.join(REPO, 'configs', '1p3b.gin')], COMM.bindings(layout, variant), num_devices=8)
   assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor * cfg.mesh.pipeline == 8
+
+
+def test_the_mfu_table_prints_both_attention_counts(tmp_path):
+  # The smoke row through the suite's MFU section, train_bench in this
+  # process: the table has mjax's MFU and, for comparison with published
+  # figures, Megatron-LM's count of every key of the context, larger for
+  # tiny's windowed layers by exactly the ratio of the two FLOP counts.
+  import types
+  from mjax.model.flops import flops_per_token
+  bench = _bench_module('train_bench')
+  lines = []
+
+  def run(argv, log, timeout, env):
+    bench.main(argv[2:])
+    return 0, ''
+
+  args = types.SimpleNamespace(smoke=True, experiments=False, mfu_rows='=tiny remat=none', steps=1,
+                               profile=False, row_timeout_s=600)
+  suite = types.SimpleNamespace(args=args, say=lambda line='': lines.append(line), left=lambda: 600.0,
+                                run=run, out=str(tmp_path), results={})
+  ok, summary = SUITE.check_mfu(suite)
+  assert ok, (summary, lines)
+  header = next(line for line in lines if line.startswith('| config |'))
+  assert header.endswith('| MFU, attention counted dense |'), header
+  (r,) = suite.results['mfu']
+  cfg = flags.load([os.path.join(REPO, 'configs', 'tiny.gin')], [], num_devices=1).model
+  ratio = flops_per_token(cfg, 128, dense_attention=True) / flops_per_token(cfg, 128)
+  assert ratio > 1.01 and r['mfu_dense_attention'] == pytest.approx(r['mfu'] * ratio)
+  assert any(line.startswith('| tiny remat=none |') and line.endswith(f'| {r["mfu_dense_attention"]:.1%} |')
+             for line in lines), lines
