@@ -17,14 +17,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import linen as nn  # noqa: E402
 
 from mjax import flags  # noqa: E402
 from mjax.generate import Generator, Sampling, cache_bytes, init_cache  # noqa: E402

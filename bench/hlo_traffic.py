@@ -26,7 +26,6 @@ the program, not as a time.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re

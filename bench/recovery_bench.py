@@ -209,7 +209,7 @@ def main(argv=None) -> int:
   root = args.keep or tempfile.mkdtemp(prefix='recovery_bench_')
   os.makedirs(root, exist_ok=True)
   try:
-    print(f'recovery_bench: warming the compilation cache', file=sys.stderr, flush=True)
+    print('recovery_bench: warming the compilation cache', file=sys.stderr, flush=True)
     run(args, os.path.join(root, 'warm'), args.steps, warm_only=True)
     print(f'recovery_bench: baseline, {args.steps} steps', file=sys.stderr, flush=True)
     run(args, os.path.join(root, 'baseline'), args.steps)

@@ -9,14 +9,12 @@ end to end, data loading included, syncing with the device only at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
 import jax
-import numpy as np
 
 from mjax import data as data_lib
 from mjax import train

@@ -1,9 +1,7 @@
 """Tests of tokenizer.json support: BPE training, EOS lookup, vocab checks, uint32 shards."""
 
-import dataclasses
 import hashlib
 import json
-import os
 import re
 
 import gin
@@ -230,7 +228,7 @@ def test_tokenizer_command_never_writes_over_a_file(tmp_path, corpus_dir, bpe_pa
   (tmp_path / 'afile').write_text('x')                          # a parent that is a file
   with pytest.raises(SystemExit) as exit_info:
     tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 'afile' / 't.json')])
-  assert exit_info.value.code == 2 and f'afile is a file, not a directory' in capsys.readouterr().err
+  assert exit_info.value.code == 2 and 'afile is a file, not a directory' in capsys.readouterr().err
   assert not list(tmp_path.glob('.tokenizer-*'))
   (tmp_path / 'a_dir').mkdir()
   with pytest.raises(SystemExit) as exit_info:

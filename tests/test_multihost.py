@@ -199,7 +199,7 @@ def test_a_job_that_does_not_form_and_a_taken_port_end_with_a_paragraph_and_stat
                              '--workdir', str(tmp_path / 'run')],
                             env=env, cwd=repo_root, capture_output=True, text=True, timeout=120)
       assert proc.returncode == 1, proc.stderr[-2000:]
-      assert f'mjax-train: error: process 0 of 2' in proc.stderr and expect in proc.stderr, proc.stderr[-2000:]
+      assert 'mjax-train: error: process 0 of 2' in proc.stderr and expect in proc.stderr, proc.stderr[-2000:]
       assert f'127.0.0.1:{port}' in proc.stderr and 'Traceback' not in proc.stderr
       assert 'Check failure' not in proc.stderr
   finally:

@@ -233,7 +233,9 @@ class Channel:
       raise ChannelError(e.reason) from None
     try:
       msg = jsonfile.loads(text)
-      kind, seq = str(msg['kind']), int(msg['seq'])
+      if not isinstance(msg, dict) or 'kind' not in msg:   # what the caller dispatches on
+        raise KeyError('kind')
+      seq = int(msg['seq'])
     except (ValueError, KeyError, TypeError, RecursionError):
       raise ChannelError('signed message lacks kind / seq') from None
     if msg.get('from') != self.peer:
