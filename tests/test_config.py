@@ -360,6 +360,32 @@ def test_a_tool_that_loses_the_interrupt_still_ends(capsys, foreground):
   assert 'mjax-tool: interrupted as it finished; its work was done in full' in capsys.readouterr().err
 
 
+def test_a_tool_stopped_inside_a_native_call_cleans_up_at_once(foreground):
+  # The tokenizers library's long calls (prepare's 64 MiB batches, a BPE's
+  # merges) run in Rust, which never hands a signal to Python: a stop
+  # waited for them past the tools' 10 s grace, and the tools were ended
+  # without their clean-ups (partial shards, a temporary tokenizer file).
+  # Run off the main thread, the call is left behind and the stop is at
+  # once. Here the call blocks on a held mutex through ctypes (which lets
+  # the GIL go, as Rust does), a wait that no signal ends.
+  import signal
+  import time
+  code = ('import ctypes, sys\nfrom mjax import cli\nfrom mjax.data.tokenizer import off_the_main_thread\n'
+          'libc = ctypes.CDLL(None)\nmutex = ctypes.create_string_buffer(64)\nlibc.pthread_mutex_lock(mutex)\n'
+          '@cli.entry_point("mjax-tool")\ndef main(argv):\n  try:\n    print("ready", flush=True)\n'
+          '    off_the_main_thread(libc.pthread_mutex_lock, mutex)\n'
+          '  finally:\n    print("cleaned up", flush=True)\nmain()\n')
+  proc = subprocess.Popen([sys.executable, '-c', foreground + code], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  assert proc.stdout.readline() == 'ready\n'
+  time.sleep(0.5)
+  t0 = time.monotonic()
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 143 and 'mjax-tool: terminated' in err and out == 'cleaned up\n', (out, err)
+  assert time.monotonic() - t0 < 5.0   # not the 10 s grace
+
+
 def test_settings_that_would_train_silently_wrong_are_refused_for_training():
   check = lambda *bindings: C.check_for_training(C.load_config(['tiny.gin'], list(bindings)))
   # bfloat16 master weights: LAMB's updates (about lr x the weight) round

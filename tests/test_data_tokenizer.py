@@ -271,3 +271,38 @@ def test_tokenizer_command_learns_from_text_files_only(tmp_path, capsys):
   from tokenizers import Tokenizer
   vocab = Tokenizer.from_file(str(tmp_path / 't.json')).get_vocab()
   assert not any('\u0100\u0101' in t for t in vocab)   # no merge learnt from NUL, \x01
+
+
+def test_the_tokenizers_long_calls_run_off_the_main_thread(tmp_path, bpe_path, corpus_dir, monkeypatch):
+  # So that a stop is not held up by them (tests/test_config.py,
+  # test_a_tool_stopped_inside_a_native_call_cleans_up_at_once): a BPE's
+  # training, and a batch of over 1 MiB encoded (prepare's are 64 MiB),
+  # with the same results as on the main thread.
+  from mjax.data import tokenizer as tokenizer_lib
+  calls = []
+
+  def recorded(fn, *args, **kwargs):
+    calls.append(getattr(fn, 'func', fn).__name__)
+    return real(fn, *args, **kwargs)
+  real = tokenizer_lib.off_the_main_thread
+  monkeypatch.setattr(tokenizer_lib, 'off_the_main_thread', recorded)
+  tokenizer_main(['--input', str(corpus_dir), '--vocab_size', '300', '--output', str(tmp_path / 't.json')])
+  assert calls == ['train_from_iterator']
+  assert (tmp_path / 't.json').read_bytes() == bpe_path.read_bytes()
+  tok = data.load_tokenizer(str(bpe_path))
+  docs = [f.read_bytes() for f in sorted(corpus_dir.rglob('*.py'))]
+  small = tok.encode_documents(docs)
+  assert calls == ['train_from_iterator']          # a small batch stays on the main thread
+  big = tok.encode_documents(docs * (2 * (1 << 20) // sum(map(len, docs)) + 1))
+  assert calls == ['train_from_iterator', 'encode_batch_fast']
+  np.testing.assert_array_equal(big[:len(small)], small)
+
+
+def test_a_string_that_is_no_text_is_a_unicode_error_for_every_tokenizer(bpe_path):
+  # mjax-generate turns a UnicodeError into "prompt N is not valid text";
+  # a BPE's own error for a command line's non-UTF-8 bytes was a TypeError,
+  # and the tool ended with a traceback.
+  for tok in (data.load_tokenizer('bytes'), data.load_tokenizer(str(bpe_path))):
+    assert len(tok.encode('def x')) > 0
+    with pytest.raises(UnicodeEncodeError):
+      tok.encode('ab\udcff')

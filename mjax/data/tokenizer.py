@@ -23,7 +23,8 @@ import hashlib
 import itertools
 import os
 import tempfile
-from typing import Iterable, Optional, Sequence, Union
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -206,14 +207,21 @@ class HFTokenizer:
       uint16 (or uint32 for vocabularies over 65535) array.
     """
     texts = [d.decode('utf-8', errors='replace') for d in docs]
-    encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+    # A batch that takes long enough to hold up a stop (prepare's 64 MiB)
+    # runs off the main thread; a document's own, as the corpus encodes
+    # them, is too short to pay for a thread.
+    encode = functools.partial(self._tok.encode_batch_fast, texts, add_special_tokens=False)
+    encodings = off_the_main_thread(encode) if sum(map(len, docs)) > _LONG_BATCH_BYTES else encode()
     lengths = [len(e.ids) for e in encodings]
     flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings),
                        self._dtype, count=sum(lengths))
     return np.insert(flat, np.cumsum(lengths, dtype=np.int64), self.info.eos_id)
 
   def encode(self, text: str) -> np.ndarray:
-    """One text's ids, no EOS."""
+    """One text's ids, no EOS. UnicodeEncodeError for a string that is no
+    text (surrogates: a command line's bytes that were not UTF-8), as the
+    byte tokenizer raises; the Rust library's own was a bare TypeError."""
+    text.encode('utf-8')
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
   def decode(self, ids: Sequence[int]) -> str:
@@ -221,6 +229,37 @@ class HFTokenizer:
 
 
 Tokenizer = Union[ByteTokenizer, HFTokenizer]
+
+
+_LONG_BATCH_BYTES = 1 << 20   # ~0.1 s of encoding
+
+
+def off_the_main_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
+  """fn(*args, **kwargs), run in a thread of its own while this one waits.
+
+  For the tokenizers library's long calls (a 64 MiB batch encoded, a BPE's
+  merges): Rust, which lets the GIL go but never returns to Python to let a
+  signal handler run, so Ctrl-C or SIGTERM waited for the call's end, past
+  the tools' 10 s grace, and the tools were ended with their partial shards
+  and temporary files left behind. Waited on from here, the main thread
+  stays in the interpreter: a stop raises at once and the caller's clean-ups
+  run; the abandoned call runs on, unseen, until the process exits. Its
+  exception, if any, is raised here."""
+  out: dict = {}
+
+  def call():
+    try:
+      out['value'] = fn(*args, **kwargs)
+    except BaseException as e:   # handed to the waiting thread, which raises it
+      out['error'] = e
+
+  worker = threading.Thread(target=call, name='mjax-tokenizer', daemon=True)
+  worker.start()
+  while worker.is_alive():
+    worker.join(0.05)
+  if 'error' in out:
+    raise out['error']
+  return out['value']
 
 
 @functools.lru_cache(maxsize=8)
@@ -297,7 +336,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
       said[0] += bool(text.strip())
       yield text
   try:
-    tok.train_from_iterator(counted(), trainer)
+    off_the_main_thread(tok.train_from_iterator, counted(), trainer)
     if not said[0]:
       raise DataError(f'tokenizer {output}: no text to train on: the input holds no text (empty or '
                       f'whitespace-only documents, or files that are not text); nothing was written.')
