@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -104,6 +105,51 @@ class _SignalWatch:
       timer.cancel()
 
 
+class OutputError(OSError):
+  """A write to the tool's stdout failed: its reader went away (EPIPE), a
+  full disk under a redirection (ENOSPC). Not a bug of the tool: said in
+  one line, not a traceback."""
+
+
+class _Output:
+  """sys.stdout whose failed writes raise OutputError: an OSError from a
+  write to stdout is told apart from one of the tool's own files."""
+
+  def __init__(self, stream):
+    self._stream = stream
+
+  def write(self, text):
+    try:
+      return self._stream.write(text)
+    except OSError as e:
+      raise OutputError(e.errno, e.strerror) from e
+
+  def flush(self):
+    try:
+      self._stream.flush()
+    except OSError as e:
+      raise OutputError(e.errno, e.strerror) from e
+
+  def __getattr__(self, name):
+    return getattr(self._stream, name)
+
+
+def _output_failed(prog: str, e: OutputError) -> None:
+  """Ends a tool whose stdout failed: quietly with 141 where its reader went
+  away (as `yes | head` does), with one line and status 1 otherwise. What
+  the tool had left to write is dropped: Python would try it again at exit,
+  and fail again with a traceback."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.__stdout__.fileno())
+  os.close(devnull)
+  if e.errno == errno.EPIPE:
+    sys.exit(protocol.EXIT_BROKEN_PIPE)
+  print(f'{prog}: error: cannot write its output to stdout ({e.strerror}); what it wrote there is '
+        f'incomplete. Give it room (a file system with free space) or another place to write.',
+        file=sys.stderr, flush=True)
+  sys.exit(protocol.EXIT_FAILED)
+
+
 def entry_point(prog: str):
   """The one place bad input becomes an exit status: a UserError (config,
   data, distributed set-up, checkpoint path) is printed as one paragraph and
@@ -143,8 +189,13 @@ def entry_point(prog: str):
         if old.get(sig) is default:   # an ignored signal (a background job's Ctrl-C) stays so
           signal.signal(sig, handler)
       watch = _SignalWatch() if in_main else None
+      console = argv is None   # an in-process caller keeps its own stdout
+      if console:
+        sys.stdout = _Output(sys.stdout)
       try:
         result = main(argv)
+        if console:
+          sys.stdout.flush()   # here, where a failure is said; not at exit
         if watch is not None and watch.signum is not None:
           # A Ctrl-C or SIGTERM whose exception Python dropped (raised in a
           # garbage-collector callback; JAX registers one), or one that came
@@ -155,6 +206,8 @@ def entry_point(prog: str):
           print(f'{prog}: {what} as it finished; its work was done in full', file=sys.stderr, flush=True)
           sys.exit(status)
         return result
+      except OutputError as e:
+        _output_failed(prog, e)
       except (UserError, Fault) as e:
         print(f'{prog}: error: {e}', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_USER_ERROR if isinstance(e, UserError) else protocol.EXIT_FAILED)
@@ -165,6 +218,8 @@ def entry_point(prog: str):
         print(f'{prog}: interrupted', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_INTERRUPTED)
       finally:
+        if console and isinstance(sys.stdout, _Output):
+          sys.stdout = sys.stdout._stream
         for sig, was in old.items():
           signal.signal(sig, was)
         # A console run keeps its watch (and a started grace) until the

@@ -41,6 +41,8 @@ EXIT_HOST_LOST = 255   # the driver's verdict, never a trainer's: the process's 
 EXIT_INTERRUPTED = 130  # Ctrl-C outside the loop's own stop handling (shell convention 128 + SIGINT)
 EXIT_TERMINATED = 143   # SIGTERM outside the loop's own stop handling (start-up, compilation, the
                         # final evaluation): nothing to save there (shell convention 128 + SIGTERM)
+EXIT_BROKEN_PIPE = 141  # a tool whose output's reader went away (`| head`): 128 + SIGPIPE, as the
+                        # shell's own tools end there
 
 # --- stopping on a signal or a lost driver -----------------------------------------
 # The processes of a job stop after the same step: the first one asked proposes

@@ -386,6 +386,27 @@ def test_a_tool_stopped_inside_a_native_call_cleans_up_at_once(foreground):
   assert time.monotonic() - t0 < 5.0   # not the 10 s grace
 
 
+def test_a_tool_whose_stdout_fails_says_so_in_a_line_or_ends_quietly(repo_root):
+  # `mjax-generate ... | head` and `mjax-eval > results.json` on a full disk
+  # ended with a traceback (BrokenPipeError, OSError 28). A reader gone is
+  # the end of the output: quiet, 141 as the shell's own tools; a full disk
+  # is one line and status 1.
+  cmd = [sys.executable, '-c', 'from mjax.cli import flops_main; flops_main()', '--gin_file', 'configs/tiny.gin']
+  with open('/dev/full', 'w') as full:
+    r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, cwd=repo_root, timeout=300)
+  assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr
+  assert r.stderr.strip().splitlines() == [
+      'mjax-flops: error: cannot write its output to stdout (No space left on device); what it wrote there is '
+      'incomplete. Give it room (a file system with free space) or another place to write.'], r.stderr
+  read, write = os.pipe()
+  os.close(read)   # the reader is gone before the first write
+  try:
+    r = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, cwd=repo_root, timeout=300)
+  finally:
+    os.close(write)
+  assert r.returncode == 141 and r.stderr == '', r.stderr
+
+
 def test_settings_that_would_train_silently_wrong_are_refused_for_training():
   check = lambda *bindings: C.check_for_training(C.load_config(['tiny.gin'], list(bindings)))
   # bfloat16 master weights: LAMB's updates (about lr x the weight) round
