@@ -1490,6 +1490,28 @@ def test_a_tensorstore_read_error_is_said_by_its_array_and_step():
       "'opt_state.1.mu.layers.block_0.attn.query.kernel' in /run/checkpoints/4/state/)")
 
 
+def test_a_checkpoint_of_another_model_structure_is_said_by_its_first_array(tmp_path):
+  # Restored into a config that makes other arrays (an untied head, norms
+  # without biases), Orbax's error said only "tree structures do not match:"
+  # and the advice was to check the files, which `--verify` found good.
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  from mjax.checkpoint.failures import OTHER_MODEL, read_error
+  saved = {'params': {'embedding': jnp.zeros((4, 2)), 'norm': {'bias': jnp.zeros(2), 'scale': jnp.ones(2)}},
+           'opt_state': {'mu': jnp.zeros(2)}}
+  with ocp.PyTreeCheckpointer() as ckpt:
+    ckpt.save(tmp_path / 'state', saved)
+    for wanted, said in (
+        ({**saved, 'params': {**saved['params'], 'lm_head': jnp.zeros((2, 4))}},
+         'the config makes params.lm_head, the checkpoint has no such array: '),
+        ({**saved, 'params': {**saved['params'], 'norm': {'scale': jnp.ones(2)}}, 'opt_state': {}},
+         'the checkpoint holds params.norm.bias, which the config does not make (2 arrays differ): ')):
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), wanted)
+      with pytest.raises(ValueError) as e:
+        ckpt.restore(tmp_path / 'state', args=ocp.args.PyTreeRestore(item=abstract))
+      assert read_error(e.value).startswith(said + OTHER_MODEL + ' structure'), read_error(e.value)
+
+
 def test_a_runs_own_checkpoint_directory_is_refused_to_another_run(tmp_path):
   # The default tier (WORKDIR/checkpoints) is claimed too: another run
   # pointed at it would resume from and delete the first run's steps.

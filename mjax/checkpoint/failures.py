@@ -150,6 +150,30 @@ class BadRecord(Exception):
   """A step's JSON record that is missing or not JSON; says which."""
 
 
+# What `read_error` says of a checkpoint whose arrays are not the ones the
+# config makes (`OTHER_MODEL` + ' shape' / ' structure'): no other step of
+# that run reads either, and the advice is the config, not the files.
+OTHER_MODEL = 'the checkpoint holds a model of another'
+
+
+def _structure_problem(text: str) -> Optional[str]:
+  """One line for Orbax's "tree structures do not match" (its diff: each
+  path, then `- Source:` the config's array or MISSING, `- Target:` the
+  checkpoint's): the first array of the params that differs, the count."""
+  if not text.startswith('User-provided restore item and on-disk value metadata tree structures do not match'):
+    return None
+  diffs = re.findall(r'^(\S[^\n]*):\n\s+- Source: ([^\n]*)\n\s+- Target: ([^\n]*)', text, re.M)
+  if not diffs:
+    return f'the checkpoint\'s arrays are not the ones this config makes: {OTHER_MODEL} structure'
+  path, source, target = min(diffs, key=lambda d: not d[0].startswith('params'))   # the params first
+  what = (f'the config makes {path}, the checkpoint has no such array' if target.strip() == 'MISSING' else
+          f'the checkpoint holds {path}, which the config does not make' if source.strip() == 'MISSING' else
+          f'{path} differs between the config and the checkpoint')
+  more = f' ({len(diffs)} arrays differ)' if len(diffs) > 1 else ''
+  return (f'{what}{more}: {OTHER_MODEL} structure (tied or untied embeddings, biases, norms, '
+          f'scanned or unrolled layers); compare ModelConfig with the config.gin of the run that saved it')
+
+
 def read_error(e: BaseException) -> str:
   """One line on why a read failed. TensorStore's own error is mostly the
   store's spec (pages of JSON, 'See full TensorStore details'); the error it
@@ -170,9 +194,11 @@ def read_error(e: BaseException) -> str:
     if shapes:
       # Orbax's advice (`strict=False`, padding and truncation) is for its
       # own callers: a model of another shape is never what to restore.
-      return (f'an array is {shapes.group(2)} in the checkpoint and {shapes.group(1)} in this config: the '
-              f'checkpoint holds a model of another shape; compare ModelConfig with the config.gin of the '
-              f'run that saved it')
+      return (f'an array is {shapes.group(2)} in the checkpoint and {shapes.group(1)} in this config: '
+              f'{OTHER_MODEL} shape; compare ModelConfig with the config.gin of the run that saved it')
+    structure = _structure_problem(str(x))
+    if structure:
+      return structure
     if first and 'TensorStore details' not in first:
       return f'{type(x).__name__}: {first}'[:500]
   # Only the store's spec: its kvstore paths name the step's directory and,
