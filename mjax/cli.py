@@ -40,6 +40,27 @@ _OURS: dict = {}
 GRACE_S = 10.0
 
 
+REDELIVER_S = 0.05
+
+
+def _stop_dropped(previous, running: threading.Event, unraisable) -> None:
+  """sys.unraisablehook while a tool runs. A stop's exception that Python
+  dropped (the handler ran inside a garbage-collector callback, which JAX
+  registers, or a __del__) is the signal sent again a moment later, when the
+  main thread is most likely elsewhere: the tool then unwinds through its
+  clean-ups as if it had landed the first time. Before, it ran on until the
+  grace ended it without them (a half-written shard directory, a temporary
+  file). Not once the tool has returned (`running` cleared): its handlers
+  are gone then. Anything else goes to the hook there was."""
+  if isinstance(unraisable.exc_value, KeyboardInterrupt):   # only a stop handler raises one in a tool
+    signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+    timer = threading.Timer(REDELIVER_S, lambda: running.is_set() and os.kill(os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+    return
+  previous(unraisable)
+
+
 def _stop_status(signum: int) -> tuple[int, str]:
   """(exit status, word) of a stop by Ctrl-C or SIGTERM."""
   return ((protocol.EXIT_INTERRUPTED, 'interrupted') if signum == signal.SIGINT
@@ -61,9 +82,10 @@ class _SignalWatch:
   pipe (signal.set_wakeup_fd); this thread reads it and, while one of the
   handlers in _OURS is the signal's handler (not the training loop's
   StopAgreement, which stops after the step), does what _OURS says. A tool's
-  main thread meanwhile unwinds through its clean-ups (its handler raises),
-  and an exception Python drops in a garbage-collector callback (JAX
-  registers one) cannot leave the tool running on. (A child forked without
+  main thread meanwhile unwinds through its clean-ups (its handler raises;
+  an exception Python drops in a garbage-collector callback, which JAX
+  registers, is raised again: _stop_dropped), and nothing can leave the
+  tool running on past the grace. (A child forked without
   exec would write its signals into the same pipe; mjax forks none: its
   subprocesses exec, and the pipe does not survive that.)"""
 
@@ -189,6 +211,10 @@ def entry_point(prog: str):
         if old.get(sig) is default:   # an ignored signal (a background job's Ctrl-C) stays so
           signal.signal(sig, handler)
       watch = _SignalWatch() if in_main else None
+      unraisable, running = sys.unraisablehook, threading.Event()
+      if in_main:
+        running.set()
+        sys.unraisablehook = functools.partial(_stop_dropped, unraisable, running)
       console = argv is None   # an in-process caller keeps its own stdout
       if console:
         sys.stdout = _Output(sys.stdout)
@@ -218,6 +244,8 @@ def entry_point(prog: str):
         print(f'{prog}: interrupted', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_INTERRUPTED)
       finally:
+        running.clear()
+        sys.unraisablehook = unraisable
         if console and isinstance(sys.stdout, _Output):
           sys.stdout = sys.stdout._stream
         for sig, was in old.items():

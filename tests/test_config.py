@@ -386,6 +386,28 @@ def test_a_tool_stopped_inside_a_native_call_cleans_up_at_once(foreground):
   assert time.monotonic() - t0 < 5.0   # not the 10 s grace
 
 
+def test_a_stop_dropped_in_a_garbage_collector_callback_is_sent_again(foreground):
+  # The handler's exception, raised inside a gc callback (JAX registers
+  # one), is dropped by Python: the tool ran on until the grace ended it,
+  # without its clean-ups. Seen in mjax-prepare: a half shard directory left.
+  import signal
+  import time
+  code = ('import gc, time\nfrom mjax import cli\ncli.GRACE_S = 30.0\nfired = []\n'
+          'def stop_inside_gc(phase, info):\n'
+          '  if not fired:\n    fired.append(1)\n    signal.raise_signal(signal.SIGTERM)\n'
+          '    sum(range(1000))   # the handler runs here, inside the callback\n'
+          'gc.callbacks.append(stop_inside_gc)\n'
+          '@cli.entry_point("mjax-tool")\ndef main(argv):\n  try:\n    print("ready", flush=True)\n'
+          '    while True:\n      gc.collect()\n      time.sleep(0.01)\n'
+          '  finally:\n    print("cleaned up", flush=True)\nmain()\n')
+  t0 = time.monotonic()
+  proc = subprocess.Popen([sys.executable, '-c', foreground + code], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143 and out == 'ready\ncleaned up\n' and 'mjax-tool: terminated' in err, (out, err)
+  assert 'Exception ignored' not in err and time.monotonic() - t0 < 25.0, err   # not the 30 s grace
+
+
 def test_a_tool_whose_stdout_fails_says_so_in_a_line_or_ends_quietly(repo_root):
   # `mjax-generate ... | head` and `mjax-eval > results.json` on a full disk
   # ended with a traceback (BrokenPipeError, OSError 28). A reader gone is
