@@ -10,6 +10,7 @@ becomes exit status 2 in `entry_point`, and nowhere else.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import errno
@@ -41,20 +42,29 @@ GRACE_S = 10.0
 
 
 REDELIVER_S = 0.05
+_RESEND_LOCK = threading.Lock()   # a stop sent again, against the tool's return
 
 
 def _stop_dropped(previous, running: threading.Event, unraisable) -> None:
   """sys.unraisablehook while a tool runs. A stop's exception that Python
   dropped (the handler ran inside a garbage-collector callback, which JAX
-  registers, or a __del__) is the signal sent again a moment later, when the
-  main thread is most likely elsewhere: the tool then unwinds through its
-  clean-ups as if it had landed the first time. Before, it ran on until the
-  grace ended it without them (a half-written shard directory, a temporary
-  file). Not once the tool has returned (`running` cleared): its handlers
-  are gone then. Anything else goes to the hook there was."""
-  if isinstance(unraisable.exc_value, KeyboardInterrupt):   # only a stop handler raises one in a tool
+  registers, or a __del__) is the signal raised again in the main thread a
+  moment later (`_thread.interrupt_main`, for Python's handler only), when
+  it is most likely elsewhere: the tool then unwinds through its clean-ups
+  as if it had landed the first time. Before, it ran on until the grace
+  ended it without them (a half-written shard directory, a temporary
+  file). Not once the tool has returned (`running` cleared, under the
+  lock): its handlers are gone then. Anything else goes to the hook there
+  was, as does everything once the tool has returned (a library may have
+  chained its own hook onto this one)."""
+  if running.is_set() and isinstance(unraisable.exc_value, KeyboardInterrupt):   # only a stop handler raises one
     signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
-    timer = threading.Timer(REDELIVER_S, lambda: running.is_set() and os.kill(os.getpid(), signum))
+
+    def again():
+      with _RESEND_LOCK:
+        if running.is_set():
+          _thread.interrupt_main(signum)
+    timer = threading.Timer(REDELIVER_S, again)
     timer.daemon = True
     timer.start()
     return
@@ -140,35 +150,57 @@ class _Output:
   def __init__(self, stream):
     self._stream = stream
 
-  def write(self, text):
+  def _call(self, name, *args):
     try:
-      return self._stream.write(text)
+      return getattr(self._stream, name)(*args)
     except OSError as e:
       raise OutputError(e.errno, e.strerror) from e
 
+  def write(self, text):
+    return self._call('write', text)
+
+  def writelines(self, lines):
+    return self._call('writelines', lines)
+
   def flush(self):
-    try:
-      self._stream.flush()
-    except OSError as e:
-      raise OutputError(e.errno, e.strerror) from e
+    return self._call('flush')
 
   def __getattr__(self, name):
     return getattr(self._stream, name)
 
 
+def _drop_output() -> None:
+  """Points fd 1 at /dev/null: what the tool had left to write there is
+  dropped (Python would try it again at exit, and fail again with a
+  traceback and status 120)."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.close(devnull)
+
+
+def _flush_output(stopping: bool) -> None:
+  """Flushes the tool's stdout on its way out. `stopping`: the tool is
+  ending on an error or a stop, whose own line and status are what to say:
+  a failed flush then drops the rest quietly; otherwise it raises
+  OutputError, said by `_output_failed`."""
+  try:
+    sys.stdout.flush()
+  except OutputError:
+    if not stopping:
+      raise
+    _drop_output()
+
+
 def _output_failed(prog: str, e: OutputError) -> None:
   """Ends a tool whose stdout failed: quietly with 141 where its reader went
-  away (as `yes | head` does), with one line and status 1 otherwise. What
-  the tool had left to write is dropped: Python would try it again at exit,
-  and fail again with a traceback."""
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, sys.__stdout__.fileno())
-  os.close(devnull)
+  away (as `yes | head` does), with one line and status 1 otherwise."""
+  _drop_output()
   if e.errno == errno.EPIPE:
     sys.exit(protocol.EXIT_BROKEN_PIPE)
+  advice = ('give it room (a file system with free space) or another place to write' if e.errno == errno.ENOSPC
+            else 'give it another place to write')
   print(f'{prog}: error: cannot write its output to stdout ({e.strerror}); what it wrote there is '
-        f'incomplete. Give it room (a file system with free space) or another place to write.',
-        file=sys.stderr, flush=True)
+        f'incomplete: {advice}.', file=sys.stderr, flush=True)
   sys.exit(protocol.EXIT_FAILED)
 
 
@@ -212,16 +244,28 @@ def entry_point(prog: str):
           signal.signal(sig, handler)
       watch = _SignalWatch() if in_main else None
       unraisable, running = sys.unraisablehook, threading.Event()
+      ours = functools.partial(_stop_dropped, unraisable, running)
       if in_main:
         running.set()
-        sys.unraisablehook = functools.partial(_stop_dropped, unraisable, running)
-      console = argv is None   # an in-process caller keeps its own stdout
+        sys.unraisablehook = ours
+      # An in-process caller keeps its own stdout; a tool started with
+      # stdout closed (`>&-`) has none, and prints nothing, as Python does.
+      console = argv is None and sys.stdout is not None
       if console:
         sys.stdout = _Output(sys.stdout)
       try:
-        result = main(argv)
+        try:
+          result = main(argv)
+        except SystemExit as e:   # a tool's own status (mjax-report, mjax-diagnose): its output said first
+          if console:
+            _flush_output(stopping=e.code not in (None, 0))
+          raise
+        except BaseException:
+          if console:
+            _flush_output(stopping=True)
+          raise
         if console:
-          sys.stdout.flush()   # here, where a failure is said; not at exit
+          _flush_output(stopping=False)   # here, where a failure is said; not at exit
         if watch is not None and watch.signum is not None:
           # A Ctrl-C or SIGTERM whose exception Python dropped (raised in a
           # garbage-collector callback; JAX registers one), or one that came
@@ -244,8 +288,10 @@ def entry_point(prog: str):
         print(f'{prog}: interrupted', file=sys.stderr, flush=True)
         sys.exit(protocol.EXIT_INTERRUPTED)
       finally:
-        running.clear()
-        sys.unraisablehook = unraisable
+        with _RESEND_LOCK:
+          running.clear()
+        if sys.unraisablehook is ours:   # not one that a library chained onto it meanwhile
+          sys.unraisablehook = unraisable
         if console and isinstance(sys.stdout, _Output):
           sys.stdout = sys.stdout._stream
         for sig, was in old.items():

@@ -732,7 +732,12 @@ def test_kill_9_of_the_driver_the_agents_stay_and_a_new_driver_resumes_bitwise(t
   # Time to act: the trainers notice the lost driver (heartbeat timeout 3 s)
   # well before the last of the 12 steps (a stop agreed on it finishes the
   # run).
-  agents(port, 'a0', 'a1', env={protocol.INJECT_ENV: 'delay:seconds=1.0:attempt=0'})
+  # The agents wait 2 heartbeat timeouts + 4 steps + --grace_s for them
+  # before they kill what is left; with the fixture's 1 s grace that was ~11
+  # s against the ~10 s the trainers need (notice, 3 more steps of 1 s, the
+  # save, the last line): on a loaded machine they could be killed before their
+  # last line. 10 s of grace: the agents still outlast them.
+  agents(port, 'a0', 'a1', env={protocol.INJECT_ENV: 'delay:seconds=1.0:attempt=0'}, extra=('--grace_s', '10'))
   cmd = lambda workdir: [os.path.join(BIN, 'mjax-launch'), '--executor', 'agent', '--bind', f'127.0.0.1:{port}',
                          '--processes', '2', '--hosts', 'a0,a1', '--workdir', str(workdir), *F.LAUNCH,
                          '--', *F.TRAIN]

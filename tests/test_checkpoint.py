@@ -1510,6 +1510,14 @@ def test_a_checkpoint_of_another_model_structure_is_said_by_its_first_array(tmp_
       with pytest.raises(ValueError) as e:
         ckpt.restore(tmp_path / 'state', args=ocp.args.PyTreeRestore(item=abstract))
       assert read_error(e.value).startswith(said + OTHER_MODEL + ' structure'), read_error(e.value)
+    # The same model, another optimizer's state: OptimConfig is what to compare.
+    other = {**saved, 'opt_state': {'nu': saved['opt_state']['mu']}}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), other)
+    with pytest.raises(ValueError) as e:
+      ckpt.restore(tmp_path / 'state', args=ocp.args.PyTreeRestore(item=abstract))
+    assert read_error(e.value).startswith('the checkpoint holds opt_state.mu, which the config does not make (2 '
+                                          'arrays differ): the checkpoint holds the state of another optimizer; '
+                                          'compare OptimConfig'), read_error(e.value)
 
 
 def test_a_runs_own_checkpoint_directory_is_refused_to_another_run(tmp_path):

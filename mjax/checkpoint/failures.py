@@ -151,9 +151,11 @@ class BadRecord(Exception):
 
 
 # What `read_error` says of a checkpoint whose arrays are not the ones the
-# config makes (`OTHER_MODEL` + ' shape' / ' structure'): no other step of
-# that run reads either, and the advice is the config, not the files.
+# config makes (`OTHER_MODEL` + ' shape' / ' structure', or OTHER_OPTIMIZER):
+# no other step of that run reads either, and the advice is the config, not
+# the files.
 OTHER_MODEL = 'the checkpoint holds a model of another'
+OTHER_OPTIMIZER = 'the checkpoint holds the state of another optimizer'
 
 
 def _structure_problem(text: str) -> Optional[str]:
@@ -170,6 +172,10 @@ def _structure_problem(text: str) -> Optional[str]:
           f'the checkpoint holds {path}, which the config does not make' if source.strip() == 'MISSING' else
           f'{path} differs between the config and the checkpoint')
   more = f' ({len(diffs)} arrays differ)' if len(diffs) > 1 else ''
+  if not path.startswith('params'):
+    # The model's arrays are alike; its optimizer's state is not.
+    return (f'{what}{more}: {OTHER_OPTIMIZER}; compare OptimConfig with the config.gin of the run that '
+            f'saved it')
   return (f'{what}{more}: {OTHER_MODEL} structure (tied or untied embeddings, biases, norms, '
           f'scanned or unrolled layers); compare ModelConfig with the config.gin of the run that saved it')
 

@@ -244,7 +244,10 @@ def off_the_main_thread(fn: Callable[..., Any], *args, **kwargs) -> Any:
   and temporary files left behind. Waited on from here, the main thread
   stays in the interpreter: a stop raises at once and the caller's clean-ups
   run; the abandoned call runs on, unseen, until the process exits. Its
-  exception, if any, is raised here."""
+  exception, if any, is raised here. Off the main thread (signals are the
+  main thread's alone) it is a plain call."""
+  if threading.current_thread() is not threading.main_thread():
+    return fn(*args, **kwargs)
   out: dict = {}
 
   def call():

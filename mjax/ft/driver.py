@@ -419,7 +419,6 @@ class Driver:
                       f'directory you can write, or a new path.') from None
     self.trainer = opts.trainer or _script('mjax-train') or [
         sys.executable, '-c', 'import sys; from mjax.cli import train_main; sys.argv[0] = "mjax-train"; train_main()']
-    self.diagnose_cmd = opts.diagnose or _script('mjax-diagnose')
     # The agents were started with the job's secret (MJAX_JOB_SECRET) before
     # the driver: it is theirs to share. Otherwise the driver makes one.
     self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
@@ -477,7 +476,8 @@ class Driver:
     self._rejected = events_lib.Throttle(5.0)   # heartbeat rejections, by kind
     self._unread_seen = 0   # the server's rejected_dropped already reported
     self.health = health_lib.HostChecks(opts, self.events, executor_factory, self.agents, self.blocked,
-                                        self.diagnose_cmd, self.clock_window_s, self._stop_asked)
+                                        opts.diagnose or _script('mjax-diagnose'), self.clock_window_s,
+                                        self._stop_asked)
     self._launched = False
     self._over = False
 
