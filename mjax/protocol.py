@@ -56,6 +56,7 @@ DRIVER_ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'   # host:port of the driver's heartbe
 SECRET_ENV = 'MJAX_JOB_SECRET'               # per-job HMAC secret of the heartbeats (hex)
 HOST_ENV = 'MJAX_HOST'                       # the driver's name for this process's host
 ATTEMPT_ENV = 'MJAX_ATTEMPT'                 # launch attempt, 0 first, +1 per restart
+DRIVER_RUN_ENV = 'MJAX_DRIVER_RUN'           # one driver start's own id: its attempts' facts are its own
 INJECT_ENV = 'MJAX_FAULT'                    # test-only fault injection (mjax/ft/inject.py)
 DIAGNOSE_FAIL_ENV = 'MJAX_DIAGNOSE_FAIL'     # test-only diagnostic failure (mjax/ft/diagnose.py)
 
@@ -95,6 +96,13 @@ def attempt() -> int:
     return 0
 
 
+def driver_run() -> str:
+  """The id of the driver start that launched this process ('' without one).
+  Attempt numbers start at 0 again with every driver on a workdir: the
+  facts a process finds of "its" attempt may be another driver's."""
+  return os.environ.get(DRIVER_RUN_ENV, '')
+
+
 def facts_path(workdir: str, process: int) -> str:
   return os.path.join(workdir, FACTS_DIR, f'process-{process:05d}.json')
 
@@ -105,13 +113,15 @@ class Facts:
   The file holds the facts of the current attempt only; each `record` rewrites
   it atomically (write, then rename), so the driver never reads half of it.
   Facts this attempt recorded before (another Facts of the same process)
-  are kept.
+  are kept; an attempt of the same number under an earlier driver is
+  another attempt (a `peer_lost` of its, read by the next driver, named
+  the wrong process as the one that failed).
   """
 
   def __init__(self, workdir: str, process: int):
     self.path = facts_path(workdir, process)
-    self._facts: dict[str, Any] = {'attempt': attempt(), 'process': process}
-    earlier = read_facts(workdir, process, attempt())
+    self._facts: dict[str, Any] = {'attempt': attempt(), 'driver_run': driver_run(), 'process': process}
+    earlier = read_facts(workdir, process, attempt(), driver_run())
     if earlier.get('process') == process:
       self._facts.update(earlier)
 
@@ -144,9 +154,10 @@ def devices_per_process(workdir: str) -> Optional[int]:
   return seen.pop() if len(seen) == 1 else None
 
 
-def read_facts(workdir: str, process: int, attempt_number: Optional[int] = None) -> dict:
+def read_facts(workdir: str, process: int, attempt_number: Optional[int] = None, run: Optional[str] = None) -> dict:
   """The driver's side: what process `process` recorded ({} if nothing, or
-  only facts of another attempt)."""
+  only facts of another attempt: another `attempt_number`, or one of that
+  number under another driver start than `run`)."""
   try:
     with open(facts_path(workdir, process)) as fh:
       facts = json.load(fh)
@@ -155,5 +166,7 @@ def read_facts(workdir: str, process: int, attempt_number: Optional[int] = None)
   if not isinstance(facts, dict):
     return {}
   if attempt_number is not None and facts.get('attempt') != attempt_number:
+    return {}
+  if run is not None and facts.get('driver_run', '') != run:
     return {}
   return facts

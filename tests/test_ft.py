@@ -898,6 +898,7 @@ def test_with_a_host_local_tier_the_rollback_and_the_restart_streak_follow_the_t
   assert not d._progress_visible()
   att = fake_attempt(d, ['slot0', 'slot1'])
   monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)   # as the driver launches its trainers
   for i in (0, 1):
     protocol.Facts(str(tmp_path), i).record(protocol.NONFINITE, {'step': 55, 'loss': 'nan', 'what': 'loss',
                                                                  'resume_from': 40})
@@ -910,9 +911,30 @@ def test_with_a_host_local_tier_the_rollback_and_the_restart_streak_follow_the_t
   for number, resumed in enumerate((0, 40, 40, 40)):
     att = driver.Attempt(number, ['slot0'], {0: None}, [], {}, detect.Monitor(d.fault_cfg, d.losses), [], 0.0)
     monkeypatch.setenv(protocol.ATTEMPT_ENV, str(number))
+    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
     protocol.Facts(str(tmp_path), 0).record(protocol.STARTUP, {'resumed_step': resumed})
     progressed.append(d._progressed(att))
   assert progressed == [True, True, False, False]
+  d.server.close()
+
+
+def test_progress_counts_from_the_step_the_trainers_resumed_from(tmp_path, monkeypatch):
+  # The newest step on disk at launch (1000 here: a stray numbered folder,
+  # or a damaged step) was set aside by the trainers, who resumed from 80
+  # and saved 120 before the next fault. Measured against 1000, that was no
+  # progress: a restart the job had earned counted against max_restarts.
+  from mjax import protocol
+  d = make_driver(tmp_path)
+  assert d._progress_visible()
+  for step in (80, 120):
+    (tmp_path / 'checkpoints' / str(step) / 'state').mkdir(parents=True)
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
+  for number, resumed, progressed in ((0, 80, True), (1, 120, False)):
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, str(number))
+    att = driver.Attempt(number, ['slot0'], {0: None}, [], {}, detect.Monitor(d.fault_cfg, d.losses), [], 0.0,
+                         checkpoint_at_launch=1000)
+    protocol.Facts(str(tmp_path), 0).record(protocol.STARTUP, {'resumed_step': resumed})
+    assert d._progressed(att) is progressed, (number, resumed)
   d.server.close()
 
 
@@ -929,12 +951,23 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   d = make_driver(tmp_path)
   att = fake_attempt(d, ['slot0', 'slot1'])
   monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)   # as the driver launches its trainers
   protocol.Facts(str(tmp_path), 0).record(protocol.PEER_LOST, str(gloo))
   fault = d._exit_fault(att, {0: 1, 1: -9})
   assert fault.processes == [1] and fault.extra['peers_left_after'] == [0], fault
   # Every one of them saying so: nothing to tell apart, all are named.
   protocol.Facts(str(tmp_path), 1).record(protocol.PEER_LOST, str(gloo))
   assert d._exit_fault(att, {0: 1, 1: 1}).processes == [0, 1]
+  # Facts of the same attempt number under an earlier driver on this
+  # workdir (each driver counts its attempts from 0) are not this one's:
+  # a stale peer_lost of process 0 named only process 1 when both were
+  # killed.
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, 'an-earlier-driver')
+  for i in (0, 1):
+    protocol.Facts(str(tmp_path), i).record(protocol.PEER_LOST, str(gloo))
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
+  assert d._exit_fault(att, {0: -9, 1: -9}).processes == [0, 1]
+  assert protocol.Facts(str(tmp_path), 0).get(protocol.PEER_LOST) is None   # nor merged into this run's
   # Process 1 stopped before its first heartbeat; process 0 gave up waiting
   # for it to join the job (exit 1): the silent one is the suspect.
   att = fake_attempt(d, ['slot0', 'slot1'])
@@ -958,6 +991,7 @@ def test_a_process_jax_aborted_because_the_coordinator_died_is_not_blamed(tmp_pa
   try:
     att = fake_attempt(d, ['slot0', 'slot1'])
     monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
     for i in (0, 1):
       att.logs[i] = (str(tmp_path / f'process-{i}.log'), 0)
       open(att.logs[i][0], 'w').write('=== attempt ===\n')

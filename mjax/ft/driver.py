@@ -96,6 +96,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -422,6 +423,9 @@ class Driver:
     # The agents were started with the job's secret (MJAX_JOB_SECRET) before
     # the driver: it is theirs to share. Otherwise the driver makes one.
     self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
+    # This start's own id: its attempts count from 0 again, and the facts
+    # an earlier driver's attempts left in the workdir are not theirs.
+    self.run = secrets.token_hex(8)
     window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
     self.clock_window_s = window
     try:
@@ -662,12 +666,16 @@ class Driver:
     that one saved. Later by an attempt, but a job that dies at the same
     step every time resumes from the same step every time, and gives up.
     Without checkpoints, catching up is all there is."""
-    if self._progress_visible():
-      return self._checkpoint_step() > att.checkpoint_at_launch
-    if not self.cfg.checkpoint.enabled:
-      return True
     resumed = next((r for r in ((self._facts(att, i).get(protocol.STARTUP) or {}).get('resumed_step')
                                 for i in att.handles) if isinstance(r, int)), None)
+    if self._progress_visible():
+      # Against the step the trainers say they resumed from, where they
+      # said: the newest step on disk at launch may be one they found
+      # damaged and set aside (or a stray numbered folder), and newer
+      # steps than the one before it were progress all the same.
+      return self._checkpoint_step() > (att.checkpoint_at_launch if resumed is None else resumed)
+    if not self.cfg.checkpoint.enabled:
+      return True
     before, self._last_resumed = self._last_resumed, resumed if resumed is not None else self._last_resumed
     return resumed is None or before is None or resumed > before
 
@@ -813,7 +821,8 @@ class Driver:
     for i, (host, ex) in enumerate(zip(hosts, executors)):
       env = launch.local_env(i, n, coordinator, self.opts.devices)
       env.update({protocol.DRIVER_ADDRESS_ENV: self.server.address, protocol.SECRET_ENV: self.secret,
-                  protocol.HOST_ENV: host, protocol.ATTEMPT_ENV: str(number), 'PYTHONUNBUFFERED': '1'})
+                  protocol.HOST_ENV: host, protocol.ATTEMPT_ENV: str(number), protocol.DRIVER_RUN_ENV: self.run,
+                  'PYTHONUNBUFFERED': '1'})
       env.update(self.opts.host_env.get(host, {}))
       log = os.path.join(self.workdir, 'logs', f'process-{i}.log')
       with open(log, 'ab') as fh:
@@ -1032,7 +1041,7 @@ class Driver:
 
   def _facts(self, att: Attempt, process: int) -> dict:
     """What process `process` of this attempt recorded for the driver (mjax/protocol.py)."""
-    return protocol.read_facts(self.workdir, process, att.number)
+    return protocol.read_facts(self.workdir, process, att.number, self.run)
 
   @staticmethod
   def _describe_status(code: Optional[int]) -> str:
