@@ -108,16 +108,26 @@ def start_logged(argv: Sequence[str], env: Mapping[str, str], log_path: str,
 
 
 def _pump(src: IO[bytes], prefix: str, dst: IO[str]) -> None:
-  """Copies `src` to `dst` line by line, each line prefixed."""
+  """Copies `src` to `dst` line by line, each line prefixed. Where `dst`
+  fails (its reader gone, `| head`; a full disk), the rest is read and
+  dropped: a pump that stopped reading would leave the process blocked on
+  a full pipe, and the job hung."""
   binary = getattr(dst, 'buffer', None)
   for line in iter(src.readline, b''):
-    if binary is not None:   # bytes as they came, whatever the encoding
-      dst.flush()
-      binary.write(prefix.encode() + line)
-      binary.flush()
-    else:
-      dst.write(prefix + line.decode(errors='replace'))
-      dst.flush()
+    try:
+      if binary is not None:   # bytes as they came, whatever the encoding
+        dst.flush()
+        binary.write(prefix.encode() + line)
+        binary.flush()
+      else:
+        dst.write(prefix + line.decode(errors='replace'))
+        dst.flush()
+    except OSError as e:
+      print(f'{prefix}output dropped from here on: cannot write it ({e.strerror or e})', file=sys.stderr,
+            flush=True)
+      for _ in iter(src.readline, b''):
+        pass
+      break
   src.close()
 
 

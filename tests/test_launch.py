@@ -608,3 +608,21 @@ def test_terminate_asks_to_save_or_kills_at_once():
   handles = {0: Handle(True), 1: Handle(False)}
   assert launch_lib.terminate(handles, 30, kill, save=False) == [0, 1]
   assert [h.signals for h in handles.values()] == [[], []] and [h.code for h in handles.values()] == [-9, -9]
+
+
+def test_a_pump_whose_output_fails_drains_its_process(capsys):
+  # launch/local.py's output piped into `head`, or onto a full disk: the
+  # pump thread died with a traceback and stopped reading, and a process
+  # that went on printing blocked on its full pipe: the job hung.
+  import io
+  from mjax import launch
+  src = io.BytesIO(b'a line of the trainer\n' * 10_000)
+  full = open('/dev/full', 'w')
+  launch._pump(src, '[1] ', full)
+  assert src.closed   # read to the end, then closed
+  try:
+    full.close()   # what stayed in its buffer fails again
+  except OSError:
+    pass
+  assert capsys.readouterr().err.splitlines() == [
+      '[1] output dropped from here on: cannot write it (No space left on device)']
