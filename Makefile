@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mjax-installed
 ARGS ?=
 
-.PHONY: setup train test bench bench-gpu gpu-wheels clean
+.PHONY: setup train test bench bench-gpu baseline gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ bench: $(STAMP)
 # On the GPU machine, with .whl/ brought along from `make gpu-wheels`.
 bench-gpu:
 	bash bench/gpu.sh $(ARGS)
+
+# The code at REF as a source tree for `bench/gpu_suite.py --baseline .baseline`
+# (carry .baseline with the wheels): a change and the code before it timed
+# side by side on one card. .baseline/ is git-ignored.
+REF ?= HEAD
+baseline:
+	rm -rf .baseline && mkdir .baseline && git archive $(REF) mjax bench configs pyproject.toml | tar -x -C .baseline
 
 # Wheels of what the GPU image lacks (Python 3.12, x86-64), for machines that
 # reach no package registry. Run where pip works; .whl/ is git-ignored.

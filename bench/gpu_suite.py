@@ -22,6 +22,8 @@ Sections, each independent (one failing never stops the next):
              MFU ceiling they set.
 
 --experiments adds MFU rows for XLA options under trial (EXPERIMENT_ROWS).
+--baseline DIR runs every MFU row a second time in another source tree (the
+code before a change, `make baseline REF=<commit>`), right after this one's.
 Everything runs under one deadline (--budget_s); rows that do not fit are
 reported as skipped. The tables go to stdout and, with --out DIR, to
 DIR/gpu_suite.md and DIR/gpu_suite.json with every sub-process log.
@@ -228,18 +230,22 @@ class Suite:
     return env
 
   def run(self, argv: list[str], log_name: str, timeout: float, quiet: bool = True,
-          env: Optional[dict] = None) -> tuple[int, str]:
+          env: Optional[dict] = None, tree: str = REPO) -> tuple[int, str]:
     """Runs argv with its output in OUT/log_name (and on stdout unless quiet);
-    `env` adds to the environment (XLA_FLAGS are appended to)."""
+    `env` adds to the environment (XLA_FLAGS are appended to); `tree`: the
+    source tree it runs in and imports mjax from (a --baseline's)."""
     path = os.path.join(self.out, log_name)
     full_env = self.env()
+    if tree != REPO:
+      rest = [p for p in full_env['PYTHONPATH'].split(os.pathsep) if os.path.abspath(p) != REPO]
+      full_env['PYTHONPATH'] = os.pathsep.join([tree, *rest])
     for k, v in (env or {}).items():
       full_env[k] = f'{full_env.get(k, "")} {v}'.strip() if k == 'XLA_FLAGS' else v
     with open(path, 'w') as log:
       # Its own process group: a timed-out section takes its MFU rows (which
       # hold the GPU) down with it.
       proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                              cwd=REPO, text=True, start_new_session=True)
+                              cwd=tree, text=True, start_new_session=True)
 
       def kill_group():
         try:
@@ -435,10 +441,17 @@ def check_mfu(suite: Suite):
   rows = select_rows(rows, suite.args.mfu_rows)
   results = []
   from mjax.parallel import xla_flags
-  for i, (name, gin, overrides, *extra) in enumerate(rows):
+  # With --baseline, each row runs in this tree and then in the baseline's
+  # (`make baseline REF=...`), one after the other on the same card: a
+  # change judged against the code before it, not against another day's card.
+  trees = [('', REPO)] + ([(' [baseline]', os.path.abspath(suite.args.baseline))]
+                          if getattr(suite.args, 'baseline', None) else [])
+  runs = [(i, row, label, tree) for i, row in enumerate(rows) for label, tree in trees]
+  for i, (name, gin, overrides, *extra), label, tree in runs:
+    name = name + label
     left = suite.left()
     if left < 45:
-      results.append(dict(name=name, status='skipped (suite deadline)'))
+      results.append(dict(name=name, status='skipped (suite deadline)', baseline=bool(label)))
       continue
     wanted = row_flags(overrides)
     if wanted and set(wanted) - xla_flags.supported_flags(wanted):
@@ -447,23 +460,24 @@ def check_mfu(suite: Suite):
       results.append(dict(name=name, status='its XLA flag is not in this jaxlib'))
       suite.say(f'  {name}: {results[-1]["status"]}')
       continue
-    jpath = os.path.join(suite.out, f'mfu_{i}.json')
-    argv = [sys.executable, os.path.join(REPO, 'bench', 'train_bench.py'), '--gin_file', gin,
+    tag = f'{i}_baseline' if label else f'{i}'
+    jpath = os.path.join(suite.out, f'mfu_{tag}.json')
+    argv = [sys.executable, os.path.join(tree, 'bench', 'train_bench.py'), '--gin_file', gin,
             '--steps', str(suite.args.steps), '--warmup', '2', '--name', name, '--json', jpath,
             *[f'--gin.{o}' for o in overrides]]
     if not suite.args.smoke:
       argv.append('--gin.ModelConfig.attention_impl=cudnn')
     if 'profile' in extra and suite.args.profile:
-      argv += ['--profile', os.path.join(suite.out, f'profile_{i}')]
+      argv += ['--profile', os.path.join(suite.out, f'profile_{tag}')]
     t0 = time.monotonic()
     limit = min(suite.args.row_timeout_s, left - 5)
-    rc, log = suite.run(argv, f'mfu_{i}.log', timeout=limit,
-                        env=next((e for e in extra if isinstance(e, dict)), {}))
+    rc, log = suite.run(argv, f'mfu_{tag}.log', timeout=limit,
+                        env=next((e for e in extra if isinstance(e, dict)), {}), tree=tree)
     wall = time.monotonic() - t0
     if rc == 0 and os.path.exists(jpath):
       with open(jpath) as fh:
         r = json.load(fh)
-      r.update(status='ok', wall_s=wall)
+      r.update(name=name, status='ok', wall_s=wall)
     else:
       oom = 'RESOURCE_EXHAUSTED' in log or 'Out of memory' in log or 'out of memory' in log
       # A row cut by what was left of the suite's deadline says so: that is
@@ -475,6 +489,7 @@ def check_mfu(suite: Suite):
                tail='\n'.join(log.strip().splitlines()[-8:]))
       if not oom:
         suite.say(f'  {name}: {why}; log tail:\n' + (r['tail'] or '(it printed nothing: still compiling)'))
+    r['baseline'] = bool(label)
     results.append(r)
     suite.say(f'  {name}: {r["status"]}' + (f', MFU {r["mfu"]:.1%}, {r["tokens_per_sec"]:,.0f} tokens/s, '
                                             f'peak {r["mem"] / 2**30:.1f} GiB, {wall:.0f} s'
@@ -502,15 +517,18 @@ def check_mfu(suite: Suite):
   suite.say(f'\npeak: {done[0]["peak_source"] if done else "?"}')
   best = {}
   for r in done:
+    if r.get('baseline'):
+      continue   # the code before: no verdict on this tree
     size = r['name'].split()[0]
     if r['mfu'] > best.get(size, {}).get('mfu', -1):
       best[size] = r
   suite.results['mfu_best'] = {k: dict(name=v['name'], mfu=v['mfu']) for k, v in best.items()}
   summary = '; '.join(f'{k}: {v["mfu"]:.1%} ({v["name"]})' for k, v in best.items())
   optional = {r[0] for r in rows if 'optional' in r[3:]}
-  failed = [r['name'] for r in results if r['status'] not in ('ok', 'out of memory')
+  mine = [r for r in results if not r.get('baseline')]
+  failed = [r['name'] for r in mine if r['status'] not in ('ok', 'out of memory')
             and not r['status'].startswith('skipped') and r['name'] not in optional]
-  sizes = {r['name'].split()[0] for r in results if not r['status'].startswith('skipped')}
+  sizes = {r['name'].split()[0] for r in mine if not r['status'].startswith('skipped')}
   failed += [f'{size} (no row fits)' for size in sorted(sizes - set(best))]
   return bool(done) and not failed, f'best {summary or "none"}' + (
       f'; failed: {", ".join(failed)}' if failed else '')
@@ -645,9 +663,15 @@ def main(argv=None):
   p.add_argument('--profile', action='store_true', help='trace the rows marked for it (jax.profiler)')
   p.add_argument('--experiments', action='store_true',
                  help='also the MFU rows of XLA options under trial (EXPERIMENT_ROWS; they fail nothing)')
+  p.add_argument('--baseline', default=None,
+                 help='a source tree of the code before (`make baseline REF=<commit>`, then carry .baseline): '
+                      'every MFU row runs in it too, right after this tree\'s, on the same card')
   p.add_argument('--child', default=None, help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else argv
   args = p.parse_args(argv)
+  if args.baseline and not os.path.isfile(os.path.join(args.baseline, 'bench', 'train_bench.py')):
+    p.error(f'--baseline {args.baseline}: not a source tree of mjax (no bench/train_bench.py in it); make one '
+            f'with `make baseline REF=<commit>`.')
   sections = dict(attention=check_attention, train=check_train, mfu=check_mfu, variants=check_variants,
                   dots=check_dots)
   if args.child:  # one section in this process; the parent collects the JSON

@@ -289,7 +289,7 @@ def test_the_mfu_table_prints_both_attention_counts(tmp_path):
   bench = _bench_module('train_bench')
   lines = []
 
-  def run(argv, log, timeout, env):
+  def run(argv, log, timeout, env, tree=SUITE.REPO):
     bench.main(argv[2:])
     return 0, ''
 
@@ -307,3 +307,42 @@ def test_the_mfu_table_prints_both_attention_counts(tmp_path):
   assert ratio > 1.01 and r['mfu_dense_attention'] == pytest.approx(r['mfu'] * ratio)
   assert any(line.startswith('| tiny remat=none |') and line.endswith(f'| {r["mfu_dense_attention"]:.1%} |')
              for line in lines), lines
+
+
+def test_a_baseline_tree_runs_every_mfu_row_right_after_this_ones(tmp_path):
+  # `--baseline DIR` (`make baseline REF=...`): the code before a change,
+  # timed on the same card right after each row of this tree, its own
+  # bench/train_bench.py run in its own tree; its rows decide nothing.
+  import types
+  base = tmp_path / 'base'
+  (base / 'bench').mkdir(parents=True)
+  (base / 'bench' / 'train_bench.py').write_text('')
+  calls = []
+
+  def run(argv, log, timeout, env, tree=SUITE.REPO):
+    calls.append((argv[1], tree, log))
+    out = argv[argv.index('--json') + 1]
+    mfu = 0.3 if tree == SUITE.REPO else 0.4
+    with open(out, 'w') as fh:
+      json.dump(dict(batch=8, seq_len=128, devices='1 x cpu', tokens_per_sec=1.0, step_time=1.0,
+                     flops_per_token=1.0, achieved=1.0, peak=1.0, peak_source='x', mfu=mfu, mem=0), fh)
+    return 0, ''
+
+  lines = []
+  args = types.SimpleNamespace(smoke=True, experiments=False, mfu_rows='tiny', steps=1, profile=False,
+                               row_timeout_s=600, baseline=str(base))
+  suite = types.SimpleNamespace(args=args, say=lambda line='': lines.append(line), left=lambda: 600.0,
+                                run=run, out=str(tmp_path), results={})
+  ok, summary = SUITE.check_mfu(suite)
+  mine = os.path.join(SUITE.REPO, 'bench', 'train_bench.py')
+  theirs = os.path.join(str(base), 'bench', 'train_bench.py')
+  assert calls == [(mine, SUITE.REPO, 'mfu_0.log'), (theirs, str(base), 'mfu_0_baseline.log'),
+                   (mine, SUITE.REPO, 'mfu_1.log'), (theirs, str(base), 'mfu_1_baseline.log')], calls
+  assert [r['name'] for r in suite.results['mfu']] == [
+      'tiny remat=none', 'tiny remat=none [baseline]', 'tiny remat=full', 'tiny remat=full [baseline]']
+  assert any(line.startswith('| tiny remat=full [baseline] |') for line in lines), lines
+  # The best row is this tree's, though the baseline's ran faster.
+  assert ok and suite.results['mfu_best'] == {'tiny': {'name': 'tiny remat=none', 'mfu': 0.3}}, summary
+  # A folder that is no source tree is refused before anything runs.
+  with pytest.raises(SystemExit):
+    SUITE.main(['--smoke', '--sections', 'mfu', '--baseline', str(tmp_path / 'nothing')])
