@@ -898,7 +898,7 @@ def test_with_a_host_local_tier_the_rollback_and_the_restart_streak_follow_the_t
   assert not d._progress_visible()
   att = fake_attempt(d, ['slot0', 'slot1'])
   monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
-  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)   # as the driver launches its trainers
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)   # as the driver launches its trainers
   for i in (0, 1):
     protocol.Facts(str(tmp_path), i).record(protocol.NONFINITE, {'step': 55, 'loss': 'nan', 'what': 'loss',
                                                                  'resume_from': 40})
@@ -911,7 +911,7 @@ def test_with_a_host_local_tier_the_rollback_and_the_restart_streak_follow_the_t
   for number, resumed in enumerate((0, 40, 40, 40)):
     att = driver.Attempt(number, ['slot0'], {0: None}, [], {}, detect.Monitor(d.fault_cfg, d.losses), [], 0.0)
     monkeypatch.setenv(protocol.ATTEMPT_ENV, str(number))
-    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
+    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)
     protocol.Facts(str(tmp_path), 0).record(protocol.STARTUP, {'resumed_step': resumed})
     progressed.append(d._progressed(att))
   assert progressed == [True, True, False, False]
@@ -928,7 +928,7 @@ def test_progress_counts_from_the_step_the_trainers_resumed_from(tmp_path, monke
   assert d._progress_visible()
   for step in (80, 120):
     (tmp_path / 'checkpoints' / str(step) / 'state').mkdir(parents=True)
-  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)
   for number, resumed, progressed in ((0, 80, True), (1, 120, False)):
     monkeypatch.setenv(protocol.ATTEMPT_ENV, str(number))
     att = driver.Attempt(number, ['slot0'], {0: None}, [], {}, detect.Monitor(d.fault_cfg, d.losses), [], 0.0,
@@ -951,7 +951,7 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   d = make_driver(tmp_path)
   att = fake_attempt(d, ['slot0', 'slot1'])
   monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
-  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)   # as the driver launches its trainers
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)   # as the driver launches its trainers
   protocol.Facts(str(tmp_path), 0).record(protocol.PEER_LOST, str(gloo))
   fault = d._exit_fault(att, {0: 1, 1: -9})
   assert fault.processes == [1] and fault.extra['peers_left_after'] == [0], fault
@@ -965,7 +965,7 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   monkeypatch.setenv(protocol.DRIVER_RUN_ENV, 'an-earlier-driver')
   for i in (0, 1):
     protocol.Facts(str(tmp_path), i).record(protocol.PEER_LOST, str(gloo))
-  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
+  monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)
   assert d._exit_fault(att, {0: -9, 1: -9}).processes == [0, 1]
   assert protocol.Facts(str(tmp_path), 0).get(protocol.PEER_LOST) is None   # nor merged into this run's
   # Process 1 stopped before its first heartbeat; process 0 gave up waiting
@@ -991,7 +991,7 @@ def test_a_process_jax_aborted_because_the_coordinator_died_is_not_blamed(tmp_pa
   try:
     att = fake_attempt(d, ['slot0', 'slot1'])
     monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
-    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run)
+    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)
     for i in (0, 1):
       att.logs[i] = (str(tmp_path / f'process-{i}.log'), 0)
       open(att.logs[i][0], 'w').write('=== attempt ===\n')

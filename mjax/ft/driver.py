@@ -425,7 +425,7 @@ class Driver:
     self.secret = _agent_secret() if opts.executor == 'agent' else hb.new_secret()
     # This start's own id: its attempts count from 0 again, and the facts
     # an earlier driver's attempts left in the workdir are not theirs.
-    self.run = secrets.token_hex(8)
+    self.run_id = secrets.token_hex(8)
     window = max(60.0, 2 * self.fault_cfg.heartbeat_timeout_s)
     self.clock_window_s = window
     try:
@@ -821,7 +821,7 @@ class Driver:
     for i, (host, ex) in enumerate(zip(hosts, executors)):
       env = launch.local_env(i, n, coordinator, self.opts.devices)
       env.update({protocol.DRIVER_ADDRESS_ENV: self.server.address, protocol.SECRET_ENV: self.secret,
-                  protocol.HOST_ENV: host, protocol.ATTEMPT_ENV: str(number), protocol.DRIVER_RUN_ENV: self.run,
+                  protocol.HOST_ENV: host, protocol.ATTEMPT_ENV: str(number), protocol.DRIVER_RUN_ENV: self.run_id,
                   'PYTHONUNBUFFERED': '1'})
       env.update(self.opts.host_env.get(host, {}))
       log = os.path.join(self.workdir, 'logs', f'process-{i}.log')
@@ -1041,7 +1041,7 @@ class Driver:
 
   def _facts(self, att: Attempt, process: int) -> dict:
     """What process `process` of this attempt recorded for the driver (mjax/protocol.py)."""
-    return protocol.read_facts(self.workdir, process, att.number, self.run)
+    return protocol.read_facts(self.workdir, process, att.number, self.run_id)
 
   @staticmethod
   def _describe_status(code: Optional[int]) -> str:
