@@ -256,13 +256,9 @@ def entry_point(prog: str):
       try:
         try:
           result = main(argv)
-        except SystemExit as e:   # a tool's own status (mjax-report, mjax-diagnose): its output said first
-          if console:
-            _flush_output(stopping=e.code not in (None, 0))
-          raise
-        except BaseException:
-          if console:
-            _flush_output(stopping=True)
+        except BaseException as e:
+          if console:   # a tool's own sys.exit(0) is a success, whose output failing is said
+            _flush_output(stopping=not (isinstance(e, SystemExit) and e.code in (None, 0)))
           raise
         if console:
           _flush_output(stopping=False)   # here, where a failure is said; not at exit

@@ -120,8 +120,9 @@ class Facts:
 
   def __init__(self, workdir: str, process: int):
     self.path = facts_path(workdir, process)
-    self._facts: dict[str, Any] = {'attempt': attempt(), 'driver_run': driver_run(), 'process': process}
-    earlier = read_facts(workdir, process, attempt(), driver_run())
+    number, run = attempt(), driver_run()
+    self._facts: dict[str, Any] = {'attempt': number, 'driver_run': run, 'process': process}
+    earlier = read_facts(workdir, process, number, run)
     if earlier.get('process') == process:
       self._facts.update(earlier)
 

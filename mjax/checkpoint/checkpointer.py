@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding
 
 from mjax import distributed, jsonfile, protocol
 from mjax.checkpoint.directories import is_step_dir, steps_in, tier_directories, tier_key
-from mjax.checkpoint.failures import (FailedSave, full_disk_is_bad_input, kept_steps, OTHER_MODEL,
-                                      OTHER_OPTIMIZER, quiet_failed_io_aftermath, read_error, unwritable_error)
+from mjax.checkpoint.failures import (FailedSave, full_disk_is_bad_input, kept_steps, other_config,
+                                      quiet_failed_io_aftermath, read_error, unwritable_error)
 from mjax.checkpoint.guards import check_apart, check_not_inside_a_tier, check_owner, check_shared, check_writable
 from mjax.checkpoint.integrity import (data_digest, DATA_SHA256, FINGERPRINTS, fingerprints, first_mismatch,
                                        prints_digest, step_json, tree_metadata_missing)
@@ -741,7 +741,7 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
           f'CheckpointConfig.restore_from = {path!r}: step {step} cannot be used ({why}'
           + (f', in process(es) {sorted(verdicts)} of {jax.process_count()}' if jax.process_count() > 1 else '')
           + ('); restore it with the config it was saved with, or give a checkpoint this config makes.'
-             if OTHER_MODEL in why or OTHER_OPTIMIZER in why else
+             if other_config(why) else
              '); give another step folder, or check the files with `mjax-report checkpoint --verify`.'))
     return restored
   finally:

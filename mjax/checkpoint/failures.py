@@ -153,9 +153,19 @@ class BadRecord(Exception):
 # What `read_error` says of a checkpoint whose arrays are not the ones the
 # config makes (`OTHER_MODEL` + ' shape' / ' structure', or OTHER_OPTIMIZER):
 # no other step of that run reads either, and the advice is the config, not
-# the files.
+# the files (`other_config`).
 OTHER_MODEL = 'the checkpoint holds a model of another'
 OTHER_OPTIMIZER = 'the checkpoint holds the state of another optimizer'
+_SAVED_WITH = 'with the config.gin of the run that saved it'
+
+
+def _compare(section: str) -> str:
+  return f'compare {section} {_SAVED_WITH}'
+
+
+def other_config(why: str) -> bool:
+  """Whether `read_error`'s `why` says the checkpoint is of another config."""
+  return _SAVED_WITH in why
 
 
 def _structure_problem(text: str) -> Optional[str]:
@@ -174,10 +184,9 @@ def _structure_problem(text: str) -> Optional[str]:
   more = f' ({len(diffs)} arrays differ)' if len(diffs) > 1 else ''
   if not path.startswith('params'):
     # The model's arrays are alike; its optimizer's state is not.
-    return (f'{what}{more}: {OTHER_OPTIMIZER}; compare OptimConfig with the config.gin of the run that '
-            f'saved it')
+    return f'{what}{more}: {OTHER_OPTIMIZER}; {_compare("OptimConfig")}'
   return (f'{what}{more}: {OTHER_MODEL} structure (tied or untied embeddings, biases, norms, '
-          f'scanned or unrolled layers); compare ModelConfig with the config.gin of the run that saved it')
+          f'scanned or unrolled layers); {_compare("ModelConfig")}')
 
 
 def read_error(e: BaseException) -> str:
@@ -201,7 +210,7 @@ def read_error(e: BaseException) -> str:
       # Orbax's advice (`strict=False`, padding and truncation) is for its
       # own callers: a model of another shape is never what to restore.
       return (f'an array is {shapes.group(2)} in the checkpoint and {shapes.group(1)} in this config: '
-              f'{OTHER_MODEL} shape; compare ModelConfig with the config.gin of the run that saved it')
+              f'{OTHER_MODEL} shape; {_compare("ModelConfig")}')
     structure = _structure_problem(str(x))
     if structure:
       return structure
