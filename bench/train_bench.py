@@ -22,7 +22,7 @@ from mjax import flags
 from mjax.devices import peak_flops, peak_memory_bytes
 from mjax.model.flops import flops_per_token
 from mjax.parallel import make_mesh
-from mjax.trainer import write_profile_steps
+from mjax.profiling import write_profile_steps
 
 PROFILE_STEPS = 2
 

@@ -511,7 +511,7 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
   # handler over the one mjax-train set for start-up) and only notes it for
   # a sync point mjax never asks for: a SIGTERM in start-up (a pre-emption,
   # scancel) was swallowed and the job trained on. mjax stops on signals
-  # its own way (trainer.StopAgreement), so jax's service stays off.
+  # its own way (mjax/stop.py), so jax's service stays off.
   jax.config.update('jax_enable_preemption_service', False)
   t0 = time.perf_counter()
   deadline = time.monotonic() + timeout_s

@@ -46,7 +46,7 @@ EXIT_BROKEN_PIPE = 141  # a tool whose output's reader went away (`| head`): 128
 
 # --- stopping on a signal or a lost driver -----------------------------------------
 # The processes of a job stop after the same step: the first one asked proposes
-# the step it has reached plus this many (mjax.trainer.StopAgreement). An agent
+# the step it has reached plus this many (mjax.stop.StopAgreement). An agent
 # whose driver is gone counts on it too: its trainers need up to this many
 # steps more, after they notice, before their last save (mjax/ft/agent.py).
 STOP_MARGIN_STEPS = 3

@@ -20,6 +20,7 @@ The loop itself is short because each concern owns its cadence:
   Checkpointer    `due(step)`: two tiers, asynchronous (mjax/checkpoint/)
   evaluation      every TrainConfig.eval_every steps, and at the end
   StopAgreement   SIGTERM / SIGINT: every process stops after the same step
+                  (mjax/stop.py)
   StepGC          Python's garbage collection at the same steps in every
                   process, TrainConfig.gc_every_steps (mjax/ft/gc_control.py)
   PhaseTimer, HeartbeatClient   per-phase timings and heartbeats for the
@@ -33,12 +34,11 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import jax
 import numpy as np
@@ -46,10 +46,7 @@ import numpy as np
 from mjax import jsonfile
 from mjax import checkpoint as checkpoint_lib
 from mjax.checkpoint.checkpointer import held_bytes
-from mjax.checkpoint.directories import (OWNER_FILE, RUN_ID_FILE, ensure_run_id, is_workdir, read_claim, run_id,
-                                         steps_in, tier_directories, with_host_dirs)
-from mjax.checkpoint.failures import write_problem
-from mjax.checkpoint.guards import check_not_inside_a_tier, check_not_inside_a_workdir, check_same_model
+from mjax.checkpoint.directories import RUN_ID_FILE
 from mjax import config as config_lib
 from mjax import data as data_lib
 from mjax.data import sources as data_sources
@@ -65,7 +62,10 @@ from mjax.ft.phases import PhaseTimer
 from mjax.metrics import MetricsWriter, read_metrics
 from mjax.model.flops import flops_per_token
 from mjax.parallel import make_mesh, pipeline
+from mjax.profiling import StepProfiler
+from mjax.stop import StopAgreement, WorkdirWatch
 from mjax.train import Program, evaluate, make_program, setup_compilation_cache
+from mjax.workdir import Claim, check_workdir, forget_refused_start
 
 
 # Step metrics that must be finite for the state after the step to be.
@@ -189,9 +189,9 @@ class Trainer:
     config_lib.check_for_training(cfg)
     made = self.is_main and not os.path.lexists(workdir)
     # This start's own run id (not one a run before it made): only that is
-    # taken back after a refusal (`_forget_refused_start`).
+    # taken back after a refusal (`forget_refused_start`).
     new_id = self.is_main and not os.path.lexists(os.path.join(workdir, RUN_ID_FILE))
-    self._run_record = _check_workdir(cfg, workdir, self.is_main)   # the run's id, from process 0
+    self._run_record = check_workdir(cfg, workdir, self.is_main)   # the run's id, from process 0
     if protocol.under_driver():   # first, so that a job that fails below can still be shrunk
       protocol.Facts(workdir, jax.process_index()).record(protocol.DEVICES, jax.local_device_count())
     # Heartbeats from here on (under mjax-launch), not from the first step:
@@ -205,7 +205,7 @@ class Trainer:
     self._trained = self._closed = False
     self.skipped, self.skip_record = 0, None   # TrainConfig.skip_batches as this start applies it
     self.final_eval_pending = False
-    self._claim = _Claim(workdir)
+    self._claim = Claim(workdir)
     weakref.finalize(self, self._claim.release)
     try:
       self.heartbeat = (heartbeat if heartbeat is not None else
@@ -215,7 +215,7 @@ class Trainer:
       empty = []
       if isinstance(e, UserError) and new_id and self.ckpt is not None and jax.process_count() == 1:
         try:   # under the run lock still; never in place of the error being raised
-          empty = _forget_refused_start(cfg, workdir, self._run_record, made)
+          empty = forget_refused_start(cfg, workdir, self._run_record, made)
         except Exception:  # noqa: BLE001
           empty = []
       self.close()
@@ -945,187 +945,6 @@ def _cache_entries_from_every_process():
     state.process_id = saved
 
 
-PROFILE_STEPS_FILE = 'profile_steps.json'
-
-
-def write_profile_steps(directory: str, steps: int, first_step: Optional[int] = None) -> None:
-  """Records beside a trace how many train steps it holds."""
-  with open(os.path.join(directory, PROFILE_STEPS_FILE), 'w') as fh:
-    json.dump({'steps': int(steps), 'first_step': first_step}, fh)
-
-
-class StepProfiler:
-  """A jax.profiler trace of TrainConfig.profile_steps steps from
-  TrainConfig.profile_from_step (0: the second step of this run, past the
-  first one's warm-up) into <workdir>/profile, with a Perfetto trace and the
-  step's optimized HLO (train_step.hlo.txt), whose source locations let
-  bench/trace_summary.py sum the trace by part of the model."""
-
-  def __init__(self, cfg: Config, workdir: str, start_step: int, hlo_text: Callable[[], str]):
-    self.hlo_text = hlo_text
-    self.steps = cfg.train.profile_steps
-    self.first = cfg.train.profile_from_step or start_step + 2
-    self.last = self.first + self.steps - 1
-    self.directory = os.path.join(workdir, 'profile')
-    self.active = False
-    self.done = self.first - 1
-    traced = os.path.exists(os.path.join(self.directory, PROFILE_STEPS_FILE))   # by an earlier start
-    if self.steps and not start_step < self.first <= cfg.train.steps and jax.process_index() == 0 and \
-        not (traced and self.first <= start_step):
-      # Else the run ends with no trace and no word of why.
-      when = (f'TrainConfig.profile_from_step = {cfg.train.profile_from_step}' if cfg.train.profile_from_step
-              else f'TrainConfig.profile_from_step = 0 (the second step of this run, {self.first})')
-      print(f'mjax: warning: {when}: this run trains steps {start_step + 1}-{cfg.train.steps}, so nothing is '
-            f'profiled. Set profile_from_step to a step in that range.', flush=True)
-
-  def before(self, step: int) -> None:
-    if self.steps and step == self.first:
-      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-      self.active = True
-
-  def after(self, step: int, state: Any) -> None:
-    if self.active:
-      self.done = step
-    if self.active and step >= self.last:
-      jax.block_until_ready(state)   # the traced steps' device work inside the trace
-      self._stop()
-
-  def _stop(self) -> None:
-    jax.profiler.stop_trace()
-    self.active = False
-    if jax.process_index() == 0:
-      with open(os.path.join(self.directory, 'train_step.hlo.txt'), 'w') as fh:
-        fh.write(self.hlo_text())
-      # How many steps the trace holds (fewer than asked if the run stopped
-      # inside them): trace_summary divides by it.
-      write_profile_steps(self.directory, self.done - self.first + 1, self.first)
-      if self.done < self.first:   # stopped inside the first traced step
-        print(f'mjax: the run ended inside step {self.first}, the first to profile: the trace in '
-              f'{self.directory} holds no whole step.', flush=True)
-      else:
-        print(f'mjax: profiled steps {self.first}-{self.done} into {self.directory} (TensorBoard\'s profile '
-              f'plugin, or the perfetto_trace.json.gz in ui.perfetto.dev)', flush=True)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    if self.active:   # the run stopped inside the traced steps
-      self._stop()
-    return False
-
-
-# The workdirs this process's live Trainers hold. The run lock
-# (mjax/checkpoint/locks.py) keeps other processes out; within one process it is
-# re-entrant (a Checkpointer that reads a run's steps beside it), so a
-# second Trainer on the same workdir, in a notebook, trained over the first
-# one's checkpoints and metrics.
-_WORKDIRS: set[str] = set()
-
-
-class _Claim:
-  """One Trainer's hold on its workdir: the in-process claim and, once the
-  Trainer has one, its Checkpointer's run lock. Released by `close()`, or
-  when the Trainer is collected (one built and dropped, never trained)."""
-
-  def __init__(self, workdir: str):
-    self.key = os.path.realpath(workdir)
-    if self.key in _WORKDIRS:
-      raise ConfigError(
-          f'{workdir} is in use by another Trainer of this process, not yet trained or closed: one workdir '
-          f'trains one run at a time. Call train() or close() on that one first (or build it as '
-          f'`with Trainer(cfg, workdir) as t:`), or give this run its own workdir.')
-    _WORKDIRS.add(self.key)
-    self.ckpt: Optional[checkpoint_lib.Checkpointer] = None
-    self.held = True
-
-  def release(self) -> None:
-    if self.held:
-      self.held = False
-      _WORKDIRS.discard(self.key)
-    if self.ckpt is not None:
-      self.ckpt.release_lock()   # idempotent
-
-
-def _check_workdir(cfg: Config, workdir: str, is_main: bool) -> dict:
-  """Process 0 checks the workdir (writable; no checkpoints of another model)
-  and makes its run id; every process raises the same ConfigError, so none
-  is left waiting in the next collective, or gets the run's id record
-  (`ensure_run_id`): the hosts of a host-local fast tier need
-  not share the workdir."""
-  _check_utf8(workdir, '--workdir')
-  for tier, directory in tier_directories(cfg.checkpoint, workdir).items():
-    _check_utf8(directory, f'the {tier} checkpoint directory')
-  verdict, record = '', {}
-  if is_main:
-    try:
-      # Before anything is made or written (write_problem makes the
-      # workdir): a refused start leaves nothing in another run's directory,
-      # where a new numbered folder would read as a step.
-      check_not_inside_a_tier(workdir)
-      check_not_inside_a_workdir(workdir)
-      problem = write_problem(workdir)
-      if problem:
-        raise ConfigError(
-            f'--workdir {workdir!r} cannot be written: {problem}. The workdir holds the config, '
-            f'metrics and (by default) the checkpoints: give a directory you can write, or a new path.')
-      check_same_model(cfg, workdir)
-      record = ensure_run_id(cfg.checkpoint, workdir)
-    except ConfigError as e:
-      verdict = str(e)
-  said = jsonfile.loads(distributed.broadcast_str('workdir/verdict', json.dumps({'verdict': verdict, 'run': record}),
-                                              cfg.fault.collective_timeout_s))
-  if said['verdict']:
-    raise ConfigError(said['verdict'])
-  return said['run']
-
-
-def _forget_refused_start(cfg: Config, workdir: str, record: dict, made: bool) -> list[str]:
-  """Takes back what a new run's start wrote before it was refused (data
-  too small for a batch, a state that does not fit): its run id and its
-  claims on checkpoint directories that hold no step. Called while the
-  start still holds the run lock (no other start is past it), in a
-  one-process job (a host-local tier's claims on other hosts are theirs to
-  keep). Returns the directories it made, to be removed where left empty
-  once the lock is let go (its files are in them): the default tiers (in the
-  workdir it made, or named after it in /dev/shm), a host-local tier's own,
-  and the workdir it made. The same command, corrected, then starts in a
-  workdir as it found it; one given up on leaves nothing behind. A run that
-  ever started (its config.json, written once everything worked) is left
-  as it is, and so is a run id this start did not make (the caller's
-  check). One of the user's directories stays, empty as it was."""
-  if not record.get('fresh') or is_workdir(workdir) or run_id(workdir) != record.get('run'):
-    return []
-  empty = []
-  for tier, directory in tier_directories(cfg.checkpoint, workdir).items():
-    if '://' in directory or not os.path.isdir(directory):
-      continue
-    ours = (made and os.path.commonpath([os.path.realpath(directory), os.path.realpath(workdir)]) ==
-            os.path.realpath(workdir)) or (tier == 'fast' and cfg.checkpoint.fast_directory is None)
-    for d in reversed(with_host_dirs(directory)):
-      if read_claim(d).get('run') == record['run'] and not steps_in(d):
-        with contextlib.suppress(OSError):
-          os.remove(os.path.join(d, OWNER_FILE))
-      if ours or d != directory:
-        empty.append(d)
-  with contextlib.suppress(OSError):
-    os.remove(os.path.join(workdir, RUN_ID_FILE))
-  return empty + ([workdir] if made else [])
-
-
-def _check_utf8(path: str, what: str) -> None:
-  """Refuses a path with bytes that are not UTF-8 (Python carries them as
-  surrogates): TensorStore, which writes the checkpoints, takes UTF-8 paths
-  only, and the first save would fail deep in Orbax after training began."""
-  try:
-    path.encode('utf-8')
-  except UnicodeEncodeError:
-    shown = path.encode('utf-8', 'surrogateescape').decode('utf-8', 'backslashreplace')
-    raise ConfigError(
-        f"{what} '{shown}' has bytes that are not UTF-8 in its name; the checkpoint writer "
-        f'(TensorStore) takes UTF-8 paths only. Rename the directory, or give another path.') from None
-
-
 def _size(nbytes: float) -> str:
   return f'{nbytes / 2**30:,.1f} GiB' if nbytes >= 2**30 else f'{nbytes / 2**20:,.1f} MiB'
 
@@ -1167,181 +986,3 @@ def _check_same_data(fingerprint: dict) -> None:
         f'{sorted(differ)} have {jsonfile.loads(next(iter(differ.values())))} (files, tokens or tokenizer of a '
         f'source differ; with the same config, the hosts see other files). Each process reads its rows of one '
         f'order that all must build alike: give every host the same data, complete, before the job starts.')
-
-
-class WorkdirWatch:
-  """Whether the run's workdir was deleted (or replaced) under it, looked
-  at no more than every CHECK_S. Its metrics, logs and config then went
-  on into deleted files without a word, and the job ended "finished" with
-  none of them; the loop stops instead (StopAgreement), saves, and says so.
-
-  It holds the run's config.json open: a deleted file keeps its inode while
-  open, with no name left (st_nlink 0), which a directory made again at
-  the same path (by a save) cannot hide, as its inode number can repeat."""
-  CHECK_S = 5.0
-  MARK = 'config.json'
-
-  def __init__(self, workdir: str):
-    self.workdir = workdir
-    try:
-      self._fd: Optional[int] = os.open(os.path.join(workdir, self.MARK), os.O_RDONLY)
-    except OSError:
-      self._fd = None   # none here (another host's workdir): nothing to watch
-    self._next = time.monotonic() + self.CHECK_S
-
-  def gone(self) -> bool:
-    now = time.monotonic()
-    if self._fd is None or now < self._next:
-      return False
-    self._next = now + self.CHECK_S
-    try:
-      return os.fstat(self._fd).st_nlink == 0
-    except OSError:
-      return False
-
-  def close(self) -> None:
-    if self._fd is not None:
-      os.close(self._fd)
-      self._fd = None
-
-
-class StopAgreement:
-  """SIGTERM / SIGINT (pre-emption, Ctrl-C) ask the loop to finish the step,
-  save and exit 0. A second signal gets the default behaviour (kill now).
-  So does the loss of the fault-tolerance driver (no acknowledgement of the
-  heartbeats for heartbeat_timeout_s): a job nobody supervises stops cleanly
-  instead of training on, and a restarted driver resumes it from that save."""
-
-  # Steps between the one the first process to stop has reached and the one
-  # every process stops after: each step's collectives keep the processes
-  # within a step or two of each other, and the others learn the agreed step
-  # within a coordination-service round trip (milliseconds), so none can have
-  # passed it yet.
-  MARGIN = protocol.STOP_MARGIN_STEPS
-  KEY = 'mjax/stop/after_step'
-  DONE = 'done'            # written on the way out: wakes every watcher, stops nobody
-  DRIVER_LOST = 'driver_lost'
-  WORKDIR_GONE = 'workdir_gone'
-  POLL_MS = 10_000
-
-  def __init__(self, heartbeat: Optional[HeartbeatClient] = None, workdir: Optional['WorkdirWatch'] = None):
-    self.signal = None
-    self.driver_lost = False
-    self.workdir_gone = False
-    self.reason: Optional[str] = None   # why the stop agreed on was asked for (every process alike)
-    self._heartbeat = heartbeat
-    self._workdir = workdir
-    self._old = {}
-    self._stop_after: Optional[int] = None
-    self._why_elsewhere: Optional[str] = None   # why the process that proposed the stop stopped
-    self._proposed = False
-    self._watcher: Optional[threading.Thread] = None
-    self._closing = threading.Event()
-    self.stopped = False     # the loop was left early, in every process alike
-
-  @property
-  def name(self) -> str:
-    if self.signal is not None:
-      return signal.Signals(self.signal).name
-    if self.driver_lost:
-      return 'no word from the fault-tolerance driver for heartbeat_timeout_s'
-    if self.workdir_gone:
-      return 'the workdir was deleted under the running job'
-    return f'another process of the job was asked to stop ({self._why_elsewhere or "a signal"})'
-
-  def _requested(self) -> bool:
-    if self.signal is None and not self.driver_lost and self._heartbeat is not None:
-      self.driver_lost = self._heartbeat.driver_lost()
-    if self.signal is None and not self.driver_lost and not self.workdir_gone and self._workdir is not None:
-      self.workdir_gone = self._workdir.gone()
-    return self.signal is not None or self.driver_lost or self.workdir_gone
-
-  def agreed(self, step: int) -> bool:
-    """Whether to stop after `step`. One process: once asked. Several: after
-    the same step in every process, since a signal reaches them between
-    different steps, and a process that stops alone leaves the others waiting
-    in the next step's collectives forever. The first process asked proposes
-    a step through the coordination service; a watcher thread in every
-    process waits for that key (one pending call, not one call per step)."""
-    self.stopped = self._agreed(step)
-    return self.stopped
-
-  def _why(self) -> str:
-    return (self.DRIVER_LOST if self.driver_lost else self.WORKDIR_GONE if self.workdir_gone else
-            signal.Signals(self.signal).name)
-
-  def _agreed(self, step: int) -> bool:
-    if jax.process_count() == 1:
-      if self._requested():
-        self.reason = self.reason or self._why()
-        return True
-      return False
-    if self._stop_after is None and not self._proposed and self._requested():
-      self._proposed = True
-      client = distributed.coordination_client()
-      # The reason travels with the step: every process stops for the same
-      # one (a lost driver means exit status 4 everywhere, not only here).
-      why = self._why()
-      try:
-        client.key_value_set(self.KEY, f'{step + self.MARGIN} {why}')
-      except jax.errors.JaxRuntimeError as e:
-        if 'ALREADY_EXISTS' not in str(e):
-          raise
-        # another process proposed first: theirs stands
-      self._stop_after = self._parse(client.blocking_key_value_get(self.KEY, self.POLL_MS))
-    return self._stop_after is not None and step >= self._stop_after
-
-  def _parse(self, value: str) -> Optional[int]:
-    if value == self.DONE:
-      return None
-    step, _, why = value.partition(' ')
-    self._why_elsewhere = why or None
-    self.reason = why or None
-    if why == self.DRIVER_LOST:
-      self.driver_lost = True
-    if why == self.WORKDIR_GONE:
-      self.workdir_gone = True
-    return int(step)
-
-  def _watch(self) -> None:
-    client = distributed.coordination_client()
-    while not self._closing.is_set():
-      try:
-        value = client.blocking_key_value_get(self.KEY, self.POLL_MS)
-      except jax.errors.JaxRuntimeError:
-        continue   # nothing yet (the wait timed out): wait again
-      if self._stop_after is None:
-        self._stop_after = self._parse(value)
-      return
-
-  def _handle(self, signum, frame):
-    if self.signal is not None:
-      signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
-      signal.raise_signal(signum)
-    self.signal = signum
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._old[sig] = signal.signal(sig, self._handle)
-    if jax.process_count() > 1:
-      self._watcher = threading.Thread(target=self._watch, name='mjax-stop-watch', daemon=True)
-      self._watcher.start()
-    return self
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-    if self._workdir is not None:
-      self._workdir.close()
-    if self._watcher is not None:
-      # A thread still waiting in the coordination service when jax shuts it
-      # down at exit aborts the process: wake it (every process leaves the
-      # loop after the same step, so the key stops nobody) and let it end.
-      self._closing.set()
-      try:
-        distributed.coordination_client().key_value_set(self.KEY, self.DONE)
-      except Exception:  # noqa: BLE001 -- already set, or the service is gone: nothing to wake
-        pass
-      self._watcher.join(timeout=self.POLL_MS / 1000 + 1)
-    return False

@@ -1644,7 +1644,7 @@ def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_pat
   """A workdir that is another run's checkpoint tier, a step in it, or a
   directory inside that run's workdir: refused before the run id (or
   anything) is written there."""
-  from mjax import jsonfile, trainer as trainer_lib
+  from mjax import jsonfile, workdir as workdir_lib
   base = tmp_path / 'base'
   (base / 'checkpoints' / '4').mkdir(parents=True)
   (base / 'tensorboard').mkdir()
@@ -1660,10 +1660,10 @@ def test_a_start_refused_for_another_runs_directory_writes_nothing_there(tmp_pat
                         (base / 'tensorboard', rf"lies inside '{base}/tensorboard', the tensorboard/ folder of "
                                                rf"the mjax run with workdir '{base}'")):
     with pytest.raises(C.ConfigError, match=said):
-      trainer_lib._check_workdir(cfg, str(workdir), True)
+      workdir_lib.check_workdir(cfg, str(workdir), True)
     assert files() == before, workdir
   # A folder of one's own in a run's workdir is no run's folder.
-  trainer_lib._check_workdir(cfg, str(base / 'ablation'), True)
+  workdir_lib.check_workdir(cfg, str(base / 'ablation'), True)
 
 
 def test_checkpoint_directories_relative_to_the_workdir_and_unset_variables_refused(tmp_path, monkeypatch):

@@ -538,7 +538,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path, repo_ro
 def test_the_stop_reason_travels_with_the_agreed_step():
   """Whichever process proposes the stop, all stop for its reason: a lost
   driver makes every process exit with status 4, not only the first to notice."""
-  from mjax.trainer import StopAgreement
+  from mjax.stop import StopAgreement
   s = StopAgreement()
   assert s._parse('12 driver_lost') == 12 and s.driver_lost and 'fault-tolerance driver' in s.name
   s = StopAgreement()

@@ -305,7 +305,7 @@ def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
 
 
 def test_a_profile_window_the_run_never_reaches_is_said_at_the_start(tmp_path, capsys):
-  from mjax.trainer import StepProfiler
+  from mjax.profiling import StepProfiler
   for at, start, said in [(10, 0, 'profile_from_step = 10: this run trains steps 1-4'),
                           (2, 3, 'profile_from_step = 2: this run trains steps 4-4'),
                           (0, 3, 'profile_from_step = 0 (the second step of this run, 5): this run trains steps 4-4'),
@@ -517,6 +517,7 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
   done frees it. `~` and path objects are paths."""
   import dataclasses
   import gc
+  from mjax import workdir as workdir_lib
   from mjax.checkpoint import locks
   cfg = _small('TrainConfig.steps = 2', 'TrainConfig.eval_every = 0')
   hand = lambda section, **kw: dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
@@ -533,10 +534,10 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
   del first
   gc.collect()
   run = os.path.realpath(tmp_path / 'run')
-  assert run not in locks._held_locks and run not in trainer._WORKDIRS
+  assert run not in locks._held_locks and run not in workdir_lib._WORKDIRS
   with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
     assert t.start_step == 0 and t.train().final_step == 3
-  assert run not in locks._held_locks and run not in trainer._WORKDIRS
+  assert run not in locks._held_locks and run not in workdir_lib._WORKDIRS
   with trainer.Trainer(hand('train', steps=3), tmp_path / 'run') as t:
     assert t.start_step == 3   # resumed; closed without training
   from mjax.errors import UserError
@@ -558,9 +559,9 @@ def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_p
   monkeypatch.setattr(trainer.StepReporter, 'push', real)
   ki = os.path.realpath(tmp_path / 'ki')
   deadline = time.time() + 60
-  while ki in trainer._WORKDIRS and time.time() < deadline:
+  while ki in workdir_lib._WORKDIRS and time.time() < deadline:
     time.sleep(0.05)
-  assert ki not in trainer._WORKDIRS and ki not in locks._held_locks
+  assert ki not in workdir_lib._WORKDIRS and ki not in locks._held_locks
   with trainer.Trainer(every2, tmp_path / 'ki') as t:
     assert t.start_step == 2
 
