@@ -1313,7 +1313,7 @@ def test_a_preemption_in_the_trainers_start_up_is_clean(tmp_path, monkeypatch):
   d = fake_driver(tmp_path, monkeypatch, 'startup_143', processes=2)
   assert d.run() == d.opts.preempt_exit_status
   (ev,) = events(tmp_path, 'preempted')
-  assert ev['exit'] == {'0': 'status 143', '1': 'status 143'} and 'detail' not in ev, ev
+  assert ev['exit'] == {'0': 'status 143 (SIGTERM)', '1': 'status 143 (SIGTERM)'} and 'detail' not in ev, ev
 
 
 def test_a_second_signal_cuts_the_preemption_and_is_said(tmp_path, monkeypatch):
@@ -2025,6 +2025,9 @@ def test_processes_that_outlive_sigkill_cost_one_wait_and_count_as_lost_hosts(tm
   (stopped,) = events(tmp_path, 'stopped')
   assert stopped['killed'] == [0, 1, 2] and stopped['exit'] == {'0': 'host lost', '1': 'host lost', '2': 'host lost'}
   assert driver.Driver._describe_status(None) == 'not exited'
+  # A signal named either way it ended a process: raised, or as 128 + its number.
+  assert [driver.Driver._describe_status(c) for c in (-15, 143, 137, 1, 4, 200)] == [
+      'SIGTERM', 'status 143 (SIGTERM)', 'status 137 (SIGKILL)', 'status 1', 'status 4', 'status 200']
 
 
 @pytest.mark.slow

@@ -1045,6 +1045,10 @@ class Driver:
 
   @staticmethod
   def _describe_status(code: Optional[int]) -> str:
+    """'SIGKILL' for a process a signal ended; 'status 143 (SIGTERM)' for
+    one that exited with 128 + a signal's number: a trainer stopped in its
+    start-up, or a remote process through its launcher, which reports the
+    signal that way."""
     if code is None:   # no status: still there after SIGKILL
       return 'not exited'
     if code < 0:
@@ -1052,6 +1056,9 @@ class Driver:
         return signal.Signals(-code).name
       except ValueError:
         return f'signal {-code}'
+    if 128 < code < 128 + signal.NSIG:
+      with contextlib.suppress(ValueError):
+        return f'status {code} ({signal.Signals(code - 128).name})'
     return f'status {code}'
 
   def _nan_step(self, att: Attempt, procs: list[int]) -> Optional[int]:
