@@ -506,6 +506,27 @@ def test_prepare_splits_a_single_file_by_position(tmp_path):
   np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
 
 
+def test_prepare_splits_as_the_text_does_when_a_side_held_only_files_that_are_not_text(tmp_path):
+  """The text source leaves out files that are not text before it chooses
+  by file or by position; shards chose before, and a held-out side of
+  nothing but a binary file gave a by-file split with no held-out shard
+  while the text cut the stream."""
+  from mjax.data import corpus
+  src = tmp_path / 'src'
+  src.mkdir()
+  text = next(f'a{i}.txt' for i in range(100) if not corpus.is_heldout(f'a{i}.txt', 0.2))
+  binary = next(f'b{i}.txt' for i in range(100) if corpus.is_heldout(f'b{i}.txt', 0.2))
+  (src / text).write_text('hello world\n' * 500)
+  (src / binary).write_bytes(b'\x00\x01' * 500)
+  c = data.load_corpus(DataConfig(source=str(src), file_pattern='*.txt', heldout_fraction=0.2))
+  m = data.prepare_shards(str(src), str(tmp_path / 'out'), file_pattern='*.txt', heldout_fraction=0.2)
+  assert c.split == m['split'] == 'position'
+  s = data.open_shards(str(tmp_path / 'out'))
+  np.testing.assert_array_equal(np.concatenate(s.train), c.train_tokens)
+  np.testing.assert_array_equal(np.concatenate(s.heldout), c.heldout_tokens)
+  assert sorted(os.listdir(tmp_path / 'out')) == ['heldout-00000.bin', 'manifest.json', 'train-00000.bin']
+
+
 def test_prepare_and_verify_commands(tmp_path, corpus_dir, capsys):
   out = tmp_path / 'cli'
   prepare_main(['--input', str(corpus_dir), '--output', str(out), '--shard_tokens', '2000',

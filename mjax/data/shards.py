@@ -258,11 +258,13 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
       split = 'position'
     else:
       kept = seen = 0
+      sides = set()   # of the documents kept as text
       for names, docs in _document_batches(root, files):
         seen += len(names)
         names, docs = corpus_lib.keep_text(root, names, docs, require_some=False)
         kept += sum(bool(d.strip()) for d in docs)
         held = [corpus_lib.is_heldout(f, heldout_fraction) for f in names]
+        sides.update(held)
         for s, want in (('train', False), ('heldout', True)):
           chosen = [d for h, d in zip(held, docs) if h == want]
           if chosen:
@@ -272,6 +274,21 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
                         f'text (UTF-8 without NUL bytes, more than whitespace); DataConfig.file_pattern '
                         f'selects the files.')
       split = 'file'
+      if len(sides) < 2:
+        # The documents left out as not text were one side's only ones. The
+        # text source decides the split after leaving them out
+        # (corpus.split_flags) and cuts by position: so do the shards, or
+        # the held-out text would be trained on and the run find no
+        # held-out split. (Few documents: the source is small.)
+        for w in writers.values():
+          w.close_quietly()
+        for name in os.listdir(output):
+          os.remove(os.path.join(output, name))
+        writers = {s: _ShardWriter(output, s, dtype, tok.info.eos_id, shard_tokens) for s in SPLITS}
+        c = corpus_lib.load_text(source, file_pattern, tokenizer, heldout_fraction)
+        writers['train'].add(c.train_tokens)
+        writers['heldout'].add(c.heldout_tokens)
+        split = 'position'
     shards = writers['train'].finish() + writers['heldout'].finish()
     manifest = {
         'format': FORMAT, 'version': VERSION, 'tokenizer': tok.info.to_json(),
