@@ -976,13 +976,19 @@ def _check_same_data(fingerprint: dict) -> None:
   if jax.process_count() == 1:
     return
   first = jsonfile.loads(distributed.broadcast_str('data/fingerprint', json.dumps(fingerprint)))
-  # By content: hosts may mount the same data at other paths.
-  mine = None if first['content'] == fingerprint['content'] else json.dumps(fingerprint['sources'])
+  # By content: hosts may mount the same data at other paths. The held-out
+  # split too: evaluation batches are built alike from it, and processes with
+  # other held-out data mix rows of two orders (or, of other sizes, run other
+  # numbers of evaluation steps and wait for each other in a collective).
+  parts = [what for key, what in (('content', 'train data'), ('heldout', 'held-out data'))
+           if first.get(key) != fingerprint.get(key)]
+  mine = json.dumps({'sources': fingerprint['sources'], 'parts': parts}) if parts else None
   differ = distributed.report_exceptions('data/fingerprint/differs', mine)
   if differ:
     from mjax.data.errors import DataError
+    theirs = jsonfile.loads(next(iter(differ.values())))
     raise DataError(
-        f'the processes of this job see different data: process 0 has {first["sources"]}, process(es) '
-        f'{sorted(differ)} have {jsonfile.loads(next(iter(differ.values())))} (files, tokens or tokenizer of a '
-        f'source differ; with the same config, the hosts see other files). Each process reads its rows of one '
-        f'order that all must build alike: give every host the same data, complete, before the job starts.')
+        f'the processes of this job see different data ({" and ".join(theirs["parts"])}): process 0 has '
+        f'{first["sources"]}, process(es) {sorted(differ)} have {theirs["sources"]} (files, tokens or tokenizer '
+        f'of a source differ; with the same config, the hosts see other files). Each process reads its rows of '
+        f'one order that all must build alike: give every host the same data, complete, before the job starts.')

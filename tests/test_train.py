@@ -467,15 +467,19 @@ def test_processes_that_see_different_data_stop_at_start(monkeypatch):
   # that sees other files would mix rows of another order into every batch.
   from mjax import distributed
   from mjax.data.errors import DataError
-  mine = {'content': 'b' * 16, 'sources': [{'root': '/data', 'files': 9, 'tokens': 900}]}
-  first = {'content': 'a' * 16, 'sources': [{'root': '/data', 'files': 10, 'tokens': 1000}]}
+  mine = {'content': 'b' * 16, 'heldout': 'h' * 16, 'sources': [{'root': '/data', 'files': 9, 'tokens': 900}]}
+  first = {'content': 'a' * 16, 'heldout': 'h' * 16, 'sources': [{'root': '/data', 'files': 10, 'tokens': 1000}]}
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
   monkeypatch.setattr(distributed, 'broadcast_str', lambda key, value, *a: json.dumps(first))
   monkeypatch.setattr(distributed, 'report_exceptions', lambda key, v, *a: {} if v is None else {1: v})
-  with pytest.raises(DataError, match=r"process 0 has \[\{'root': '/data', 'files': 10, 'tokens': 1000\}\], "
-                                      r"process\(es\) \[1\] have \[\{'root': '/data', 'files': 9"):
+  with pytest.raises(DataError, match=r"\(train data\): process 0 has \[\{'root': '/data', 'files': 10, "
+                                      r"'tokens': 1000\}\], process\(es\) \[1\] have \[\{'root': '/data', 'files': 9"):
     trainer._check_same_data(mine)
   trainer._check_same_data(first)   # the same data: nothing to say
+  # The same train data with other held-out files: evaluation would mix
+  # two orders, or hang where the processes' evaluation step counts differ.
+  with pytest.raises(DataError, match=r'see different data \(held-out data\)'):
+    trainer._check_same_data({**first, 'heldout': 'i' * 16})
 
 
 def test_a_new_runs_refused_start_leaves_nothing_behind(tmp_path):
