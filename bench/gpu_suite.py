@@ -119,6 +119,17 @@ EXPERIMENT_ROWS = [
     # (57.0%), 488.4 ms with it (57.6%, 62.9 GiB).
     ('1p3b dots_attention unrolled, batch 64 in 4 slices', '1p3b.gin',
      [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4'], 'optional'),
+    # The backward's dy Wo^T and the GeLU's derivative as one Pallas kernel
+    # (ModelConfig.gelu_backward_kernel, mjax/model/gelu_kernel.py): dg never
+    # written, 1.07 GB a layer fewer (deviceless, 2026-11-29; ~8 ms of the
+    # 16-sequence step at 3.1 TB/s) if the kernel's product keeps cuBLAS's
+    # speed. Beside the best row: --mfu_rows '=1p3b remat=dots_attention
+    # unrolled,=1p3b dots_attention unrolled, GeLU backward kernel' --experiments.
+    ('1p3b dots_attention unrolled, GeLU backward kernel', '1p3b.gin',
+     [*_BEST, 'ModelConfig.gelu_backward_kernel=True'], 'optional'),
+    ('1p3b dots_attention unrolled, batch 64 in 4 slices, GeLU backward kernel', '1p3b.gin',
+     [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4',
+      'ModelConfig.gelu_backward_kernel=True'], 'optional'),
     # Both of the above: the candidate for 60% on an H100 (bench/RESULTS.md,
     # "What stands between 1p3b and 60%"), if its ~76 GiB fits an 80 GB card.
     ('1p3b dots_attention_mlp unrolled, batch 64 in 4 slices', '1p3b.gin',

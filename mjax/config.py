@@ -67,6 +67,12 @@ class ModelConfig:
   # runs on its own (fuse_projections 'none', the GPU default). 1p3b on an
   # H100: 498.5 against 504.2 ms a step (bench/RESULTS.md).
   gelu_epilogue: bool = False
+  # With gelu_epilogue, the backward's product dy Wo^T and the GeLU's
+  # derivative as one Pallas kernel (mjax/model/gelu_kernel.py) that never
+  # writes the product: one (tokens, d_ff) bf16 write and read fewer a layer.
+  # On one Hopper GPU (H100, H200); elsewhere autodiff's kernels. Values up
+  # to bf16 rounding (the derivative reads the fp32 product).
+  gelu_backward_kernel: bool = False
   # The parallel block's norm: one for both branches ('shared', PaLM,
   # MegaScale) or one per branch ('separate', GPT-NeoX / Pythia).
   parallel_norms: Literal['shared', 'separate'] = 'shared'
@@ -747,6 +753,9 @@ def doubtful(cfg: Config) -> list[str]:
     if why:
       out.append(f'ModelConfig.gelu_epilogue = True does nothing here: {why} (it needs the MLP\'s input '
                  f'product on its own and the tanh GeLU)')
+    elif m.gelu_backward_kernel and any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape())):
+      out.append('ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has several devices, '
+                 'and the kernel runs on one GPU (an H100 or H200) only')
   return out
 
 
@@ -909,6 +918,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   if m.gelu_epilogue and m.mlp != 'gelu':
     _fail('ModelConfig.gelu_epilogue', m.gelu_epilogue,
           f"fuses a GeLU into its product; ModelConfig.mlp = {m.mlp!r} has none (True needs mlp 'gelu')")
+  if m.gelu_backward_kernel and not m.gelu_epilogue:
+    _fail('ModelConfig.gelu_backward_kernel', m.gelu_backward_kernel,
+          'replaces part of the backward that ModelConfig.gelu_epilogue writes out (the GeLU MLP as one '
+          'unit); True needs gelu_epilogue = True')
   if m.sliding_window is not None:
     if m.sliding_window < 1:
       _fail('ModelConfig.sliding_window', m.sliding_window, 'must be None or a positive int')

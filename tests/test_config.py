@@ -104,6 +104,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('TrainConfig.xla_extra_flags = "--xla_foo=\'b"', ['xla_extra_flags', 'No closing quotation']),
     ('ModelConfig.mlp = "swiglu"\nModelConfig.gelu_epilogue = True',
      ['ModelConfig.gelu_epilogue = True', "ModelConfig.mlp = 'swiglu' has none"]),
+    ('ModelConfig.gelu_backward_kernel = True',
+     ['ModelConfig.gelu_backward_kernel = True', 'needs gelu_epilogue = True']),
     ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
      ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),
 ])
@@ -131,6 +133,12 @@ def test_a_gelu_epilogue_that_cannot_fuse_is_warned_of():
     assert note.startswith('ModelConfig.gelu_epilogue = True does nothing here') and says in note, note
   # 'auto' leaves the GPU's products apart: nothing to say.
   assert C.doubtful(C.load_config(['1p3b.gin'], [], num_devices=1)) == []
+  # The backward's kernel runs on one GPU only.
+  (note,) = C.doubtful(C.load_config(['1p3b.gin'], ['ModelConfig.gelu_backward_kernel = True', 'MeshConfig.data = 8'],
+                                     num_devices=8))
+  assert note.startswith('ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has several'), note
+  assert C.doubtful(C.load_config(['1p3b.gin'], ['ModelConfig.gelu_backward_kernel = True', 'MeshConfig.data = 1'],
+                                  num_devices=1)) == []
 
 
 def test_pipelining_a_config_that_unrolls_its_layers_says_how():

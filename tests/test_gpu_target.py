@@ -298,7 +298,13 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
     head = re.search(rf'\\n\\s*(%[\\w.-]+) = bf16\\[{rows},{m.vocab_size}\\]\\S* '
                      r'(?:get-tuple-element\\(|fusion\\([^\\n]*kind=kCustom)', text)
     logits_reads = len(re.findall(rf'[(,] ?{re.escape(head.group(1))}[,)]', text)) if head else -1
+    sys.path.insert(0, 'bench')
+    from hlo_traffic import traffic
+    by_kind = traffic(text)[1]
     print(json.dumps({'gelu_aux': text.count('"epilogue":"GELU_AUX"'), 'residual_copies': residual_copies,
+                      'mosaic_kernels': text.count('custom_call_target="mosaic_gpu'),
+                      'memory_bound': by_kind['memory-bound passes'], 'products': by_kind['matrix products'],
+                      'rows': rows, 'd_ff': m.d_ff,
                       'logits_reads': logits_reads,
                       'summed_in_gemm': summed_in_gemm, 'lone_sums': lone_sums,
                       'kernel_casts': sum(s in kernels for s in found),
@@ -318,6 +324,9 @@ ONE_GPU_PROGRAMS = {
     '2 slices, sums in the kernels\' shapes': ('ModelConfig.remat_policy = "dots_attention"',
                                                'ModelConfig.gelu_epilogue = True', 'TrainConfig.grad_accum_steps = 2'),
     'dots_attention, two-pass loss': ('ModelConfig.remat_policy = "dots_attention"',),
+    'gelu epilogue, dots_attention, backward kernel': ('ModelConfig.remat_policy = "dots_attention"',
+                                                       'ModelConfig.gelu_epilogue = True',
+                                                       'ModelConfig.gelu_backward_kernel = True'),
 }
 
 
@@ -383,3 +392,18 @@ def test_the_loss_reads_the_logits_twice(one_gpu):
   once more."""
   assert one_gpu['dots_attention']['logits_reads'] == 2, one_gpu['dots_attention']
   assert one_gpu['dots_attention, two-pass loss']['logits_reads'] == 3, one_gpu['dots_attention, two-pass loss']
+
+
+def test_the_gelu_backward_kernel_takes_the_derivative_into_the_product(one_gpu):
+  """ModelConfig.gelu_backward_kernel: each of the 2 layers' dg = dy Wo^T
+  runs as the Pallas kernel (mjax/model/gelu_kernel.py), lowered here for an
+  H100, which writes du and GeLU(u). The elementwise pass that read dg and u
+  and wrote both is gone, and so is dg's round trip through memory: a
+  (rows, d_ff) bf16 write and read a layer fewer in all."""
+  plain, kernel = one_gpu['gelu epilogue, dots_attention'], one_gpu['gelu epilogue, dots_attention, backward kernel']
+  assert plain['mosaic_kernels'] == 0 and kernel['mosaic_kernels'] == 2, kernel
+  tensor = kernel['rows'] * kernel['d_ff'] * 2   # one (rows, d_ff) bf16 array
+  # The pass read u and dg and wrote du and GeLU(u): four arrays a layer.
+  assert plain['memory_bound'] - kernel['memory_bound'] >= 2 * 3.9 * tensor, (plain, kernel)
+  total = lambda r: r['memory_bound'] + r['products']
+  assert total(plain) - total(kernel) >= 2 * 1.9 * tensor, (plain, kernel)

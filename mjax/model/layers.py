@@ -17,6 +17,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.config import ModelConfig
+from mjax.model import gelu_kernel
 from mjax.parallel import collective_matmul, scatter_sum
 from mjax.parallel.rules import mesh_axes
 
@@ -333,7 +334,8 @@ class Mlp(nn.Module):
       # The activation too where the policy keeps it ('none' keeps
       # everything): then the backward does not compute GeLU(u) again.
       return gelu_mlp(x, wi, bi, wo, bo, c.gelu_approximate,
-                      keep_activation=c.remat_policy in ('none', 'dots_attention_mlp'))
+                      keep_activation=c.remat_policy in ('none', 'dots_attention_mlp'),
+                      backward_kernel=c.gelu_backward_kernel)
     h = self.activate(*project_many(x, self.inputs(), 1))
     return project(h, self.wo, 1)
 
@@ -342,7 +344,7 @@ MLP_PRODUCT = 'mlp_product'   # the GeLU MLP unit's input product, which every p
 
 
 def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array, bo: Optional[jax.Array],
-             approximate: bool, keep_activation: bool = False) -> jax.Array:
+             approximate: bool, keep_activation: bool = False, backward_kernel: bool = False) -> jax.Array:
   """GeLU(x Wi + bi) Wo + bo, (batch, seq, embed) in and out, with the
   backward written out so that XLA can run the GeLU as the input product's
   cuBLASLt epilogue (GELU_AUX: one kernel writes GeLU(u) and u).
@@ -363,7 +365,12 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
   `keep_activation` must match the remat policy: a kept GeLU(u) that the
   policy does not save is recomputed from the unnamed product, which the
   dots policies would then keep as well, and with it comes the
-  reduce-precision that stops the fusion."""
+  reduce-precision that stops the fusion.
+
+  `backward_kernel`: on one Hopper GPU, dg = dy Wo^T and the GeLU's
+  derivative run as one kernel (mjax/model/gelu_kernel.py) that writes du
+  and GeLU(u), never dg; elsewhere (other devices, several of them, shapes
+  its tiles do not divide, a kept GeLU(u)) the backward is autodiff's."""
   act = functools.partial(nn.gelu, approximate=approximate)
   # The backward is traced when the gradient is taken, outside whatever
   # axis rules surround this call (a pipeline's forward drops 'data' from
@@ -398,10 +405,17 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
     # XLA would share the GeLU's tanh with the forward's GeLU, whose then
     # second reader stops the epilogue fusion.
     u = jax.lax.optimization_barrier(u)
-    g, act_vjp = jax.vjp(act, u)
-    g = g if kept is None else kept
-    dg, dwo, dbo = jax.vjp(down, g, wo, bo)[1](dy)
-    du, = act_vjp(dg)
+    if backward_kernel and kept is None and gelu_kernel.applies(dy, wo, u):
+      flat = lambda a: a.reshape(-1, a.shape[-1])   # (batch * seq, features): the kernel's 2-D product
+      du, g = gelu_kernel.dgelu_product(flat(dy), wo.T, flat(u), approximate)
+      du, g = du.reshape(u.shape), g.reshape(u.shape)
+      # (The forward product this vjp would compute is unused: XLA drops it.)
+      dwo, dbo = jax.vjp(lambda wo, bo: down(g, wo, bo), wo, bo)[1](dy)
+    else:
+      g, act_vjp = jax.vjp(act, u)
+      g = g if kept is None else kept
+      dg, dwo, dbo = jax.vjp(down, g, wo, bo)[1](dy)
+      du, = act_vjp(dg)
     # (The product this vjp would recompute is unused: XLA drops it.)
     dx, dwi, dbi = jax.vjp(up, x, wi, bi)[1](du)
     return dx, dwi, dbi, dwo, dbo

@@ -1,0 +1,270 @@
+"""GeLU's backward as the epilogue of the matrix product that feeds it (Hopper GPUs).
+
+In the GeLU MLP's backward the product dg = dy Wo^T is read only by the
+GeLU's derivative: du = dg * GeLU'(u). XLA runs the two as two kernels: the
+product writes dg, and an elementwise pass reads dg and u and writes du and
+GeLU(u) (the latter is Wo's gradient's operand). On the 1p3b H100 step that
+pass is the largest outside the products, 2.15 GB a layer and 17.2 ms a step
+(bench/RESULTS.md, "What stands between 1p3b and 60%"). cuBLASLt has a DGELU
+epilogue for it, which XLA does not use.
+
+`dgelu_product` is that product with the epilogue: each output tile is
+accumulated in fp32, then the same kernel reads the tile's u, and writes du and
+GeLU(u). dg never reaches memory: per layer, one (tokens, d_ff) bf16 write
+and one read fewer (1.07 GB for 1p3b at 16 x 2048).
+
+The product is JAX's own Hopper matmul (jax.experimental.pallas.ops.gpu.
+hopper_matmul_mgpu: a persistent grid, a TMA pipeline run by a producer
+warpgroup, two consumer warpgroups issuing wgmma) with the epilogue above in
+place of its plain store. It runs on sm_90 only; everything else takes
+autodiff's two kernels (layers.gelu_mlp). On a CPU, `interpret=True` runs it
+in Pallas's GPU interpreter, which the tests use to check it against the
+reference. Wo comes in as (embed, d_ff), the product's plain right operand
+(the interpreter has no transposed wgmma operand): the caller's `wo.T` of
+the bf16 copy, which XLA makes as the fp32 weights' cast writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SQRT_HALF = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """The kernel's tiling. Each consumer warpgroup owns a (tile_m, tile_n)
+  fp32 accumulator; the two sit side by side along d_ff, so a CTA computes
+  (tile_m, 2 * tile_n). Shared memory: the pipeline's stages hold
+  (tile_m + 2 tile_n) x tile_k bf16 each, the epilogue two slots per
+  warpgroup of du and of u / GeLU(u), (epi_m, epi_n) bf16 each; 128 x 128 x 64
+  with 3 stages is 208 KiB of the H100's 227."""
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 3
+  epi_m: int = 64
+  epi_n: int = 64
+  # Output tiles are visited in bands `band` tiles wide across d_ff, so that
+  # neighbouring CTAs share their dy rows and Wo columns in the L2 cache.
+  band: int = 8
+
+
+DEFAULT_TILES = Tiles()
+
+
+def gelu_and_grad(u: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Array]:
+  """(GeLU(u), GeLU'(u)) in u's dtype's arithmetic, as jax.nn.gelu defines GeLU."""
+  if approximate:
+    inner = _SQRT_2_OVER_PI * (u + 0.044715 * (u * u * u))
+    t = jnp.tanh(inner)
+    g = 0.5 * u * (1.0 + t)
+    dg = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * (u * u))
+    return g, dg
+  cdf = 0.5 * (1.0 + lax.erf(u * _SQRT_HALF))
+  return u * cdf, cdf + u * _INV_SQRT_2PI * jnp.exp(-0.5 * (u * u))
+
+
+def reference(dy: jax.Array, wo: jax.Array, u: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Array]:
+  """What `dgelu_product` computes, as plain XLA: (du, GeLU(u)) for
+  dy (tokens, embed), wo (d_ff, embed), u (tokens, d_ff); fp32 inside,
+  rounded once to u's dtype."""
+  dg = jnp.einsum('te,fe->tf', dy, wo, preferred_element_type=jnp.float32)
+  g, grad = gelu_and_grad(u.astype(jnp.float32), approximate)
+  return (dg * grad).astype(u.dtype), g.astype(u.dtype)
+
+
+def fits(tokens: int, d_ff: int, embed: int, tiles: Tiles = DEFAULT_TILES) -> bool:
+  """Whether the kernel's tiles divide these dimensions (it has no ragged edges)."""
+  return (tokens % tiles.tile_m == 0 and d_ff % (2 * tiles.tile_n) == 0 and embed % tiles.tile_k == 0
+          and tiles.tile_m % tiles.epi_m == 0 and tiles.tile_n % tiles.epi_n == 0)
+
+
+# Hopper (sm_90) GPUs by name: wgmma, which the kernel issues, is theirs only.
+_HOPPER = re.compile(r'\bG?H(100|200|800|20)\b')
+
+
+def _one_device_kind() -> str:
+  """The device kind the program being traced runs on, '' unless it runs
+  on one device: from the mesh in context (a compile for a described GPU
+  too), else from jax's devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty:
+    device = getattr(mesh, 'abstract_device', None)
+    return getattr(device, 'device_kind', '') or '' if math.prod(mesh.shape.values()) == 1 else ''
+  if jax.device_count() != 1:
+    return ''
+  device = jax.devices()[0]
+  return device.device_kind if device.platform == 'gpu' else ''
+
+
+def applies(dy: jax.Array, wo: jax.Array, u: jax.Array, tiles: Tiles = DEFAULT_TILES) -> bool:
+  """Whether `dgelu_product` takes this backward: one Hopper GPU (with
+  several, the product's operands are split over devices, which the kernel
+  cannot be: autodiff's kernels run there), bf16 operands, and tokens,
+  d_ff and embed that its tiles divide. dy (..., embed), wo (d_ff, embed),
+  u (..., d_ff)."""
+  if not _HOPPER.search(_one_device_kind()):
+    return False
+  if not dy.dtype == wo.dtype == u.dtype == jnp.bfloat16:
+    return False
+  return fits(math.prod(u.shape[:-1]), u.shape[-1], dy.shape[-1], tiles)
+
+
+def _sm_count() -> int:
+  """The GPU's SM count: the persistent grid's size. Read from the mesh's
+  device description where there is one (a compile for a described GPU),
+  else from the device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, 'abstract_device', None)
+  if getattr(device, 'num_cores', None):
+    return int(device.num_cores)
+  try:
+    return int(jax.devices()[0].core_count)
+  except (AttributeError, RuntimeError, TypeError, ValueError):
+    return 132   # an H100 SXM's; any count is correct, this one keeps every SM busy there
+
+
+def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: bool,
+                  tiles: Tiles = DEFAULT_TILES, interpret: bool = False,
+                  grid: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """(du, GeLU(u)): du = (dy wo_t) * GeLU'(u), in one kernel.
+
+  Args:
+    dy: (tokens, embed) bf16, the MLP output's gradient.
+    wo_t: (embed, d_ff) bf16, the output projection's kernel transposed.
+    u: (tokens, d_ff) bf16, the input product (the GeLU's input).
+    approximate: GeLU's tanh approximation, else erf.
+    tiles: the tiling; `fits` must hold for these shapes.
+    interpret: run in Pallas's GPU interpreter (on a CPU, for tests).
+    grid: CTAs of the persistent grid (default: one per SM).
+  """
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  m, k = dy.shape
+  k2, n = wo_t.shape
+  if k != k2 or u.shape != (m, n):
+    raise ValueError(f'dgelu_product: dy {dy.shape}, wo_t {wo_t.shape} and u {u.shape} do not match '
+                     '(tokens, embed), (embed, d_ff), (tokens, d_ff)')
+  if not fits(m, n, k, tiles):
+    raise ValueError(f'dgelu_product: {tiles} does not divide tokens {m}, d_ff {n}, embed {k}')
+  if not dy.dtype == wo_t.dtype == u.dtype:
+    raise ValueError(f'dgelu_product: one dtype for dy, wo_t and u, not {dy.dtype}, {wo_t.dtype}, {u.dtype}')
+  dtype = u.dtype
+  itemsize = jnp.dtype(dtype).itemsize
+  tile_m, tile_n, tile_k = tiles.tile_m, tiles.tile_n, tiles.tile_k
+  epi_m, epi_n = tiles.epi_m, tiles.epi_n
+  cta_n = 2 * tile_n                     # the two consumer warpgroups, side by side along d_ff
+  m_iters, n_iters, k_iters = m // tile_m, n // cta_n, k // tile_k
+
+  swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
+  in_transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+  out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
+  out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)), plgpu.SwizzleTransform(out_swizzle))
+
+  def dgelu_gemm(dy_gmem, wo_gmem, u_gmem, du_gmem, g_gmem):   # wo_gmem: (embed, d_ff)
+    def pipeline(body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          body,
+          grid=(k_iters,),
+          memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
+                              memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=in_transforms,
+                              memory_space=plgpu.SMEM),
+          ],
+          wg_axis='wg',
+          num_compute_wgs=2,
+          max_concurrent_steps=tiles.stages,
+          compute_context=compute_context,
+      )
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(dy_gmem, wo_gmem),
+        # (warpgroup, slot): each warpgroup alternates two slots, so that the
+        # store of one epilogue tile overlaps the next tile's work.
+        du_smem=plgpu.SMEM((2, 2, epi_m, epi_n), dtype, transforms=out_transforms),
+        # u's tile is read into it, and GeLU(u) written over it for its store.
+        ug_smem=plgpu.SMEM((2, 2, epi_m, epi_n), dtype, transforms=out_transforms),
+        u_barrier=plgpu.Barrier(num_barriers=4),
+        collective_axes='wg',
+    )
+    def scope(allocations, du_smem, ug_smem, u_barrier):
+      wg = lax.axis_index('wg')
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
+      def mn_loop(info):
+        (linear,) = info.index
+        mi, ni = plgpu.planar_snake(linear, (m_iters, n_iters), 1, tiles.band)
+        rows = pl.ds(mi * tile_m, tile_m)
+        cols = pl.ds(ni * cta_n, cta_n)
+        wg_cols = pl.ds(wg * tile_n, tile_n)
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...]
+            # The last tile's stores have read their slots.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            per_row = tile_n // epi_n
+            for ei in range(tile_m // epi_m):
+              for ej in range(per_row):
+                es_m = slice(ei * epi_m, (ei + 1) * epi_m)
+                es_n = slice(ej * epi_n, (ej + 1) * epi_n)
+                slot = (ei * per_row + ej) % 2
+                # Two stores a tile (du, GeLU(u)): those of the tile before
+                # this one may still run, the slot's own (two tiles ago) not.
+                plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+                barrier = u_barrier.at[wg * 2 + slot]
+                plgpu.copy_gmem_to_smem(
+                    u_gmem.at[rows, cols].at[:, wg_cols].at[es_m, es_n], ug_smem.at[wg, slot], barrier)
+                plgpu.barrier_wait(barrier)
+                uf = ug_smem[wg, slot].astype(jnp.float32)
+                g, grad = gelu_and_grad(uf, approximate)
+                du_smem[wg, slot] = (acc[es_m, es_n] * grad).astype(dtype)
+                ug_smem[wg, slot] = g.astype(dtype)
+                plgpu.commit_smem()
+                out = (rows, cols)
+                plgpu.copy_smem_to_gmem(du_smem.at[wg, slot], du_gmem.at[out].at[:, wg_cols].at[es_m, es_n])
+                plgpu.copy_smem_to_gmem(ug_smem.at[wg, slot], g_gmem.at[out].at[:, wg_cols].at[es_m, es_n])
+
+        def mma(_, dy_smem, wo_smem, acc_ref):
+          plgpu.wgmma(acc_ref, dy_smem, wo_smem.at[:, wg_cols])
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(mma, compute_context)(dy_gmem.at[rows, :], wo_gmem.at[:, cols], allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # every store done before the kernel ends
+
+  out = jax.ShapeDtypeStruct((m, n), dtype)
+  params = {}
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    params['interpret'] = InterpretGPUParams()
+  call = plgpu.kernel(
+      dgelu_gemm,
+      out_type=(out, out),
+      grid=(grid or _sm_count(),),
+      grid_names=('sm',),
+      num_threads=3,                     # two consumer warpgroups and the pipeline's producer
+      thread_name='wg',
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **params,
+  )
+  return call(dy, wo_t, u)
