@@ -159,11 +159,10 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> Optional[dict]:
   choice = choose(args, cfg)
   mesh = make_mesh(cfg.mesh)
   program = make_program(cfg, mesh)
-  n = args.batches or cfg.train.eval_batches
-  if args.batches is not None:
-    # Only a count asked for: the default is the trainer's own eval, which
-    # this must equal.
-    n = _whole_batches(cfg, n, args.split)
+  # Asked for or TrainConfig.eval_batches, no more than the split's whole
+  # batches: the trainer's own eval stops there too, and the default must
+  # equal its eval_loss.
+  n = _whole_batches(cfg, args.batches or cfg.train.eval_batches, args.split)
   batches = make_batches(cfg, args.split, n, program.data_share())   # data errors before the checkpoint is read
   picked, params, verified, skipped = restore(program, choice)
   changed = tokenizer_change(picked.path, cfg)

@@ -276,6 +276,18 @@ def test_heldout_batches_stop_where_its_windows_would_repeat(capsys):
     list(data_lib.make_eval_batches(short.data, 16, 4))
 
 
+def test_the_default_count_stops_where_the_trainers_eval_does(run, capsys):
+  # TrainConfig.eval_batches beyond the held-out split's whole batches: the
+  # trainer takes eval_loss on those, and mjax-eval by default evaluated
+  # them all, counting wrapped-around windows twice (another loss, no word).
+  cfg = C.load_config(['tiny.gin'], SMALL, num_devices=8)
+  whole = evaluate._whole_batches(cfg, 10**6)
+  capsys.readouterr()
+  out = mjax_eval('--workdir', run, f'--gin.TrainConfig.eval_batches={whole + 2}')
+  assert out['batches'] == whole and out['tokens'] == whole * TOKENS_PER_BATCH, out
+  assert f'holds {whole} whole batch(es)' in capsys.readouterr().err
+
+
 def test_eval_loss_weights_each_batch_by_its_counted_tokens():
   """The trainer's eval_loss was the plain mean of the batch means: under a
   loss mask that drops tokens, a batch with few counted tokens would weigh
