@@ -979,13 +979,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     if importlib.util.find_spec('wandb') is None:
       _fail('TrainConfig.wandb_project', t.wandb_project,
             "needs the wandb package: pip install 'mjax[wandb]' (or set it to None)")
-  if ck.init_from_hf is not None and not os.path.isfile(os.path.join(os.path.expanduser(ck.init_from_hf),
-                                                                      'config.json')):
-    _fail('CheckpointConfig.init_from_hf', ck.init_from_hf,
-          'must be a Hugging Face model directory (with config.json and model.safetensors)')
-  if ck.restore_from is not None and not os.path.isdir(os.path.expanduser(ck.restore_from)):
-    _fail('CheckpointConfig.restore_from', ck.restore_from,
-          'must be an existing checkpoint directory (a run\'s checkpoints/ or one of its step folders)')
+  # CheckpointConfig.restore_from and init_from_hf are read by a run's first
+  # start only (a workdir with checkpoints resumes from them), and checked
+  # there: a run's recorded config names them long after that start, when
+  # they may be gone (mjax-eval, -generate, -export and every resume read it).
 
   f = cfg.fault
   _positive(f, 'heartbeat_interval_s', 'heartbeat_timeout_s', 'progress_timeout_s',

@@ -664,8 +664,12 @@ def import_params(path: str, m: ModelConfig) -> dict:
     UserError: the directory cannot be read, or `m` describes another model
       (the field that differs is named).
   """
-  conf = read_config(path)
-  tensors = read_tensors(path)
+  try:
+    conf = read_config(path)
+    tensors = read_tensors(path)
+  except UserError as e:
+    raise UserError(f'CheckpointConfig.init_from_hf = {path!r}, the weights a new run starts from: {e} Give a '
+                    'Hugging Face model directory (config.json and model.safetensors), or unset it.') from None
   want = model_overrides(conf, tensors)
   for key, value in want.items():
     have = getattr(m, key)

@@ -172,8 +172,11 @@ class Trainer:
       tokenizer, note = data_sources.shard_tokenizer(cfg.data)
       if note is not None:
         print(f'mjax: warning: {note}', flush=True)
-      self.recorded = dataclasses.replace(cfg, data=_absolute_paths(dataclasses.replace(cfg.data,
-                                                                                         tokenizer=tokenizer)))
+      self.recorded = dataclasses.replace(
+          cfg, data=_absolute_paths(dataclasses.replace(cfg.data, tokenizer=tokenizer)),
+          checkpoint=dataclasses.replace(cfg.checkpoint, **{
+              k: os.path.abspath(os.path.expanduser(getattr(cfg.checkpoint, k)))
+              for k in ('restore_from', 'init_from_hf') if getattr(cfg.checkpoint, k)}))
       for note in config_lib.doubtful(cfg):
         print(f'mjax: warning: {note}', flush=True)
     self._t_start = time.perf_counter()

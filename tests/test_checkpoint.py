@@ -942,9 +942,20 @@ def test_restore_from_starts_a_new_run_from_another_runs_checkpoint(uninterrupte
   assert out.start_step == 4
   assert losses(tmp_path / 'b') == {k: v for k, v in losses(full_dir).items() if k > 4}
   assert_bitwise(state.params, full_state.params)
-  with pytest.raises(C.ConfigError, match='must be an existing checkpoint directory'):
-    cfg8(f"CheckpointConfig.restore_from = '{src / 'nothing'}'")
+  # A missing one is refused at the start that would read it, before
+  # anything is compiled or written there.
+  with pytest.raises(UserError, match=r"restore_from = '.*/nothing': no such directory"):
+    trainer.run(cfg8(f'TrainConfig.steps = {N}', f"CheckpointConfig.restore_from = '{src / 'nothing'}'"),
+                str(tmp_path / 'c'))
+  assert not (tmp_path / 'c').exists()
   assert sorted(os.listdir(src / 'checkpoints')) == listing
+  # Not when a config is read: the run's recorded config names its source
+  # (as an absolute path) long after its first start, when the source may
+  # be gone, and mjax-eval, -generate, -export and every resume read it.
+  recorded = tmp_path / 'b' / 'config.gin'
+  assert C.load_config([str(recorded)], [], num_devices=8).checkpoint.restore_from == str(src / 'checkpoints')
+  os.rename(src, tmp_path / 'moved')
+  assert C.load_config([str(recorded)], [], num_devices=8).checkpoint.restore_from == str(src / 'checkpoints')
 
 
 def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt():

@@ -82,7 +82,6 @@ def test_resolved_config_round_trips(tmp_path):
     ('OptimConfig.b2 = 1.5', ['OptimConfig.b2 = 1.5', '[0, 1)']),
     ('ModelConfig.rotary_fraction = 0.3', ['rotary_fraction = 0.3', 'even number', 'int(head_dim x fraction) = 19']),
     ('ModelConfig.parallel_norms = "two"', ['ModelConfig.parallel_norms', "'shared', 'separate'"]),
-    ('CheckpointConfig.init_from_hf = "/no/model"', ['init_from_hf', '/no/model', 'config.json']),
     ("OptimConfig.learning_rate = float('nan')", ["float('nan')", 'an expression, not a literal']),
     ('DataConfig.seq_len = 0', ['DataConfig.seq_len = 0']),
     ('ModelConfig.d_model = 100000000000', ['ModelConfig.d_model = 100000000000', '2**31 - 1']),

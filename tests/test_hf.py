@@ -306,6 +306,16 @@ def test_import_journey_through_the_trainer(tmp_path, capsys):
   bad = C.load_config([gin], extra + ['ModelConfig.d_ff = 256'], num_devices=8)
   with pytest.raises(UserError, match='ModelConfig.d_ff = 128'):
     trainer.Trainer(bad, str(tmp_path / 'run2'))
+  # A model directory gone: refused at the fresh start that reads it, by
+  # its key; the run's own recorded config still loads, and a resume
+  # never reads it.
+  saved = C.load_config([str(tmp_path / 'run' / 'config.gin')], [], num_devices=8)
+  assert saved.checkpoint.init_from_hf == path
+  os.rename(path, path + '.moved')
+  C.load_config([str(tmp_path / 'run' / 'config.gin')], [], num_devices=8)
+  with pytest.raises(UserError, match=r"CheckpointConfig.init_from_hf = '.*', the weights a new run starts from: .* is not a Hugging Face model "
+                                      r'directory.*Give a Hugging Face model directory'):
+    trainer.Trainer(cfg, str(tmp_path / 'run3'))
 
 
 def test_bfloat16_checkpoint_imports(tmp_path):
