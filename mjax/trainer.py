@@ -719,6 +719,11 @@ class Trainer:
       note = data_lib.restore_position(it, data_state, cfg.train.global_batch_size, cfg.data.seq_len)
       if note:
         self.say(f'mjax: {note}')
+    if not data_state or int(data_state.get('seq_len', cfg.data.seq_len)) != cfg.data.seq_len:
+      # The skip a checkpoint records is held by its data position: none
+      # restored (restore_from with restore_data = False), or another
+      # seq_len's order started from its beginning, holds no skip.
+      skipped_before = None
     skip, after = cfg.train.skip_batches, cfg.train.skip_batches_after
     if skip and after is not None and after != self.start_step:
       self.say(f'mjax: TrainConfig.skip_batches = {skip} holds for a start from step {after} '

@@ -347,6 +347,32 @@ def test_a_skip_given_again_on_a_later_start_skips_nothing(tmp_path, monkeypatch
   assert t.train_iter.get_state()['next_index'] == 2 + 6 + 2
 
 
+def test_a_skip_is_not_taken_as_done_by_a_data_position_not_restored():
+  # restore_from with restore_data = False (or another seq_len, whose order
+  # starts again): the source checkpoint's skip record came along without
+  # the position that held it, and the same TrainConfig.skip_batches was
+  # then taken as done and nothing skipped.
+  import types
+  from mjax import data as data_lib
+  from mjax.config import DataConfig, TrainConfig
+  cfg = types.SimpleNamespace(data=DataConfig(source='stdlib', seq_len=32, num_threads=1, prefetch=1),
+                              train=TrainConfig(global_batch_size=4, skip_batches=5))
+  said = []
+  stub = types.SimpleNamespace(cfg=cfg, start_step=100, say=said.append)
+  record = {'batches': 5, 'at_step': 0}
+  it = trainer.Trainer._train_iterator(stub, None, 0, 1, record)
+  assert it.get_state()['next_index'] == 5 and stub.skip_record == {'batches': 5, 'at_step': 100}, said
+  fresh = data_lib.make_train_iterator(cfg.data, 4)
+  at_64 = {**fresh.get_state(), 'next_index': 7, 'global_batch_size': 4, 'seq_len': 64}
+  it = trainer.Trainer._train_iterator(stub, at_64, 0, 1, record)
+  assert it.get_state()['next_index'] == 5, said   # another seq_len: from the start, then the skip
+  # The position restored: the record stands, and the skip is not made again.
+  at_32 = {**at_64, 'seq_len': 32}
+  it = trainer.Trainer._train_iterator(stub, at_32, 0, 1, record)
+  assert it.get_state()['next_index'] == 7 and stub.skip_record == record
+  assert any('skipped these batches already' in m for m in said), said
+
+
 def test_a_resume_under_another_model_function_is_named(tmp_path, monkeypatch):
   # The same shapes, another function: a stale --gin.ModelConfig.rope_theta
   # or sliding_window resumed without a word, and the rewritten config.gin
