@@ -347,6 +347,33 @@ def test_a_skip_given_again_on_a_later_start_skips_nothing(tmp_path, monkeypatch
   assert t.train_iter.get_state()['next_index'] == 2 + 6 + 2
 
 
+def test_a_failed_tier_leaves_no_other_tiers_save_in_flight():
+  # Checkpointer.close() stopped at the first tier whose save failed: the
+  # other tier's save (often the newest step) was never waited for, no
+  # manager was closed, and the run lock was let go with the save running.
+  import threading
+
+  class Manager:
+    def __init__(self, fails):
+      self.fails, self.waited, self.closed = fails, False, False
+
+    def wait_until_finished(self):
+      self.waited = True
+      if self.fails:
+        raise RuntimeError('background save failed (EIO)')
+
+    def close(self):
+      self.closed = True
+  ck = Checkpointer.__new__(Checkpointer)
+  ck.tiers = [checkpointer._Tier('persistent', '/p', 2, 2, Manager(True)),
+              checkpointer._Tier('fast', '/f', 1, 2, Manager(False))]
+  ck._locked, ck._closed = [], threading.Event()
+  with pytest.raises(RuntimeError, match='EIO'):
+    ck.close()
+  assert [(t.manager.waited, t.manager.closed) for t in ck.tiers] == [(True, True), (True, True)]
+  assert ck._closed.is_set()   # the lock let go last
+
+
 def test_a_skip_is_not_taken_as_done_by_a_data_position_not_restored():
   # restore_from with restore_data = False (or another seq_len, whose order
   # starts again): the source checkpoint's skip record came along without

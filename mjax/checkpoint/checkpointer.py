@@ -6,6 +6,7 @@ the parts fit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -440,10 +441,18 @@ class Checkpointer:
     return saved
 
   def wait(self) -> None:
-    """Blocks until every started save is complete on disk."""
+    """Blocks until every started save is complete on disk: every tier's,
+    then the first failure is raised. A tier that failed must not leave
+    another's save (often the newest step) in flight, to be cut off at exit."""
+    first = None
     for tier in self.tiers:
-      with full_disk_is_bad_input(tier, None):
-        tier.manager.wait_until_finished()
+      try:
+        with full_disk_is_bad_input(tier, None):
+          tier.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 -- raised once every tier is waited for
+        first = first or e
+    if first is not None:
+      raise first
 
   def _host_turn(self, tier: _Tier) -> None:
     """Before a host-tier save: this process's earlier save committed, every
@@ -648,12 +657,17 @@ class Checkpointer:
     return [(step, tier) for step, tier, tag in first if (step, tier, tag) not in hidden]
 
   def close(self) -> None:
+    """Waits for every tier's saves (raising the first failure), closes
+    every manager (its threads), whatever failed, then lets go of the lock."""
     try:
       self.wait()
-      for tier in self.tiers:
-        tier.manager.close()
     finally:
-      self.release_lock()
+      try:
+        for tier in self.tiers:
+          with contextlib.suppress(Exception):   # a failure to report is wait()'s, raised above
+            tier.manager.close()
+      finally:
+        self.release_lock()
 
   def release_lock(self) -> None:
     """Lets go of the run lock only (a run that failed in this process, which
