@@ -169,6 +169,31 @@ class _Output:
     return getattr(self._stream, name)
 
 
+class _TrainingOutput(_Output):
+  """mjax-train's stdout: a failed write (its reader gone, a full disk)
+  drops the rest of the output, said once on stderr, and the run goes on to
+  its steps and checkpoints. A run that ended there, on the first line
+  after its log's reader went (`| head`, a `tee` that died), lost every
+  step since its last save."""
+
+  def __init__(self, stream, prog: str):
+    super().__init__(stream)
+    self._prog, self._dropped = prog, False
+
+  def _call(self, name, *args):
+    if self._dropped:
+      return None
+    try:
+      return getattr(self._stream, name)(*args)
+    except OSError as e:
+      self._dropped = True
+      _drop_output()
+      with contextlib.suppress(OSError):
+        print(f'{self._prog}: warning: cannot write to stdout ({e.strerror}); the run goes on without its '
+              'output there (metrics.jsonl in the workdir has every step)', file=sys.stderr, flush=True)
+      return None
+
+
 def _drop_output() -> None:
   """Points fd 1 at /dev/null: what the tool had left to write there is
   dropped (Python would try it again at exit, and fail again with a
@@ -413,6 +438,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
                     'for runs/<config>.')
   workdir = args.workdir or default_workdir(flags.gin_files(args))
   _exit_on_ctrl_c(prog)
+  if isinstance(sys.stdout, _Output):   # the console's (entry_point), not an in-process caller's
+    sys.stdout = _TrainingOutput(sys.stdout._stream, prog)
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   heartbeat = None
   try:

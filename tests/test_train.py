@@ -181,6 +181,31 @@ def test_a_run_faster_than_the_cached_peak_forgets_that_peak(tmp_path, capsys):
   assert json.loads((cache / 'peak_flops.json').read_text()) == kept
 
 
+def test_a_run_whose_output_reader_went_away_trains_on_and_saves(tmp_path, repo_root):
+  # `mjax-train ... | head`, or a `tee` that died: the run ended at its next
+  # line with status 141, unsaved since its last checkpoint.
+  env = {k: v for k, v in os.environ.items() if not k.startswith('MJAX_')}
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  read, write = os.pipe()
+  os.close(read)   # gone before the first line
+  try:
+    proc = subprocess.run(
+        [sys.executable, '-c', 'from mjax.cli import train_main; train_main()', '--gin_file', 'configs/tiny.gin',
+         '--workdir', str(tmp_path / 'run'), '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
+         '--gin.ModelConfig.d_ff=256', '--gin.DataConfig.seq_len=64', '--gin.TrainConfig.steps=4',
+         '--gin.CheckpointConfig.save_every=2', '--gin.TrainConfig.eval_every=0', '--gin.TrainConfig.progress=False'],
+        cwd=repo_root, env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
+  finally:
+    os.close(write)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  said = [line for line in proc.stderr.splitlines() if 'stdout' in line]
+  assert said == ['mjax-train: warning: cannot write to stdout (Broken pipe); the run goes on without its output '
+                  'there (metrics.jsonl in the workdir has every step)'], proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints'), key=lambda s: (not s.isdigit(), s))[:2] == ['2', '4']
+  assert [r['step'] for r in read_metrics(tmp_path / 'run')[0]] == [1, 2, 3, 4]
+
+
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, repo_root):
   import signal
   env = {k: v for k, v in os.environ.items() if not k.startswith('MJAX_')}
