@@ -65,7 +65,7 @@ from mjax.parallel import make_mesh, pipeline
 from mjax.profiling import StepProfiler
 from mjax.stop import StopAgreement, WorkdirWatch
 from mjax.train import Program, evaluate, make_program, setup_compilation_cache
-from mjax.workdir import Claim, check_workdir, forget_refused_start
+from mjax.workdir import Claim, check_workdir, forget_refused_start, recorded_tokenizer
 
 
 # Step metrics that must be finite for the state after the step to be.
@@ -170,6 +170,12 @@ class Trainer:
     self.recorded = cfg
     if self.is_main:
       tokenizer, note = data_sources.shard_tokenizer(cfg.data)
+      kept = recorded_tokenizer(workdir) if note is not None and cfg.data.tokenizer == 'bytes' else None
+      if kept not in (None, 'bytes'):
+        # A resume while the shards' tokenizer.json is away: the run's
+        # record keeps naming it (a start that found it wrote it there), not
+        # 'bytes', under which mjax-eval and -generate read the ids as bytes.
+        tokenizer, note = kept, f'{note} The run\'s config goes on naming {kept}, as it did.'
       if note is not None:
         print(f'mjax: warning: {note}', flush=True)
       self.recorded = dataclasses.replace(

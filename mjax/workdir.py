@@ -126,3 +126,16 @@ def check_utf8(path: str, what: str) -> None:
     raise ConfigError(
         f"{what} '{shown}' has bytes that are not UTF-8 in its name; the checkpoint writer "
         f'(TensorStore) takes UTF-8 paths only. Rename the directory, or give another path.') from None
+
+
+def recorded_tokenizer(workdir: str) -> Optional[str]:
+  """DataConfig.tokenizer as the run in `workdir` recorded it (its
+  config.json), or None: no run there, or no record readable."""
+  try:
+    with open(os.path.join(workdir, 'config.json')) as fh:
+      saved = jsonfile.load(fh)
+  except (OSError, ValueError):
+    return None
+  tokenizer = saved.get('data', {}).get('tokenizer') if isinstance(saved, dict) and \
+      isinstance(saved.get('data'), dict) else None
+  return tokenizer if isinstance(tokenizer, str) else None

@@ -151,6 +151,16 @@ def test_a_run_on_shards_alone_takes_and_records_their_tokenizer(tmp_path, bpe_p
   tok.unlink()
   with pytest.raises(data.DataError, match=rf'and {tok} is not there\. Set DataConfig.tokenizer'):
     run_tokenizer(DataConfig(source=str(out)))
+  # A resume while the file is away keeps the name the run recorded: its
+  # config was written over with 'bytes', and mjax-eval then scored the BPE
+  # model on byte ids.
+  run = tmp_path / 'run'
+  run.mkdir()
+  (run / 'config.json').write_text(json.dumps({'data': {'tokenizer': str(tok)}}))
+  t = trainer.Trainer.__new__(trainer.Trainer)
+  with pytest.raises(C.ConfigError) as refused:   # a record of no model: refused at the workdir check, after the tokenizer
+    trainer.Trainer.__init__(t, cfg, str(run))
+  assert t.recorded.data.tokenizer == str(tok), refused.value
   assert tokenizer_identity(DataConfig(source=str(out))).sha256 == hashlib.sha256(bpe_path.read_bytes()).hexdigest()
 
 
