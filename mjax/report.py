@@ -65,6 +65,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] not in COMMANDS:
     asked = argv[:1] in (['-h'], ['--help'])
+    if argv and not asked:
+      import difflib
+      near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+      print(f'{PROG}: error: no subcommand {argv[0]!r}' + (f' (did you mean {near[0]!r}?)' if near else '')
+            + f'; one of {", ".join(COMMANDS)}.', file=sys.stderr)
     print(usage(), file=sys.stdout if asked else sys.stderr)
     return 0 if asked else protocol.EXIT_USER_ERROR
   name, rest = argv[0], argv[1:]

@@ -230,6 +230,16 @@ def test_cli_error_exits_2_without_traceback(repo_root, tmp_path):
   assert not (tmp_path / 'w').exists()  # nothing started, nothing written
 
 
+def test_report_names_a_subcommand_it_does_not_have(capsys):
+  from mjax import report
+  assert report.main(['checkpont', 'runs/x']) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("mjax-report: error: no subcommand 'checkpont' (did you mean 'checkpoint'?); one of ")
+  assert 'usage' in err.lower()
+  assert report.main([]) == 2 and 'error' not in capsys.readouterr().err   # no subcommand: the usage alone
+  assert report.main(['--help']) == 0 and 'error' not in capsys.readouterr().out
+
+
 def test_report_config_prints_the_resolved_config_that_reloads_the_same(tmp_path, capsys):
   from mjax import report
   assert report.main(['config', '--gin_file', 'tiny.gin', '--gin.TrainConfig.steps=7']) == 0
