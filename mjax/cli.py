@@ -170,15 +170,17 @@ class _Output:
 
 
 class _TrainingOutput(_Output):
-  """mjax-train's stdout: a failed write (its reader gone, a full disk)
-  drops the rest of the output, said once on stderr, and the run goes on to
-  its steps and checkpoints. A run that ended there, on the first line
-  after its log's reader went (`| head`, a `tee` that died), lost every
-  step since its last save."""
+  """mjax-train's stdout and stderr: a failed write (its reader gone, a full
+  disk) drops the rest of that stream's output, said once on stderr where
+  stdout failed, and the run goes on to its steps and checkpoints. A run
+  that ended there, on the first line (or progress bar update) after its
+  log's reader went (`| head`, `2>&1 | tee log` with the tee gone), lost
+  every step since its last save."""
 
-  def __init__(self, stream, prog: str):
+  def __init__(self, stream, prog: str, fd: int):
     super().__init__(stream)
-    self._prog, self._dropped = prog, False
+    self._prog, self._fd, self._dropped = prog, fd, False
+    self._lock = threading.Lock()   # the loop, heartbeats and the bar's monitor thread all write
 
   def _call(self, name, *args):
     if self._dropped:
@@ -186,20 +188,24 @@ class _TrainingOutput(_Output):
     try:
       return getattr(self._stream, name)(*args)
     except OSError as e:
-      self._dropped = True
-      _drop_output()
-      with contextlib.suppress(OSError):
-        print(f'{self._prog}: warning: cannot write to stdout ({e.strerror}); the run goes on without its '
-              'output there (metrics.jsonl in the workdir has every step)', file=sys.stderr, flush=True)
+      with self._lock:
+        if self._dropped:
+          return None
+        self._dropped = True
+        _drop_output(self._fd)
+      if self._fd == 1:
+        with contextlib.suppress(Exception):   # stderr may be the same dead pipe: then nothing can say it
+          print(f'{self._prog}: warning: cannot write to stdout ({e.strerror}); the run goes on without its '
+                'output there (metrics.jsonl in the workdir has every step)', file=sys.stderr, flush=True)
       return None
 
 
-def _drop_output() -> None:
-  """Points fd 1 at /dev/null: what the tool had left to write there is
+def _drop_output(fd: int = 1) -> None:
+  """Points `fd` (stdout) at /dev/null: what the tool had left to write there is
   dropped (Python would try it again at exit, and fail again with a
   traceback and status 120)."""
   devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, 1)
+  os.dup2(devnull, fd)
   os.close(devnull)
 
 
@@ -439,7 +445,9 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   workdir = args.workdir or default_workdir(flags.gin_files(args))
   _exit_on_ctrl_c(prog)
   if isinstance(sys.stdout, _Output):   # the console's (entry_point), not an in-process caller's
-    sys.stdout = _TrainingOutput(sys.stdout._stream, prog)
+    sys.stdout = _TrainingOutput(sys.stdout._stream, prog, 1)
+    if sys.stderr is not None:   # before the progress bar takes it
+      sys.stderr = _TrainingOutput(sys.stderr, prog, 2)
   from mjax import trainer   # imports jax, but starts no backend: XLA flags can still be set
   heartbeat = None
   try:

@@ -186,15 +186,16 @@ def test_a_run_whose_output_reader_went_away_trains_on_and_saves(tmp_path, repo_
   # line with status 141, unsaved since its last checkpoint.
   env = {k: v for k, v in os.environ.items() if not k.startswith('MJAX_')}
   env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  command = lambda workdir, progress: [
+      sys.executable, '-c', 'from mjax.cli import train_main; train_main()', '--gin_file', 'configs/tiny.gin',
+      '--workdir', str(workdir), '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
+      '--gin.ModelConfig.d_ff=256', '--gin.DataConfig.seq_len=64', '--gin.TrainConfig.steps=4',
+      '--gin.CheckpointConfig.save_every=2', '--gin.TrainConfig.eval_every=0', f'--gin.{progress}']
   read, write = os.pipe()
   os.close(read)   # gone before the first line
   try:
-    proc = subprocess.run(
-        [sys.executable, '-c', 'from mjax.cli import train_main; train_main()', '--gin_file', 'configs/tiny.gin',
-         '--workdir', str(tmp_path / 'run'), '--gin.ModelConfig.d_model=128', '--gin.ModelConfig.n_layers=2',
-         '--gin.ModelConfig.d_ff=256', '--gin.DataConfig.seq_len=64', '--gin.TrainConfig.steps=4',
-         '--gin.CheckpointConfig.save_every=2', '--gin.TrainConfig.eval_every=0', '--gin.TrainConfig.progress=False'],
-        cwd=repo_root, env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
+    proc = subprocess.run(command(tmp_path / 'run', 'TrainConfig.progress=False'), cwd=repo_root, env=env,
+                          stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
   finally:
     os.close(write)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -204,6 +205,17 @@ def test_a_run_whose_output_reader_went_away_trains_on_and_saves(tmp_path, repo_
   assert 'Traceback' not in proc.stderr
   assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints'), key=lambda s: (not s.isdigit(), s))[:2] == ['2', '4']
   assert [r['step'] for r in read_metrics(tmp_path / 'run')[0]] == [1, 2, 3, 4]
+  # `2>&1 | tee log` with the tee gone: stderr, where the progress bar
+  # writes, is the same dead pipe (the bar's BrokenPipeError ended the loop).
+  read, write = os.pipe()
+  os.close(read)
+  try:
+    proc = subprocess.run(command(tmp_path / 'both', 'TrainConfig.progress=True'), cwd=repo_root, env=env,
+                          stdout=write, stderr=write, timeout=300)
+  finally:
+    os.close(write)
+  assert proc.returncode == 0
+  assert sorted(os.listdir(tmp_path / 'both' / 'checkpoints'), key=lambda s: (not s.isdigit(), s))[:2] == ['2', '4']
 
 
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path, repo_root):
