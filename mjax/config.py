@@ -753,9 +753,17 @@ def doubtful(cfg: Config) -> list[str]:
     if why:
       out.append(f'ModelConfig.gelu_epilogue = True does nothing here: {why} (it needs the MLP\'s input '
                  f'product on its own and the tanh GeLU)')
-    elif m.gelu_backward_kernel and any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape())):
-      out.append('ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has several devices, '
-                 'and the kernel runs on one GPU (an H100 or H200) only')
+  if m.gelu_backward_kernel:
+    why = None
+    if any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape())):
+      why = 'the mesh has several devices, and the kernel runs on one GPU (an H100 or H200) only'
+    elif not m.gelu_approximate:
+      why = 'ModelConfig.gelu_approximate = False asks for the exact (erf) GeLU, and the kernel has the tanh one'
+    elif m.remat_policy in ('none', 'dots_attention_mlp'):
+      why = (f'ModelConfig.remat_policy = {m.remat_policy!r} keeps GeLU(u) from the forward, and the kernel '
+             'is for a backward that computes it')
+    if why:
+      out.append(f'ModelConfig.gelu_backward_kernel = True does nothing here: {why}')
   return out
 
 

@@ -502,7 +502,7 @@ def _whole_batches(cfg: Config, n: int, split: str = 'heldout') -> int:
   if n > whole > 0:   # none at all: make_eval_batches says what is missing
     name = 'held-out split' if split == 'heldout' else 'train split'
     say(f'{PROG}: the {name} holds {whole} whole batch(es) of {gbs} x {cfg.data.seq_len} tokens; '
-        f'evaluating those, not the {n} asked for (beyond them its windows repeat).')
+        f'evaluating those, not {n} (beyond them its windows repeat).')
     return whole
   return n
 

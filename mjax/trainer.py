@@ -171,7 +171,7 @@ class Trainer:
     if self.is_main:
       tokenizer, note = data_sources.shard_tokenizer(cfg.data)
       kept = recorded_tokenizer(workdir) if note is not None and cfg.data.tokenizer == 'bytes' else None
-      if kept not in (None, 'bytes'):
+      if kept not in (None, 'bytes') and data_sources.names_shard_tokenizer(cfg.data, kept):
         # A resume while the shards' tokenizer.json is away: the run's
         # record keeps naming it (a start that found it wrote it there), not
         # 'bytes', under which mjax-eval and -generate read the ids as bytes.
@@ -238,6 +238,11 @@ class Trainer:
     lock) the state, the data and the compiled step."""
     cfg, workdir = self.cfg, self.workdir
     self.mesh = make_mesh(cfg.mesh)
+    sizes = (*cfg.mesh.ici_shape(), *cfg.mesh.dcn_shape())
+    if cfg.model.gelu_backward_kernel and self.mesh.size > 1 and max(sizes) <= 1 and self.is_main:
+      # (A mesh of several devices named in the config is config_lib.doubtful's to say.)
+      print(f'mjax: warning: ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has '
+            f'{self.mesh.size} devices, and the kernel runs on one GPU (an H100 or H200) only', flush=True)
     self._mark('setup', then='startup:program')
 
     self.program: Program = make_program(cfg, self.mesh)

@@ -138,6 +138,9 @@ def test_a_gelu_epilogue_that_cannot_fuse_is_warned_of():
   assert note.startswith('ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has several'), note
   assert C.doubtful(C.load_config(['1p3b.gin'], ['ModelConfig.gelu_backward_kernel = True', 'MeshConfig.data = 1'],
                                   num_devices=1)) == []
+  (note,) = C.doubtful(C.load_config(['1p3b.gin'], ['ModelConfig.gelu_backward_kernel = True',
+                                                    'ModelConfig.remat_policy = "none"'], num_devices=1))
+  assert "remat_policy = 'none' keeps GeLU(u)" in note, note
 
 
 def test_pipelining_a_config_that_unrolls_its_layers_says_how():

@@ -161,6 +161,13 @@ def test_a_run_on_shards_alone_takes_and_records_their_tokenizer(tmp_path, bpe_p
   with pytest.raises(C.ConfigError) as refused:   # a record of no model: refused at the workdir check, after the tokenizer
     trainer.Trainer.__init__(t, cfg, str(run))
   assert t.recorded.data.tokenizer == str(tok), refused.value
+  # Only a name of the shards' own tokenizer is kept (a record of other
+  # shards' is not theirs to keep).
+  (run / 'config.json').write_text(json.dumps({'data': {'tokenizer': str(tmp_path / 'other.json')}}))
+  t = trainer.Trainer.__new__(trainer.Trainer)
+  with pytest.raises(C.ConfigError):
+    trainer.Trainer.__init__(t, cfg, str(run))
+  assert t.recorded.data.tokenizer == 'bytes'
   assert tokenizer_identity(DataConfig(source=str(out))).sha256 == hashlib.sha256(bpe_path.read_bytes()).hexdigest()
 
 

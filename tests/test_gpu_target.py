@@ -327,6 +327,8 @@ ONE_GPU_PROGRAMS = {
     'gelu epilogue, dots_attention, backward kernel': ('ModelConfig.remat_policy = "dots_attention"',
                                                        'ModelConfig.gelu_epilogue = True',
                                                        'ModelConfig.gelu_backward_kernel = True'),
+    'backward kernel, erf GeLU': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.gelu_epilogue = True',
+                                  'ModelConfig.gelu_backward_kernel = True', 'ModelConfig.gelu_approximate = False'),
 }
 
 
@@ -402,6 +404,8 @@ def test_the_gelu_backward_kernel_takes_the_derivative_into_the_product(one_gpu)
   (rows, d_ff) bf16 write and read a layer fewer in all."""
   plain, kernel = one_gpu['gelu epilogue, dots_attention'], one_gpu['gelu epilogue, dots_attention, backward kernel']
   assert plain['mosaic_kernels'] == 0 and kernel['mosaic_kernels'] == 2, kernel
+  # Mosaic GPU lowers no erf: the exact GeLU keeps autodiff's kernels.
+  assert one_gpu['backward kernel, erf GeLU']['mosaic_kernels'] == 0
   tensor = kernel['rows'] * kernel['d_ff'] * 2   # one (rows, d_ff) bf16 array
   # The pass read u and dg and wrote du and GeLU(u): four arrays a layer.
   assert plain['memory_bound'] - kernel['memory_bound'] >= 2 * 3.9 * tensor, (plain, kernel)

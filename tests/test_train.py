@@ -181,6 +181,24 @@ def test_a_run_faster_than_the_cached_peak_forgets_that_peak(tmp_path, capsys):
   assert json.loads((cache / 'peak_flops.json').read_text()) == kept
 
 
+def test_a_gelu_backward_kernel_on_several_devices_is_said_to_do_nothing(tmp_path, monkeypatch, capsys):
+  # MeshConfig.data = -1 takes the 8 devices: config_lib.doubtful cannot
+  # know that, the started mesh does.
+  class Built(Exception):
+    pass
+
+  def stop(*_):
+    raise Built
+  monkeypatch.setattr(trainer, 'make_program', stop)
+  cfg = _small('ModelConfig.gelu_epilogue = True', 'ModelConfig.gelu_backward_kernel = True',
+               'ModelConfig.remat_policy = "dots_attention"', 'TrainConfig.steps = 2')
+  assert cfg.mesh.data == -1
+  with pytest.raises(Built):
+    trainer.Trainer(cfg, str(tmp_path / 'run'))
+  out = capsys.readouterr().out
+  assert 'ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has 8 devices' in out, out
+
+
 def test_a_run_whose_output_reader_went_away_trains_on_and_saves(tmp_path, repo_root):
   # `mjax-train ... | head`, or a `tee` that died: the run ended at its next
   # line with status 141, unsaved since its last checkpoint.

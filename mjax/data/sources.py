@@ -151,6 +151,24 @@ def shard_tokenizer(cfg: DataConfig) -> tuple[str, Optional[str]]:
       f'mjax-export decode the model\'s ids with it.')
 
 
+def names_shard_tokenizer(cfg: DataConfig, path: str) -> bool:
+  """Whether `path` names the tokenizer the shards of a run on shards alone
+  were made with: the path their manifest records, or a file there now with
+  its sha256."""
+  root = _shards_alone(cfg)
+  if root is None:
+    return False
+  info = shards_lib.tokenizer_info(shards_lib.read_manifest(root))
+  if info.sha256 is None:
+    return False
+  if path == info.path:
+    return True
+  try:
+    return os.path.isfile(path) and load_tokenizer(path).info.same_as(info)
+  except DataError:
+    return False
+
+
 def tokenizer_identity(cfg: DataConfig) -> TokenizerInfo:
   """The identity of the tokenizer that made a run's ids (what checkpoints
   record): the shards' own, from their manifest, for a run on shards

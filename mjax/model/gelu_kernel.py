@@ -45,15 +45,16 @@ class Tiles:
   """The kernel's tiling. Each consumer warpgroup owns a (tile_m, tile_n)
   fp32 accumulator; the two sit side by side along d_ff, so a CTA computes
   (tile_m, 2 * tile_n). Shared memory: the pipeline's stages hold
-  (tile_m + 2 tile_n) x tile_k bf16 each, the epilogue two slots per
-  warpgroup of du and of u / GeLU(u), (epi_m, epi_n) bf16 each; 128 x 128 x 64
-  with 3 stages is 208 KiB of the H100's 227."""
+  (tile_m + 2 tile_n) x tile_k bf16 each; the epilogue, per warpgroup, the
+  tile's u (then GeLU(u)), tile_m x tile_n, and two (epi_m, epi_n) slots of
+  du. 128 x 128 x 64 with 3 stages and 64 x 32 sub-tiles: 144 + 64 + 16 =
+  224 KiB of an H100's 227."""
   tile_m: int = 128
   tile_n: int = 128
   tile_k: int = 64
   stages: int = 3
   epi_m: int = 64
-  epi_n: int = 64
+  epi_n: int = 32
   # Output tiles are visited in bands `band` tiles wide across d_ff, so that
   # neighbouring CTAs share their dy rows and Wo columns in the L2 cache.
   band: int = 8
@@ -107,13 +108,14 @@ def _one_device_kind() -> str:
   return device.device_kind if device.platform == 'gpu' else ''
 
 
-def applies(dy: jax.Array, wo: jax.Array, u: jax.Array, tiles: Tiles = DEFAULT_TILES) -> bool:
+def applies(dy: jax.Array, wo: jax.Array, u: jax.Array, approximate: bool = True,
+            tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether `dgelu_product` takes this backward: one Hopper GPU (with
   several, the product's operands are split over devices, which the kernel
-  cannot be: autodiff's kernels run there), bf16 operands, and tokens,
-  d_ff and embed that its tiles divide. dy (..., embed), wo (d_ff, embed),
-  u (..., d_ff)."""
-  if not _HOPPER.search(_one_device_kind()):
+  cannot be: autodiff's kernels run there), the tanh GeLU, bf16 operands,
+  and tokens, d_ff and embed that its tiles divide. dy (..., embed), wo
+  (d_ff, embed), u (..., d_ff)."""
+  if not approximate or not _HOPPER.search(_one_device_kind()):
     return False
   if not dy.dtype == wo.dtype == u.dtype == jnp.bfloat16:
     return False
@@ -135,7 +137,7 @@ def _sm_count() -> int:
 
 
 def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: bool,
-                  tiles: Tiles = DEFAULT_TILES, interpret: bool = False,
+                  tiles: Tiles = DEFAULT_TILES, interpret=False,
                   grid: int | None = None) -> tuple[jax.Array, jax.Array]:
   """(du, GeLU(u)): du = (dy wo_t) * GeLU'(u), in one kernel.
 
@@ -143,9 +145,10 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
     dy: (tokens, embed) bf16, the MLP output's gradient.
     wo_t: (embed, d_ff) bf16, the output projection's kernel transposed.
     u: (tokens, d_ff) bf16, the input product (the GeLU's input).
-    approximate: GeLU's tanh approximation, else erf.
+    approximate: GeLU's tanh approximation; must be True.
     tiles: the tiling; `fits` must hold for these shapes.
-    interpret: run in Pallas's GPU interpreter (on a CPU, for tests).
+    interpret: run in Pallas's GPU interpreter (on a CPU, for tests): True,
+      or its InterpretGPUParams.
     grid: CTAs of the persistent grid (default: one per SM).
   """
   import jax.experimental.pallas as pl
@@ -158,6 +161,9 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
                      '(tokens, embed), (embed, d_ff), (tokens, d_ff)')
   if not fits(m, n, k, tiles):
     raise ValueError(f'dgelu_product: {tiles} does not divide tokens {m}, d_ff {n}, embed {k}')
+  if not approximate:
+    # (Mosaic GPU lowers no erf; `gelu_and_grad` has it for the reference.)
+    raise ValueError('dgelu_product: the tanh GeLU only (approximate=True)')
   if not dy.dtype == wo_t.dtype == u.dtype:
     raise ValueError(f'dgelu_product: one dtype for dy, wo_t and u, not {dy.dtype}, {wo_t.dtype}, {u.dtype}')
   dtype = u.dtype
@@ -191,19 +197,24 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
       )
 
     ignore = lambda *_, **__: None
+    subs = [(ei, ej) for ei in range(tile_m // epi_m) for ej in range(tile_n // epi_n)]
 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(dy_gmem, wo_gmem),
-        # (warpgroup, slot): each warpgroup alternates two slots, so that the
-        # store of one epilogue tile overlaps the next tile's work.
+        # u's whole tile, per warpgroup, as epilogue sub-tiles: loaded before
+        # the product's K loop, so that it is there when the epilogue reads
+        # it (loaded in the epilogue, each sub-tile cost a memory round trip
+        # with the tensor cores idle). GeLU(u) is written over each sub-tile
+        # for its store.
+        ug_smem=plgpu.SMEM((2, len(subs), epi_m, epi_n), dtype, transforms=out_transforms),
+        # du, (warpgroup, slot): two slots in turn, so that one sub-tile's
+        # store runs while the next is computed.
         du_smem=plgpu.SMEM((2, 2, epi_m, epi_n), dtype, transforms=out_transforms),
-        # u's tile is read into it, and GeLU(u) written over it for its store.
-        ug_smem=plgpu.SMEM((2, 2, epi_m, epi_n), dtype, transforms=out_transforms),
-        u_barrier=plgpu.Barrier(num_barriers=4),
+        u_barrier=plgpu.Barrier(num_barriers=2 * len(subs)),
         collective_axes='wg',
     )
-    def scope(allocations, du_smem, ug_smem, u_barrier):
+    def scope(allocations, ug_smem, du_smem, u_barrier):
       wg = lax.axis_index('wg')
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes='sm')
@@ -213,35 +224,35 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
         rows = pl.ds(mi * tile_m, tile_m)
         cols = pl.ds(ni * cta_n, cta_n)
         wg_cols = pl.ds(wg * tile_n, tile_n)
+        sub_tile = lambda ref, ei, ej: (ref.at[rows, cols].at[:, wg_cols]
+                                        .at[ei * epi_m:(ei + 1) * epi_m, ej * epi_n:(ej + 1) * epi_n])
 
         def compute_context(eval_pipeline):
+          # The last tile's stores have read ug_smem and du_smem; then this
+          # tile's u is loaded into ug_smem behind the K loop.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for s, (ei, ej) in enumerate(subs):
+            plgpu.copy_gmem_to_smem(sub_tile(u_gmem, ei, ej), ug_smem.at[wg, s], u_barrier.at[wg * len(subs) + s])
+
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def acc_scope(acc_ref):
             eval_pipeline(acc_ref)
-            acc = acc_ref[...]
-            # The last tile's stores have read their slots.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            per_row = tile_n // epi_n
-            for ei in range(tile_m // epi_m):
-              for ej in range(per_row):
-                es_m = slice(ei * epi_m, (ei + 1) * epi_m)
-                es_n = slice(ej * epi_n, (ej + 1) * epi_n)
-                slot = (ei * per_row + ej) % 2
-                # Two stores a tile (du, GeLU(u)): those of the tile before
-                # this one may still run, the slot's own (two tiles ago) not.
-                plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-                barrier = u_barrier.at[wg * 2 + slot]
-                plgpu.copy_gmem_to_smem(
-                    u_gmem.at[rows, cols].at[:, wg_cols].at[es_m, es_n], ug_smem.at[wg, slot], barrier)
-                plgpu.barrier_wait(barrier)
-                uf = ug_smem[wg, slot].astype(jnp.float32)
-                g, grad = gelu_and_grad(uf, approximate)
-                du_smem[wg, slot] = (acc[es_m, es_n] * grad).astype(dtype)
-                ug_smem[wg, slot] = g.astype(dtype)
-                plgpu.commit_smem()
-                out = (rows, cols)
-                plgpu.copy_smem_to_gmem(du_smem.at[wg, slot], du_gmem.at[out].at[:, wg_cols].at[es_m, es_n])
-                plgpu.copy_smem_to_gmem(ug_smem.at[wg, slot], g_gmem.at[out].at[:, wg_cols].at[es_m, es_n])
+            for s, (ei, ej) in enumerate(subs):
+              slot = s % 2
+              # Two stores a sub-tile (du, GeLU(u)): the last sub-tile's may
+              # still run; this du slot's own (two sub-tiles ago) must be done.
+              plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+              plgpu.barrier_wait(u_barrier.at[wg * len(subs) + s])
+              g, grad = gelu_and_grad(ug_smem[wg, s].astype(jnp.float32), approximate)
+              ug_smem[wg, s] = g.astype(dtype)
+              # The accumulator read a sub-tile at a time: a copy of all of
+              # it (128 fp32 registers a thread) beside the GeLU's temporaries
+              # would spill.
+              du_smem[wg, slot] = (acc_ref[ei * epi_m:(ei + 1) * epi_m, ej * epi_n:(ej + 1) * epi_n]
+                                   * grad).astype(dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(du_smem.at[wg, slot], sub_tile(du_gmem, ei, ej))
+              plgpu.copy_smem_to_gmem(ug_smem.at[wg, s], sub_tile(g_gmem, ei, ej))
 
         def mma(_, dy_smem, wo_smem, acc_ref):
           plgpu.wgmma(acc_ref, dy_smem, wo_smem.at[:, wg_cols])
@@ -254,9 +265,11 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
 
   out = jax.ShapeDtypeStruct((m, n), dtype)
   params = {}
-  if interpret:
+  if interpret is True:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     params['interpret'] = InterpretGPUParams()
+  elif interpret:
+    params['interpret'] = interpret   # the interpreter's own parameters (a test's race detection)
   call = plgpu.kernel(
       dgelu_gemm,
       out_type=(out, out),

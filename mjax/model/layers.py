@@ -405,7 +405,7 @@ def gelu_mlp(x: jax.Array, wi: jax.Array, bi: Optional[jax.Array], wo: jax.Array
     # XLA would share the GeLU's tanh with the forward's GeLU, whose then
     # second reader stops the epilogue fusion.
     u = jax.lax.optimization_barrier(u)
-    if backward_kernel and kept is None and gelu_kernel.applies(dy, wo, u):
+    if backward_kernel and kept is None and gelu_kernel.applies(dy, wo, u, approximate):
       flat = lambda a: a.reshape(-1, a.shape[-1])   # (batch * seq, features): the kernel's 2-D product
       du, g = gelu_kernel.dgelu_product(flat(dy), wo.T, flat(u), approximate)
       du, g = du.reshape(u.shape), g.reshape(u.shape)
