@@ -279,7 +279,8 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
         # text source decides the split after leaving them out
         # (corpus.split_flags) and cuts by position: so do the shards, or
         # the held-out text would be trained on and the run find no
-        # held-out split. (Few documents: the source is small.)
+        # held-out split. (Rare: one side's every document was not text.
+        # The cut by position reads the source whole, as for one file.)
         for w in writers.values():
           w.close_quietly()
         for name in os.listdir(output):
