@@ -97,6 +97,11 @@ def test_the_kernel_applies_on_one_hopper_gpu_only(monkeypatch):
     monkeypatch.setattr(gk, '_one_device_kind', lambda kind=kind: kind)
     assert gk.applies(dy, wo, u) is takes, kind
   assert not gk.applies(dy, wo, u, approximate=False)   # the exact GeLU: autodiff's
+  # Tilings the GPU's lowering refuses (the interpreter takes them).
+  assert gk.runs_on_a_gpu(gk.DEFAULT_TILES)
+  assert not gk.runs_on_a_gpu(gk.Tiles(stages=4))               # 272 KiB of shared memory
+  assert not gk.runs_on_a_gpu(gk.Tiles(epi_m=32))               # half a warpgroup's row block
+  assert not gk.applies(dy, wo, u, tiles=gk.Tiles(stages=4))
   odd = jax.ShapeDtypeStruct((2, 2000, 8192), jnp.bfloat16)
   assert not gk.applies(jax.ShapeDtypeStruct((2, 2000, 2048), jnp.bfloat16), wo, odd)   # 4,000 tokens
   assert not gk.applies(jax.ShapeDtypeStruct(dy.shape, jnp.float32), wo, u)

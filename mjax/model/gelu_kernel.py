@@ -117,9 +117,25 @@ def applies(dy: jax.Array, wo: jax.Array, u: jax.Array, approximate: bool = True
   (d_ff, embed), u (..., d_ff)."""
   if not approximate or not _HOPPER.search(_one_device_kind()):
     return False
-  if not dy.dtype == wo.dtype == u.dtype == jnp.bfloat16:
+  if not dy.dtype == wo.dtype == u.dtype == jnp.bfloat16 or not runs_on_a_gpu(tiles):
     return False
   return fits(math.prod(u.shape[:-1]), u.shape[-1], dy.shape[-1], tiles)
+
+
+# An H100's shared memory a block may take, and its mbarriers a kernel may use.
+_SMEM_BYTES = 232448
+_MAX_BARRIERS = 32
+
+
+def runs_on_a_gpu(tiles: Tiles) -> bool:
+  """Whether the GPU's lowering takes this tiling (the interpreter takes
+  more): epilogue rows in whole warpgroup row blocks of 64, a barrier per
+  u sub-tile of each warpgroup, and shared memory for the pipeline's stages,
+  u's tiles and du's slots."""
+  subs = (tiles.tile_m // tiles.epi_m) * (tiles.tile_n // tiles.epi_n)
+  smem = 2 * (tiles.stages * (tiles.tile_m + 2 * tiles.tile_n) * tiles.tile_k
+              + 2 * tiles.tile_m * tiles.tile_n + 4 * tiles.epi_m * tiles.epi_n)
+  return tiles.epi_m % 64 == 0 and 2 * subs <= _MAX_BARRIERS and smem <= _SMEM_BYTES - 1024   # (barriers)
 
 
 def _sm_count() -> int:
@@ -237,6 +253,7 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def acc_scope(acc_ref):
             eval_pipeline(acc_ref)
+            acc = acc_ref[...]   # (registers: the slices below select from them)
             for s, (ei, ej) in enumerate(subs):
               slot = s % 2
               # Two stores a sub-tile (du, GeLU(u)): the last sub-tile's may
@@ -245,10 +262,7 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
               plgpu.barrier_wait(u_barrier.at[wg * len(subs) + s])
               g, grad = gelu_and_grad(ug_smem[wg, s].astype(jnp.float32), approximate)
               ug_smem[wg, s] = g.astype(dtype)
-              # The accumulator read a sub-tile at a time: a copy of all of
-              # it (128 fp32 registers a thread) beside the GeLU's temporaries
-              # would spill.
-              du_smem[wg, slot] = (acc_ref[ei * epi_m:(ei + 1) * epi_m, ej * epi_n:(ej + 1) * epi_n]
+              du_smem[wg, slot] = (acc[ei * epi_m:(ei + 1) * epi_m, ej * epi_n:(ej + 1) * epi_n]
                                    * grad).astype(dtype)
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(du_smem.at[wg, slot], sub_tile(du_gmem, ei, ej))
