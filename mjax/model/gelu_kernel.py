@@ -100,8 +100,9 @@ def _one_device_kind() -> str:
   too), else from jax's devices."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty:
-    device = getattr(mesh, 'abstract_device', None)
-    return getattr(device, 'device_kind', '') or '' if math.prod(mesh.shape.values()) == 1 else ''
+    if math.prod(mesh.shape.values()) != 1:
+      return ''
+    return getattr(getattr(mesh, 'abstract_device', None), 'device_kind', None) or ''
   if jax.device_count() != 1:
     return ''
   device = jax.devices()[0]
