@@ -8,6 +8,9 @@ Sections, each independent (one failing never stops the next):
              the fp32 einsum reference, forward and gradients, bf16 tolerance;
              then its time at 1p3b's shape by window, against the work the
              window keeps (does the kernel skip the blocks it masks?).
+  kernels    mjax's Pallas kernel (the GeLU backward's product and
+             derivative, ModelConfig.gelu_backward_kernel) against fp32 at
+             1p3b's shapes, and timed beside XLA's product and pass.
   train      `mjax-train` on 125m for 30 steps through the real CLI (data,
              async checkpoints, metrics.jsonl); the loss must fall.
   mfu        bench/train_bench.py on 125m and 1p3b at seq 2048, bf16, cuDNN
@@ -568,6 +571,67 @@ def check_dots(suite: Suite):
   return True, ceiling
 
 
+# --- kernels -----------------------------------------------------------------
+
+def check_kernels(suite: Suite):
+  """mjax's own Pallas kernel, the GeLU backward's product with its derivative
+  (ModelConfig.gelu_backward_kernel, mjax/model/gelu_kernel.py), against
+  what XLA runs without it: the product dy Wo^T, then the elementwise pass
+  that writes du and GeLU(u). Values against the fp32 reference at 1p3b's
+  shapes, and the two timed side by side: the kernel is worth its flag only
+  where it is the faster. On CPU (--smoke) it runs in Pallas's GPU
+  interpreter at small shapes, values only."""
+  import jax
+  import jax.numpy as jnp
+
+  from mjax.model import gelu_kernel as gk
+
+  smoke = suite.args.smoke
+  m, n, k = (256, 512, 192) if smoke else (16 * 2048, 8192, 2048)   # 1p3b: tokens, d_ff, d_model
+  tiles = gk.Tiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32, band=2) if smoke \
+      else gk.DEFAULT_TILES
+  keys = jax.random.split(jax.random.key(7), 3)
+  dy = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  wo = (jax.random.normal(keys[1], (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+  u = (jax.random.normal(keys[2], (m, n), jnp.float32) * 2).astype(jnp.bfloat16)
+  kernel = jax.jit(lambda dy, wo, u: gk.dgelu_product(dy, wo.T, u, True, tiles=tiles, interpret=smoke,
+                                                      grid=3 if smoke else None))
+
+  def xla(dy, wo, u):   # autodiff's two kernels, as layers.gelu_mlp runs them without the flag
+    g, vjp = jax.vjp(lambda u: jax.nn.gelu(u, approximate=True), u)
+    return vjp(jnp.einsum('te,fe->tf', dy, wo))[0], g
+  xla = jax.jit(xla)
+  ref_du, ref_g = jax.jit(lambda *a: gk.reference(*a, True))(dy, wo, u)
+  rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r.astype(jnp.float32)).ravel()) /
+                           jnp.linalg.norm(r.astype(jnp.float32).ravel()))
+  rows, tol = [], 1e-2
+  for name, f in (('Pallas kernel (gelu_backward_kernel)', kernel), ('XLA: product, then the pass', xla)):
+    du, g = jax.block_until_ready(f(dy, wo, u))
+    ms = None
+    if not smoke:
+      reps = 20
+      t0 = time.perf_counter()
+      for _ in range(reps):
+        out = f(dy, wo, u)
+      jax.block_until_ready(out)
+      ms = (time.perf_counter() - t0) / reps * 1e3
+    rows.append(dict(name=name, du=rel(du, ref_du), g=rel(g, ref_g), ms=ms))
+  suite.say(f'\n### GeLU backward on {jax.devices()[0].device_kind}: (du, GeLU(u)) from dy {m}x{k}, Wo {n}x{k}, '
+            f'u {m}x{n} (bf16; relative error against fp32, tolerance {tol})\n')
+  suite.say('| | du | GeLU(u) | ms | product TFLOP/s |')
+  suite.say('|---|---|---|---|---|')
+  for r in rows:
+    ms, speed = (f'{r["ms"]:.3f}', f'{2 * m * n * k / r["ms"] / 1e9:,.0f}') if r['ms'] else ('-', '-')
+    suite.say(f'| {r["name"]} | {r["du"]:.1e} | {r["g"]:.1e} | {ms} | {speed} |')
+  if not smoke:
+    suite.say(f'\nkernel / XLA time: {rows[0]["ms"] / rows[1]["ms"]:.3f}')
+  suite.say()
+  suite.results['kernels'] = rows
+  worst = max(max(r['du'], r['g']) for r in rows[:1])
+  return worst < tol, f'kernel worst relative error {worst:.2e} (tolerance {tol})' + (
+      f'; {rows[0]["ms"]:.3f} ms against XLA\'s {rows[1]["ms"]:.3f}' if not smoke else '')
+
+
 # --- variants ----------------------------------------------------------------
 
 def check_variants(suite: Suite):
@@ -687,8 +751,8 @@ def main(argv=None):
   p.add_argument('--budget_s', type=float, default=560, help='deadline for the whole suite')
   p.add_argument('--row_timeout_s', type=float, default=170, help='limit for one MFU row')
   p.add_argument('--steps', type=int, default=10, help='timed steps per MFU row')
-  p.add_argument('--sections', default='attention,train,mfu,variants',
-                 help='comma-separated, from attention, train, mfu, variants, dots')
+  p.add_argument('--sections', default='attention,kernels,train,mfu,variants',
+                 help='comma-separated, from attention, kernels, train, mfu, variants, dots')
   p.add_argument('--mfu_rows', default='',
                  help='comma-separated substrings of MFU row names to run (=NAME: that row alone; a comma followed by a space is part of a name)')
   p.add_argument('--profile', action='store_true', help='trace the rows marked for it (jax.profiler)')
@@ -703,8 +767,8 @@ def main(argv=None):
   if args.baseline and not os.path.isfile(os.path.join(args.baseline, 'bench', 'train_bench.py')):
     p.error(f'--baseline {args.baseline}: not a source tree of mjax (no bench/train_bench.py in it); make one '
             f'with `make baseline REF=<commit>`.')
-  sections = dict(attention=check_attention, train=check_train, mfu=check_mfu, variants=check_variants,
-                  dots=check_dots)
+  sections = dict(attention=check_attention, kernels=check_kernels, train=check_train, mfu=check_mfu,
+                  variants=check_variants, dots=check_dots)
   if args.child:  # one section in this process; the parent collects the JSON
     suite = Suite(args)
     import jax
