@@ -186,8 +186,8 @@ class _TrainingOutput(_Output):
     if self._dropped:
       return None
     try:
-      return getattr(self._stream, name)(*args)
-    except OSError as e:
+      return super()._call(name, *args)
+    except OutputError as e:
       with self._lock:
         if self._dropped:
           return None

@@ -729,9 +729,10 @@ def _fail(key: str, value, allowed: str):
   raise ConfigError(f'{key} = {value!r} is not allowed: {allowed}.')
 
 
-def doubtful(cfg: Config) -> list[str]:
+def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
   """Settings that are valid but rarely what was meant, one sentence each
-  (a run prints them as warnings and goes on)."""
+  (a run prints them as warnings and goes on). `num_devices`: the job's, where
+  known (a mesh axis of -1 takes the rest of them)."""
   t, o = cfg.train, cfg.optim
   out = []
   if 0 < t.steps <= o.warmup_steps:   # the last step, steps - 1, still warming up
@@ -755,8 +756,10 @@ def doubtful(cfg: Config) -> list[str]:
                  f'product on its own and the tanh GeLU)')
   if m.gelu_backward_kernel:
     why = None
-    if any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape())):
-      why = 'the mesh has several devices, and the kernel runs on one GPU (an H100 or H200) only'
+    several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
+    if several:
+      why = (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel '
+             'runs on one GPU (an H100 or H200) only')
     elif not m.gelu_approximate:
       why = 'ModelConfig.gelu_approximate = False asks for the exact (erf) GeLU, and the kernel has the tanh one'
     elif m.remat_policy in ('none', 'dots_attention_mlp'):

@@ -183,7 +183,7 @@ class Trainer:
           checkpoint=dataclasses.replace(cfg.checkpoint, **{
               k: os.path.abspath(os.path.expanduser(getattr(cfg.checkpoint, k)))
               for k in ('restore_from', 'init_from_hf') if getattr(cfg.checkpoint, k)}))
-      for note in config_lib.doubtful(cfg):
+      for note in config_lib.doubtful(cfg, jax.device_count()):
         print(f'mjax: warning: {note}', flush=True)
     self._t_start = time.perf_counter()
     self._marks: dict[str, float] = {}
@@ -238,11 +238,6 @@ class Trainer:
     lock) the state, the data and the compiled step."""
     cfg, workdir = self.cfg, self.workdir
     self.mesh = make_mesh(cfg.mesh)
-    sizes = (*cfg.mesh.ici_shape(), *cfg.mesh.dcn_shape())
-    if cfg.model.gelu_backward_kernel and self.mesh.size > 1 and max(sizes) <= 1 and self.is_main:
-      # (A mesh of several devices named in the config is config_lib.doubtful's to say.)
-      print(f'mjax: warning: ModelConfig.gelu_backward_kernel = True does nothing here: the mesh has '
-            f'{self.mesh.size} devices, and the kernel runs on one GPU (an H100 or H200) only', flush=True)
     self._mark('setup', then='startup:program')
 
     self.program: Program = make_program(cfg, self.mesh)

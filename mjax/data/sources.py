@@ -136,19 +136,24 @@ def shard_tokenizer(cfg: DataConfig) -> tuple[str, Optional[str]]:
   if info.name == BYTES or info.sha256 is None:
     return cfg.tokenizer, None
   path = info.path
-  if path and os.path.isfile(path):
-    try:
-      if load_tokenizer(path).info.same_as(info):
-        return path, None
-      problem = f'{path} is no longer that file (its sha256 differs)'
-    except DataError as e:
-      problem = f'{path} cannot be read ({e})'
-  else:
-    problem = f'{path or "the file it was prepared with"} is not there'
+  problem = _not_that_tokenizer(path, info)
+  if problem is None:
+    return path, None
   return cfg.tokenizer, (
       f'shard directory {root} was tokenized with {info.describe()}, and {problem}. Set DataConfig.tokenizer to '
       f'the path of that tokenizer.json (a copy of it: the sha256 is checked): mjax-eval, mjax-generate and '
       f'mjax-export decode the model\'s ids with it.')
+
+
+def _not_that_tokenizer(path: Optional[str], info: TokenizerInfo) -> Optional[str]:
+  """None where the file at `path` is the tokenizer `info` describes (its
+  sha256), else why not, for a note."""
+  if not path or not os.path.isfile(path):
+    return f'{path or "the file it was prepared with"} is not there'
+  try:
+    return None if load_tokenizer(path).info.same_as(info) else f'{path} is no longer that file (its sha256 differs)'
+  except DataError as e:
+    return f'{path} cannot be read ({e})'
 
 
 def names_shard_tokenizer(cfg: DataConfig, path: str) -> bool:
@@ -159,14 +164,7 @@ def names_shard_tokenizer(cfg: DataConfig, path: str) -> bool:
   if root is None:
     return False
   info = shards_lib.tokenizer_info(shards_lib.read_manifest(root))
-  if info.sha256 is None:
-    return False
-  if path == info.path:
-    return True
-  try:
-    return os.path.isfile(path) and load_tokenizer(path).info.same_as(info)
-  except DataError:
-    return False
+  return info.sha256 is not None and (path == info.path or _not_that_tokenizer(path, info) is None)
 
 
 def tokenizer_identity(cfg: DataConfig) -> TokenizerInfo:
