@@ -8,9 +8,10 @@ Sections, each independent (one failing never stops the next):
              the fp32 einsum reference, forward and gradients, bf16 tolerance;
              then its time at 1p3b's shape by window, against the work the
              window keeps (does the kernel skip the blocks it masks?).
-  kernels    mjax's Pallas kernel (the GeLU backward's product and
-             derivative, ModelConfig.gelu_backward_kernel) against fp32 at
-             1p3b's shapes, and timed beside XLA's product and pass.
+  kernels    mjax's Pallas kernels (the GeLU backward's product and
+             derivative, ModelConfig.gelu_backward_kernel; q's and k's
+             product with rotary, ModelConfig.rotary_kernel) against fp32
+             at 1p3b's shapes, each timed beside XLA's product and pass.
   train      `mjax-train` on 125m for 30 steps through the real CLI (data,
              async checkpoints, metrics.jsonl); the loss must fall.
   mfu        bench/train_bench.py on 125m and 1p3b at seq 2048, bf16, cuDNN
@@ -574,19 +575,52 @@ def check_dots(suite: Suite):
 # --- kernels -----------------------------------------------------------------
 
 def check_kernels(suite: Suite):
-  """mjax's own Pallas kernel, the GeLU backward's product with its derivative
-  (ModelConfig.gelu_backward_kernel, mjax/model/gelu_kernel.py), against
-  what XLA runs without it: the product dy Wo^T, then the elementwise pass
-  that writes du and GeLU(u). Values against the fp32 reference at 1p3b's
-  shapes, and the two timed side by side: the kernel is worth its flag only
-  where it is the faster. On CPU (--smoke) it runs in Pallas's GPU
-  interpreter at small shapes, values only."""
+  """mjax's own Pallas kernels against what XLA runs without them, values
+  against the fp32 reference at 1p3b's shapes and the two timed side by
+  side: a kernel is worth its flag only where it is the faster.
+  - the GeLU backward's product with its derivative
+    (ModelConfig.gelu_backward_kernel, mjax/model/gelu_kernel.py) against
+    the product dy Wo^T, then the elementwise pass that writes du and GeLU(u);
+  - q's and k's product with rotary as its epilogue
+    (ModelConfig.rotary_kernel, mjax/model/rotary_kernel.py) against the
+    product, then rotary's pass.
+  On CPU (--smoke) they run in Pallas's GPU interpreter at small shapes,
+  values only."""
   import jax
   import jax.numpy as jnp
 
   from mjax.model import gelu_kernel as gk
+  from mjax.model import layers
+  from mjax.model import rotary_kernel as rk
 
   smoke = suite.args.smoke
+  tol = 1e-2
+  rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r.astype(jnp.float32)).ravel()) /
+                           jnp.linalg.norm(r.astype(jnp.float32).ravel()))
+
+  def timed(f, *args):
+    out = jax.block_until_ready(f(*args))
+    if smoke:
+      return out, None
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      last = f(*args)
+    jax.block_until_ready(last)
+    return out, (time.perf_counter() - t0) / reps * 1e3
+
+  def report(title, columns, rows, flops):
+    suite.say(f'\n### {title} on {jax.devices()[0].device_kind} (bf16; relative error against fp32, '
+              f'tolerance {tol})\n')
+    suite.say('| | ' + ' | '.join(columns) + ' | ms | product TFLOP/s |')
+    suite.say('|---|' + '---|' * (len(columns) + 2))
+    for r in rows:
+      ms, speed = (f'{r["ms"]:.3f}', f'{flops / r["ms"] / 1e9:,.0f}') if r['ms'] else ('-', '-')
+      suite.say(f'| {r["name"]} | ' + ' | '.join(f'{r[c]:.1e}' for c in columns) + f' | {ms} | {speed} |')
+    if not smoke:
+      suite.say(f'\nkernel / XLA time: {rows[0]["ms"] / rows[1]["ms"]:.3f}')
+
+  # The GeLU backward: (du, GeLU(u)) from dy, Wo and u.
   m, n, k = (256, 512, 192) if smoke else (16 * 2048, 8192, 2048)   # 1p3b: tokens, d_ff, d_model
   tiles = gk.Tiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32, band=2) if smoke \
       else gk.DEFAULT_TILES
@@ -600,36 +634,41 @@ def check_kernels(suite: Suite):
   def xla(dy, wo, u):   # autodiff's two kernels, as layers.gelu_mlp runs them without the flag
     g, vjp = jax.vjp(lambda u: jax.nn.gelu(u, approximate=True), u)
     return vjp(jnp.einsum('te,fe->tf', dy, wo))[0], g
-  xla = jax.jit(xla)
   ref_du, ref_g = jax.jit(lambda *a: gk.reference(*a, True))(dy, wo, u)
-  rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r.astype(jnp.float32)).ravel()) /
-                           jnp.linalg.norm(r.astype(jnp.float32).ravel()))
-  rows, tol = [], 1e-2
-  for name, f in (('Pallas kernel (gelu_backward_kernel)', kernel), ('XLA: product, then the pass', xla)):
-    du, g = jax.block_until_ready(f(dy, wo, u))
-    ms = None
-    if not smoke:
-      reps = 20
-      t0 = time.perf_counter()
-      for _ in range(reps):
-        out = f(dy, wo, u)
-      jax.block_until_ready(out)
-      ms = (time.perf_counter() - t0) / reps * 1e3
-    rows.append(dict(name=name, du=rel(du, ref_du), g=rel(g, ref_g), ms=ms))
-  suite.say(f'\n### GeLU backward on {jax.devices()[0].device_kind}: (du, GeLU(u)) from dy {m}x{k}, Wo {n}x{k}, '
-            f'u {m}x{n} (bf16; relative error against fp32, tolerance {tol})\n')
-  suite.say('| | du | GeLU(u) | ms | product TFLOP/s |')
-  suite.say('|---|---|---|---|---|')
-  for r in rows:
-    ms, speed = (f'{r["ms"]:.3f}', f'{2 * m * n * k / r["ms"] / 1e9:,.0f}') if r['ms'] else ('-', '-')
-    suite.say(f'| {r["name"]} | {r["du"]:.1e} | {r["g"]:.1e} | {ms} | {speed} |')
-  if not smoke:
-    suite.say(f'\nkernel / XLA time: {rows[0]["ms"] / rows[1]["ms"]:.3f}')
+  gelu_rows = []
+  for name, f in (('Pallas kernel (gelu_backward_kernel)', kernel), ('XLA: product, then the pass', jax.jit(xla))):
+    (du, g), ms = timed(f, dy, wo, u)
+    gelu_rows.append(dict(name=name, du=rel(du, ref_du), g=rel(g, ref_g), ms=ms))
+  report(f'GeLU backward: (du, GeLU(u)) from dy {m}x{k}, Wo {n}x{k}, u {m}x{n}', ['du', 'g'], gelu_rows,
+         2 * m * n * k)
+
+  # Rotary: q and k rotated, from x, their kernels side by side, and positions.
+  m, e, heads, hd = (256, 192, 8, 64) if smoke else (16 * 2048, 2048, 32, 128)   # 1p3b: q's 16 heads and k's
+  rtiles = rk.Tiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=16, band=2) if smoke \
+      else rk.tiles_for(hd)
+  keys = jax.random.split(jax.random.key(8), 2)
+  x = jax.random.normal(keys[0], (m, e), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (e, heads * hd), jnp.float32) * e ** -0.5).astype(jnp.bfloat16)
+  positions = jnp.arange(m, dtype=jnp.int32) % 2048
+  kernel = jax.jit(lambda x, w, p: rk.rotary_product(x, w, rk.tables(p, hd, 1e4), heads // 2 * hd, tiles=rtiles,
+                                                     interpret=smoke, grid=3 if smoke else None))
+
+  def xla_rope(x, w, p):   # q's product, k's, then rotary's pass, as the model runs them without the flag
+    return tuple(layers.rotary((x @ part).reshape(1, m, heads // 2, hd), p[None], 1e4).reshape(m, -1)
+                 for part in jnp.split(w, 2, axis=1))
+  ref = jax.jit(lambda *a: rk.reference(*a, hd, 1e4))(x, w, positions)
+  rope_rows = []
+  for name, f in (('Pallas kernel (rotary_kernel)', kernel), ('XLA: products, then rotary', jax.jit(xla_rope))):
+    out, ms = timed(f, x, w, positions)
+    rope_rows.append(dict(name=name, q_k=rel(jnp.concatenate(out, axis=1), ref), ms=ms))
+  report(f'Rotary: q and k from x {m}x{e}, W {e}x{heads * hd} ({heads} heads of {hd})', ['q_k'], rope_rows,
+         2 * m * e * heads * hd)
   suite.say()
-  suite.results['kernels'] = rows
-  worst = max(rows[0]['du'], rows[0]['g'])   # the kernel's (XLA's row is there to compare with)
-  return worst < tol, f'kernel worst relative error {worst:.2e} (tolerance {tol})' + (
-      f'; {rows[0]["ms"]:.3f} ms against XLA\'s {rows[1]["ms"]:.3f}' if not smoke else '')
+  suite.results['kernels'] = dict(gelu=gelu_rows, rotary=rope_rows)
+  worst = max(gelu_rows[0]['du'], gelu_rows[0]['g'], rope_rows[0]['q_k'])   # the kernels' (XLA's rows compare)
+  return worst < tol, f'kernels\' worst relative error {worst:.2e} (tolerance {tol})' + (
+      f'; GeLU backward {gelu_rows[0]["ms"]:.3f} ms against XLA\'s {gelu_rows[1]["ms"]:.3f}, rotary '
+      f'{rope_rows[0]["ms"]:.3f} against {rope_rows[1]["ms"]:.3f}' if not smoke else '')
 
 
 # --- variants ----------------------------------------------------------------
@@ -669,6 +708,9 @@ def check_variants(suite: Suite):
       # tiles), checked against the rows without it before its MFU row counts.
       ('GeLU backward kernel', [f"ModelConfig.attention_impl = '{fast}'", 'ModelConfig.gelu_epilogue = True',
                                 'ModelConfig.gelu_backward_kernel = True']),
+      # The Pallas kernel of q's and k's product with rotary
+      # (mjax/model/rotary_kernel.py): heads of 64 and 8 x 1024 tokens fit its tiles.
+      ('rotary kernel', [f"ModelConfig.attention_impl = '{fast}'", 'ModelConfig.rotary_kernel = True']),
   ]
   n_steps = 4
   batches = params0 = None

@@ -161,12 +161,34 @@ def table(text: str, bandwidth: float = 0.0) -> str:
   return '\n'.join(lines)
 
 
+def _opaque_attention() -> None:
+  """Attention as one opaque kernel: an optimization barrier on its inputs
+  and output, which JAX's autodiff puts on their gradients too. A cuDNN
+  kernel (a custom call) reads q, k and v and writes its output, and its
+  backward writes dq, dk and dv, all in memory; XLA's own attention of a
+  deviceless compile otherwise fuses the neighbouring passes into its
+  layout transposes, and a change to those passes (the rotary kernel's)
+  shows as less than the GPU's program would see."""
+  import jax
+  from mjax.model import attention
+  inner = attention.attend
+
+  def attend(q, k, v, *args, **kwargs):
+    out = inner(*jax.lax.optimization_barrier((q, k, v)), *args, **kwargs)
+    return jax.lax.optimization_barrier(out)
+  attention.attend = attend
+
+
 def main(argv=None) -> int:
   from mjax import flags
   p = flags.parser('hlo_traffic', __doc__.splitlines()[0])
   p.add_argument('--target', default='', help='compile for GPUs this machine does not have, e.g. h100:1')
   p.add_argument('--hlo', default='', help='read this optimized HLO text instead of compiling')
   p.add_argument('--save_hlo', default='', help='write the compiled HLO here')
+  p.add_argument('--opaque_attention', action='store_true',
+                 help="with --target: attention's inputs and outputs (and their gradients) kept as arrays in "
+                      "memory, as cuDNN's kernels have them, so that XLA's attention of a deviceless compile "
+                      "fuses nothing of its neighbours into its own passes (rotary, layouts)")
   p.add_argument('--bandwidth', type=float, default=None,
                  help='bytes/s for the time estimate of the memory-bound passes (default: 3.1e12 for a '
                       'GPU target, none otherwise)')
@@ -178,6 +200,8 @@ def main(argv=None) -> int:
     gpu_target.keep_local_backend_cpu()
     target = gpu_target.parse_target(args.target)
     cfg = flags.load(flags.gin_files(args), bindings, num_devices=target.devices)
+    if args.opaque_attention:
+      _opaque_attention()
     text = gpu_target.compile_step(cfg, target).compiled.as_text()
   else:
     from mjax import train

@@ -73,6 +73,12 @@ class ModelConfig:
   # On one Hopper GPU (H100, H200); elsewhere autodiff's kernels. Values up
   # to bf16 rounding (the derivative reads the fp32 product).
   gelu_backward_kernel: bool = False
+  # q's and k's product with rotary embeddings as its epilogue, one Pallas
+  # kernel (mjax/model/rotary_kernel.py) that never writes them unrotated:
+  # one (tokens, q and k width) bf16 write and read fewer a layer. On one
+  # Hopper GPU (H100, H200), every head dim rotated, no biases; elsewhere
+  # XLA's product and pass. Values up to bf16 rounding (fp16 angle tables).
+  rotary_kernel: bool = False
   # The parallel block's norm: one for both branches ('shared', PaLM,
   # MegaScale) or one per branch ('separate', GPT-NeoX / Pythia).
   parallel_norms: Literal['shared', 'separate'] = 'shared'
@@ -767,6 +773,22 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
              'is for a backward that computes it')
     if why:
       out.append(f'ModelConfig.gelu_backward_kernel = True does nothing here: {why}')
+  if m.rotary_kernel:
+    why = None
+    several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
+    if several:
+      why = (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel '
+             'runs on one GPU (an H100 or H200) only')
+    elif m.rotary_fraction != 1.0:
+      why = (f'ModelConfig.rotary_fraction = {m.rotary_fraction} rotates part of each head, and the kernel '
+             'rotates whole heads')
+    elif m.use_bias:
+      why = 'ModelConfig.use_bias = True adds biases to q and k before rotary, and the kernel has none'
+    elif m.fuse_projections in ('inputs', 'all') and m.block == 'parallel' and m.parallel_norms == 'shared':
+      why = (f'ModelConfig.fuse_projections = {m.fuse_projections!r} joins q and k\'s product with v\'s '
+             'and the MLP\'s')
+    if why:
+      out.append(f'ModelConfig.rotary_kernel = True does nothing here: {why}')
   return out
 
 

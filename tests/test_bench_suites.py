@@ -175,18 +175,21 @@ def test_attention_time_by_window_runs_and_says_the_work_each_window_keeps():
   assert any(line.startswith('| causal |') for line in lines), lines
 
 
-def test_the_kernels_section_checks_the_gelu_backward_kernel_against_fp32():
-  # On CPU the kernel runs in Pallas's GPU interpreter at small shapes: the
-  # section a GPU run starts with, and its table, before any GPU sees it.
+def test_the_kernels_section_checks_both_kernels_against_fp32():
+  # On CPU the kernels run in Pallas's GPU interpreter at small shapes: the
+  # section a GPU run starts with, and its tables, before any GPU sees it.
   import types
   lines = []
   suite = types.SimpleNamespace(args=types.SimpleNamespace(smoke=True), say=lambda line='': lines.append(line),
                                 results={})
   ok, detail = SUITE.check_kernels(suite)
   assert ok, detail
-  kernel, xla = suite.results['kernels']
+  kernel, xla = suite.results['kernels']['gelu']
   assert kernel['du'] < 1e-3 and xla['du'] < 1e-2   # fp32 inside, rounded once; autodiff's bf16 arithmetic
-  assert any(line.startswith('| Pallas kernel (gelu_backward_kernel) |') for line in lines), lines
+  kernel, xla = suite.results['kernels']['rotary']
+  assert kernel['q_k'] < 4e-3 and xla['q_k'] < 1e-2   # fp32 inside, fp16 tables, rounded once
+  for name in ('gelu_backward_kernel', 'rotary_kernel'):
+    assert any(line.startswith(f'| Pallas kernel ({name}) |') for line in lines), lines
 
 
 def test_dot_budget_finds_every_product_with_its_runs_per_step_and_times_it():

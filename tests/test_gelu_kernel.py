@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mjax.model import gelu_kernel as gk
+from mjax.model import hopper
 from mjax.model import layers
 
 SMALL = gk.Tiles(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32, band=2)
@@ -94,7 +95,7 @@ def test_the_kernel_applies_on_one_hopper_gpu_only(monkeypatch):
   dy, wo, u = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2, 2048, 2048), (8192, 2048), (2, 2048, 8192)))
   for kind, takes in [('NVIDIA H100 80GB HBM3', True), ('NVIDIA H200', True), ('NVIDIA GH200 480GB', True),
                       ('NVIDIA A100-SXM4-80GB', False), ('NVIDIA B200', False), ('', False)]:
-    monkeypatch.setattr(gk, '_one_device_kind', lambda kind=kind: kind)
+    monkeypatch.setattr(hopper, 'one_device_kind', lambda kind=kind: kind)
     assert gk.applies(dy, wo, u) is takes, kind
   assert not gk.applies(dy, wo, u, approximate=False)   # the exact GeLU: autodiff's
   # Tilings the GPU's lowering refuses (the interpreter takes them).
@@ -107,7 +108,7 @@ def test_the_kernel_applies_on_one_hopper_gpu_only(monkeypatch):
   assert not gk.applies(jax.ShapeDtypeStruct(dy.shape, jnp.float32), wo, u)
   # This machine: CPU devices, so never.
   monkeypatch.undo()
-  assert gk._one_device_kind() == '' and not gk.applies(dy, wo, u)
+  assert hopper.one_device_kind() == '' and not gk.applies(dy, wo, u)
 
 
 def test_the_gelu_mlp_trains_the_same_through_the_kernel(monkeypatch):
@@ -133,7 +134,7 @@ def test_the_gelu_mlp_trains_the_same_through_the_kernel(monkeypatch):
   def interpreted(dy, wo_t, u, approximate):
     calls.append(dy.shape)
     return real(dy, wo_t, u, approximate, tiles=SMALL, interpret=True, grid=2)
-  monkeypatch.setattr(gk, '_one_device_kind', lambda: 'NVIDIA H100 80GB HBM3')
+  monkeypatch.setattr(hopper, 'one_device_kind', lambda: 'NVIDIA H100 80GB HBM3')
   monkeypatch.setattr(gk, 'applies', functools.partial(gk.applies, tiles=SMALL))
   monkeypatch.setattr(gk, 'dgelu_product', interpreted)
   with_kernel = grads(True)

@@ -303,6 +303,9 @@ ONE_GPU_SCRIPT = textwrap.dedent('''
     by_kind = traffic(text)[1]
     print(json.dumps({'gelu_aux': text.count('"epilogue":"GELU_AUX"'), 'residual_copies': residual_copies,
                       'mosaic_kernels': text.count('custom_call_target="mosaic_gpu'),
+                      # Each Mosaic kernel's results.
+                      'mosaic_results': [m.group(2) for m in re.finditer(r'\\n\\s*(%[\\w.-]+) = (\\S+|\\([^)]*\\)) custom-call\\('
+                                                         r'[^\\n]*mosaic_gpu', text)],
                       'memory_bound': by_kind['memory-bound passes'], 'products': by_kind['matrix products'],
                       'rows': rows, 'd_ff': m.d_ff,
                       'logits_reads': logits_reads,
@@ -329,6 +332,8 @@ ONE_GPU_PROGRAMS = {
                                                        'ModelConfig.gelu_backward_kernel = True'),
     'backward kernel, erf GeLU': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.gelu_epilogue = True',
                                   'ModelConfig.gelu_backward_kernel = True', 'ModelConfig.gelu_approximate = False'),
+    'rotary kernel': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.gelu_epilogue = True',
+                      'ModelConfig.rotary_kernel = True'),
 }
 
 
@@ -411,3 +416,19 @@ def test_the_gelu_backward_kernel_takes_the_derivative_into_the_product(one_gpu)
   assert plain['memory_bound'] - kernel['memory_bound'] >= 2 * 3.9 * tensor, (plain, kernel)
   total = lambda r: r['memory_bound'] + r['products']
   assert total(plain) - total(kernel) >= 2 * 1.9 * tensor, (plain, kernel)
+
+
+def test_the_rotary_kernel_writes_q_and_k_rotated_for_attention_to_read(one_gpu):
+  """ModelConfig.rotary_kernel: each of the 2 layers' q and k products run
+  as one Pallas kernel (mjax/model/rotary_kernel.py), lowered here for an
+  H100, with rotary as its epilogue. It writes q and k as two arrays
+  (slices of one would be copies), each read where attention reads it,
+  and the forward's rotary pass is gone. (The bytes saved are counted
+  with cuDNN's boundaries in bench/RESULTS.md: XLA's attention here fuses
+  rotary into its own layout passes.)"""
+  plain, kernel = one_gpu['gelu epilogue, dots_attention'], one_gpu['rotary kernel']
+  assert plain['mosaic_kernels'] == 0 and kernel['mosaic_kernels'] == 2, kernel
+  rows = kernel['rows']
+  for results in kernel['mosaic_results']:
+    assert results == f'(bf16[{rows},256]{{1,0}}, bf16[{rows},256]{{1,0}})', kernel['mosaic_results']
+  assert kernel['products'] < plain['products']   # q's and k's cuBLAS products are the kernel's

@@ -25,7 +25,9 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.config import ModelConfig
-from mjax.model.layers import ROTATED, Weights, constrain, project, project_many, rotary, weights
+from mjax.model import rotary_kernel
+from mjax.model.layers import (ROTATED, Weights, constrain, fan_out, project, project_many, rotary,
+                                rotary_projections, weights)
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
@@ -330,8 +332,10 @@ class Attention(nn.Module):
     return [self.query, self.key, self.value]
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-             segment_ids: Optional[jax.Array] = None, cache: Optional[dict] = None):
+             segment_ids: Optional[jax.Array] = None, cache: Optional[dict] = None, rotated: bool = False):
     """(batch, seq, heads | kv_heads, head_dim) projections -> (batch, seq, heads, head_dim).
+
+    `rotated`: q and k come rotated already (`rotary_projections`).
 
     With a KV cache (generation): attention over the cache and the new
     tokens, returned with the updated cache (see `cached_attention`).
@@ -344,8 +348,9 @@ class Attention(nn.Module):
     # tensor too and moved the activations by all-to-all.
     q = constrain(q, ('batch', 'seq', 'heads', 'kv'))
     k = constrain(k, ('batch', 'seq', 'kv_heads', 'kv'))
-    q = constrain(rotary(q, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'heads', 'kv'))
-    k = constrain(rotary(k, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'kv_heads', 'kv'))
+    if not rotated:
+      q = constrain(rotary(q, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'heads', 'kv'))
+      k = constrain(rotary(k, positions, c.rope_theta, c.rotary_fraction), ('batch', 'seq', 'kv_heads', 'kv'))
     if self.keep_rotated:
       # Named for the remat policies, which keep q and k rotated rather than
       # as their projections left them: the attention's backward reads them
@@ -365,6 +370,14 @@ class Attention(nn.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
                cache: Optional[dict] = None):  # x: (batch, seq, embed)
+    if cache is None and self.cfg.rotary_kernel and not self.cfg.use_bias:
+      (wq, _), (wk, _) = self.query(), self.key()
+      if rotary_kernel.applies(x, wq, wk, self.cfg.rotary_fraction):
+        # q and k rotated in their product's epilogue, on one Hopper GPU.
+        x_qk, x_v = fan_out(x, 2)
+        q, k = rotary_projections(x_qk, wq, wk, positions, self.cfg.rope_theta)
+        v = project(x_v, self.value, 1)
+        return project(self.attend(q, k, v, positions, segment_ids, rotated=True), self.out, 2)
     q, k, v = project_many(x, self.inputs(), 1)
     if cache is not None:
       out, cache = self.attend(q, k, v, positions, cache=cache)

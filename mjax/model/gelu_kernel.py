@@ -29,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from mjax.model import hopper
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT_HALF = math.sqrt(0.5)
@@ -90,25 +91,6 @@ def fits(tokens: int, d_ff: int, embed: int, tiles: Tiles = DEFAULT_TILES) -> bo
           and tiles.tile_m % tiles.epi_m == 0 and tiles.tile_n % tiles.epi_n == 0)
 
 
-# Hopper (sm_90) GPUs by name: wgmma, which the kernel issues, is theirs only.
-_HOPPER = re.compile(r'\bG?H(100|200|800|20)\b')
-
-
-def _one_device_kind() -> str:
-  """The device kind the program being traced runs on, '' unless it runs
-  on one device: from the mesh in context (a compile for a described GPU
-  too), else from jax's devices."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and not mesh.empty:
-    if math.prod(mesh.shape.values()) != 1:
-      return ''
-    return getattr(getattr(mesh, 'abstract_device', None), 'device_kind', None) or ''
-  if jax.device_count() != 1:
-    return ''
-  device = jax.devices()[0]
-  return device.device_kind if device.platform == 'gpu' else ''
-
-
 def applies(dy: jax.Array, wo: jax.Array, u: jax.Array, approximate: bool = True,
             tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether `dgelu_product` takes this backward: one Hopper GPU (with
@@ -116,16 +98,11 @@ def applies(dy: jax.Array, wo: jax.Array, u: jax.Array, approximate: bool = True
   cannot be: autodiff's kernels run there), the tanh GeLU, bf16 operands,
   and tokens, d_ff and embed that its tiles divide. dy (..., embed), wo
   (d_ff, embed), u (..., d_ff)."""
-  if not approximate or not _HOPPER.search(_one_device_kind()):
+  if not approximate or not hopper.on_one_hopper():
     return False
   if not dy.dtype == wo.dtype == u.dtype == jnp.bfloat16 or not runs_on_a_gpu(tiles):
     return False
   return fits(math.prod(u.shape[:-1]), u.shape[-1], dy.shape[-1], tiles)
-
-
-# An H100's shared memory a block may take, and its mbarriers a kernel may use.
-_SMEM_BYTES = 232448
-_MAX_BARRIERS = 32
 
 
 def runs_on_a_gpu(tiles: Tiles) -> bool:
@@ -136,21 +113,7 @@ def runs_on_a_gpu(tiles: Tiles) -> bool:
   subs = (tiles.tile_m // tiles.epi_m) * (tiles.tile_n // tiles.epi_n)
   smem = 2 * (tiles.stages * (tiles.tile_m + 2 * tiles.tile_n) * tiles.tile_k
               + 2 * tiles.tile_m * tiles.tile_n + 4 * tiles.epi_m * tiles.epi_n)
-  return tiles.epi_m % 64 == 0 and 2 * subs <= _MAX_BARRIERS and smem <= _SMEM_BYTES - 1024   # (barriers)
-
-
-def _sm_count() -> int:
-  """The GPU's SM count: the persistent grid's size. Read from the mesh's
-  device description where there is one (a compile for a described GPU),
-  else from the device."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, 'abstract_device', None)
-  if getattr(device, 'num_cores', None):
-    return int(device.num_cores)
-  try:
-    return int(jax.devices()[0].core_count)
-  except (AttributeError, RuntimeError, TypeError, ValueError):
-    return 132   # an H100 SXM's; any count is correct, this one keeps every SM busy there
+  return tiles.epi_m % 64 == 0 and 2 * subs <= hopper.MAX_BARRIERS and smem <= hopper.SMEM_BYTES - 1024   # (barriers)
 
 
 def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: bool,
@@ -279,20 +242,14 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # every store done before the kernel ends
 
   out = jax.ShapeDtypeStruct((m, n), dtype)
-  params = {}
-  if interpret is True:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    params['interpret'] = InterpretGPUParams()
-  elif interpret:
-    params['interpret'] = interpret   # the interpreter's own parameters (a test's race detection)
   call = plgpu.kernel(
       dgelu_gemm,
       out_type=(out, out),
-      grid=(grid or _sm_count(),),
+      grid=(grid or hopper.sm_count(),),
       grid_names=('sm',),
       num_threads=3,                     # two consumer warpgroups and the pipeline's producer
       thread_name='wg',
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **params,
+      **hopper.interpret_params(interpret),
   )
   return call(dy, wo_t, u)

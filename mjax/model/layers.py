@@ -17,7 +17,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.config import ModelConfig
-from mjax.model import gelu_kernel
+from mjax.model import gelu_kernel, rotary_kernel
 from mjax.parallel import collective_matmul, scatter_sum
 from mjax.parallel.rules import mesh_axes
 
@@ -481,6 +481,46 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float, fraction: float = 1
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def rotary_projections(x: jax.Array, wq: jax.Array, wk: jax.Array, positions: jax.Array,
+                       theta: float) -> tuple[jax.Array, jax.Array]:
+  """rotary(x Wq), rotary(x Wk) with the rotation as the product's epilogue
+  (mjax/model/rotary_kernel.py: the unrotated q and k never reach memory),
+  where `rotary_kernel.applies` holds. Values up to bf16 rounding.
+
+  x (batch, seq, embed) bf16, wq (embed, heads, head_dim), wk (embed,
+  kv_heads, head_dim), positions (batch, seq). The backward is XLA's: the
+  gradients rotated back (rotary by -positions: the rotation's transpose),
+  then the products' own gradients."""
+  heads, head_dim = wq.shape[1], wq.shape[2]
+
+  def products(x, wq, wk):
+    return matmul(x, wq, 1), matmul(x, wk, 1)
+
+  @jax.custom_vjp
+  def qk(x, wq, wk, positions):
+    q, k = products(x, wq, wk)
+    return rotary(q, positions, theta), rotary(k, positions, theta)
+
+  def fwd(x, wq, wk, positions):
+    # q's and k's kernels side by side: one product (XLA writes the
+    # joined bf16 copy in the same pass as the fp32 weights' cast).
+    w = jnp.concatenate([wq.reshape(wq.shape[0], -1), wk.reshape(wk.shape[0], -1)], axis=1)
+    q, k = rotary_kernel.rotary_product(x.reshape(-1, x.shape[-1]), w,
+                                        rotary_kernel.tables(positions, head_dim, theta), heads * head_dim,
+                                        tiles=rotary_kernel.tiles_for(head_dim))
+    shape = lambda a: a.reshape(*x.shape[:-1], -1, head_dim)
+    return (shape(q), shape(k)), (x, wq, wk, positions)
+
+  def bwd(res, cts):
+    x, wq, wk, positions = res
+    dq, dk = (rotary(ct, -positions, theta) for ct in cts)
+    dx, dwq, dwk = jax.vjp(products, x, wq, wk)[1]((dq, dk))
+    return dx, dwq, dwk, None
+
+  qk.defvjp(fwd, bwd)
+  return qk(x, wq, wk, positions)
 
 
 def out_proj_std(cfg: ModelConfig) -> float:
