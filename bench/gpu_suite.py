@@ -134,6 +134,16 @@ EXPERIMENT_ROWS = [
     ('1p3b dots_attention unrolled, batch 64 in 4 slices, GeLU backward kernel', '1p3b.gin',
      [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4',
       'ModelConfig.gelu_backward_kernel=True'], 'optional'),
+    # q's and k's product with rotary as its epilogue (ModelConfig.rotary_kernel,
+    # mjax/model/rotary_kernel.py): the forward's rotary pass gone, 2 x 0.29 GB
+    # a layer in the H100 trace of 2026-11-28 (~4.5 ms of the 16-sequence
+    # step), if the kernel's product keeps cuBLAS's speed. Then with the GeLU
+    # backward kernel too, at the 64-sequence batch.
+    ('1p3b dots_attention unrolled, rotary kernel', '1p3b.gin',
+     [*_BEST, 'ModelConfig.rotary_kernel=True'], 'optional'),
+    ('1p3b dots_attention unrolled, batch 64 in 4 slices, both kernels', '1p3b.gin',
+     [*_BEST, 'TrainConfig.global_batch_size=64', 'TrainConfig.grad_accum_steps=4',
+      'ModelConfig.gelu_backward_kernel=True', 'ModelConfig.rotary_kernel=True'], 'optional'),
     # Both of the above: the candidate for 60% on an H100 (bench/RESULTS.md,
     # "What stands between 1p3b and 60%"), if its ~76 GiB fits an 80 GB card.
     ('1p3b dots_attention_mlp unrolled, batch 64 in 4 slices', '1p3b.gin',
