@@ -787,6 +787,11 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
     elif m.fuse_projections in ('inputs', 'all') and m.block == 'parallel' and m.parallel_norms == 'shared':
       why = (f'ModelConfig.fuse_projections = {m.fuse_projections!r} joins q and k\'s product with v\'s '
              'and the MLP\'s')
+    else:
+      from mjax.model import rotary_kernel   # (jax: imported only where the flag is on)
+      t = cfg.train
+      tokens = t.global_batch_size // t.grad_accum_steps * cfg.data.seq_len
+      why = rotary_kernel.why_not(tokens, m.n_heads, m.kv_heads, m.dim_per_head, m.d_model)
     if why:
       out.append(f'ModelConfig.rotary_kernel = True does nothing here: {why}')
   return out

@@ -168,16 +168,20 @@ def test_q_and_k_train_the_same_through_the_kernel(monkeypatch):
     ({'model': {'rotary_fraction': 0.5}}, 'rotates part of each head'),
     ({'model': {'use_bias': True}}, 'adds biases to q and k'),
     ({'model': {'fuse_projections': 'inputs'}}, "joins q and k's product"),
+    ({'model': {'n_heads': 4, 'n_kv_heads': 1}}, '4 query and 1 key heads'),
+    ({'model': {'head_dim': 256}}, 'heads of 256 dims'),
+    ({'data': {'seq_len': 100}}, '1600 tokens a product'),
 ])
 def test_the_flag_says_where_it_does_nothing(bindings, says):
   cfg = config_lib.Config()
   model = dataclasses.replace(cfg.model, rotary_kernel=True, **bindings.get('model', {}))
   mesh = dataclasses.replace(cfg.mesh, **bindings.get('mesh', {}))
-  cfg = dataclasses.replace(cfg, model=model, mesh=mesh)
+  data = dataclasses.replace(cfg.data, **bindings.get('data', {}))
+  cfg = dataclasses.replace(cfg, model=model, mesh=mesh, data=data)
   notes = [n for n in config_lib.doubtful(cfg, 8 if 'mesh' in bindings else 1) if 'rotary_kernel' in n]
   assert len(notes) == 1 and says in notes[0], notes
-  plain = dataclasses.replace(cfg, model=dataclasses.replace(config_lib.Config().model, rotary_kernel=True),
-                              mesh=config_lib.Config().mesh)
+  plain = dataclasses.replace(config_lib.Config(), model=dataclasses.replace(config_lib.Config().model,
+                                                                             rotary_kernel=True))
   assert not [n for n in config_lib.doubtful(plain, 1) if 'rotary_kernel' in n]
 
 

@@ -103,6 +103,22 @@ def fits(tokens: int, q_columns: int, k_columns: int, embed: int, head_dim: int,
           and tiles.tile_m % tiles.epi_m == 0 and half % tiles.epi_n == 0)
 
 
+def why_not(tokens: int, heads: int, kv_heads: int, head_dim: int, embed: int) -> str | None:
+  """Why `tiles_for(head_dim)` cannot take these shapes, in a user's terms
+  (None where it can): a run whose flag would do nothing says so."""
+  tiles = tiles_for(head_dim)
+  if head_dim % 2 or not runs_on_a_gpu(tiles):
+    return f'heads of {head_dim} dims (the kernel takes an even head_dim of at most 128)'
+  if heads % 2 or kv_heads % 2:
+    return (f'{heads} query and {kv_heads} key heads (the kernel computes heads two at a time, q\'s and k\'s '
+            'apart: both counts must be even)')
+  if tokens % tiles.tile_m:
+    return f'{tokens} tokens a product (the kernel takes multiples of {tiles.tile_m})'
+  if embed % tiles.tile_k:
+    return f'd_model {embed} (the kernel takes multiples of {tiles.tile_k})'
+  return None
+
+
 def runs_on_a_gpu(tiles: Tiles) -> bool:
   """Whether the GPU's lowering takes this tiling (the interpreter takes
   more): epilogue rows in whole warpgroup row blocks of 64, a barrier per
