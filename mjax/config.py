@@ -76,7 +76,8 @@ class ModelConfig:
   # q's and k's product with rotary embeddings as its epilogue, one Pallas
   # kernel (mjax/model/rotary_kernel.py) that never writes them unrotated:
   # one (tokens, q and k width) bf16 write and read fewer a layer. On one
-  # Hopper GPU (H100, H200), every head dim rotated, no biases; elsewhere
+  # Hopper GPU (H100, H200), heads of 64 or 128 dims in even counts, every
+  # head dim rotated, no biases (a run says where it does nothing); elsewhere
   # XLA's product and pass. Values up to bf16 rounding (fp16 angle tables).
   rotary_kernel: bool = False
   # The parallel block's norm: one for both branches ('shared', PaLM,
@@ -1055,6 +1056,13 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('TrainConfig.grad_accum_steps', t.grad_accum_steps,
           f'must divide TrainConfig.global_batch_size = {t.global_batch_size}')
   _check_collective_matmul(mesh, None)
+  for axis, what in (('tensor', 'splits the heads, the MLP and the vocabulary'),
+                     ('pipeline', 'splits the layers into stages')):
+    if getattr(mesh, axis) == -1:
+      # Elsewhere a -1 axis would read as "one device" where its size is
+      # meant (pipelining off, collective matmul's flags off).
+      _fail(f'MeshConfig.{axis}', -1, f'-1 ("the rest of the devices") is for MeshConfig.data or fsdp; the '
+            f'{axis} size {what} and must be given: a whole number, 1 or more')
   if mesh.virtual_stages > 1 and mesh.pipeline * mesh.dcn_pipeline == 1:
     _fail('MeshConfig.virtual_stages', mesh.virtual_stages, 'needs MeshConfig.pipeline > 1; use 1')
   if num_devices is not None:
@@ -1071,6 +1079,14 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff)):
       if v % tp:
         _fail(f'ModelConfig.{key}', v, f'must be divisible by the tensor-parallel size {tp}')
+    if m.vocab_size % tp:
+      _fail('ModelConfig.vocab_size', m.vocab_size,
+            f'must be divisible by the tensor-parallel size {tp}, which splits the embedding table\'s rows '
+            f'(pad the vocabulary: {-(-m.vocab_size // (128 * tp)) * 128 * tp} is a multiple of 128 x {tp})')
+    if m.d_model % sizes['fsdp']:
+      _fail('ModelConfig.d_model', m.d_model,
+            f'must be divisible by the FSDP size {sizes["fsdp"]} (fsdp x dcn_fsdp), which splits every weight '
+            f'along d_model')
     _check_collective_matmul(mesh, tp)
     if mesh.sequence_parallel and d.seq_len % tp:
       _fail('DataConfig.seq_len', d.seq_len,

@@ -159,6 +159,11 @@ class Program:
 
 def make_program(cfg: Config, mesh: Mesh) -> Program:
   """Builds the model, optimizer, shardings and jitted functions (no arrays)."""
+  # The mesh's own axis sizes in place of a -1 ("the rest"), so that what
+  # reads an axis's size (data or fsdp > 1) reads the size it has.
+  cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+      cfg.mesh, **{a: mesh.shape[a] // getattr(cfg.mesh, 'dcn_' + a) for a in cfg.mesh.AXES
+                   if getattr(cfg.mesh, a) == -1 and a in mesh.shape}))
   model = Transformer(cfg.model)
   rules = logical_rules(cfg.mesh)
   replicated = NamedSharding(mesh, P())
@@ -360,7 +365,7 @@ def _one_f_one_b_loss(cfg: Config, model: Transformer, group_fn, plain, ordered:
     # The embedding's backward runs in the schedule, where its gradient
     # meets the tied head's, except under FSDP with sequence parallelism,
     # where XLA cannot partition its scatter-add there (see one_f_one_b).
-    inside = not (cfg.mesh.fsdp > 1 and cfg.mesh.sequence_parallel)
+    inside = not (cfg.mesh.fsdp * cfg.mesh.dcn_fsdp > 1 and cfg.mesh.sequence_parallel)
     total, count, d_layers, d_rest, dx = pipeline.one_f_one_b(
         embed_fn, stage_fn, head_fn, params['layers'], rest, (tokens, positions),
         (positions, batch.get('segment_ids')), (batch['targets'], batch['loss_mask']),

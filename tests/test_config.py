@@ -105,6 +105,16 @@ def test_resolved_config_round_trips(tmp_path):
      ['ModelConfig.gelu_epilogue = True', "ModelConfig.mlp = 'swiglu' has none"]),
     ('ModelConfig.gelu_backward_kernel = True',
      ['ModelConfig.gelu_backward_kernel = True', 'needs gelu_epilogue = True']),
+    # -1 is "the rest" for the batch axes only: a -1 stage or tensor count
+    # read as one device turned pipelining (or collective matmul) off.
+    ('MeshConfig.data = 4\nMeshConfig.pipeline = -1', ['MeshConfig.pipeline = -1', 'MeshConfig.data or fsdp',
+                                                       'splits the layers into stages']),
+    ('MeshConfig.data = 2\nMeshConfig.tensor = -1', ['MeshConfig.tensor = -1', 'MeshConfig.data or fsdp']),
+    # Weights split along a vocabulary or width the mesh does not divide.
+    ('MeshConfig.data = 2\nMeshConfig.tensor = 4\nModelConfig.vocab_size = 258',
+     ['ModelConfig.vocab_size = 258', 'tensor-parallel size 4', '512 is a multiple of 128 x 4']),
+    ('MeshConfig.data = 1\nMeshConfig.fsdp = 8\nModelConfig.d_model = 132\nModelConfig.n_heads = 2',
+     ['ModelConfig.d_model = 132', 'FSDP size 8']),
     ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
      ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),
 ])

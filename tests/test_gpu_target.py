@@ -334,6 +334,9 @@ ONE_GPU_PROGRAMS = {
                                   'ModelConfig.gelu_backward_kernel = True', 'ModelConfig.gelu_approximate = False'),
     'rotary kernel': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.gelu_epilogue = True',
                       'ModelConfig.rotary_kernel = True'),
+    # Heads of 128, 1p3b's: the kernel's default tiling (3 stages, 208 KiB).
+    'rotary kernel, heads of 128': ('ModelConfig.remat_policy = "dots_attention"', 'ModelConfig.n_heads = 2',
+                                    'ModelConfig.rotary_kernel = True'),
 }
 
 
@@ -432,3 +435,5 @@ def test_the_rotary_kernel_writes_q_and_k_rotated_for_attention_to_read(one_gpu)
   for results in kernel['mosaic_results']:
     assert results == f'(bf16[{rows},256]{{1,0}}, bf16[{rows},256]{{1,0}})', kernel['mosaic_results']
   assert kernel['products'] < plain['products']   # q's and k's cuBLAS products are the kernel's
+  wide = one_gpu['rotary kernel, heads of 128']
+  assert wide['mosaic_kernels'] == 2 and wide['mosaic_results'][0] == f'(bf16[{rows},256]{{1,0}}, bf16[{rows},256]{{1,0}})'

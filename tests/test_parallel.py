@@ -88,7 +88,10 @@ LAYOUTS = {
     # The interleaved 1F1B schedule: loss and gradients by the schedule itself.
     'pipeline4_v2_1f1b': ['MeshConfig.data = 2', 'MeshConfig.pipeline = 4', 'MeshConfig.virtual_stages = 2',
                           'MeshConfig.microbatches = 4', 'MeshConfig.pipeline_schedule = "1f1b"'],
-    'fsdp2_pipeline2_tensor2_sp_1f1b': ['MeshConfig.data = 1', 'MeshConfig.fsdp = 2', 'MeshConfig.pipeline = 2',
+    # fsdp spelled -1, "the rest" (2 here): read as its size, not as one
+    # device (which left the embedding's backward where XLA cannot
+    # partition it: an abort in the SPMD partitioner).
+    'fsdp2_pipeline2_tensor2_sp_1f1b': ['MeshConfig.data = 1', 'MeshConfig.fsdp = -1', 'MeshConfig.pipeline = 2',
                                         'MeshConfig.tensor = 2', 'MeshConfig.sequence_parallel = True',
                                         'MeshConfig.virtual_stages = 2', 'MeshConfig.microbatches = 4',
                                         'MeshConfig.pipeline_schedule = "1f1b"'],

@@ -490,28 +490,31 @@ def rotary_projections(x: jax.Array, wq: jax.Array, wk: jax.Array, positions: ja
   where `rotary_kernel.applies` holds. Values up to bf16 rounding.
 
   x (batch, seq, embed) bf16, wq (embed, heads, head_dim), wk (embed,
-  kv_heads, head_dim), positions (batch, seq). The backward is XLA's: the
-  gradients rotated back (rotary by -positions: the rotation's transpose),
-  then the products' own gradients."""
+  kv_heads, head_dim), positions (batch, seq) or broadcast to it. The
+  backward is XLA's: the gradients rotated back (rotary by -positions: the
+  rotation's transpose), then the products' own gradients."""
   heads, head_dim = wq.shape[1], wq.shape[2]
+  positions = jnp.broadcast_to(positions, x.shape[:-1])
 
   def products(x, wq, wk):
     return matmul(x, wq, 1), matmul(x, wk, 1)
 
-  @jax.custom_vjp
-  def qk(x, wq, wk, positions):
-    q, k = products(x, wq, wk)
-    return rotary(q, positions, theta), rotary(k, positions, theta)
-
-  def fwd(x, wq, wk, positions):
+  def kernel(x, wq, wk, positions):
     # q's and k's kernels side by side: one product (XLA writes the
-    # joined bf16 copy in the same pass as the fp32 weights' cast).
+    # joined bf16 copy from the cast ones, 34 MB a layer for 1p3b).
     w = jnp.concatenate([wq.reshape(wq.shape[0], -1), wk.reshape(wk.shape[0], -1)], axis=1)
     q, k = rotary_kernel.rotary_product(x.reshape(-1, x.shape[-1]), w,
                                         rotary_kernel.tables(positions, head_dim, theta), heads * head_dim,
                                         tiles=rotary_kernel.tiles_for(head_dim))
     shape = lambda a: a.reshape(*x.shape[:-1], -1, head_dim)
-    return (shape(q), shape(k)), (x, wq, wk, positions)
+    return shape(q), shape(k)
+
+  # The kernel in the primal too: a forward that nothing differentiates
+  # (evaluation, generation's prompt) runs it as well.
+  qk = jax.custom_vjp(kernel)
+
+  def fwd(x, wq, wk, positions):
+    return kernel(x, wq, wk, positions), (x, wq, wk, positions)
 
   def bwd(res, cts):
     x, wq, wk, positions = res

@@ -19,8 +19,8 @@ the rotation is elementwise between its two column halves. The product is
 JAX's Hopper matmul (see mjax/model/hopper.py), as in gelu_kernel.py.
 
 The angles' cosines and sines come in as tables, one row per token: the
-kernel reads each tile's rows behind its K loop. They are fp16 (a quarter
-of the output's bf16 rounding: 2^-11 against 2^-9), carried as bf16 bits:
+kernel reads each tile's rows behind its K loop. They are fp16 (an eighth
+of the output's bf16 rounding: unit roundoffs 2^-11 and 2^-8), carried as bf16 bits:
 in fp32 they would not fit in shared memory beside the pipeline, and the
 rotated values are written over them for their stores.
 """
@@ -107,8 +107,8 @@ def why_not(tokens: int, heads: int, kv_heads: int, head_dim: int, embed: int) -
   """Why `tiles_for(head_dim)` cannot take these shapes, in a user's terms
   (None where it can): a run whose flag would do nothing says so."""
   tiles = tiles_for(head_dim)
-  if head_dim % 2 or not runs_on_a_gpu(tiles):
-    return f'heads of {head_dim} dims (the kernel takes an even head_dim of at most 128)'
+  if not runs_on_a_gpu(tiles):
+    return f'heads of {head_dim} dims (the kernel takes heads of 64 or 128)'
   if heads % 2 or kv_heads % 2:
     return (f'{heads} query and {kv_heads} key heads (the kernel computes heads two at a time, q\'s and k\'s '
             'apart: both counts must be even)')
@@ -116,17 +116,28 @@ def why_not(tokens: int, heads: int, kv_heads: int, head_dim: int, embed: int) -
     return f'{tokens} tokens a product (the kernel takes multiples of {tiles.tile_m})'
   if embed % tiles.tile_k:
     return f'd_model {embed} (the kernel takes multiples of {tiles.tile_k})'
+  assert fits(tokens, heads * head_dim, kv_heads * head_dim, embed, head_dim, tiles)
   return None
+
+
+# The swizzles TMA and wgmma take: rows of 32, 64 or 128 bytes.
+_SWIZZLES = (32, 64, 128)
 
 
 def runs_on_a_gpu(tiles: Tiles) -> bool:
   """Whether the GPU's lowering takes this tiling (the interpreter takes
-  more): epilogue rows in whole warpgroup row blocks of 64, a barrier per
-  table sub-tile of each warpgroup, and shared memory for the pipeline's
-  stages and the tables."""
-  subs = (tiles.tile_m // tiles.epi_m) * (tiles.tile_n // 2 // tiles.epi_n)
+  more): rows of the stages and of the tables' sub-tiles that TMA can
+  swizzle, a warpgroup's columns in whole tiles of the stage's swizzle
+  (64 bf16 at 128 bytes: heads of 64 or 128 under `tiles_for`), epilogue rows in whole
+  warpgroup row blocks of 64, a barrier per table sub-tile of each
+  warpgroup, and shared memory for the pipeline's stages and the tables."""
+  half = tiles.tile_n // 2
+  if 2 * tiles.tile_k not in _SWIZZLES or 2 * tiles.epi_n not in _SWIZZLES or half % tiles.epi_n:
+    return False
+  subs = (tiles.tile_m // tiles.epi_m) * (half // tiles.epi_n)
   smem = 2 * (tiles.stages * (tiles.tile_m + 2 * tiles.tile_n) * tiles.tile_k + 2 * tiles.tile_m * tiles.tile_n)
-  return (tiles.epi_m % 64 == 0 and 4 * subs <= hopper.MAX_BARRIERS
+  # (A stage's rows are tile_k bf16, its swizzle as wide: its tiles tile_k columns.)
+  return (tiles.tile_n % tiles.tile_k == 0 and tiles.epi_m % 64 == 0 and 4 * subs <= hopper.MAX_BARRIERS
           and smem <= hopper.SMEM_BYTES - 1024)   # (barriers)
 
 
