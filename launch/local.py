@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     p.error('the command after -- is empty')
   if args.processes < 1 or (args.devices is not None and args.devices < 1):
     p.error('--processes and --devices must be at least 1')
+  if args.port is not None and not 1 <= args.port <= 65535:
+    p.error(f'--port {args.port}: a TCP port is 1 to 65535 (leave it out for a free one)')
   if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
     p.error(f'--timeout {args.timeout}: give a finite number of seconds above 0, or leave it out (no limit)')
   try:

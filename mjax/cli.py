@@ -453,6 +453,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   try:
     from mjax.ft import inject
     inject.parse(os.environ.get(protocol.INJECT_ENV, ''))   # a typo there said now, not after start-up
+    preempt_status = protocol.preempt_exit_status()   # a bad value said before start-up
     heartbeat, startup = _early_heartbeat(args, bindings)
     cfg = flags.setup(flags.gin_files(args), bindings)
     summary = trainer.run(cfg, workdir, heartbeat, startup)
@@ -482,6 +483,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
           f'(no acknowledgement of the heartbeats); checkpoint saved, restart mjax-launch to resume',
           file=sys.stderr)
     sys.exit(protocol.EXIT_DRIVER_LOST)
+  if summary.preempted and preempt_status:
+    print(f'{prog}: stopped after step {summary.final_step} of {cfg.train.steps}, checkpoint saved; exit status '
+          f'{preempt_status} ({protocol.PREEMPT_EXIT_ENV}): the same command goes on from it', file=sys.stderr)
+    sys.exit(preempt_status)
 
 
 def _early_heartbeat(args: argparse.Namespace, bindings: Sequence[str]):

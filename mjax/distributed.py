@@ -534,8 +534,33 @@ def initialize_from_env(env: Optional[Mapping[str, str]] = None, timeout_s: Opti
         initialization_timeout=int(left) + JAX_TIMEOUT_MARGIN_S,
         **({'heartbeat_timeout_seconds': max(1, int(peer_timeout_s))} if peer_timeout_s else {}))
   _INIT_SECONDS = time.perf_counter() - t0
+  global _JOINED
+  _JOINED = spec
   out.update(initialized=True, seconds=_INIT_SECONDS)
   return out
+
+
+_JOINED: Optional[JobSpec] = None   # the job this process joined (initialize_from_env)
+
+
+def check_membership() -> None:
+  """After the backend started: the job that formed has the processes this
+  one was told of. jax's coordination service takes a process that was
+  given another count into the job the coordinator was given, silently:
+  it trained as one of fewer (or more) processes than its environment said.
+
+  Raises:
+    DistributedError: the counts differ.
+  """
+  import jax
+  spec = _JOINED
+  if spec is None or jax.process_count() == spec.num_processes:
+    return
+  told = NUM_PROCESSES if spec.source == 'explicit' else f"{spec.source}'s task count"
+  raise DistributedError(
+      f'process {spec.process_id} was told the job has {spec.num_processes} processes ({told}), but the job '
+      f'that formed at the coordinator {spec.coordinator_address} has {jax.process_count()}: every process must be '
+      f'started with the same process count (and its own process id, 0 to count - 1)')
 
 
 # What a collective says when the process at its other end is gone: a

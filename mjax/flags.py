@@ -117,7 +117,11 @@ def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
   if join:
     join_job(early)
   from mjax.devices import start_backend
-  cfg = load(files, bindings, num_devices=start_backend())
+  num_devices = start_backend()
+  if join:
+    from mjax import distributed
+    distributed.check_membership()
+  cfg = load(files, bindings, num_devices=num_devices)
   import jax
   platform = jax.devices()[0].platform
   if cfg.model.attention_impl == 'cudnn' and platform != 'gpu':

@@ -59,6 +59,12 @@ ATTEMPT_ENV = 'MJAX_ATTEMPT'                 # launch attempt, 0 first, +1 per r
 DRIVER_RUN_ENV = 'MJAX_DRIVER_RUN'           # one driver start's own id: its attempts' facts are its own
 INJECT_ENV = 'MJAX_FAULT'                    # test-only fault injection (mjax/ft/inject.py)
 DIAGNOSE_FAIL_ENV = 'MJAX_DIAGNOSE_FAIL'     # test-only diagnostic failure (mjax/ft/diagnose.py)
+# mjax-train's exit status after a clean stop short of the last step (a
+# signal, checkpoint saved), where no driver reads its facts: 0 by default.
+# A Kubernetes Job counts a pod that exits 0 as finished, so one evicted pod
+# ended a JobSet as complete mid-run; launch/jobset.yaml sets 143 (failed:
+# the JobSet restarts and resumes).
+PREEMPT_EXIT_ENV = 'MJAX_PREEMPT_EXIT_STATUS'
 
 # --- gin binding the driver adds after a rollback --------------------------------
 SKIP_BATCHES_KEY = 'TrainConfig.skip_batches'
@@ -86,6 +92,24 @@ STOPPED = 'stopped'          # {'step': N, 'signal': name or None, 'why': words}
 def under_driver() -> bool:
   """Whether this process was started by the fault-tolerance driver."""
   return bool(os.environ.get(DRIVER_ADDRESS_ENV))
+
+
+def preempt_exit_status() -> int:
+  """PREEMPT_EXIT_ENV's status (0 where unset or under the driver, whose
+  own --preempt_exit_status says it for the job)."""
+  raw = os.environ.get(PREEMPT_EXIT_ENV, '').strip()
+  if not raw or under_driver():
+    return 0
+  try:
+    status = int(raw)
+  except ValueError:
+    status = -1
+  if not 0 <= status <= 255:
+    from mjax.errors import UserError
+    raise UserError(f'{PREEMPT_EXIT_ENV}={raw!r}: an exit status is a whole number from 0 to 255 (143 makes a '
+                    f'stop short of the last step count as failed, for a supervisor that restarts failed '
+                    f'processes; unset for 0)')
+  return status
 
 
 def attempt() -> int:

@@ -456,8 +456,10 @@ def test_a_crash_with_a_save_in_flight_completes_the_save_and_says_only_its_erro
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_root):
   cmd, env = mjax_train(tmp_path, f'--gin.TrainConfig.steps={N}')
-  proc = subprocess.Popen(cmd, env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  # As launch/jobset.yaml runs it: a stop short of the last step exits 143
+  # after its save (a Job counts an index that exits 0 as finished).
+  proc = subprocess.Popen(cmd, env={**env, 'MJAX_PREEMPT_EXIT_STATUS': '143'}, cwd=repo_root,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   # Pre-empt once training is under way (the first step has been logged).
   metrics = os.path.join(tmp_path, 'metrics.jsonl')
   wait_for(metrics, proc)
@@ -465,14 +467,25 @@ def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_ro
     time.sleep(0.05)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=300)
-  assert proc.returncode == 0, err[-2000:]
-  assert 'received SIGTERM' in out
+  assert proc.returncode == 143, err[-2000:]
+  assert 'received SIGTERM' in out and 'checkpoint saved; exit status 143 (MJAX_PREEMPT_EXIT_STATUS)' in err
   saved = [int(s) for s in os.listdir(os.path.join(tmp_path, 'checkpoints')) if s.isdigit()]
   assert len(saved) == 1 and 1 <= saved[0] < N
-  resumed = subprocess.run(cmd, env=env, cwd=repo_root, capture_output=True, text=True, timeout=600)
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  resumed = subprocess.run(cmd, env={**env, 'MJAX_PREEMPT_EXIT_STATUS': '143'}, cwd=repo_root, capture_output=True,
+                           text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]   # finished: 0 whatever the variable
   assert losses(tmp_path) == losses(one_device_reference)
   assert_bitwise(final_state(tmp_path, N), final_state(one_device_reference, N))
+
+
+def test_a_bad_preempt_exit_status_is_said_before_start_up(tmp_path, repo_root):
+  cmd, env = mjax_train(tmp_path, '--gin.TrainConfig.steps=1')
+  for bad in ('abc', '256', '-1'):
+    run = subprocess.run(cmd, env={**env, 'MJAX_PREEMPT_EXIT_STATUS': bad}, cwd=repo_root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"MJAX_PREEMPT_EXIT_STATUS='{bad}': an exit status is a whole number from 0 to 255" in run.stderr
+    assert not os.path.exists(tmp_path / 'checkpoints')
 
 
 def _tmpfs(path, options):

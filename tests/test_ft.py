@@ -578,6 +578,8 @@ def test_launch_flags_are_checked(capsys):
                       (['--hosts', 'a,a'], "host(s) a appear more than once in --hosts 'a,a'"),
                       (['--hosts', 'a,b', '--spares', 'b'], "host(s) b appear more than once in --hosts 'a,b' / "
                                                             "--spares 'b'"),
+                      # The default hosts (slot0, slot1) are no --hosts the user gave.
+                      (['--spares', 'slot0'], "host(s) slot0 appear more than once in --spares 'slot0':"),
                       (['--host_env', 'nosuch:X=1'], "no host 'nosuch' in this job"),
                       (['--workdir', ''], "--workdir '': empty"),
                       (['--workdir', 'gs://b/run'], 'a URL')]:

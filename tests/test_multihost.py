@@ -206,6 +206,31 @@ def test_a_job_that_does_not_form_and_a_taken_port_end_with_a_paragraph_and_stat
     holder.close()
 
 
+def test_a_process_told_another_process_count_is_refused(repo_root, tmp_path):
+  """jax's coordination service takes a process that was given 3 processes
+  into the 2-process job its coordinator was given, silently: it trained as
+  one of 2. It now stops with status 2 and names the two counts."""
+  port = launch.free_port()
+  procs = []
+  try:
+    for pid, count in ((0, 2), (1, 3)):
+      env = {**os.environ, 'MJAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}', 'MJAX_NUM_PROCESSES': str(count),
+             'MJAX_PROCESS_ID': str(pid), 'MJAX_LOCAL_DEVICE_COUNT': '1', 'MJAX_JOIN_TIMEOUT_S': '60'}
+      procs.append(subprocess.Popen([os.path.join(BIN, 'mjax-train'), '--gin_file', 'configs/tiny.gin',
+                                     '--workdir', str(tmp_path / 'run'), '--gin.TrainConfig.steps=2'],
+                                    env=env, cwd=repo_root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True))
+    _, err = procs[1].communicate(timeout=120)
+    assert procs[1].returncode == 2, err[-2000:]
+    assert ('process 1 was told the job has 3 processes (MJAX_NUM_PROCESSES), but the job that formed at the '
+            f'coordinator 127.0.0.1:{port} has 2' in err), err[-2000:]
+    assert 'Traceback' not in err
+  finally:
+    for p in procs:
+      p.kill()
+      p.communicate()
+
+
 def test_a_bad_join_timeout_is_named():
   with pytest.raises(D.DistributedError, match=r"MJAX_JOIN_TIMEOUT_S='soon' is not a number of seconds"):
     D.initialize_from_env({'MJAX_COORDINATOR_ADDRESS': '127.0.0.1:1', 'MJAX_NUM_PROCESSES': '2',
@@ -295,6 +320,11 @@ def test_local_py_says_its_timeout_fired_and_exits_124(repo_root):
     proc = subprocess.run([*cmd[:4], '--timeout', bad, '--', PY, '-c', 'pass'], cwd=repo_root,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and f'--timeout {float(bad)}: give a finite number' in proc.stderr, proc.stderr
+  # A port out of range was each process's error about MJAX_COORDINATOR_ADDRESS, a variable not set by hand.
+  for bad in ('70000', '-5', '0'):
+    proc = subprocess.run([*cmd[:4], '--port', bad, '--', PY, '-c', 'pass'], cwd=repo_root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f'--port {bad}: a TCP port is 1 to 65535' in proc.stderr, proc.stderr
 
 
 def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):

@@ -246,8 +246,9 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.error(f'--hosts {args.hosts!r} has an empty name: give comma-separated host names')
   twice = sorted(h for h, n in collections.Counter(hosts + spares).items() if n > 1)
   if twice:
-    p.error(f'host(s) {", ".join(twice)} appear more than once in --hosts {args.hosts!r}'
-            + (f' / --spares {args.spares!r}' if spares else '') + ': name each host once')
+    given = ' / '.join(f'--{name} {value!r}' for name, value in (('hosts', args.hosts), ('spares', args.spares))
+                       if value)
+    p.error(f'host(s) {", ".join(twice)} appear more than once in {given}: name each host once')
   host_env: dict = {}
   for item in args.host_env:
     host, colon, kv = item.partition(':')
@@ -259,8 +260,11 @@ def parse_args(argv: Sequence[str]) -> Options:
     host_env.setdefault(host, {})[name] = value
   bind = args.bind
   if args.executor in ('slurm', 'agent') and bind == p.get_default('bind'):
-    # The trainers run on other nodes: listen on this node's own address.
-    bind = f'{socket.gethostname()}:0'
+    # The trainers run on other nodes: listen on every interface (this
+    # node's name may resolve to a loopback address here, Debian's
+    # 127.0.1.1, which other nodes cannot reach); they are told this node's
+    # name (HeartbeatServer.address).
+    bind = '0.0.0.0:0'
   try:
     _, port = hb.parse_address(bind)
   except ValueError as e:
