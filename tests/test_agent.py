@@ -39,10 +39,17 @@ class Timer:
 attempt = int(os.environ['MJAX_ATTEMPT'])
 client = HeartbeatClient.from_env(Timer, FaultConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
                                   int(os.environ['MJAX_PROCESS_ID']))
-signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 steps = 3 if attempt or os.environ.get('AGENT_TEST_MODE') != 'slow' else 10**6
 step_s = float(os.environ.get('AGENT_TEST_STEP_S', '0.1'))
 for step in range(1, steps + 1):
+  if stop:                         # a stop signal: the save, then exit 0
+    Timer.current = 'checkpoint'
+    time.sleep(float(os.environ.get('AGENT_TEST_STOP_SAVE_S', '0')))
+    print('stopped and saved', flush=True)
+    client.close()
+    sys.exit(0)
   Timer.step = step
   client.report_step(step, 1.0, step_s)
   if client.driver_lost():
@@ -546,6 +553,37 @@ def test_sigterm_to_the_driver_stops_every_trainer_through_its_agent(tmp_path, a
   # A pre-empted job is not over: the agents stay for the driver that resumes it.
   time.sleep(1.0)
   assert all(p.poll() is None for p in procs.values())
+
+
+def test_sigterm_to_an_agent_lets_its_trainer_save_before_the_agent_goes(tmp_path, agents):
+  """An evicted node (SIGTERM to its agent): the agent passes the signal
+  to its trainer and stays until it has saved and exited, relaying its exit.
+  Before, it gave the trainer --grace_s (1 s here, 5 by default) before
+  SIGKILL and left, and the driver counted its host as lost: a save slower
+  than that was cut."""
+  import threading
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '3'})
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '3')
+
+  def evict():
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
+      time.sleep(0.05)
+    procs['a1'].send_signal(signal.SIGTERM)
+    procs['a1'].wait(60)
+    # (These trainers agree on no stop of their own: the driver's pre-emption ends the other.)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=evict, daemon=True).start()
+  assert d.run() == driver.EXIT_OK
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev['exit']['1'] == 'status 0', ev   # not SIGKILL, not 'host lost'
+  assert not [e for e in events(tmp_path, 'fault') if e.get('kind') == 'host_lost'], events(tmp_path, 'fault')
+  assert 'stopped and saved' in (tmp_path / 'logs' / 'process-1.log').read_text()
+  assert procs['a1'].returncode == 0
+  err = procs['a1'].stderr.read()
+  assert 'received SIGTERM: stopping its trainers, which save at the step every process agrees on' in err, err
 
 
 def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):

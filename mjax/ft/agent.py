@@ -816,6 +816,7 @@ class Agent:
     self.interval_s, self.timeout_s, self.save_timeout_s = 2.0, 20.0, 600.0
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
+    self._signals = 0   # how many: a second one during the trainers' stop cuts it
     self._exit = False
     self.refused: Optional[str] = None   # why the driver refused this agent, while it does
     self._running: set = set()     # ids of the driver's commands running (diagnostics)
@@ -912,6 +913,7 @@ class Agent:
 
   def _on_signal(self, signum, frame) -> None:
     self._signal = signum
+    self._signals += 1
 
   def _session(self) -> None:
     """Serves one driver connection until it ends."""
@@ -928,7 +930,13 @@ class Agent:
     self.beats.stall_s = self.timeout_s
     self.beats.acking = True
     self.beats.watching()   # heard just now: the handshake
-    while not self._exit and self._signal is None:
+    stop_by: Optional[float] = None   # a signal to the agent: its trainers' stop, then the agent's
+    while not self._exit:
+      if self._signal is not None:
+        if stop_by is None and self._alive():
+          stop_by = self._stop_trainers()
+        elif stop_by is None or self._signals > 1:
+          break
       ready, _, _ = select.select([ch.sock], [], [], 0.05)
       now = time.monotonic()
       if ch.sock in ready:
@@ -960,10 +968,32 @@ class Agent:
               f'by themselves', file=sys.stderr, flush=True)
         lost_at = heard
         break
+      if stop_by is not None and (not self._alive() or now >= stop_by):
+        break   # their exits reported (_reap above), the agent goes
     ch.close()
     self.beats.acking = False   # no driver: nothing acknowledged until the next one is heard
     if lost_at is not None:
       self._orphaned(lost_at)
+
+  def _stop_trainers(self) -> float:
+    """A stop signal to the agent (an eviction, scancel, a node drain):
+    passed to its trainers, which stop at the step every process agrees
+    on and save, as for a signal to them. The agent stays connected
+    meanwhile, relaying their heartbeats and exits, so that the driver sees
+    a stop, not a lost host (which stopped every other trainer after its
+    grace, cutting their save). Returns the time by which the agent goes
+    whatever they do: the steps to the agreed one, a save and a heartbeat
+    timeout (a second signal goes at once)."""
+    print(f'mjax-agent: {self.host}: received {signal.Signals(self._signal).name}: stopping its trainers, which save at the step every '
+          f'process agrees on; a second signal stops them at once', file=sys.stderr, flush=True)
+    for p in self.procs.values():
+      if p.poll() is None:
+        try:
+          p.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+          pass
+    slack = (protocol.STOP_MARGIN_STEPS + 1) * max(self.step_s.values(), default=0.0)
+    return time.monotonic() + slack + self.save_timeout_s + self.timeout_s
 
   def _orphaned(self, heard: float) -> None:
     """The driver is gone: the trainers hear no acknowledgement for
