@@ -453,7 +453,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   try:
     from mjax.ft import inject
     inject.parse(os.environ.get(protocol.INJECT_ENV, ''))   # a typo there said now, not after start-up
-    preempt_status = protocol.preempt_exit_status()   # a bad value said before start-up
+    try:
+      preempt_status = protocol.preempt_exit_status()   # a bad value said before start-up
+    except ValueError as e:
+      raise UserError(str(e)) from None
     heartbeat, startup = _early_heartbeat(args, bindings)
     cfg = flags.setup(flags.gin_files(args), bindings)
     summary = trainer.run(cfg, workdir, heartbeat, startup)

@@ -774,27 +774,6 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
              'is for a backward that computes it')
     if why:
       out.append(f'ModelConfig.gelu_backward_kernel = True does nothing here: {why}')
-  if m.rotary_kernel:
-    why = None
-    several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
-    if several:
-      why = (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel '
-             'runs on one GPU (an H100 or H200) only')
-    elif m.rotary_fraction != 1.0:
-      why = (f'ModelConfig.rotary_fraction = {m.rotary_fraction} rotates part of each head, and the kernel '
-             'rotates whole heads')
-    elif m.use_bias:
-      why = 'ModelConfig.use_bias = True adds biases to q and k before rotary, and the kernel has none'
-    elif m.fuse_projections in ('inputs', 'all') and m.block == 'parallel' and m.parallel_norms == 'shared':
-      why = (f'ModelConfig.fuse_projections = {m.fuse_projections!r} joins q and k\'s product with v\'s '
-             'and the MLP\'s')
-    else:
-      from mjax.model import rotary_kernel   # (jax: imported only where the flag is on)
-      t = cfg.train
-      tokens = t.global_batch_size // t.grad_accum_steps * cfg.data.seq_len
-      why = rotary_kernel.why_not(tokens, m.n_heads, m.kv_heads, m.dim_per_head, m.d_model)
-    if why:
-      out.append(f'ModelConfig.rotary_kernel = True does nothing here: {why}')
   return out
 
 

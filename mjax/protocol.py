@@ -96,7 +96,11 @@ def under_driver() -> bool:
 
 def preempt_exit_status() -> int:
   """PREEMPT_EXIT_ENV's status (0 where unset or under the driver, whose
-  own --preempt_exit_status says it for the job)."""
+  own --preempt_exit_status says it for the job).
+
+  Raises:
+    ValueError: not an exit status (the message for the user).
+  """
   raw = os.environ.get(PREEMPT_EXIT_ENV, '').strip()
   if not raw or under_driver():
     return 0
@@ -105,8 +109,7 @@ def preempt_exit_status() -> int:
   except ValueError:
     status = -1
   if not 0 <= status <= 255:
-    from mjax.errors import UserError
-    raise UserError(f'{PREEMPT_EXIT_ENV}={raw!r}: an exit status is a whole number from 0 to 255 (143 makes a '
+    raise ValueError(f'{PREEMPT_EXIT_ENV}={raw!r}: an exit status is a whole number from 0 to 255 (143 makes a '
                     f'stop short of the last step count as failed, for a supervisor that restarts failed '
                     f'processes; unset for 0)')
   return status

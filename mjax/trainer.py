@@ -183,7 +183,8 @@ class Trainer:
           checkpoint=dataclasses.replace(cfg.checkpoint, **{
               k: os.path.abspath(os.path.expanduser(getattr(cfg.checkpoint, k)))
               for k in ('restore_from', 'init_from_hf') if getattr(cfg.checkpoint, k)}))
-      for note in config_lib.doubtful(cfg, jax.device_count()):
+      from mjax.model import rotary_kernel
+      for note in [*config_lib.doubtful(cfg, jax.device_count()), *rotary_kernel.doubtful(cfg, jax.device_count())]:
         print(f'mjax: warning: {note}', flush=True)
     self._t_start = time.perf_counter()
     self._marks: dict[str, float] = {}

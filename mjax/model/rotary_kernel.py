@@ -103,6 +103,32 @@ def fits(tokens: int, q_columns: int, k_columns: int, embed: int, head_dim: int,
           and tiles.tile_m % tiles.epi_m == 0 and half % tiles.epi_n == 0)
 
 
+def doubtful(cfg, num_devices: int | None = None) -> list[str]:
+  """ModelConfig.rotary_kernel = True where it does nothing, one sentence
+  (config.doubtful's kind, for the run to warn of; here, since its shape
+  rules are the kernel's). `num_devices`: the job's, where known."""
+  m, mesh = cfg.model, cfg.mesh
+  if not m.rotary_kernel:
+    return []
+  several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
+  if several:
+    why = (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel '
+           'runs on one GPU (an H100 or H200) only')
+  elif m.rotary_fraction != 1.0:
+    why = (f'ModelConfig.rotary_fraction = {m.rotary_fraction} rotates part of each head, and the kernel '
+           'rotates whole heads')
+  elif m.use_bias:
+    why = 'ModelConfig.use_bias = True adds biases to q and k before rotary, and the kernel has none'
+  elif m.fuse_projections in ('inputs', 'all') and m.block == 'parallel' and m.parallel_norms == 'shared':
+    why = (f'ModelConfig.fuse_projections = {m.fuse_projections!r} joins q and k\'s product with v\'s '
+           'and the MLP\'s')
+  else:
+    t = cfg.train
+    tokens = t.global_batch_size // t.grad_accum_steps * cfg.data.seq_len
+    why = why_not(tokens, m.n_heads, m.kv_heads, m.dim_per_head, m.d_model)
+  return [f'ModelConfig.rotary_kernel = True does nothing here: {why}'] if why else []
+
+
 def why_not(tokens: int, heads: int, kv_heads: int, head_dim: int, embed: int) -> str | None:
   """Why `tiles_for(head_dim)` cannot take these shapes, in a user's terms
   (None where it can): a run whose flag would do nothing says so."""
