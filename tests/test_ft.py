@@ -540,6 +540,31 @@ def test_a_bind_that_cannot_listen_leaves_no_workdir_behind(tmp_path):
   assert sorted(os.listdir(tmp_path)) == []     # neither the new workdir nor logs/ or events.jsonl in an old one
 
 
+def test_a_workdir_held_by_a_run_started_by_hand_is_refused_at_once(tmp_path):
+  """mjax-launch on a workdir that an mjax-train started by hand holds:
+  before, its trainers waited 120 s for the run lock and gave up, after the
+  driver had written its events and logs into that run's workdir. A
+  driven job's holder (an earlier attempt on its way out) is waited for."""
+  import fcntl
+  fd = os.open(tmp_path, os.O_RDONLY)
+  fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  try:
+    for job, refused in ((None, True), ('0123456789abcdef', False)):
+      (tmp_path / '.mjax-lock').write_text(json.dumps({'pid': 4242, 'host': 'h', 'started': 0, 'job': job}))
+      opts = driver.parse_args(['--processes', '1', '--workdir', str(tmp_path), '--quiet', '--', '--gin_file',
+                                'tiny.gin'])
+      if refused:
+        with pytest.raises(UserError, match=r'is in use by a run started without mjax-launch \(process 4242 on h'):
+          driver.Driver(opts, executor_factory=FakeExecutor)
+        assert sorted(os.listdir(tmp_path)) == ['.mjax-lock']   # nothing of the driver's written
+      else:
+        d = driver.Driver(opts, executor_factory=FakeExecutor)
+        d.server.close()
+        d.events.close()
+  finally:
+    os.close(fd)
+
+
 def test_a_workdir_that_exists_but_cannot_be_written_is_said_in_one_paragraph(tmp_path):
   """makedirs passes on an existing workdir that cannot be written (a
   read-only mount, another user's); the driver's first write failed with a

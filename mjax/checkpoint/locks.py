@@ -110,6 +110,36 @@ def _describe_holder(holder: dict) -> str:
   return f'process {pid} on {host}{since}'
 
 
+def held_outside_a_driver(directory: str) -> Optional[str]:
+  """Who holds `directory`'s run lock, described, where that is a run
+  started by hand (no fault-tolerance job's); None where it is free, held
+  by a driven job (an earlier attempt on its way out), or unknown.
+  mjax-launch on such a workdir waited DRIVEN_LOCK_WAIT_S in its trainers
+  and then refused, after writing its events and logs into that run's."""
+  import fcntl
+  if not os.path.isdir(directory):
+    return None
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return None
+  except BlockingIOError:
+    try:
+      with open(os.path.join(directory, LOCK_FILE)) as fh:
+        holder = jsonfile.load(fh)
+    except (OSError, ValueError):
+      return None
+    return _describe_holder(holder) if isinstance(holder, dict) and holder.get('job') is None else None
+  except OSError:   # no flock on this filesystem
+    return None
+  finally:
+    os.close(fd)
+
+
 DRIVEN_LOCK_WAIT_S = 120.0   # under the driver: how long process 0 waits for holders, all directories together
 SAME_JOB_LOCK_WAIT_S = 30.0  # ... for an earlier attempt of its own job, before it goes on without the lock
 

@@ -408,6 +408,12 @@ class Driver:
     from mjax.checkpoint.guards import check_not_inside_a_tier, check_not_inside_a_workdir
     check_not_inside_a_tier(self.workdir)
     check_not_inside_a_workdir(self.workdir)
+    from mjax.checkpoint.locks import held_outside_a_driver
+    holder = held_outside_a_driver(self.workdir)
+    if holder is not None:
+      raise UserError(f'--workdir {opts.workdir!r} is in use by a run started without mjax-launch ({holder}): '
+                      f'this job\'s trainers would wait for it and give up. Stop that run first (SIGTERM saves '
+                      f'it; the job then resumes from its checkpoint), or give another --workdir.')
     # A start refused below (a --bind it cannot listen on) leaves the
     # workdir as it found it: what this start made, it takes away.
     made = [d for d in (self.workdir, os.path.join(self.workdir, 'logs')) if not os.path.exists(d)]
