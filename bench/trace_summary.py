@@ -33,9 +33,10 @@ KINDS = [
     # XLA:CPU hands dots, and the elementwise work fused around them, to
     # YNNPACK: one kind, since the name does not say which.
     ('YNNPACK fusion (CPU: matrix products and what is fused with them)', re.compile(r'^ynn_fusion', re.I)),
-    # (mosaic_gpu: mjax's one Pallas kernel, the GeLU backward's product,
-    # mjax/model/gelu_kernel.py; its HLO custom call and its trace kernel.)
-    ('matrix product', re.compile(r'gemm|xmma|cutlass|matmul|dot|nvjet|sm90_|mosaic_gpu|dgelu', re.I)),
+    # (mosaic_gpu: mjax's Pallas kernels, products with their epilogues,
+    # mjax/model/gelu_kernel.py and rotary_kernel.py (dgelu_gemm, rope_gemm);
+    # their HLO custom calls and their trace kernels.)
+    ('matrix product', re.compile(r'gemm|xmma|cutlass|matmul|dot|nvjet|sm90_|mosaic_gpu|dgelu|rope_', re.I)),
     ('collective', device_time.COLLECTIVE),
     ('copy / transpose', re.compile(r'memcpy|memset|copy|transpose', re.I)),
     ('reduction / norm fusion', re.compile(r'reduce|norm', re.I)),
