@@ -193,6 +193,8 @@ def main(argv=None) -> int:
                  help='bytes/s for the time estimate of the memory-bound passes (default: 3.1e12 for a '
                       'GPU target, none otherwise)')
   args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
+  if args.opaque_attention and (args.hlo or not args.target):
+    p.error('--opaque_attention changes a compile for --target; it does nothing with --hlo or on this machine')
   if args.hlo:
     text = open(args.hlo).read()
   elif args.target:

@@ -694,6 +694,8 @@ def diagnose_main(argv: Optional[Sequence[str]] = None) -> None:
   # libraries (gloo's connection messages) print to it.
   with _stdout_to_stderr(args.json):
     flags.join_job()
+    from mjax import distributed
+    distributed.check_membership()   # (starts the backend: the diagnostics' first step anyway)
     try:
       report = diagnose.run_diagnostics(
           checks, min_fraction=args.min_fraction, memory_fraction=args.memory_fraction,

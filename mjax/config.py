@@ -234,7 +234,8 @@ class OptimConfig:
 class MeshConfig:
   """Device mesh and how the model is laid out on it.
 
-  One of data / fsdp / tensor / pipeline may be -1: the rest of the devices.
+  One of data / fsdp may be -1: the rest of the devices (tensor and pipeline
+  sizes split heads and layers, and are given).
   The `dcn_*` sizes split the same axes over the slow network between hosts
   (multi-host jobs); the plain sizes are per host (fast interconnect).
   """
@@ -772,6 +773,8 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
     elif m.remat_policy in ('none', 'dots_attention_mlp'):
       why = (f'ModelConfig.remat_policy = {m.remat_policy!r} keeps GeLU(u) from the forward, and the kernel '
              'is for a backward that computes it')
+    elif m.dtype != 'bfloat16':
+      why = f'ModelConfig.dtype = {m.dtype!r} computes in that dtype, and the kernel takes bf16'
     if why:
       out.append(f'ModelConfig.gelu_backward_kernel = True does nothing here: {why}')
   return out

@@ -138,7 +138,9 @@ def setup_on_these_devices(files: Sequence[str], saved: Sequence[str], bindings:
     return flags.setup(files, [*saved, *bindings])
   except ConfigError as e:
     said = str(e).split(' is not allowed', 1)[0]   # 'MeshConfig = {...}', or one of its multi-slice keys
-    if not said.startswith('MeshConfig') or any(b.replace(' ', '').startswith('MeshConfig.') for b in bindings):
+    # (Or a width the mesh here cannot split: the run's fsdp = -1 over other devices.)
+    layout = said.startswith('MeshConfig') or any(w in str(e) for w in ('tensor-parallel size', 'FSDP size'))
+    if not layout or any(b.replace(' ', '').startswith('MeshConfig.') for b in bindings):
       raise
   n = jax.device_count()
   say(f'{prog}: the run\'s {said} does not fit the {n} device(s) here: running data-parallel on them instead '

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mjax import jsonfile
 from mjax import data as data_lib
 from mjax import evaluate, flags
-from mjax.config import Config, ModelConfig
+from mjax.config import Config, ConfigError, ModelConfig
 from mjax.devices import available_memory_bytes, memory_per_device
 from mjax.errors import UserError
 from mjax.model import Transformer
@@ -544,7 +544,15 @@ def main(args: argparse.Namespace, bindings: Sequence[str]) -> list[dict]:
   sampling.check()
   prompts = read_prompts(args)
   files, saved = evaluate.config_sources(args)
-  saved = [*saved, *_without_pipeline(flags.load(files, [*saved, *bindings]), bindings)]
+  try:
+    recorded = flags.load(files, [*saved, *bindings])
+  except ConfigError as e:
+    # A mesh no longer taken (MeshConfig.tensor = -1, refused since): a
+    # checkpoint loads on any mesh, and the one here is chosen below.
+    if not str(e).startswith('MeshConfig') or any(b.replace(' ', '').startswith('MeshConfig.') for b in bindings):
+      raise
+    recorded = flags.load(files, [*saved, *bindings, *evaluate.ALL_DATA])
+  saved = [*saved, *_without_pipeline(recorded, bindings)]
   cfg = evaluate.setup_on_these_devices(files, saved, bindings, PROG)
   if cfg.mesh.pipelined:
     raise UserError(f'{PROG} runs on data / fsdp / tensor meshes; this config has MeshConfig.pipeline = '

@@ -70,9 +70,15 @@ class StopAgreement:
   DRIVER_LOST = 'driver_lost'
   WORKDIR_GONE = 'workdir_gone'
   POLL_MS = 10_000
+  # A SIGTERM again within this many seconds is the same stop delivered twice
+  # (SLURM signals every process of a step, and mjax-agent passes its own on;
+  # a JobSet's teardown reaches a trainer through its agent and its driver):
+  # it must not cut the save. A later one, or a second Ctrl-C, still does.
+  REPEAT_S = 5.0
 
   def __init__(self, heartbeat: Optional[HeartbeatClient] = None, workdir: Optional['WorkdirWatch'] = None):
     self.signal = None
+    self._signalled_at = 0.0
     self.driver_lost = False
     self.workdir_gone = False
     self.reason: Optional[str] = None   # why the stop agreed on was asked for (every process alike)
@@ -163,9 +169,12 @@ class StopAgreement:
 
   def _handle(self, signum, frame):
     if self.signal is not None:
+      if signum == self.signal == signal.SIGTERM and time.monotonic() - self._signalled_at < self.REPEAT_S:
+        return
       signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
       signal.raise_signal(signum)
     self.signal = signum
+    self._signalled_at = time.monotonic()
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():

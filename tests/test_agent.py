@@ -40,7 +40,14 @@ attempt = int(os.environ['MJAX_ATTEMPT'])
 client = HeartbeatClient.from_env(Timer, FaultConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
                                   int(os.environ['MJAX_PROCESS_ID']))
 stop = []
-signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+
+def on_term(*a):                   # as mjax.stop.StopAgreement: a second stop signal cuts the save
+  stop.append(1)
+  if len(stop) > 1:
+    print('a second SIGTERM: killed before its save', flush=True)
+    os._exit(1)
+
+signal.signal(signal.SIGTERM, on_term)
 steps = 3 if attempt or os.environ.get('AGENT_TEST_MODE') != 'slow' else 10**6
 step_s = float(os.environ.get('AGENT_TEST_STEP_S', '0.1'))
 for step in range(1, steps + 1):
@@ -584,6 +591,33 @@ def test_sigterm_to_an_agent_lets_its_trainer_save_before_the_agent_goes(tmp_pat
   assert procs['a1'].returncode == 0
   err = procs['a1'].stderr.read()
   assert 'received SIGTERM: stopping its trainers, which save at the step every process agrees on' in err, err
+
+
+def test_a_whole_job_torn_down_at_once_saves_every_trainer(tmp_path, agents):
+  """A JobSet deleted (or a SLURM job cancelled): SIGTERM to every agent
+  and to the driver at once. Each trainer must get one stop, not the
+  agent's and the driver's: a second cuts its save."""
+  import threading
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '2'})
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
+
+  def teardown():
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
+      time.sleep(0.05)
+    for p in procs.values():
+      p.send_signal(signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=teardown, daemon=True).start()
+  assert d.run() == driver.EXIT_OK
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev['exit'] == {'0': 'status 0', '1': 'status 0'}, ev
+  for i in (0, 1):
+    log = (tmp_path / 'logs' / f'process-{i}.log').read_text()
+    assert 'stopped and saved' in log and 'second SIGTERM' not in log, log
+  assert all(p.wait(30) == 0 for p in procs.values())
 
 
 def test_a_diagnostic_that_overruns_is_stopped_by_its_agent(tmp_path, agents):

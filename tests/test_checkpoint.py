@@ -478,6 +478,17 @@ def test_sigterm_saves_and_exits_cleanly(one_device_reference, tmp_path, repo_ro
   assert_bitwise(final_state(tmp_path, N), final_state(one_device_reference, N))
 
 
+def test_the_preempt_exit_status_is_0_unless_set_and_the_drivers_under_it(monkeypatch):
+  from mjax import protocol
+  monkeypatch.delenv(protocol.PREEMPT_EXIT_ENV, raising=False)
+  monkeypatch.delenv(protocol.DRIVER_ADDRESS_ENV, raising=False)
+  assert protocol.preempt_exit_status() == 0
+  monkeypatch.setenv(protocol.PREEMPT_EXIT_ENV, ' 143 ')
+  assert protocol.preempt_exit_status() == 143
+  monkeypatch.setenv(protocol.DRIVER_ADDRESS_ENV, '127.0.0.1:1')   # mjax-launch's --preempt_exit_status says it
+  assert protocol.preempt_exit_status() == 0
+
+
 def test_a_bad_preempt_exit_status_is_said_before_start_up(tmp_path, repo_root):
   cmd, env = mjax_train(tmp_path, '--gin.TrainConfig.steps=1')
   for bad in ('abc', '256', '-1'):

@@ -316,3 +316,25 @@ def test_trainer_eval_loss_stops_where_heldout_windows_would_repeat(capsys):
   small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=2))
   assert trainer.Trainer._eval_batch_count(types.SimpleNamespace(cfg=small, say=print)) == 2
   assert capsys.readouterr().out == ''
+
+
+def test_a_run_whose_width_the_mesh_here_cannot_split_is_evaluated_data_parallel(monkeypatch):
+  """A run recorded with MeshConfig.fsdp = -1 (the rest), evaluated where the
+  rest is 6 devices and d_model does not split 6 ways: the checkpoint loads
+  on any mesh, so the tool goes data-parallel, as for a mesh that does not
+  fit; before, the width's error stopped it."""
+  from mjax import config as C
+  from mjax import evaluate as E
+  from mjax import flags
+
+  def setup(files, bindings):
+    raise C.ConfigError('ModelConfig.d_model = 256 is not allowed: must be divisible by the FSDP size 6 '
+                        '(fsdp x dcn_fsdp), which splits every weight along d_model')
+  monkeypatch.setattr(flags, 'setup', setup)
+  loaded = []
+  monkeypatch.setattr(flags, 'load', lambda files, bindings, num_devices=None: loaded.append(bindings) or 'cfg')
+  assert E.setup_on_these_devices(['tiny.gin'], ['MeshConfig.fsdp = -1'], []) == 'cfg'
+  assert loaded and all(b in loaded[0] for b in E.ALL_DATA)
+  # A mesh named on the command line is the user's: its error stands.
+  with pytest.raises(C.ConfigError, match='FSDP size 6'):
+    E.setup_on_these_devices(['tiny.gin'], [], ['MeshConfig.fsdp = 6'])

@@ -540,12 +540,14 @@ def test_a_bind_that_cannot_listen_leaves_no_workdir_behind(tmp_path):
   assert sorted(os.listdir(tmp_path)) == []     # neither the new workdir nor logs/ or events.jsonl in an old one
 
 
-def test_a_workdir_held_by_a_run_started_by_hand_is_refused_at_once(tmp_path):
+def test_a_workdir_held_by_a_run_started_by_hand_is_refused_before_anything_is_written(tmp_path, monkeypatch):
   """mjax-launch on a workdir that an mjax-train started by hand holds:
   before, its trainers waited 120 s for the run lock and gave up, after the
   driver had written its events and logs into that run's workdir. A
   driven job's holder (an earlier attempt on its way out) is waited for."""
   import fcntl
+  from mjax.checkpoint import locks
+  monkeypatch.setattr(locks, 'OUTSIDE_RUN_WAIT_S', 0.5)   # (30 s: a run stopped to be resumed here saves first)
   fd = os.open(tmp_path, os.O_RDONLY)
   fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   try:
@@ -563,6 +565,16 @@ def test_a_workdir_held_by_a_run_started_by_hand_is_refused_at_once(tmp_path):
         d.events.close()
   finally:
     os.close(fd)
+  # A run stopped by hand to be resumed here, still saving: waited for.
+  import threading
+  monkeypatch.setattr(locks, 'OUTSIDE_RUN_WAIT_S', 30.0)
+  (tmp_path / '.mjax-lock').write_text(json.dumps({'pid': 4242, 'host': 'h', 'started': 0, 'job': None}))
+  fd = os.open(tmp_path, os.O_RDONLY)
+  fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  threading.Timer(1.0, os.close, (fd,)).start()
+  d = driver.Driver(opts, executor_factory=FakeExecutor)
+  d.server.close()
+  d.events.close()
 
 
 def test_a_workdir_that_exists_but_cannot_be_written_is_said_in_one_paragraph(tmp_path):
@@ -2355,3 +2367,24 @@ def test_an_address_is_host_and_port_and_a_port_out_of_range_is_named():
     hb.parse_address('127.0.0.1')
   with pytest.raises(ValueError, match='port 99999 is out of range; give a port from 0 to 65535'):
     hb.parse_address('127.0.0.1:99999')
+
+
+def test_a_node_name_that_resolves_to_loopback_is_listened_for_on_every_interface(monkeypatch):
+  """Debian's /etc/hosts maps a node's own name to 127.0.1.1: a driver
+  bound to it (launch/slurm_ft.sbatch binds the node's name) was
+  unreachable from the other nodes' agents and trainers."""
+  import socket as socket_lib
+  real = socket_lib.getaddrinfo
+  names = {'node7': '127.0.1.1', 'node8': '10.0.0.8'}
+
+  def fake(host, *args, **kwargs):
+    if host in names:
+      return [(socket_lib.AF_INET, socket_lib.SOCK_STREAM, 6, '', (names[host], 0))]
+    return real(host, *args, **kwargs)
+  monkeypatch.setattr(socket_lib, 'getaddrinfo', fake)
+  bind = lambda *flags: driver.parse_args(['--processes', '1', '--workdir', '/tmp/unused', *flags, '--',
+                                           '--gin_file', 'tiny.gin']).bind
+  assert bind('--executor', 'agent', '--bind', 'node7:7001') == '0.0.0.0:7001'
+  assert bind('--executor', 'agent', '--bind', 'node8:7001') == 'node8:7001'
+  assert bind('--executor', 'agent', '--bind', '127.0.0.1:7001') == '127.0.0.1:7001'   # an address: meant
+  assert bind('--bind', 'node7:0') == 'node7:0'   # the local executor: every trainer on this machine

@@ -538,6 +538,23 @@ def test_process_check_catches_a_mismatch(mutate, says):
   assert any(says in p for p in problems), problems
 
 
+def test_a_preempted_pod_restarts_the_jobset_without_counting_a_failure():
+  """launch/jobset.yaml: a trainer stopped short of its last step exits
+  MJAX_PREEMPT_EXIT_STATUS (0 would count its index as finished and end
+  the JobSet as complete); the Job's podFailurePolicy fails it for that
+  code, and the JobSet's rule restarts without spending maxRestarts."""
+  doc = JOBSETS[0][2]
+  status = int(_env(doc, 'MJAX_PREEMPT_EXIT_STATUS')['value'])
+  assert status == 143
+  (rule,) = _job(doc)['podFailurePolicy']['rules']
+  assert rule['action'] == 'FailJob' and rule['onExitCodes'] == {
+      'containerName': _container(doc)['name'], 'operator': 'In', 'values': [status]}
+  (restart,) = doc['spec']['failurePolicy']['rules']
+  assert restart['action'] == 'RestartJobSetAndIgnoreMaxRestarts'
+  assert restart['onJobFailureReasons'] == ['PodFailurePolicy']
+  assert _job(doc)['template']['spec']['terminationGracePeriodSeconds'] >= 120
+
+
 def test_coordinator_derived_by_mjax_is_checked_too():
   # Without MJAX_COORDINATOR_ADDRESS mjax builds the address itself from
   # JOBSET_NAME, REPLICATED_JOB_NAME ('workers') and MJAX_COORDINATOR_PORT (1234).

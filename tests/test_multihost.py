@@ -736,3 +736,28 @@ def test_the_coordinator_raises_its_open_files_limit_for_the_job():
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(2048, hard)
   finally:
     resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def test_one_sigterm_delivered_twice_is_one_stop(monkeypatch):
+  """SLURM signals every process of a step and mjax-agent passes its own
+  on; a JobSet's teardown reaches a trainer through its agent and its
+  driver. A second SIGTERM within StopAgreement.REPEAT_S is the same stop
+  (before, it cut the save); a later one, or a second Ctrl-C, still cuts."""
+  import signal
+  from mjax.stop import StopAgreement
+  cut = []
+  old = signal.signal(signal.SIGTERM, lambda *a: cut.append('SIGTERM'))
+  try:
+    stop = StopAgreement()
+    with stop:
+      signal.raise_signal(signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)
+      assert stop.signal == signal.SIGTERM and cut == []
+    monkeypatch.setattr(StopAgreement, 'REPEAT_S', 0.0)
+    stop = StopAgreement()
+    with stop:
+      signal.raise_signal(signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)   # the handler before it: what the default would do, killing
+    assert cut == ['SIGTERM']
+  finally:
+    signal.signal(signal.SIGTERM, old)

@@ -170,6 +170,7 @@ def test_q_and_k_train_the_same_through_the_kernel(monkeypatch):
     ({'mesh': {'data': 8}}, 'the mesh has'),
     ({'model': {'rotary_fraction': 0.5}}, 'rotates part of each head'),
     ({'model': {'use_bias': True}}, 'adds biases to q and k'),
+    ({'model': {'dtype': 'float32'}}, "dtype = 'float32' computes in that dtype"),
     ({'model': {'fuse_projections': 'inputs'}}, "joins q and k's product"),
     ({'model': {'n_heads': 4, 'n_kv_heads': 1}}, '4 query and 1 key heads'),
     ({'model': {'head_dim': 256}}, 'heads of 256 dims'),

@@ -110,12 +110,30 @@ def _describe_holder(holder: dict) -> str:
   return f'process {pid} on {host}{since}'
 
 
-def held_outside_a_driver(directory: str) -> Optional[str]:
+OUTSIDE_RUN_WAIT_S = 30.0   # mjax-launch waits this long for a run started by hand to end (its stop save)
+
+
+def held_outside_a_driver(directory: str, wait_s: float = 0.0) -> Optional[str]:
   """Who holds `directory`'s run lock, described, where that is a run
-  started by hand (no fault-tolerance job's); None where it is free, held
-  by a driven job (an earlier attempt on its way out), or unknown.
-  mjax-launch on such a workdir waited DRIVEN_LOCK_WAIT_S in its trainers
-  and then refused, after writing its events and logs into that run's."""
+  started by hand (no fault-tolerance job's) and still holds it after
+  `wait_s` (one stopped to be resumed under mjax-launch may be saving);
+  None where it is free, held by a driven job (an earlier attempt on its
+  way out), or unknown. mjax-launch on such a workdir waited
+  DRIVEN_LOCK_WAIT_S in its trainers and then refused, after writing its
+  events and logs into that run's."""
+  deadline, said = time.monotonic() + wait_s, False
+  while True:
+    holder = _held_outside_a_driver(directory)
+    if holder is None or time.monotonic() >= deadline:
+      return holder
+    if not said:
+      print(f'mjax: {directory} is in use by a run started by hand ({holder}); waiting up to {wait_s:.0f} s '
+            f'for it to end', file=sys.stderr, flush=True)
+      said = True
+    time.sleep(0.5)
+
+
+def _held_outside_a_driver(directory: str) -> Optional[str]:
   import fcntl
   if not os.path.isdir(directory):
     return None

@@ -817,6 +817,8 @@ class Agent:
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
     self._signals = 0   # how many: a second one during the trainers' stop cuts it
+    self._stopping = False   # its trainers told to stop (a signal to the agent): nothing new starts
+    self._termed: set = set()   # trainers sent SIGTERM, by the driver or by the agent: not again
     self._exit = False
     self.refused: Optional[str] = None   # why the driver refused this agent, while it does
     self._running: set = set()     # ids of the driver's commands running (diagnostics)
@@ -972,7 +974,12 @@ class Agent:
         break   # their exits reported (_reap above), the agent goes
     ch.close()
     self.beats.acking = False   # no driver: nothing acknowledged until the next one is heard
-    if lost_at is not None:
+    if lost_at is not None and stop_by is not None:
+      # Stopping, and the driver gone too: the trainers' saves still get their time.
+      while self._alive() and time.monotonic() < stop_by and self._signals <= 1:
+        self.beats.receive(0.1)
+        self._reap(report=False)
+    elif lost_at is not None:
       self._orphaned(lost_at)
 
   def _stop_trainers(self) -> float:
@@ -986,8 +993,10 @@ class Agent:
     timeout (a second signal goes at once)."""
     print(f'mjax-agent: {self.host}: received {signal.Signals(self._signal).name}: stopping its trainers, which save at the step every '
           f'process agrees on; a second signal stops them at once', file=sys.stderr, flush=True)
-    for p in self.procs.values():
-      if p.poll() is None:
+    self._stopping = True
+    for ident, p in self.procs.items():
+      if p.poll() is None and ident not in self._termed:   # (the driver's own stop may have come first)
+        self._termed.add(ident)
         try:
           p.send_signal(signal.SIGTERM)
         except ProcessLookupError:
@@ -1047,12 +1056,20 @@ class Agent:
   def _command(self, msg: dict) -> None:
     kind = msg.get('kind')
     if kind == 'start':
+      if self._stopping:   # the host is going (evicted): the driver hears the trainer's exit
+        self._send({'kind': 'exited', 'id': msg.get('id'), 'code': protocol.EXIT_TERMINATED})
+        return
       self._start(msg)
     elif kind == 'signal':
       p = self.procs.get(msg.get('id'))
       if p is not None and p.poll() is None:
         try:
-          p.send_signal(int(msg['sig']))
+          sig = int(msg['sig'])
+          if sig == signal.SIGTERM:
+            if msg.get('id') in self._termed:   # the one the agent sent is the same stop
+              return
+            self._termed.add(msg.get('id'))
+          p.send_signal(sig)
         except (ProcessLookupError, ValueError, KeyError):
           pass
     elif kind == 'kill':

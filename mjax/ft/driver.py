@@ -260,15 +260,18 @@ def parse_args(argv: Sequence[str]) -> Options:
     host_env.setdefault(host, {})[name] = value
   bind = args.bind
   if args.executor in ('slurm', 'agent') and bind == p.get_default('bind'):
-    # The trainers run on other nodes: listen on every interface (this
-    # node's name may resolve to a loopback address here, Debian's
-    # 127.0.1.1, which other nodes cannot reach); they are told this node's
-    # name (HeartbeatServer.address).
-    bind = '0.0.0.0:0'
+    # The trainers run on other nodes: listen on this node's own address.
+    bind = f'{socket.gethostname()}:0'
   try:
-    _, port = hb.parse_address(bind)
+    host, port = hb.parse_address(bind)
   except ValueError as e:
     p.error(f'--bind: {e}')
+  if args.executor in ('slurm', 'agent') and _names_loopback(host):
+    # A node's name that resolves to a loopback address here (Debian's
+    # 127.0.1.1 in /etc/hosts) is unreachable from the other nodes: listen
+    # on every interface instead; trainers and agents are told the node's
+    # name (HeartbeatServer.address), which they resolve as their own DNS does.
+    bind = f'0.0.0.0:{port}'
   if args.executor == 'agent' and port == 0:
     p.error(f'--executor agent needs --bind HOST:PORT with a fixed port (not {bind!r}): every '
             f'mjax-agent is started with --driver HOST:PORT before the driver listens')
@@ -343,6 +346,24 @@ class Attempt:
 # The driver
 # ----------------------------------------------------------------------------
 
+def _names_loopback(host: str) -> bool:
+  """Whether `host` is a name (not an address, not 'localhost') that
+  resolves to a loopback address on this machine."""
+  import ipaddress
+  if host in ('localhost', '') or host.startswith('['):
+    return False
+  try:
+    ipaddress.ip_address(host)
+    return False   # an address given as such: meant
+  except ValueError:
+    pass
+  try:
+    infos = socket.getaddrinfo(host, None)
+  except OSError:
+    return False
+  return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
 DRIVER_LOCK = '.mjax-driver.lock'   # in the workdir: held (flock) by the driver supervising it
 
 
@@ -408,8 +429,8 @@ class Driver:
     from mjax.checkpoint.guards import check_not_inside_a_tier, check_not_inside_a_workdir
     check_not_inside_a_tier(self.workdir)
     check_not_inside_a_workdir(self.workdir)
-    from mjax.checkpoint.locks import held_outside_a_driver
-    holder = held_outside_a_driver(self.workdir)
+    from mjax.checkpoint import locks
+    holder = locks.held_outside_a_driver(self.workdir, locks.OUTSIDE_RUN_WAIT_S)
     if holder is not None:
       raise UserError(f'--workdir {opts.workdir!r} is in use by a run started without mjax-launch ({holder}): '
                       f'this job\'s trainers would wait for it and give up. Stop that run first (SIGTERM saves '

@@ -510,7 +510,8 @@ def rotary_projections(x: jax.Array, wq: jax.Array, wk: jax.Array, positions: ja
     return shape(q), shape(k)
 
   # The kernel in the primal too: a forward that nothing differentiates
-  # (evaluation, generation's prompt) runs it as well.
+  # (evaluation) runs it as well. (Generation, with its KV cache, takes
+  # XLA's product and rotary: Attention.__call__.)
   qk = jax.custom_vjp(kernel)
 
   def fwd(x, wq, wk, positions):

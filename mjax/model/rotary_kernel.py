@@ -119,6 +119,8 @@ def doubtful(cfg, num_devices: int | None = None) -> list[str]:
            'rotates whole heads')
   elif m.use_bias:
     why = 'ModelConfig.use_bias = True adds biases to q and k before rotary, and the kernel has none'
+  elif m.dtype != 'bfloat16':
+    why = f'ModelConfig.dtype = {m.dtype!r} computes in that dtype, and the kernel takes bf16'
   elif m.fuse_projections in ('inputs', 'all') and m.block == 'parallel' and m.parallel_norms == 'shared':
     why = (f'ModelConfig.fuse_projections = {m.fuse_projections!r} joins q and k\'s product with v\'s '
            'and the MLP\'s')
