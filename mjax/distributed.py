@@ -554,7 +554,7 @@ def check_membership() -> None:
   """
   import jax
   spec = _JOINED
-  if spec is None or jax.process_count() == spec.num_processes:
+  if spec is None or not jax.distributed.is_initialized() or jax.process_count() == spec.num_processes:
     return
   told = NUM_PROCESSES if spec.source == 'explicit' else f"{spec.source}'s task count"
   raise DistributedError(
