@@ -48,6 +48,9 @@ def on_term(*a):                   # as mjax.stop.StopAgreement: a second stop s
     os._exit(1)
 
 signal.signal(signal.SIGTERM, on_term)
+if os.environ.get('AGENT_TEST_MODE') == 'startup' and not attempt:   # a compile that takes its time
+  signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(143)))   # as mjax-train in start-up
+  time.sleep(60)
 steps = 3 if attempt or os.environ.get('AGENT_TEST_MODE') != 'slow' else 10**6
 step_s = float(os.environ.get('AGENT_TEST_STEP_S', '0.1'))
 for step in range(1, steps + 1):
@@ -591,6 +594,29 @@ def test_sigterm_to_an_agent_lets_its_trainer_save_before_the_agent_goes(tmp_pat
   assert procs['a1'].returncode == 0
   err = procs['a1'].stderr.read()
   assert 'received SIGTERM: stopping its trainers, which save at the step every process agrees on' in err, err
+
+
+def test_a_stop_to_an_agent_in_its_trainers_start_up_is_a_stop_not_a_host_fault(tmp_path, agents):
+  """An agent sent SIGTERM while its trainer compiles: the trainer exits
+  143 (nothing to save yet). Before, the driver took that for a crash and
+  diagnosed the hosts; the agent now says it is stopping."""
+  import threading
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', mode='startup')
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '2')
+
+  def evict():
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
+      time.sleep(0.05)
+    procs['a1'].send_signal(signal.SIGTERM)
+
+  threading.Thread(target=evict, daemon=True).start()
+  d.run()
+  (fault,) = events(tmp_path, 'fault')[:1]
+  assert fault['kind'] == 'signalled' and fault['processes'] == [1], fault
+  assert 'SIGTERM to the agent(s) of process(es) 1' in fault['detail'], fault
+  assert not events(tmp_path, 'diagnose') and events(tmp_path, 'agent_stopping')[0]['host'] == 'a1'
 
 
 def test_a_whole_job_torn_down_at_once_saves_every_trainer(tmp_path, agents):

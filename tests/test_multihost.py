@@ -761,3 +761,17 @@ def test_one_sigterm_delivered_twice_is_one_stop(monkeypatch):
     assert cut == ['SIGTERM']
   finally:
     signal.signal(signal.SIGTERM, old)
+
+
+def test_a_run_started_by_hand_is_no_attempt_of_a_job_whatever_its_environment(monkeypatch):
+  """MJAX_JOB_SECRET exported (as for starting agents) in a shell that then
+  starts mjax-train by hand: its run lock named the job, and mjax-launch's
+  trainers on that workdir took it for their own earlier attempt and
+  trained beside it."""
+  from mjax import protocol
+  from mjax.checkpoint import locks
+  monkeypatch.setenv(protocol.SECRET_ENV, 'ab' * 32)
+  monkeypatch.delenv(protocol.DRIVER_ADDRESS_ENV, raising=False)
+  assert locks._job_tag() is None
+  monkeypatch.setenv(protocol.DRIVER_ADDRESS_ENV, '127.0.0.1:1')
+  assert locks._job_tag() == locks._job_tag() is not None

@@ -27,8 +27,10 @@ _held_locks: dict = {}
 
 def _job_tag() -> Optional[str]:
   """A tag of the fault-tolerance job this process belongs to (a hash of its
-  heartbeat secret, the same for every attempt of the job), or None."""
-  secret = os.environ.get(protocol.SECRET_ENV)
+  heartbeat secret, the same for every attempt of the job), or None: also
+  for a run started by hand with MJAX_JOB_SECRET in its environment (as
+  for starting agents), which is no attempt of any job."""
+  secret = os.environ.get(protocol.SECRET_ENV) if protocol.under_driver() else None
   return hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else None
 
 

@@ -334,6 +334,7 @@ class AgentLink:
   runs: dict = dataclasses.field(default_factory=dict)       # id -> Future
   ready: bool = False
   lost: bool = False
+  stopping: Optional[str] = None   # the signal its agent was sent (the host is going): its trainers' stop
 
   def send(self, msg: dict) -> None:
     if self.lost:
@@ -718,6 +719,9 @@ class AgentServer:
         self._lose(link, 'not reading what the driver sends')
       except OSError as e:
         self._lose(link, f'send failed: {e}')
+    elif kind == 'stopping':
+      link.stopping = str(msg.get('signal') or 'a stop signal')
+      self._on_event('agent_stopping', host=link.host, signal=link.stopping)
     elif kind == 'started':
       h = link.handles.get(msg.get('id'))
       if h is not None and isinstance(msg.get('pid'), int):
@@ -994,6 +998,9 @@ class Agent:
     print(f'mjax-agent: {self.host}: received {signal.Signals(self._signal).name}: stopping its trainers, which save at the step every '
           f'process agrees on; a second signal stops them at once', file=sys.stderr, flush=True)
     self._stopping = True
+    # The driver counts its trainers' exits as a stop (a signal in start-up
+    # exits 143), not as a fault of this host to diagnose.
+    self._send({'kind': 'stopping', 'signal': signal.Signals(self._signal).name})
     for ident, p in self.procs.items():
       if p.poll() is None and ident not in self._termed:   # (the driver's own stop may have come first)
         self._termed.add(ident)
@@ -1016,7 +1023,10 @@ class Agent:
     received (and not acknowledged) meanwhile."""
     self.beats.acking = False
     saves: dict[int, list[float]] = {}   # process -> [its save began, last heard saving]
-    while self._alive() and self._signal is None:
+    stop_by: Optional[float] = None      # a signal to the agent meanwhile: its trainers' stop
+    while self._alive() and self._signals <= 1:
+      if self._signal is not None and stop_by is None:
+        stop_by = self._stop_trainers()   # (they stop anyway; theirs to save, not the agent's to kill)
       for payload, _, _ in self.beats.receive(0.1):
         if payload is not None:
           self._note_step(payload)
@@ -1028,7 +1038,8 @@ class Agent:
       slack = (protocol.STOP_MARGIN_STEPS + 1) * max(self.step_s.values(), default=0.0)
       saving = any(now - last < self.timeout_s and now - began < self.save_timeout_s
                    for began, last in saves.values())
-      if now >= heard + 2 * self.timeout_s + self.grace_s + slack and not saving:
+      if now >= heard + 2 * self.timeout_s + self.grace_s + slack and not saving and (
+          stop_by is None or now >= stop_by):
         break
     self._stop_all(0.0)
     self.latest.clear()

@@ -1028,6 +1028,18 @@ class Driver:
         if named:
           return detect.Fault('host_fault', named, str(fact.get('what', 'a fault of these hosts')),
                               extra={'exit': codes})
+    going = {i: s for i in failed if (s := getattr(getattr(att.handles[i], 'link', None), 'stopping', None))}
+    if going and all(failed[i] in (protocol.EXIT_INTERRUPTED, protocol.EXIT_TERMINATED) for i in going) and all(
+        self._facts(att, i).get(protocol.PEER_LOST) is not None or self._aborted_by_jax_for_a_peer(att, i, failed[i])
+        for i in set(failed) - set(going)):
+      # Their agents were sent a stop signal (a node evicted or drained):
+      # a trainer stopped in start-up exits 143, as mjax-train by hand does,
+      # and its peers' collectives fail after it. A stop to restart from
+      # the newest checkpoint, not a host to diagnose.
+      procs = sorted(going)
+      return detect.Fault('signalled', procs, f'{next(iter(going.values()))} to the agent(s) of process(es) '
+                          f'{", ".join(map(str, procs))}, which stopped them in start-up (status 143: before any '
+                          f'step to save); restarted from the newest checkpoint', extra={'exit': codes})
     lost = sorted(i for i in failed if getattr(att.handles[i], 'host_lost', False))
     if lost:   # its agent disconnected or fell silent (an exit status cannot say so: any is a trainer's)
       codes.update({i: 'host lost' for i in lost})
