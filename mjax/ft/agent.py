@@ -910,7 +910,11 @@ class Agent:
             return 1
           break
         self._session()
-      return 0
+      # Stopped by a signal (an eviction): 128 + its number, as a process a
+      # signal ended. A Job counts an agent pod that exits 0 as complete and
+      # would not recreate it (launch/jobset_ft.yaml); the driver's end of
+      # the job is 0.
+      return 128 + self._signal if self._signal is not None and not self._exit else 0
     finally:
       self._stop_all(self.grace_s)
       self.beats.close()
