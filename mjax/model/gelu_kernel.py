@@ -153,28 +153,10 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
   cta_n = 2 * tile_n                     # the two consumer warpgroups, side by side along d_ff
   m_iters, n_iters, k_iters = m // tile_m, n // cta_n, k // tile_k
 
-  swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
-  in_transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-  out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
-  out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)), plgpu.SwizzleTransform(out_swizzle))
+  out_transforms = hopper.swizzled(epi_n, itemsize)
 
   def dgelu_gemm(dy_gmem, wo_gmem, u_gmem, du_gmem, g_gmem):   # wo_gmem: (embed, d_ff)
-    def pipeline(body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          body,
-          grid=(k_iters,),
-          memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                              memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=in_transforms,
-                              memory_space=plgpu.SMEM),
-          ],
-          wg_axis='wg',
-          num_compute_wgs=2,
-          max_concurrent_steps=tiles.stages,
-          compute_context=compute_context,
-      )
+    pipeline = hopper.k_pipeline(tiles, k_iters, itemsize)
 
     ignore = lambda *_, **__: None
     subs = [(ei, ej) for ei in range(tile_m // epi_m) for ej in range(tile_n // epi_n)]
@@ -232,24 +214,10 @@ def dgelu_product(dy: jax.Array, wo_t: jax.Array, u: jax.Array, approximate: boo
               plgpu.copy_smem_to_gmem(du_smem.at[wg, slot], sub_tile(du_gmem, ei, ej))
               plgpu.copy_smem_to_gmem(ug_smem.at[wg, s], sub_tile(g_gmem, ei, ej))
 
-        def mma(_, dy_smem, wo_smem, acc_ref):
-          plgpu.wgmma(acc_ref, dy_smem, wo_smem.at[:, wg_cols])
-          plgpu.wgmma_wait(0)
-          return acc_ref
-
-        pipeline(mma, compute_context)(dy_gmem.at[rows, :], wo_gmem.at[:, cols], allocations=allocations)
+        pipeline(hopper.mma(wg_cols), compute_context)(dy_gmem.at[rows, :], wo_gmem.at[:, cols],
+                                                       allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # every store done before the kernel ends
 
   out = jax.ShapeDtypeStruct((m, n), dtype)
-  call = plgpu.kernel(
-      dgelu_gemm,
-      out_type=(out, out),
-      grid=(grid or hopper.sm_count(),),
-      grid_names=('sm',),
-      num_threads=3,                     # two consumer warpgroups and the pipeline's producer
-      thread_name='wg',
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **hopper.interpret_params(interpret),
-  )
-  return call(dy, wo_t, u)
+  return hopper.persistent_kernel(dgelu_gemm, (out, out), grid, interpret)(dy, wo_t, u)

@@ -69,3 +69,70 @@ def interpret_params(interpret) -> dict:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return {'interpret': InterpretGPUParams()}
   return {'interpret': interpret} if interpret else {}
+
+
+# --- the matmul both kernels are: pieces of jax's hopper_matmul_mgpu ---------------
+
+def swizzled(cols: int, itemsize: int) -> tuple:
+  """Shared-memory transforms of a tile whose rows are `cols` elements: the
+  widest swizzle that fits them, and tiles of that many bytes."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def k_pipeline(tiles, k_iters: int, itemsize: int):
+  """pipeline(body, compute_context): the product's K loop for a CTA's
+  (tile_m, 2 tile_n) output, a TMA pipeline of `tiles.stages` stages run by
+  a producer warpgroup for two consumer warpgroups, which `body` (see
+  `mma`) multiplies into their accumulators; `compute_context` wraps the
+  loop in each consumer (its prologue and epilogue)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  transforms = swizzled(tiles.tile_k, itemsize)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tiles.tile_m, tiles.tile_k), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tiles.tile_k, 2 * tiles.tile_n), lambda kk: (kk, 0), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+        ],
+        wg_axis='wg',
+        num_compute_wgs=2,
+        max_concurrent_steps=tiles.stages,
+        compute_context=compute_context,
+    )
+  return pipeline
+
+
+def mma(wg_cols):
+  """The pipeline's body: the stage's A tile times this warpgroup's
+  columns `wg_cols` of its B tile, into the accumulator."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  def body(_, a_smem, b_smem, acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_cols])
+    plgpu.wgmma_wait(0)
+    return acc_ref
+  return body
+
+
+def persistent_kernel(body, out_type, grid: int | None, interpret):
+  """plgpu.kernel of `body` on a persistent grid (one CTA per SM by
+  default, axis 'sm'), three warpgroups each (axis 'wg': two consumers and
+  the pipeline's producer), warpgroup semantics."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(grid or sm_count(),),
+      grid_names=('sm',),
+      num_threads=3,
+      thread_name='wg',
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **interpret_params(interpret),
+  )

@@ -228,28 +228,10 @@ def rotary_product(x: jax.Array, w: jax.Array, cos_sin: jax.Array, q_columns: in
   m_iters, n_iters, k_iters = m // tile_m, n // cta_n, k // tile_k
   q_iters = q_columns // cta_n
 
-  swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
-  in_transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-  out_swizzle = plgpu.find_swizzle(epi_n * itemsize * 8)
-  out_transforms = (plgpu.TilingTransform((8, out_swizzle // itemsize)), plgpu.SwizzleTransform(out_swizzle))
+  out_transforms = hopper.swizzled(epi_n, itemsize)
 
   def rope_gemm(x_gmem, w_gmem, cs_gmem, q_gmem, k_gmem):
-    def pipeline(body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          body,
-          grid=(k_iters,),
-          memory_registers=40,
-          in_specs=[
-              plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                              memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=in_transforms,
-                              memory_space=plgpu.SMEM),
-          ],
-          wg_axis='wg',
-          num_compute_wgs=2,
-          max_concurrent_steps=tiles.stages,
-          compute_context=compute_context,
-      )
+    pipeline = hopper.k_pipeline(tiles, k_iters, itemsize)
 
     ignore = lambda *_, **__: None
     # Sub-tiles of a head's first half; each pairs with the same columns of the second.
@@ -315,23 +297,10 @@ def rotary_product(x: jax.Array, w: jax.Array, cos_sin: jax.Array, q_columns: in
               plgpu.commit_smem()
               store(s, ei, ej)
 
-        def mma(_, x_smem, w_smem, acc_ref):
-          plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_cols])
-          plgpu.wgmma_wait(0)
-          return acc_ref
-
-        pipeline(mma, compute_context)(x_gmem.at[rows, :], w_gmem.at[:, cols], allocations=allocations)
+        pipeline(hopper.mma(wg_cols), compute_context)(x_gmem.at[rows, :], w_gmem.at[:, cols],
+                                                       allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # every store done before the kernel ends
 
-  call = plgpu.kernel(
-      rope_gemm,
-      out_type=(jax.ShapeDtypeStruct((m, q_columns), dtype), jax.ShapeDtypeStruct((m, n - q_columns), dtype)),
-      grid=(grid or hopper.sm_count(),),
-      grid_names=('sm',),
-      num_threads=3,                     # two consumer warpgroups and the pipeline's producer
-      thread_name='wg',
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **hopper.interpret_params(interpret),
-  )
-  return call(x, w, cos_sin)
+  out_type = (jax.ShapeDtypeStruct((m, q_columns), dtype), jax.ShapeDtypeStruct((m, n - q_columns), dtype))
+  return hopper.persistent_kernel(rope_gemm, out_type, grid, interpret)(x, w, cos_sin)
