@@ -565,27 +565,36 @@ def test_sigterm_to_the_driver_stops_every_trainer_through_its_agent(tmp_path, a
   assert all(p.poll() is None for p in procs.values())
 
 
+def _once_running(tmp_path, action) -> None:
+  """`action()` in a thread of its own, once the driver's events say the
+  job runs (within 60 s)."""
+  import threading
+
+  def wait_then_act():
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
+      time.sleep(0.05)
+    action()
+  threading.Thread(target=wait_then_act, daemon=True).start()
+
+
 def test_sigterm_to_an_agent_lets_its_trainer_save_before_the_agent_goes(tmp_path, agents):
   """An evicted node (SIGTERM to its agent): the agent passes the signal
   to its trainer and stays until it has saved and exited, relaying its exit.
   Before, it gave the trainer --grace_s (1 s here, 5 by default) before
   SIGKILL and left, and the driver counted its host as lost: a save slower
   than that was cut."""
-  import threading
   port = launch.free_port()
   procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '3'})
   d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '3')
 
   def evict():
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
-      time.sleep(0.05)
     procs['a1'].send_signal(signal.SIGTERM)
     procs['a1'].wait(60)
     # (These trainers agree on no stop of their own: the driver's pre-emption ends the other.)
     os.kill(os.getpid(), signal.SIGTERM)
 
-  threading.Thread(target=evict, daemon=True).start()
+  _once_running(tmp_path, evict)
   assert d.run() == driver.EXIT_OK
   (ev,) = events(tmp_path, 'preempted')
   assert ev['exit']['1'] == 'status 0', ev   # not SIGKILL, not 'host lost'
@@ -600,18 +609,11 @@ def test_a_stop_to_an_agent_in_its_trainers_start_up_is_a_stop_not_a_host_fault(
   """An agent sent SIGTERM while its trainer compiles: the trainer exits
   143 (nothing to save yet). Before, the driver took that for a crash and
   diagnosed the hosts; the agent now says it is stopping."""
-  import threading
   port = launch.free_port()
   procs = agents(port, 'a0', 'a1', mode='startup')
   d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '2')
 
-  def evict():
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
-      time.sleep(0.05)
-    procs['a1'].send_signal(signal.SIGTERM)
-
-  threading.Thread(target=evict, daemon=True).start()
+  _once_running(tmp_path, lambda: procs['a1'].send_signal(signal.SIGTERM))
   d.run()
   (fault,) = events(tmp_path, 'fault')[:1]
   assert fault['kind'] == 'signalled' and fault['processes'] == [1], fault
@@ -623,20 +625,16 @@ def test_a_whole_job_torn_down_at_once_saves_every_trainer(tmp_path, agents):
   """A JobSet deleted (or a SLURM job cancelled): SIGTERM to every agent
   and to the driver at once. Each trainer must get one stop, not the
   agent's and the driver's: a second cuts its save."""
-  import threading
   port = launch.free_port()
   procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '2'})
   d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1')
 
   def teardown():
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(e['event'] == 'running' for e in _safe_events(tmp_path)):
-      time.sleep(0.05)
     for p in procs.values():
       p.send_signal(signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
 
-  threading.Thread(target=teardown, daemon=True).start()
+  _once_running(tmp_path, teardown)
   assert d.run() == driver.EXIT_OK
   (ev,) = events(tmp_path, 'preempted')
   assert ev['exit'] == {'0': 'status 0', '1': 'status 0'}, ev

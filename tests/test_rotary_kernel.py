@@ -189,20 +189,14 @@ def test_the_flag_says_where_it_does_nothing(bindings, says):
   assert not rk.doubtful(plain, 1) and not [n for n in config_lib.doubtful(plain, 1) if 'rotary_kernel' in n]
 
 
-@pytest.mark.parametrize('scan', [False, True])
-def test_the_model_trains_the_same_with_the_rotary_kernel(monkeypatch, scan):
-  """A bf16 parallel-block model (GQA, a window) through its loss's
-  gradients, with the kernel in the interpreter as if this CPU were an
-  H100, against the same model without the flag: every parameter's
-  gradient the same up to bf16 rounding, and the kernel run once a layer.
-  (No remat: the interpreter runs the kernel through ordered callbacks,
-  which jax.checkpoint refuses; the GPU's kernel is a plain custom call,
-  compiled under the dots_attention policy in tests/test_gpu_target.py.)"""
+def _model_grads(scan: bool, remat: str, jit: bool):
+  """grads(flag): a bf16 parallel-block model's (GQA, a window; heads of 64)
+  every parameter gradient of its loss, with ModelConfig.rotary_kernel = flag."""
   from mjax.config import ModelConfig
   from mjax.model.transformer import Transformer
   cfg = ModelConfig(vocab_size=128, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, dtype='bfloat16',
                     attention_impl='xla', sliding_window=32, fuse_projections='none', scan_layers=scan,
-                    remat_policy='none')
+                    remat_policy=remat)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 64)), jnp.int32)
   params = Transformer(cfg).init(jax.random.key(0), tokens)
 
@@ -212,7 +206,20 @@ def test_the_model_trains_the_same_with_the_rotary_kernel(monkeypatch, scan):
     def loss(p):
       logits = model.apply(p, tokens)
       return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1))
-    return jax.grad(loss)(params)
+    return (jax.jit(jax.grad(loss)) if jit else jax.grad(loss))(params)
+  return grads
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_the_model_trains_the_same_with_the_rotary_kernel(monkeypatch, scan):
+  """A bf16 parallel-block model (GQA, a window) through its loss's
+  gradients, with the kernel in the interpreter as if this CPU were an
+  H100, against the same model without the flag: every parameter's
+  gradient the same up to bf16 rounding, and the kernel run once a layer.
+  (No remat: the interpreter runs the kernel through ordered callbacks,
+  which jax.checkpoint refuses; the GPU's kernel is a plain custom call,
+  compiled under the dots_attention policy in tests/test_gpu_target.py.)"""
+  grads = _model_grads(scan, 'none', jit=False)
 
   without = grads(False)
   calls = []
@@ -256,21 +263,7 @@ def test_the_model_trains_the_same_through_rotary_projections_under_remat(monkey
   """The kernel's custom_vjp under jax.checkpoint, its outputs named for
   the policies (dots_attention keeps them): every parameter's gradient the
   same as the model's without the flag, the kernel standing in as XLA."""
-  from mjax.config import ModelConfig
-  from mjax.model.transformer import Transformer
-  cfg = ModelConfig(vocab_size=128, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256, dtype='bfloat16',
-                    attention_impl='xla', sliding_window=32, fuse_projections='none', scan_layers=scan,
-                    remat_policy=remat)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 64)), jnp.int32)
-  params = Transformer(cfg).init(jax.random.key(0), tokens)
-
-  def grads(flag):
-    model = Transformer(dataclasses.replace(cfg, rotary_kernel=flag))
-
-    def loss(p):
-      logits = model.apply(p, tokens)
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1))
-    return jax.jit(jax.grad(loss))(params)
+  grads = _model_grads(scan, remat, jit=True)
 
   without = grads(False)
   calls = []

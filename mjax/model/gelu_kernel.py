@@ -42,23 +42,13 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiles:
-  """The kernel's tiling. Each consumer warpgroup owns a (tile_m, tile_n)
-  fp32 accumulator; the two sit side by side along d_ff, so a CTA computes
-  (tile_m, 2 * tile_n). Shared memory: the pipeline's stages hold
-  (tile_m + 2 tile_n) x tile_k bf16 each; the epilogue, per warpgroup, the
-  tile's u (then GeLU(u)), tile_m x tile_n, and two (epi_m, epi_n) slots of
-  du. 128 x 128 x 64 with 3 stages and 64 x 32 sub-tiles: 144 + 64 + 16 =
-  224 KiB of an H100's 227."""
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 3
-  epi_m: int = 64
-  epi_n: int = 32
-  # Output tiles are visited in bands `band` tiles wide across d_ff, so that
-  # neighbouring CTAs share their dy rows and Wo columns in the L2 cache.
-  band: int = 8
+class Tiles(hopper.Tiles):
+  """The kernel's tiling: its two warpgroups' tiles side by side along
+  d_ff. Shared memory: the pipeline's stages hold (tile_m + 2 tile_n) x
+  tile_k bf16 each; the epilogue, per warpgroup, the tile's u (then
+  GeLU(u)), tile_m x tile_n, and two (epi_m, epi_n) slots of du. 128 x 128
+  x 64 with 3 stages and 64 x 32 sub-tiles: 144 + 64 + 16 = 224 KiB of an
+  H100's 227."""
 
 
 DEFAULT_TILES = Tiles()

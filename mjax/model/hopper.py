@@ -12,6 +12,7 @@ XLA's kernels for the same values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -72,6 +73,24 @@ def interpret_params(interpret) -> dict:
 
 
 # --- the matmul both kernels are: pieces of jax's hopper_matmul_mgpu ---------------
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """A kernel's tiling (each kernel's own subclass says what its shared
+  memory holds). Each consumer warpgroup owns a (tile_m, tile_n) fp32
+  accumulator and the two sit side by side: a CTA computes (tile_m,
+  2 tile_n), through `stages` pipeline stages of tile_k. Its epilogue works
+  in (epi_m, epi_n) sub-tiles."""
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 3
+  epi_m: int = 64
+  epi_n: int = 32
+  # Output tiles are visited in bands `band` tiles wide along N, so that
+  # neighbouring CTAs share their A rows and B columns in the L2 cache.
+  band: int = 8
+
 
 def swizzled(cols: int, itemsize: int) -> tuple:
   """Shared-memory transforms of a tile whose rows are `cols` elements: the

@@ -39,23 +39,13 @@ from mjax.model import hopper
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiles:
-  """The kernel's tiling. Each consumer warpgroup owns a (tile_m, tile_n)
-  fp32 accumulator, tile_n a head's dims; the two sit side by side, so a
-  CTA computes two heads of tile_m tokens. Shared memory: the pipeline's
-  stages hold (tile_m + 2 tile_n) x tile_k bf16 each; the epilogue, per
-  warpgroup, the tile's cosines and sines, 2 x tile_m x tile_n / 2, which
-  the rotated halves overwrite. 128 x 128 x 64 with 3 stages: 144 + 64 =
-  208 KiB of an H100's 227."""
-  tile_m: int = 128
-  tile_n: int = 128
-  tile_k: int = 64
-  stages: int = 3
-  epi_m: int = 64
-  epi_n: int = 32
-  # Output tiles are visited in bands `band` tiles wide across the heads,
-  # so that neighbouring CTAs share their x rows and W columns in the L2 cache.
-  band: int = 8
+class Tiles(hopper.Tiles):
+  """The kernel's tiling: tile_n is a head's dims, so a CTA computes two
+  heads of tile_m tokens. Shared memory: the pipeline's stages hold
+  (tile_m + 2 tile_n) x tile_k bf16 each; the epilogue, per warpgroup, the
+  tile's cosines and sines, 2 x tile_m x tile_n / 2, which the rotated
+  halves overwrite. 128 x 128 x 64 with 3 stages: 144 + 64 = 208 KiB of an
+  H100's 227."""
 
 
 DEFAULT_TILES = Tiles()
