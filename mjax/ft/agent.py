@@ -387,6 +387,9 @@ class AgentServer:
     # 'another agent ...'): (host, reason), for the driver to name when no
     # agent of a host it waits for gets in.
     self.refusals: dict[str, tuple[Optional[str], str]] = {}
+    # Hosts whose agent said it was stopping (a signal: its node evicted or
+    # drained), until an agent of theirs connects again: not waited for.
+    self.departed: set[str] = set()
     self._farewell = False
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, name='mjax-agent-server', daemon=True)
@@ -695,6 +698,7 @@ class AgentServer:
     self._by_sock[sock] = link
     if old is not None and not old.lost:
       self._lose(old, 'replaced by a new connection from the same host')
+    self.departed.discard(host)
     self._on_event('agent_connected', host=host, address=link.address, pid=link.pid)
 
   def _handle(self, link: AgentLink, msg: dict) -> None:
@@ -721,6 +725,7 @@ class AgentServer:
         self._lose(link, f'send failed: {e}')
     elif kind == 'stopping':
       link.stopping = str(msg.get('signal') or 'a stop signal')
+      self.departed.add(link.host)
       self._on_event('agent_stopping', host=link.host, signal=link.stopping)
     elif kind == 'started':
       h = link.handles.get(msg.get('id'))

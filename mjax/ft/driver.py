@@ -737,7 +737,11 @@ class Driver:
       # At start, every planned host's agent is waited for; after a fault,
       # only enough of them (a lost host must not hold up the restart).
       wanted = hosts_lib.plan_hosts(o.processes, o.hosts, o.spares, self.blocked)
-      candidates = wanted if not self._launched else [h for h in [*o.hosts, *o.spares] if h not in self.blocked]
+      # (Not a host whose agent said it was stopping and went: an evicted
+      # node is not coming back soon; --agent_wait_s for it held the job up.)
+      candidates = wanted if not self._launched else [
+          h for h in [*o.hosts, *o.spares]
+          if h not in self.blocked and not (h in self.agents.departed and self.agents.link(h) is None)]
       self.agents.wait_for(candidates, o.agent_wait_s, enough=min(o.processes, len(candidates)),
                            go_on=lambda: self._signal is None)
       # A host without an agent sits this attempt out (not blocked: its agent
