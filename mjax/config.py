@@ -737,6 +737,16 @@ def _fail(key: str, value, allowed: str):
   raise ConfigError(f'{key} = {value!r} is not allowed: {allowed}.')
 
 
+def several_devices(mesh: MeshConfig, num_devices: Optional[int] = None) -> Optional[str]:
+  """Why a Pallas kernel for one GPU does nothing on this job (None where it
+  runs on one device). `num_devices`: the job's, where known."""
+  several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
+  if not several:
+    return None
+  return (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel runs on '
+          'one GPU (an H100 or H200) only')
+
+
 def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
   """Settings that are valid but rarely what was meant, one sentence each
   (a run prints them as warnings and goes on). `num_devices`: the job's, where
@@ -763,11 +773,9 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
       out.append(f'ModelConfig.gelu_epilogue = True does nothing here: {why} (it needs the MLP\'s input '
                  f'product on its own and the tanh GeLU)')
   if m.gelu_backward_kernel:
-    why = None
-    several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
-    if several:
-      why = (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel '
-             'runs on one GPU (an H100 or H200) only')
+    why = several_devices(mesh, num_devices)
+    if why is not None:
+      pass
     elif not m.gelu_approximate:
       why = 'ModelConfig.gelu_approximate = False asks for the exact (erf) GeLU, and the kernel has the tanh one'
     elif m.remat_policy in ('none', 'dots_attention_mlp'):

@@ -58,12 +58,7 @@ def _try_lock(directory: str, wait_s: float) -> Optional[dict]:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       break
     except BlockingIOError:
-      try:
-        with open(os.path.join(directory, LOCK_FILE)) as fh:
-          holder = jsonfile.load(fh)
-      except (OSError, ValueError):
-        holder = {}
-      holder = holder if isinstance(holder, dict) else {}
+      holder = _holder(directory)
       if time.monotonic() >= deadline:
         os.close(fd)
         return holder
@@ -99,6 +94,17 @@ def unlock_run(directories: list[str]) -> None:
       except OSError:
         pass
       os.close(held[0])   # closing the descriptor releases its flock
+
+
+def _holder(directory: str) -> dict:
+  """What the holder of `directory`'s run lock wrote about itself ({} where
+  that cannot be read)."""
+  try:
+    with open(os.path.join(directory, LOCK_FILE)) as fh:
+      holder = jsonfile.load(fh)
+  except (OSError, ValueError):
+    return {}
+  return holder if isinstance(holder, dict) else {}
 
 
 def _describe_holder(holder: dict) -> str:
@@ -148,12 +154,8 @@ def _held_outside_a_driver(directory: str) -> Optional[str]:
     fcntl.flock(fd, fcntl.LOCK_UN)
     return None
   except BlockingIOError:
-    try:
-      with open(os.path.join(directory, LOCK_FILE)) as fh:
-        holder = jsonfile.load(fh)
-    except (OSError, ValueError):
-      return None
-    return _describe_holder(holder) if isinstance(holder, dict) and holder.get('job') is None else None
+    holder = _holder(directory)
+    return _describe_holder(holder) if holder and holder.get('job') is None else None
   except OSError:   # no flock on this filesystem
     return None
   finally:

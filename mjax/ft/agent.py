@@ -1004,12 +1004,13 @@ class Agent:
     grace, cutting their save). Returns the time by which the agent goes
     whatever they do: the steps to the agreed one, a save and a heartbeat
     timeout (a second signal goes at once)."""
-    print(f'mjax-agent: {self.host}: received {signal.Signals(self._signal).name}: stopping its trainers, which save at the step every '
+    name = signal.Signals(self._signal).name
+    print(f'mjax-agent: {self.host}: received {name}: stopping its trainers, which save at the step every '
           f'process agrees on; a second signal stops them at once', file=sys.stderr, flush=True)
     self._stopping = True
     # The driver counts its trainers' exits as a stop (a signal in start-up
     # exits 143), not as a fault of this host to diagnose.
-    self._send({'kind': 'stopping', 'signal': signal.Signals(self._signal).name})
+    self._send({'kind': 'stopping', 'signal': name})
     for ident, p in self.procs.items():
       if p.poll() is None and ident not in self._termed:   # (the driver's own stop may have come first)
         self._termed.add(ident)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mjax import config as config_lib
 from mjax.model import hopper
 
 
@@ -100,10 +101,9 @@ def doubtful(cfg, num_devices: int | None = None) -> list[str]:
   m, mesh = cfg.model, cfg.mesh
   if not m.rotary_kernel:
     return []
-  several = num_devices > 1 if num_devices else any(s > 1 for s in (*mesh.ici_shape(), *mesh.dcn_shape()))
-  if several:
-    why = (f'the mesh has {f"{num_devices} devices" if num_devices else "several devices"}, and the kernel '
-           'runs on one GPU (an H100 or H200) only')
+  why = config_lib.several_devices(mesh, num_devices)
+  if why is not None:
+    pass
   elif m.rotary_fraction != 1.0:
     why = (f'ModelConfig.rotary_fraction = {m.rotary_fraction} rotates part of each head, and the kernel '
            'rotates whole heads')
