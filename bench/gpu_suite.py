@@ -25,7 +25,9 @@ Sections, each independent (one failing never stops the next):
              row: every matrix product of the step timed alone, and the
              MFU ceiling they set.
 
---experiments adds MFU rows for XLA options under trial (EXPERIMENT_ROWS).
+--experiments adds MFU rows for XLA options under trial (EXPERIMENT_ROWS), and
+times each kernel at other tilings (GELU_TILINGS, ROTARY_TILINGS) beside the
+plain products: XLA's and jax's own Hopper matmul with no epilogue.
 --baseline DIR runs every MFU row a second time in another source tree (the
 code before a change, `make baseline REF=<commit>`), right after this one's.
 Everything runs under one deadline (--budget_s); rows that do not fit are
@@ -36,6 +38,7 @@ DIR/gpu_suite.md and DIR/gpu_suite.json with every sub-process log.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -675,10 +678,112 @@ def check_kernels(suite: Suite):
          2 * m * e * heads * hd)
   suite.say()
   suite.results['kernels'] = dict(gelu=gelu_rows, rotary=rope_rows)
+  if getattr(suite.args, 'experiments', False):
+    _kernel_tilings(suite, timed, rel, tiles, rtiles, gelu=(dy, wo, u, ref_du), rope=(x, w, positions, ref, hd))
   worst = max(gelu_rows[0]['du'], gelu_rows[0]['g'], rope_rows[0]['q_k'])   # the kernels' (XLA's rows compare)
   return worst < tol, f'kernels\' worst relative error {worst:.2e} (tolerance {tol})' + (
       f'; GeLU backward {gelu_rows[0]["ms"]:.3f} ms against XLA\'s {gelu_rows[1]["ms"]:.3f}, rotary '
       f'{rope_rows[0]["ms"]:.3f} against {rope_rows[1]["ms"]:.3f}' if not smoke else '')
+
+
+# Tilings the kernels section times with --experiments, each a change of one
+# or two of the default's fields; all of them lower for sm_90 (checked in a
+# deviceless compile, tests/test_bench_suites.py) and fit the shared memory.
+# The kernels' defaults are jax's own Hopper matmul's tiles; which of these a
+# GPU runs fastest at 1p3b's shapes is what one call can tell.
+GELU_TILINGS = [
+    ('L2 bands of 4 tiles', dict(band=4)),
+    ('L2 bands of 16 tiles', dict(band=16)),
+    ('2 stages', dict(stages=2)),
+    ('tile_k 32, 5 stages', dict(tile_k=32, stages=5)),
+    ('warpgroup tiles 128 x 64, 4 stages', dict(tile_n=64, stages=4)),
+    ('warpgroup tiles 128 x 64, 5 stages, epilogue 64 x 64', dict(tile_n=64, stages=5, epi_n=64)),
+    ('epilogue sub-tiles 128 x 16', dict(epi_m=128, epi_n=16)),
+    ('2 stages, epilogue sub-tiles 64 x 64', dict(stages=2, epi_n=64)),
+]
+ROTARY_TILINGS = [
+    ('L2 bands of 4 tiles', dict(band=4)),
+    ('L2 bands of 16 tiles', dict(band=16)),
+    ('2 stages', dict(stages=2)),
+    ('tile_k 32, 5 stages', dict(tile_k=32, stages=5)),
+    ('epilogue sub-tiles 64 x 64', dict(epi_n=64)),
+    ('epilogue sub-tiles 128 x 16', dict(epi_m=128, epi_n=16)),
+]
+# At the smoke shapes, in the interpreter: the sweep's own code, one tiling each.
+SMOKE_TILINGS = [('L2 bands of 1 tile, 3 stages', dict(band=1, stages=3))]
+
+
+def _kernel_tilings(suite: Suite, timed, rel, gelu_tiles, rope_tiles, *, gelu, rope):
+  """Each kernel timed at other tilings, beside the plain products: XLA's
+  (cuBLAS) and, on a GPU, jax's own Hopper matmul with no epilogue at the
+  kernel's tiles. A kernel slower than XLA's product and pass is either its
+  matmul (the Pallas matmul alone is as slow) or its epilogue (it is not):
+  the table says which, and which tiling to make the default."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  from mjax.model import gelu_kernel as gk
+  from mjax.model import rotary_kernel as rk
+
+  smoke = suite.args.smoke
+  interp = dict(interpret=True, grid=3) if smoke else {}
+
+  def pallas_matmul(a, b, t):
+    # jax's own kernel, as the GPU's jax has it: a missing or changed API is a
+    # row that says so, not a failed section.
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+    config = hm.TuningConfig(tile_m=t.tile_m, tile_n=t.tile_n, tile_k=t.tile_k, max_concurrent_steps=t.stages,
+                             epi_tile_m=t.epi_m, epi_tile_n=64, grid_tile_width=t.band)
+    return hm.matmul(a, b, None, config)
+
+  def sweep(title, flops, default, variants, kernel, args, ref, product):
+    rows = []
+    candidates = [('default ' + str(default), default)]
+    for name, change in (SMOKE_TILINGS if smoke else variants):
+      candidates.append((name, dataclasses.replace(default, **change)))
+    for name, t in candidates:
+      try:
+        out, ms = timed(jax.jit(functools.partial(kernel, tiles=t)), *args)
+        rows.append(dict(name=name, error=rel(out, ref), ms=ms))
+      except Exception as e:   # a tiling this GPU's lowering refuses: the others still run
+        rows.append(dict(name=name, error=None, ms=None, failed=f'{type(e).__name__}: {str(e)[:160]}'))
+    plain = [('XLA: the product alone', lambda a, b, t: a @ b)]
+    if not smoke:
+      plain.append(('jax\'s Hopper matmul alone, the default\'s tiles', pallas_matmul))
+    for name, f in plain:
+      try:
+        _, ms = timed(jax.jit(functools.partial(f, t=default)), *product)
+        rows.append(dict(name=name, error=None, ms=ms))
+      except Exception as e:
+        rows.append(dict(name=name, error=None, ms=None, failed=f'{type(e).__name__}: {str(e)[:160]}'))
+    suite.say(f'\n### {title}: tilings (--experiments)\n')
+    suite.say('| tiling | relative error | ms | TFLOP/s |')
+    suite.say('|---|---|---|---|')
+    for r in rows:
+      err = f'{r["error"]:.1e}' if r['error'] is not None else ''
+      ms, speed = (f'{r["ms"]:.3f}', f'{flops / r["ms"] / 1e9:,.0f}') if r.get('ms') else \
+          (r.get('failed', '-'), '-')
+      suite.say(f'| {r["name"]} | {err} | {ms} | {speed} |')
+    return rows
+
+  dy, wo, u, ref_du = gelu
+  m, n, k = u.shape[0], u.shape[1], dy.shape[1]
+  wo_t = jnp.asarray(wo.T)
+  gelu_rows = sweep(f'GeLU backward, {m}x{k} by {k}x{n}', 2 * m * n * k, gelu_tiles, GELU_TILINGS,
+                    lambda dy, wo_t, u, tiles: gk.dgelu_product(dy, wo_t, u, True, tiles=tiles, **interp)[0],
+                    (dy, wo_t, u), ref_du, (dy, wo_t))
+  x, w, positions, ref, hd = rope
+  q_columns = w.shape[1] // 2
+  cos_sin = rk.tables(positions, hd, 1e4)
+  rope_rows = sweep(f'Rotary, {x.shape[0]}x{x.shape[1]} by {w.shape[0]}x{w.shape[1]}',
+                    2 * x.shape[0] * w.shape[0] * w.shape[1], rope_tiles, ROTARY_TILINGS,
+                    lambda x, w, cs, tiles: jnp.concatenate(
+                        rk.rotary_product(x, w, cs, q_columns, tiles=tiles, **interp), axis=1),
+                    (x, w, cos_sin), ref, (x, w))
+  suite.say()
+  suite.results['kernels'].update(gelu_tilings=gelu_rows, rotary_tilings=rope_rows)
 
 
 # --- variants ----------------------------------------------------------------

@@ -180,8 +180,8 @@ def test_the_kernels_section_checks_both_kernels_against_fp32():
   # section a GPU run starts with, and its tables, before any GPU sees it.
   import types
   lines = []
-  suite = types.SimpleNamespace(args=types.SimpleNamespace(smoke=True), say=lambda line='': lines.append(line),
-                                results={})
+  suite = types.SimpleNamespace(args=types.SimpleNamespace(smoke=True, experiments=True),
+                                say=lambda line='': lines.append(line), results={})
   ok, detail = SUITE.check_kernels(suite)
   assert ok, detail
   kernel, xla = suite.results['kernels']['gelu']
@@ -190,6 +190,13 @@ def test_the_kernels_section_checks_both_kernels_against_fp32():
   assert kernel['q_k'] < 4e-3 and xla['q_k'] < 1e-2   # fp32 inside, fp16 tables, rounded once
   for name in ('gelu_backward_kernel', 'rotary_kernel'):
     assert any(line.startswith(f'| Pallas kernel ({name}) |') for line in lines), lines
+  # --experiments: each kernel again at other tilings, beside XLA's product
+  # alone (on CPU two tilings each, in the interpreter), values checked.
+  for key in ('gelu_tilings', 'rotary_tilings'):
+    rows = suite.results['kernels'][key]
+    assert [r['name'] for r in rows][1:] == [n for n, _ in SUITE.SMOKE_TILINGS] + ['XLA: the product alone'], rows
+    assert all(r['error'] < 4e-3 for r in rows[:-1]) and not any('failed' in r for r in rows), rows
+  assert sum(line.startswith('| tiling |') for line in lines) == 2, lines
 
 
 def test_dot_budget_finds_every_product_with_its_runs_per_step_and_times_it():

@@ -437,3 +437,41 @@ def test_the_rotary_kernel_writes_q_and_k_rotated_for_attention_to_read(one_gpu)
   assert kernel['products'] < plain['products']   # q's and k's cuBLAS products are the kernel's
   wide = one_gpu['rotary kernel, heads of 128']
   assert wide['mosaic_kernels'] == 2 and wide['mosaic_results'][0] == f'(bf16[{rows},256]{{1,0}}, bf16[{rows},256]{{1,0}})'
+
+
+TILINGS_SCRIPT = textwrap.dedent('''
+    import dataclasses, importlib.util, json, sys
+    from mjax.parallel import gpu_target
+    gpu_target.keep_local_backend_cpu()
+    import jax, jax.numpy as jnp
+    from mjax.model import gelu_kernel as gk, rotary_kernel as rk
+    spec = importlib.util.spec_from_file_location('gpu_suite', 'bench/gpu_suite.py')
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    device = gpu_target.topology_devices(gpu_target.parse_target('h100:1'))[0]
+    at = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                             sharding=jax.sharding.SingleDeviceSharding(device))
+    m, n, k, hd = 16 * 2048, 8192, 2048, 128      # 1p3b, as the kernels section times them
+    results = {}
+    for name, change in [(None, {})] + suite.GELU_TILINGS:
+      t = dataclasses.replace(gk.DEFAULT_TILES, **change)
+      f = lambda dy, wo_t, u, t=t: gk.dgelu_product(dy, wo_t, u, True, tiles=t)
+      jax.jit(f).lower(at(m, k), at(k, n), at(m, n)).compile()
+      results[f'gelu {name}'] = gk.runs_on_a_gpu(t) and gk.fits(m, n, k, t)
+    for name, change in [(None, {})] + suite.ROTARY_TILINGS:
+      t = dataclasses.replace(rk.tiles_for(hd), **change)
+      f = lambda x, w, cs, t=t: rk.rotary_product(x, w, cs, 16 * hd, tiles=t)
+      jax.jit(f).lower(at(m, k), at(k, 32 * hd), at(2, m, hd // 2)).compile()
+      results[f'rotary {name}'] = rk.runs_on_a_gpu(t) and rk.fits(m, 16 * hd, 16 * hd, k, hd, t)
+    print(json.dumps(results))
+''')
+
+
+@pytest.mark.slow
+def test_every_tiling_the_gpu_suite_times_lowers_for_a_hopper_gpu():
+  """The kernels section's --experiments sweep (bench/gpu_suite.py) spends
+  device time on each tiling: each must lower for sm_90 at 1p3b's shapes,
+  and pass the kernels' own checks, before a GPU sees it."""
+  results = run_child(TILINGS_SCRIPT, {})
+  assert len(results) > 2, results   # the defaults and the sweep's
+  assert all(results.values()), results
