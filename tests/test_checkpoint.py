@@ -1877,3 +1877,33 @@ def test_a_replicated_state_is_saved_without_compiling_a_program_per_slice(tmp_p
   assert restored.step == 1
   for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(host)):
     np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_an_old_step_that_cannot_be_deleted_stays_and_the_run_saves_on(tmp_path, monkeypatch, caplog):
+  """Orbax deletes the steps beyond `keep` in a save's finalize thread, once
+  the new step has committed, and raised a step it could not delete (a
+  file in it held open on NFS: EBUSY; its permissions; an immutable
+  directory) as that save's failure: a traceback and exit 1, or, for
+  EPERM, 'the tier takes no more files' (exit 2), with the save intact. The
+  step stays, said once; the saves go on."""
+  import errno
+  import shutil
+  state = {'w': jax.numpy.arange(8, dtype=jax.numpy.float32)}
+  directory = tmp_path / 'ckpt'
+  ck = Checkpointer(C.CheckpointConfig(directory=str(directory), keep=1), str(tmp_path / 'run'))
+  rmtree = shutil.rmtree
+
+  def held_open(path, *args, **kwargs):
+    if os.path.basename(str(path).rstrip('/')) == '1':
+      raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
+    return rmtree(path, *args, **kwargs)
+  monkeypatch.setattr(shutil, 'rmtree', held_open)
+  try:
+    for step in (1, 2, 3):
+      ck.save(step, state, {}, {}, force=True)
+      ck.wait()
+  finally:
+    ck.close()
+  assert directories.steps_in(str(directory)) == [3, 1]   # 2 deleted; 1 left, with what it held
+  said = [r.getMessage() for r in caplog.records if 'could not be deleted' in r.getMessage()]
+  assert len(said) == 1 and f'{directory}/1' in said[0] and 'Device or resource busy' in said[0], said

@@ -113,6 +113,11 @@ def held_bytes(tree: Any) -> int:
   return total
 
 
+def keep_key_of(name: str) -> str:
+  """The CheckpointConfig field that sets how many steps tier `name` keeps."""
+  return 'fast_keep' if name == 'fast' else 'keep'
+
+
 def _async_options(timeout_s: float) -> ocp.options.AsyncOptions:
   """Orbax's options for saves written in the background: its deadline
   (CheckpointConfig.io_timeout_s, whole seconds), and directories made in
@@ -228,6 +233,39 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
     finally:
       handler.close()
   return Restored(step=int(step), state=state, data=out['data'] or None, meta=out['meta'] or {}, path=path)
+
+
+class _OldStepsMayStay:
+  """Orbax's deleter of a tier's steps beyond `keep`, with a step that
+  cannot be deleted left where it is, said once. Orbax deletes them in a
+  save's finalize thread after the new step has committed, and raised such
+  a failure (a file in the step held open on NFS: EBUSY; its permissions;
+  an immutable directory) as the failure of that save: the run ended with
+  Orbax's traceback (exit 1), or, for EPERM, as a tier that "takes no more
+  files" (exit 2), the step it had just saved intact. The tier holds a step
+  more than `keep` instead; a later start deletes it (Orbax lists the disk
+  when it opens)."""
+
+  def __init__(self, deleter: Any, directory: str, keep: str):
+    self._deleter, self._directory, self._keep = deleter, directory, keep   # keep: 'CheckpointConfig.keep = 3'
+
+  def delete(self, step: int) -> None:
+    # A step deleted on purpose (`CheckpointManager.delete`: one to be saved
+    # afresh) must go, or its save fails: raised as before.
+    self._deleter.delete(step)
+
+  def delete_steps(self, steps) -> None:
+    for step in steps:
+      try:
+        self._deleter.delete(step)
+      except OSError as e:
+        log.warning('old checkpoint %s (beyond %s) could not be deleted: %s. It stays (perhaps in part: '
+                    'a later start skips it if it is no longer readable); the newer steps are saved as usual. '
+                    'Delete it by hand to free its space.', os.path.join(self._directory, str(step)), self._keep,
+                    e.strerror or e)
+
+  def close(self) -> None:
+    self._deleter.close()
 
 
 class Checkpointer:
@@ -358,6 +396,9 @@ class Checkpointer:
               barrier_sync_key_prefix=f'mjax_{name}'),
           async_options=_async_options(cfg.io_timeout_s))
       manager = ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
+      if hasattr(manager, '_checkpoint_deleter'):   # an Orbax without it keeps its own behaviour
+        manager._checkpoint_deleter = _OldStepsMayStay(manager._checkpoint_deleter, directory,
+                                                       f'CheckpointConfig.{keep_key_of(name)} = {keep}')
       self.tiers.append(_Tier(name, directory, every, keep, manager))
 
   def due(self, step: int) -> bool:
