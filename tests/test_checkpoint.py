@@ -1307,6 +1307,18 @@ def test_a_disk_too_small_for_the_checkpoints_is_said_at_start_up(tmp_path, monk
   os.rmdir(tmp_path / 'ckpt' / '30')
   assert tier.space_warnings(2 * gib) == []
   tier.close()
+  # The fast tier's count is fast_keep, and a small state's sizes read in
+  # MiB: it said "keep = 2", "~0.00 GiB (0.01 GiB free)", "or lower keep".
+  mib = 2 ** 20
+  cfg = C.CheckpointConfig(directory=str(tmp_path / 'ckpt2'), fast_every=5, fast_keep=2,
+                           fast_directory=str(tmp_path / 'fast'))
+  tier = Checkpointer(cfg, str(tmp_path / 'run2'))
+  monkeypatch.setattr(checkpointer.shutil, 'disk_usage', lambda p: usage(100 * gib, 100 * gib - 9 * mib, 9 * mib))
+  fast = [w for w in tier.space_warnings(3.5 * mib) if 'the fast tier' in w]
+  assert len(fast) == 1 and 'room for 2 more checkpoint(s) of ~3.5 MiB (9.0 MiB free)' in fast[0], fast
+  assert 'fewer than CheckpointConfig.fast_keep = 2 needs (3 more' in fast[0]
+  assert fast[0].endswith('or lower CheckpointConfig.fast_keep.'), fast
+  tier.close()
 
 
 def test_a_disk_that_fills_during_training_is_said_once_with_no_tracebacks(tmp_path, repo_root):

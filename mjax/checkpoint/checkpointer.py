@@ -113,6 +113,11 @@ def held_bytes(tree: Any) -> int:
   return total
 
 
+def _size(n: float) -> str:
+  """A size as the space warnings say it: GiB, or MiB where that would read 0.00 GiB."""
+  return f'{n / 2**20:,.1f} MiB' if n < 2**30 / 10 else f'{n / 2**30:,.2f} GiB'
+
+
 def keep_key_of(name: str) -> str:
   """The CheckpointConfig field that sets how many steps tier `name` keeps."""
   return 'fast_keep' if name == 'fast' else 'keep'
@@ -433,18 +438,18 @@ class Checkpointer:
         continue
       keep = t.keep
       room = int(free // max(need, 1))
-      key, gib = tier_key(t.name), lambda b: f'{b / 2**30:,.2f} GiB'
+      key, keep_key = tier_key(t.name), keep_key_of(t.name)
       where = f'CheckpointConfig.{key} = {t.directory!r} (the {t.name} tier' + (
           ', this process\'s part; the other processes on this machine write theirs beside it)' if t.host else ')')
       if room < 1:
-        out.append(f'{where} has {gib(free)} free, less than one checkpoint of this train state '
-                   f'(~{gib(need)}): its first save will fail and stop the run (exit status 2; earlier '
+        out.append(f'{where} has {_size(free)} free, less than one checkpoint of this train state '
+                   f'(~{_size(need)}): its first save will fail and stop the run (exit status 2; earlier '
                    f'checkpoints stay intact). Make room there or point CheckpointConfig.{key} elsewhere.')
       elif room < keep + 1 - have:
-        out.append(f'{where} has room for {room} more checkpoint(s) of ~{gib(need)} ({gib(free)} free), '
-                   f'fewer than keep = {keep} needs ({keep + 1 - have} more: a new step is written before the '
-                   f'oldest is deleted): a save will fail and stop the run once the disk fills. Make room '
-                   f'there, or lower keep.')
+        out.append(f'{where} has room for {room} more checkpoint(s) of ~{_size(need)} ({_size(free)} free), '
+                   f'fewer than CheckpointConfig.{keep_key} = {keep} needs ({keep + 1 - have} more: a new step is '
+                   f'written before the oldest is deleted): a save will fail and stop the run once the disk '
+                   f'fills. Make room there, or lower CheckpointConfig.{keep_key}.')
     return out
 
   def save(self, step: int, state: Any, data: Optional[dict], meta: dict, force: bool = False) -> list[str]:
