@@ -812,6 +812,25 @@ def _positive(section, *names, allow_zero=False):
             'must be >= 0' if allow_zero else 'must be a positive number')
 
 
+# The model and the optimizer compute these settings as 32-bit floats.
+_F32_MAX = 3.4028234663852886e38
+_F32_TINY = 1.1754943508222875e-38   # the smallest normal float32; XLA flushes smaller ones to 0
+
+
+def _float32(section, *names):
+  """Refuses a value that a 32-bit float makes inf or 0: rope_theta = 1e300
+  trained a model without positions, init_std = 1e300 a nan loss (exit 3,
+  which advises skipping data), clip_norm = 1e-320 a model that never
+  learned, all without a word about the value."""
+  for n in names:
+    v = getattr(section, n)
+    if v and not _F32_TINY <= abs(v) <= _F32_MAX:
+      _fail(f'{type(section).__name__}.{n}', v,
+            f'it is computed as a 32-bit float, where it would be {"inf" if abs(v) > _F32_MAX else "0"}; '
+            f'give a value between {_F32_TINY:.3g} and {_F32_MAX:.3g}'
+            + (' (or 0: off)' if n in ('weight_decay', 'clip_norm') else ''))
+
+
 # Token ids, positions and per-head sizes are 32-bit integers in the model.
 _INT32_MAX = 2 ** 31 - 1
 
@@ -927,6 +946,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim',
             'd_ff', 'norm_eps', 'rope_theta', 'init_std')
   _positive(m, 'full_attention_every', allow_zero=True)
+  _float32(m, 'norm_eps', 'rope_theta', 'init_std')
   _below_int32(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                'sliding_window')
   if m.head_dim is None and m.d_model % m.n_heads:
@@ -980,6 +1000,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json")
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
+  _float32(o, 'learning_rate', 'eps', 'weight_decay', 'clip_norm')
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     _fail('OptimConfig.min_lr_ratio', o.min_lr_ratio, 'must be in [0, 1]')
   for b in ('b1', 'b2'):

@@ -117,6 +117,16 @@ def test_resolved_config_round_trips(tmp_path):
      ['ModelConfig.d_model = 132', 'FSDP size 8']),
     ('TrainConfig.xla_extra_flags = "xla_gpu_enable_latency_hiding_scheduler=false"',
      ["'xla_gpu_enable_latency_hiding_scheduler=false' is not", '--name or --name=value']),
+    # Finite, but inf or 0 as the 32-bit floats the model and optimizer use:
+    # trained without positions, to a nan loss, or without learning.
+    ('ModelConfig.rope_theta = 1e300', ['ModelConfig.rope_theta = 1e+300', '32-bit float', 'would be inf']),
+    ('ModelConfig.rope_theta = 1e-320', ['ModelConfig.rope_theta = 1e-320', 'would be 0']),
+    ('ModelConfig.init_std = 1e300', ['ModelConfig.init_std = 1e+300', 'would be inf']),
+    ('ModelConfig.norm_eps = 1e39', ['ModelConfig.norm_eps = 1e+39', 'would be inf']),
+    ('OptimConfig.learning_rate = 1e300', ['OptimConfig.learning_rate = 1e+300', 'would be inf']),
+    ('OptimConfig.eps = 1e300', ['OptimConfig.eps = 1e+300', 'would be inf']),
+    ('OptimConfig.clip_norm = 1e-320', ['OptimConfig.clip_norm = 1e-320', 'would be 0', '(or 0: off)']),
+    ('OptimConfig.weight_decay = 1e300', ['OptimConfig.weight_decay = 1e+300', 'would be inf']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
