@@ -1001,6 +1001,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
   _float32(o, 'learning_rate', 'eps', 'weight_decay', 'clip_norm')
+  if o.warmup_steps >= 2**31:
+    # The warm-up clips the int32 step counter to it (a larger one was an
+    # OverflowError traceback when the step compiled).
+    _fail('OptimConfig.warmup_steps', o.warmup_steps,
+          'must be below 2**31 (2,147,483,648): the warm-up compares it with the 32-bit step counter')
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     _fail('OptimConfig.min_lr_ratio', o.min_lr_ratio, 'must be in [0, 1]')
   for b in ('b1', 'b2'):

@@ -127,6 +127,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('OptimConfig.eps = 1e300', ['OptimConfig.eps = 1e+300', 'would be inf']),
     ('OptimConfig.clip_norm = 1e-320', ['OptimConfig.clip_norm = 1e-320', 'would be 0', '(or 0: off)']),
     ('OptimConfig.weight_decay = 1e300', ['OptimConfig.weight_decay = 1e+300', 'would be inf']),
+    # The warm-up clips the int32 step counter to it.
+    ('OptimConfig.warmup_steps = 1000000000000', ['warmup_steps = 1000000000000', 'below 2**31']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
