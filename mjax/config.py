@@ -728,6 +728,12 @@ def _check_types(section):
       raise ConfigError(
           f'{type(section).__name__}.{f.name} = {value!r} has the wrong type or value; '
           f'allowed: {_describe(hints[f.name])}.')
+    if isinstance(value, str) and '\x00' in value:
+      # No path, name or flag holds one; as a path it was a ValueError
+      # traceback (embedded null byte) wherever it was first opened.
+      raise ConfigError(
+          f'{type(section).__name__}.{f.name} = {_elided(value)!r} holds a NUL character (\\x00), which no '
+          f'path, name or flag can contain; give the value without it.')
     if norm is not value:
       changes[f.name] = norm
   return dataclasses.replace(section, **changes) if changes else section

@@ -129,6 +129,9 @@ def test_resolved_config_round_trips(tmp_path):
     ('OptimConfig.weight_decay = 1e300', ['OptimConfig.weight_decay = 1e+300', 'would be inf']),
     # The warm-up clips the int32 step counter to it.
     ('OptimConfig.warmup_steps = 1000000000000', ['warmup_steps = 1000000000000', 'below 2**31']),
+    # A path with a NUL was a ValueError traceback where it was first opened.
+    ('CheckpointConfig.directory = "ck\\x00pt"', ["CheckpointConfig.directory = 'ck\\x00pt'", 'NUL character']),
+    ('TrainConfig.compilation_cache_dir = "\\x00"', ['TrainConfig.compilation_cache_dir', 'NUL character']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
