@@ -963,6 +963,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('ModelConfig.n_kv_heads', m.n_kv_heads,
           f'must divide ModelConfig.n_heads = {m.n_heads} (divisors: {_divisors(m.n_heads)})')
   if m.dim_per_head % 2:
+    if m.head_dim is None:   # d_model // n_heads: the user set those, not head_dim
+      _fail('ModelConfig.d_model', m.d_model,
+            f'with ModelConfig.n_heads = {m.n_heads} it makes heads of {m.dim_per_head} dims, and rotary '
+            f'embeddings need an even head dimension: make d_model / n_heads even, or set ModelConfig.head_dim')
     _fail('ModelConfig.head_dim', m.dim_per_head, 'rotary embeddings need an even head dimension')
   if not 0 < m.rotary_fraction <= 1 or int(m.dim_per_head * m.rotary_fraction) % 2:
     _fail('ModelConfig.rotary_fraction', m.rotary_fraction,

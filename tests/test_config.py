@@ -132,6 +132,8 @@ def test_resolved_config_round_trips(tmp_path):
     # A path with a NUL was a ValueError traceback where it was first opened.
     ('CheckpointConfig.directory = "ck\\x00pt"', ["CheckpointConfig.directory = 'ck\\x00pt'", 'NUL character']),
     ('TrainConfig.compilation_cache_dir = "\\x00"', ['TrainConfig.compilation_cache_dir', 'NUL character']),
+    # head_dim comes from d_model / n_heads: those are what to change.
+    ('ModelConfig.d_model = 260', ['ModelConfig.d_model = 260', 'n_heads = 4', 'heads of 65 dims']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
