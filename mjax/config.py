@@ -302,6 +302,7 @@ class MeshConfig:
 
 
 FAST_SCOPES = ('shared', 'host')
+MAX_PREFETCH = 1024   # DataConfig.prefetch's ceiling (see validate)
 
 
 @gin.configurable
@@ -997,6 +998,13 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
 
   _positive(d, 'seq_len', 'num_threads')
   _positive(d, 'prefetch', allow_zero=True)
+  if d.prefetch > MAX_PREFETCH:
+    # grain starts reading every one of them before it hands over the first
+    # batch, and keeps them all in host memory: 10**12 never started (its
+    # memory grew until the host ran out), 10**5 took 10 s to its first batch.
+    _fail('DataConfig.prefetch', d.prefetch,
+          f'must be at most {MAX_PREFETCH:,} batches: they are all read before the first step and held in host '
+          f'memory, and two keep the step fed (the default)')
   if not 0.0 < d.heldout_fraction < 1.0:
     _fail('DataConfig.heldout_fraction', d.heldout_fraction, 'must be strictly between 0 and 1')
   if d.mixture is None and d.source != 'stdlib' and not os.path.exists(os.path.expanduser(d.source)):

@@ -134,6 +134,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('TrainConfig.compilation_cache_dir = "\\x00"', ['TrainConfig.compilation_cache_dir', 'NUL character']),
     # head_dim comes from d_model / n_heads: those are what to change.
     ('ModelConfig.d_model = 260', ['ModelConfig.d_model = 260', 'n_heads = 4', 'heads of 65 dims']),
+    # grain reads them all before the first batch: 10**12 never started.
+    ('DataConfig.prefetch = 1000000000000', ['DataConfig.prefetch = 1000000000000', 'at most 1,024 batches']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
