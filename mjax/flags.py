@@ -57,6 +57,11 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Nam
           p.error(f'{tok} needs a value: {tok}=VALUE')
         i += 1
         value = argv[i]
+      if not value.strip():
+        # gin reads 'KEY = ' as nothing ('Unable to parse value'); most often
+        # a shell variable that is not set (--gin.DataConfig.source=$DATA).
+        p.error(f'{GIN_PREFIX}{key} has an empty value (an unset shell variable?): give one, '
+                f'{GIN_PREFIX}{key}=VALUE, or {GIN_PREFIX}{key}="\'\'" for an empty string')
       # As a --gin_param of its own, where it stands: argparse keeps the order.
       tok = '--gin_param=' + config_lib.override_to_binding(key, value)
     spelled.append(tok)

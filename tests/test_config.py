@@ -22,7 +22,7 @@ def test_tiny_loads_with_base_include():
   assert cfg.model.block == 'parallel' and cfg.optim.b2 == 0.95
 
 
-def test_both_override_forms_and_later_wins():
+def test_both_override_forms_and_later_wins(capsys):
   parser = flags.parser('t', 't')
   args, bindings = flags.parse(parser, [
       '--gin_file', 'tiny.gin', '--gin_param', 'TrainConfig.steps = 30',
@@ -45,6 +45,13 @@ def test_both_override_forms_and_later_wins():
     assert C.load_config(['tiny.gin'], bindings, num_devices=8).train.steps == steps, argv
   with pytest.raises(SystemExit):
     flags.parse(flags.parser('t', 't'), ['--gin.TrainConfig.steps=5', '--stepz', '3'])
+  # An empty value (an unset variable) is named, not gin's 'Unable to parse value'.
+  for argv in (['--gin.DataConfig.source='], ['--gin.DataConfig.source', ' ']):
+    with pytest.raises(SystemExit):
+      flags.parse(flags.parser('t', 't'), argv)
+    assert 'DataConfig.source has an empty value' in capsys.readouterr().err
+  _, bindings = flags.parse(flags.parser('t', 't'), ["--gin.DataConfig.file_pattern=''"])
+  assert bindings == ["DataConfig.file_pattern = ''"]
   # From Python: numbers and path objects as a shell would pass them.
   import pathlib
   args, bindings = flags.parse(flags.parser('t', 't'), ['--gin_file', pathlib.Path('tiny.gin'), '--gin.TrainConfig.steps', 7])
