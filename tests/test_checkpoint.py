@@ -1673,6 +1673,26 @@ def test_two_tiers_in_one_directory_are_refused(tmp_path):
     Checkpointer(C.CheckpointConfig(fast_every=1, fast_directory=fast, fast_scope=scope), workdir).close()
 
 
+def test_a_tier_that_holds_the_workdir_is_refused(tmp_path, monkeypatch):
+  # CheckpointConfig.directory = '/' saved into the root, and its claim made
+  # every other run's workdir and every tool's output on the machine
+  # count as inside this run's checkpoints.
+  from mjax.checkpoint.directories import OWNER_FILE
+  workdir = tmp_path / 'runs' / 'a'
+  monkeypatch.setenv('HOME', str(tmp_path))
+  for cfg, what in [(C.CheckpointConfig(directory=str(tmp_path)), 'holds'),
+                    (C.CheckpointConfig(directory='~'), 'holds'),
+                    (C.CheckpointConfig(directory='..'), 'holds'),
+                    (C.CheckpointConfig(directory='.'), 'is'),
+                    (C.CheckpointConfig(fast_every=1, fast_directory=str(tmp_path / 'runs')), 'holds')]:
+    with pytest.raises(C.ConfigError, match=f"tier\\) {what} the run's workdir"):
+      Checkpointer(cfg, str(workdir))
+  assert not any(p.name in (OWNER_FILE, '.mjax-lock') for p in tmp_path.rglob('*'))
+  # Below the workdir, or beside it: its own.
+  Checkpointer(C.CheckpointConfig(directory='ckpt'), str(workdir)).close()
+  Checkpointer(C.CheckpointConfig(directory=str(tmp_path / 'runs' / 'a-ckpt')), str(workdir)).close()
+
+
 def test_a_run_is_its_workdir_however_the_path_is_spelled(tmp_path):
   from mjax.checkpoint.directories import foreign, OWNER_FILE
   from mjax.checkpoint.guards import check_owner

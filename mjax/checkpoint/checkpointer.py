@@ -31,7 +31,8 @@ from mjax import distributed, jsonfile, protocol
 from mjax.checkpoint.directories import is_step_dir, steps_in, tier_directories, tier_key
 from mjax.checkpoint.failures import (FailedSave, full_disk_is_bad_input, kept_steps, other_config,
                                       quiet_failed_io_aftermath, read_error, unwritable_error)
-from mjax.checkpoint.guards import check_apart, check_not_inside_a_tier, check_owner, check_shared, check_writable
+from mjax.checkpoint.guards import (check_apart, check_not_around_the_workdir, check_not_inside_a_tier, check_owner,
+                                   check_shared, check_writable)
 from mjax.checkpoint.integrity import (data_digest, DATA_SHA256, FINGERPRINTS, fingerprints, first_mismatch,
                                        prints_digest, step_json, tree_metadata_missing)
 from mjax.checkpoint.locks import lock_run, unlock_run
@@ -294,6 +295,7 @@ class Checkpointer:
     host = {'fast'} if cfg.fast_scope == 'host' and 'fast' in dirs else set()
     dirs = {name: host_directory(d) if name in host else d for name, d in dirs.items()}
     check_apart(dirs)
+    check_not_around_the_workdir(dirs, workdir)
     check_not_inside_a_tier(workdir)
     check_writable(dirs)
     check_owner(dirs, workdir, record=run)

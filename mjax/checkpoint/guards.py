@@ -51,6 +51,28 @@ def check_apart(dirs: dict[str, str]) -> None:
           f'CheckpointConfig.fast_directory unset for one in /dev/shm), or set fast_every = 0.')
 
 
+def check_not_around_the_workdir(dirs: dict[str, str], workdir: str) -> None:
+  """Raises ConfigError where a tier is the workdir or one of the folders
+  above it ('/', '~', '..'): a checkpoint directory holds its steps and
+  nothing else, and its claim (OWNER_FILE) marks all below it as that:
+  CheckpointConfig.directory = '/' wrote steps into the root, and then
+  every other run's workdir and every tool's output on the machine was
+  refused as lying inside this run's checkpoints."""
+  me = os.path.realpath(workdir)
+  for name, d in dirs.items():
+    if '://' in d:
+      continue
+    real = os.path.realpath(d)
+    if os.path.commonpath([real, me]) == real:
+      key = tier_key(name)
+      raise ConfigError(
+          f'CheckpointConfig.{key} = {d!r} (the {name} tier) ' + ('is' if real == me else 'holds')
+          + f' the run\'s workdir {workdir!r}: a checkpoint directory holds its steps and nothing else, and '
+          f'everything below it would count as this run\'s checkpoints (other runs and the tools refuse to '
+          f'write there). Give the tier a directory of its own, or leave CheckpointConfig.{key} unset '
+          f'(one per workdir).')
+
+
 def check_writable(dirs: dict[str, str], timeout_s: float = 300.0) -> None:
   """Raises ConfigError, in every process alike, unless every process can
   write each tier directory: a read-only or full filesystem is found before
