@@ -34,6 +34,20 @@ def test_flops_per_token_by_hand():
   assert F.flops_per_token(cfg, s, dense_attention=True) == 6 * 3296 + 768
 
 
+def test_flops_per_token_looks_at_one_period_of_layers(monkeypatch):
+  # A billion layers (validated: below 2**31) took half an hour, one
+  # window lookup per layer, and mjax-flops and mjax-train's start-up hung.
+  cfg = ModelConfig(d_model=8, n_layers=10**9, n_heads=2, sliding_window=2, full_attention_every=2)
+  calls = []
+
+  def layer_window(self, layer):
+    calls.append(layer)
+    assert len(calls) <= 2 * self.layer_period, 'a window lookup per layer'
+    return None if layer % 2 else 2
+  monkeypatch.setattr(ModelConfig, 'layer_window', layer_window)
+  assert F.flops_per_token(cfg, 4) == 6 * sum(F.matmul_params(cfg).values()) + 10**9 // 2 * 96 * 4.25
+
+
 def test_swiglu_counts_three_matrices():
   g = ModelConfig(d_model=8, n_layers=1, n_heads=2, d_ff=16, mlp='gelu')
   s = ModelConfig(d_model=8, n_layers=1, n_heads=2, d_ff=16, mlp='swiglu')
