@@ -126,7 +126,12 @@ def test_cli_passes_and_rejects_unknown_injected_names(monkeypatch, capsys):
                      (['--check_timeout_s', '1e12'], 'is too large'),
                      (['--check_timeout_s', 'nan'], 'must be >= 0 and --check_timeout_s nan > 0'),
                      (['--cpu_memory_mib', '0'], '--cpu_memory_mib 0: give at least 1 MiB'),
-                     (['--collective_mib', '-3'], '--collective_mib -3: give at least 1 MiB')]:
+                     (['--collective_mib', '-3'], '--collective_mib -3: give at least 1 MiB'),
+                     # Beyond the host's memory: XLA aborted, or the host failed as out of memory.
+                     (['--checks', 'memory', '--cpu_memory_mib', str(10**12)],
+                      f'--cpu_memory_mib {10**12}: more than this host\'s memory'),
+                     (['--checks', 'allreduce', '--collective_mib', str(10**9)],
+                      f'--collective_mib {10**9}: more than this host\'s memory')]:
     with pytest.raises(SystemExit) as e:
       diagnose_main(argv)
     assert e.value.code == 2 and said in capsys.readouterr().err, argv

@@ -94,7 +94,7 @@ import numpy as np
 # Device facts only from mjax.devices, which imports no JAX at load time:
 # importing more inside a check once left the next all-reduce check stuck.
 from mjax import jsonfile
-from mjax.devices import link_bandwidth, lookup_peak, memory_stats, peak_cache_key
+from mjax.devices import host_memory_bytes, link_bandwidth, lookup_peak, memory_stats, peak_cache_key
 from mjax.errors import UserError
 from mjax.protocol import DIAGNOSE_FAIL_ENV
 
@@ -900,10 +900,17 @@ def parse_args(argv: Sequence[str], parser_class=argparse.ArgumentParser) -> arg
   if unknown or not args.checks:
     raise UserError(f'--checks {",".join(args.checks)!r}: ' + (f'unknown check(s) {", ".join(unknown)}' if unknown
                     else 'no check named') + f'; give a comma-separated subset of {",".join(CHECKS)}.')
+  host = host_memory_bytes()
   for name in ('cpu_memory_mib', 'collective_mib'):
     value = getattr(args, name)
     if value is not None and value < 1:
       raise UserError(f'--{name} {value}: give at least 1 MiB.')
+    # Each device allocates this much: more than the host has is a typo,
+    # not a fault of the host (--cpu_memory_mib 10**12 aborted in XLA,
+    # --collective_mib 10**9 failed the host as out of memory).
+    if value is not None and host and value * MIB > host:
+      raise UserError(f'--{name} {value}: more than this host\'s memory ({host // MIB:,} MiB), and each device '
+                      f'allocates that much; give a size it can hold.')
   if not args.check_timeout_s < threading.TIMEOUT_MAX:
     raise UserError(f'--check_timeout_s {args.check_timeout_s} is too large (at most {threading.TIMEOUT_MAX:.0f}).')
   return args
