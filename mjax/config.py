@@ -1042,6 +1042,11 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(t, 'eval_every', 'skip_batches', 'skip_batches_after', 'profile_steps', 'profile_from_step', 'gc_every_steps',
             allow_zero=True)
   _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')
+  if ck.io_timeout_s >= 2**31:
+    # Orbax's save deadline is now + this, a date: 1e12 s (past the year
+    # 9999) was an OverflowError traceback at the first save.
+    _fail('CheckpointConfig.io_timeout_s', ck.io_timeout_s,
+          'must be below 2**31 seconds (68 years): a save\'s deadline is a date, which a longer one overflows')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.fast_scope not in FAST_SCOPES:
     _fail('CheckpointConfig.fast_scope', ck.fast_scope,
@@ -1062,6 +1067,12 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
             'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
             'loss_spike_count')
   _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', 'device_timing_every', allow_zero=True)
+  if f.collective_timeout_s >= 2**31:
+    # jax's peer heartbeat timeout, a 32-bit count of seconds: 1e12 was a
+    # TypeError traceback in every process of a job as it formed.
+    _fail('FaultConfig.collective_timeout_s', f.collective_timeout_s,
+          'must be below 2**31 seconds (68 years): a multi-process job gives it to jax as its peers\' heartbeat '
+          'timeout, a 32-bit count of seconds')
   if not f.loss_spike_factor > 1:
     # At or below 1 every loss at or above the running median is a "spike":
     # a falling loss restarted the job again and again.

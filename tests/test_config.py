@@ -143,6 +143,11 @@ def test_resolved_config_round_trips(tmp_path):
     ('ModelConfig.d_model = 260', ['ModelConfig.d_model = 260', 'n_heads = 4', 'heads of 65 dims']),
     # grain reads them all before the first batch: 10**12 never started.
     ('DataConfig.prefetch = 1000000000000', ['DataConfig.prefetch = 1000000000000', 'at most 1,024 batches']),
+    # Past a date's range, past jax's 32-bit count of seconds: tracebacks at
+    # the first save, and as a multi-process job formed.
+    ('CheckpointConfig.io_timeout_s = 1e12', ['CheckpointConfig.io_timeout_s = 1000000000000.0', 'below 2**31 seconds']),
+    ('FaultConfig.collective_timeout_s = 1e12', ['FaultConfig.collective_timeout_s = 1000000000000.0',
+                                                 'below 2**31 seconds', '32-bit count of seconds']),
 ])
 def test_bad_values_name_key_value_and_allowed(binding, needles):
   with pytest.raises(C.ConfigError) as e:
