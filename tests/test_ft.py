@@ -1020,6 +1020,33 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   d.server.close()
 
 
+def test_a_stop_signal_to_a_trainer_in_start_up_is_a_stop_not_a_crash(tmp_path, monkeypatch):
+  """SIGTERM to one trainer (not to the driver) while it compiles: it exits
+  143, nothing to save yet. The driver took that for a crash and diagnosed
+  every host; it is a stop, as one in the loop (fault 'signalled')."""
+  from mjax import distributed
+  d = make_driver(tmp_path)
+  try:
+    att = fake_attempt(d, ['slot0', 'slot1'])
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, str(att.number))
+    monkeypatch.setenv(protocol.DRIVER_RUN_ENV, d.run_id)
+    fault = d._exit_fault(att, {0: protocol.EXIT_TERMINATED})
+    assert (fault.kind, fault.processes) == ('signalled', [0]), fault
+    assert fault.detail.startswith('SIGTERM to process(es) 0 (not to the driver), which stopped in start-up'), fault
+    assert d._exit_fault(att, {1: protocol.EXIT_INTERRUPTED}).detail.startswith('SIGINT to process(es) 1')
+    # A crash beside it is a crash.
+    for other in (-9, 1):
+      assert d._exit_fault(att, {0: protocol.EXIT_TERMINATED, 1: other}).kind == 'exit'
+    # Its peer's collective failed after it left (its fact says so): a stop.
+    gloo = 'UNKNOWN: Gloo all-reduce failed: Read error [127.0.0.1]:61107: Connection reset by peer'
+    assert distributed.peer_gone(RuntimeError(gloo))
+    protocol.Facts(str(tmp_path), 1).record(protocol.PEER_LOST, gloo)
+    fault = d._exit_fault(att, {0: protocol.EXIT_TERMINATED, 1: 1})
+    assert (fault.kind, fault.processes) == ('signalled', [0]), fault
+  finally:
+    d.server.close()
+
+
 def test_a_process_jax_aborted_because_the_coordinator_died_is_not_blamed(tmp_path, monkeypatch):
   """Process 0, the coordination service's host, killed: jax's client aborts
   process 1 in C++ (SIGABRT) before it can record anything, and says why

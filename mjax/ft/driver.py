@@ -1044,6 +1044,21 @@ class Driver:
       return detect.Fault('signalled', procs, f'{next(iter(going.values()))} to the agent(s) of process(es) '
                           f'{", ".join(map(str, procs))}, which stopped them in start-up (status 143: before any '
                           f'step to save); restarted from the newest checkpoint', extra={'exit': codes})
+    stops = (protocol.EXIT_INTERRUPTED, protocol.EXIT_TERMINATED)
+    by_signal = sorted(i for i, c in failed.items() if c in stops)
+    if by_signal and all(
+        failed[i] in stops or self._facts(att, i).get(protocol.PEER_LOST) is not None
+        or self._aborted_by_jax_for_a_peer(att, i, failed[i]) for i in failed):
+      # A stop signal that reached trainers in start-up and not the driver
+      # (whose own stop is handled before this): a trainer stopped there
+      # says so with 143 (130 for SIGINT), as mjax-train by hand does, and
+      # its peers' collectives fail after it. Nothing of its host's to
+      # diagnose; where the node is going away, the restart finds it lost.
+      status = failed[by_signal[0]]
+      name = 'SIGTERM' if status == protocol.EXIT_TERMINATED else 'SIGINT'
+      return detect.Fault('signalled', by_signal, f'{name} to process(es) {", ".join(map(str, by_signal))} (not to '
+                          f'the driver), which stopped in start-up (status {status}: before any step to save); '
+                          f'restarted from the newest checkpoint', extra={'exit': codes})
     lost = sorted(i for i in failed if getattr(att.handles[i], 'host_lost', False))
     if lost:   # its agent disconnected or fell silent (an exit status cannot say so: any is a trainer's)
       codes.update({i: 'host lost' for i in lost})
