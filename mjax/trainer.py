@@ -215,6 +215,7 @@ class Trainer:
     self._trained = self._closed = False
     self.skipped, self.skip_record = 0, None   # TrainConfig.skip_batches as this start applies it
     self.final_eval_pending = False
+    self.eval_pending = False
     self._claim = Claim(workdir)
     weakref.finalize(self, self._claim.release)
     try:
@@ -289,10 +290,13 @@ class Trainer:
       self._check_schedule(saved)
     if restored is not None:
       self._check_model_function(saved, restored.step)
-    # A run stopped in its final evaluation (its last step saved, its
-    # eval_loss never written) takes that evaluation on its next start:
-    # else the restart found it "finished" and the run never had one.
-    self.final_eval_pending = self.finished and self._final_eval_missing()
+    # A run stopped in an evaluation (its step saved, its eval_loss never
+    # written) takes that evaluation on its next start: else the restart
+    # went on from the step after it (the final one: found the run
+    # "finished") and the run's history never had it.
+    eval_missing = self._eval_missing()
+    self.final_eval_pending = self.finished and eval_missing
+    self.eval_pending = not self.finished and eval_missing
     if self.final_eval_pending:
       self.eval_batches = self._eval_batch_list(*self.program.data_share())
     if self.finished:
@@ -331,23 +335,24 @@ class Trainer:
   def finished(self) -> bool:
     return self.start_step >= self.cfg.train.steps
 
-  def _final_eval_missing(self) -> bool:
-    """Whether this workdir's run reached TrainConfig.steps without its
-    final evaluation: resumed (not CheckpointConfig.restore_from) at exactly
-    that step, with metrics that hold that step's loss but no eval_loss for
-    it. Process 0 reads the metrics; every process takes its answer."""
-    steps = self.cfg.train.steps
-    if self.start_step != steps or self.restored_explicitly:
+  def _eval_missing(self) -> bool:
+    """Whether this workdir's run stopped in the evaluation of the step it
+    resumes at (TrainConfig.steps, or one of every TrainConfig.eval_every):
+    resumed (not CheckpointConfig.restore_from) at exactly that step, with
+    metrics that hold that step's loss but no eval_loss for it. Process 0
+    reads the metrics; every process takes its answer."""
+    steps, every, start = self.cfg.train.steps, self.cfg.train.eval_every, self.start_step
+    if not (start == steps or (every and 0 < start < steps and start % every == 0)) or self.restored_explicitly:
       return False
     missing = '0'
     if self.is_main:
       try:
-        rows = [r for r in read_metrics(self.workdir) if r.get('step') == steps]
+        rows = [r for r in read_metrics(self.workdir) if r.get('step') == start]
       except OSError:
         rows = []
       missing = '1' if any('loss' in r for r in rows) and not any('eval_loss' in r for r in rows) else '0'
     if jax.process_count() > 1:
-      missing = distributed.broadcast_str('final_eval/missing', missing)
+      missing = distributed.broadcast_str('eval/missing', missing)
     return missing == '1'
 
   def say(self, msg: str) -> None:
@@ -410,7 +415,7 @@ class Trainer:
     return summary
 
   def _final_evaluation(self) -> Summary:
-    """The final evaluation a stop during it left undone (_final_eval_missing):
+    """The final evaluation a stop during it left undone (_eval_missing):
     taken on the saved last step and written as that step's eval_loss."""
     step = self.start_step
     self.say(f'mjax: this run trained to step {step} but stopped in its final evaluation, which it takes now')
@@ -539,6 +544,10 @@ class Trainer:
         # Past start-up only now that SIGTERM saves: the driver's 'running'
         # event follows the first heartbeat of the loop's phases.
         heartbeat.follow(timer)
+      if self.eval_pending:
+        self.say(f'mjax: this run stopped in the evaluation of step {start}, which it takes now')
+        with timer.phase('eval'):
+          reporter.eval_loss(start, evaluate(program, self.state.params, self.eval_batches, timer.tick)[0])
       for step in range(start + 1, cfg.train.steps + 1):
         if injector is not None:
           injector.before_step(step)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -434,6 +435,31 @@ def test_a_run_stopped_in_its_final_evaluation_takes_it_on_the_next_start(tmp_pa
   assert any(r.get('step') == 2 and 'loss' in r for r in read_metrics(str(tmp_path)))   # the step's own row kept
   summary, _ = fit(cfg8('TrainConfig.steps = 2', 'CheckpointConfig.save_every = 2'), str(tmp_path))
   assert summary.already_finished
+
+
+def test_a_run_stopped_in_an_evaluation_midway_takes_it_on_the_next_start(tmp_path):
+  # Killed in the evaluation of step 2 (of TrainConfig.eval_every), after
+  # step 2's save committed: the restart went on from step 3, and the run's
+  # history never had step 2's eval_loss.
+  cfg = lambda: cfg8('TrainConfig.steps = 4', 'CheckpointConfig.save_every = 2', 'TrainConfig.eval_every = 2')
+  full, cut = tmp_path / 'full', tmp_path / 'cut'
+  fit(cfg(), str(full))
+  evals = [(r['step'], r['eval_loss']) for r in read_metrics(str(full)) if 'eval_loss' in r]
+  assert [s for s, _ in evals] == [2, 4]
+  fit(cfg(), str(cut))
+  shutil.rmtree(cut / 'checkpoints' / '4')
+  path = cut / 'metrics.jsonl'
+  kept = []
+  for line in path.read_text().splitlines():
+    if 'eval_loss' in line:
+      break
+    kept.append(line)
+  path.write_text('\n'.join(kept) + '\n')
+  assert [r['step'] for r in read_metrics(str(cut))] == [1, 2]
+  summary, _ = fit(cfg(), str(cut))
+  assert summary.start_step == 2
+  assert [(r['step'], r['eval_loss']) for r in read_metrics(str(cut)) if 'eval_loss' in r] == evals
+  assert [r['step'] for r in read_metrics(str(cut)) if 'loss' in r] == [1, 2, 3, 4]
 
 
 def test_a_crash_with_a_save_in_flight_completes_the_save_and_says_only_its_error(tmp_path, repo_root):
