@@ -462,6 +462,10 @@ def _resolve_gin_file(path: str) -> str:
   cfg_dir = default_config_dir()
   if cfg_dir and not os.path.isabs(path):
     candidates += [os.path.join(cfg_dir, path), os.path.join(cfg_dir, path + '.gin')]
+    # The README's commands say configs/tiny.gin from the checkout's root;
+    # typed in another directory they mean the bundled one all the same.
+    if os.path.dirname(os.path.normpath(path)) == 'configs':
+      candidates.append(os.path.join(cfg_dir, os.path.basename(path)))
   for c in candidates:
     if os.path.isfile(c):
       return c
@@ -969,10 +973,13 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
             f'with ModelConfig.n_heads = {m.n_heads} it makes heads of {m.dim_per_head} dims, and rotary '
             f'embeddings need an even head dimension: make d_model / n_heads even, or set ModelConfig.head_dim')
     _fail('ModelConfig.head_dim', m.dim_per_head, 'rotary embeddings need an even head dimension')
-  if not 0 < m.rotary_fraction <= 1 or int(m.dim_per_head * m.rotary_fraction) % 2:
+  rotated = int(m.dim_per_head * m.rotary_fraction) if 0 < m.rotary_fraction <= 1 else 0
+  # (A fraction that rotates no dim, 0.01 of 64, would train a model
+  # without positions, silently.)
+  if not 0 < m.rotary_fraction <= 1 or rotated % 2 or rotated == 0:
     _fail('ModelConfig.rotary_fraction', m.rotary_fraction,
-          f'must be in (0, 1] and rotate an even number of the {m.dim_per_head} head dims '
-          f'(int(head_dim x fraction) = {int(m.dim_per_head * m.rotary_fraction)})')
+          f'must be in (0, 1] and rotate an even number, at least 2, of the {m.dim_per_head} head dims'
+          + (f' (int(head_dim x fraction) = {rotated})' if 0 < m.rotary_fraction <= 1 else ''))
   _positive(d, 'seq_len')   # before the window checks that compare with it
   _below_int32(d, 'seq_len')
   if m.gelu_epilogue and m.mlp != 'gelu':
@@ -1015,7 +1022,9 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
         _fail('DataConfig.mixture', d.mixture,
               f"source {src!r} must be 'stdlib' or an existing file or directory")
   if d.tokenizer != 'bytes' and not os.path.isfile(os.path.expanduser(d.tokenizer)):
-    _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json")
+    inside = os.path.join(os.path.expanduser(d.tokenizer), 'tokenizer.json')
+    _fail('DataConfig.tokenizer', d.tokenizer, "must be 'bytes' or the path of an existing tokenizer.json"
+          + (f' (this is a folder: give the one in it, {inside})' if os.path.isfile(inside) else ''))
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
   _float32(o, 'learning_rate', 'eps', 'weight_decay', 'clip_norm')

@@ -88,6 +88,8 @@ def test_resolved_config_round_trips(tmp_path):
     ('DataConfig.source = "/no/such/dir"', ['/no/such/dir', 'existing file or directory']),
     ('OptimConfig.b2 = 1.5', ['OptimConfig.b2 = 1.5', '[0, 1)']),
     ('ModelConfig.rotary_fraction = 0.3', ['rotary_fraction = 0.3', 'even number', 'int(head_dim x fraction) = 19']),
+    # One that rotates no dim would train a model without positions.
+    ('ModelConfig.rotary_fraction = 0.01', ['rotary_fraction = 0.01', 'at least 2', 'int(head_dim x fraction) = 0']),
     ('ModelConfig.parallel_norms = "two"', ['ModelConfig.parallel_norms', "'shared', 'separate'"]),
     ("OptimConfig.learning_rate = float('nan')", ["float('nan')", 'an expression, not a literal']),
     ('DataConfig.seq_len = 0', ['DataConfig.seq_len = 0']),
@@ -238,6 +240,14 @@ def test_missing_gin_file_lists_bundled_configs(tmp_path):
     C.load_config([str(tmp_path)], [])
   with pytest.raises(C.ConfigError, match="--gin_file '/dev/null': not a regular file"):
     C.load_config(['/dev/null'], [])
+
+
+def test_the_readmes_configs_path_finds_the_bundled_config_from_anywhere(tmp_path, monkeypatch):
+  # `--gin_file configs/tiny.gin`, as the README writes it, typed outside the checkout.
+  monkeypatch.chdir(tmp_path)
+  assert C.load_config(['configs/tiny.gin'], []) == C.load_config(['tiny.gin'], [])
+  with pytest.raises(C.ConfigError, match="'configs/no_such.gin': no such file"):
+    C.load_config(['configs/no_such.gin'], [])
 
 
 def test_a_missing_include_with_a_folder_is_said_with_where_it_was_searched(tmp_path, monkeypatch):

@@ -323,3 +323,20 @@ def test_a_string_that_is_no_text_is_a_unicode_error_for_every_tokenizer(bpe_pat
     assert len(tok.encode('def x')) > 0
     with pytest.raises(UnicodeEncodeError):
       tok.encode('ab\udcff')
+
+
+def test_a_folder_given_as_the_tokenizer_names_the_file_in_it(tmp_path, corpus_dir, bpe_path, capsys):
+  # A Hugging Face model's folder holds its tokenizer.json: the message
+  # names that file, where it said "no such file" of a folder that exists.
+  from mjax.cli import prepare_main
+  folder = str(bpe_path.parent)
+  with pytest.raises(SystemExit) as exit_info:
+    prepare_main(['--input', str(corpus_dir), '--output', str(tmp_path / 'shards'), '--tokenizer', folder])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f'a directory (give the tokenizer.json in it: {bpe_path})' in err and 'no such file' not in err
+  with pytest.raises(C.ConfigError, match=re.escape(f'this is a folder: give the one in it, {bpe_path}')):
+    C.load_config(['tiny.gin'], [f'DataConfig.tokenizer = "{folder}"', 'ModelConfig.vocab_size = 512'])
+  with pytest.raises(SystemExit):
+    prepare_main(['--input', str(corpus_dir), '--output', str(tmp_path / 'shards'), '--tokenizer', str(tmp_path)])
+  assert 'a directory (DataConfig.tokenizer must be' in capsys.readouterr().err

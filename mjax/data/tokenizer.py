@@ -172,8 +172,11 @@ class HFTokenizer:
     import tokenizers
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
-      raise DataError(f'tokenizer {path}: no such file (DataConfig.tokenizer must be '
-                      "'bytes' or the path of a tokenizer.json).")
+      inside = os.path.join(path, 'tokenizer.json')
+      raise DataError(f'tokenizer {path}: ' + (
+          f'a directory (give the tokenizer.json in it: {inside})' if os.path.isfile(inside) else
+          'a directory' if os.path.isdir(path) else 'no such file')
+          + " (DataConfig.tokenizer must be 'bytes' or the path of a tokenizer.json).")
     try:
       tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
