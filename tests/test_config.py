@@ -461,7 +461,6 @@ def test_a_stop_dropped_in_a_garbage_collector_callback_is_sent_again(foreground
   # The handler's exception, raised inside a gc callback (JAX registers
   # one), is dropped by Python: the tool ran on until the grace ended it,
   # without its clean-ups. Seen in mjax-prepare: a half shard directory left.
-  import signal
   import time
   code = ('import gc, time\nfrom mjax import cli\ncli.GRACE_S = 30.0\nfired = []\n'
           'def stop_inside_gc(phase, info):\n'
