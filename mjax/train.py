@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import os
 from typing import Any, Callable, Iterable, Optional
@@ -649,7 +650,20 @@ def setup_compilation_cache(cache_dir: Optional[str]) -> None:
   """Persistent XLA cache: a restarted job reuses the compiled step."""
   if not cache_dir:
     return
-  jax.config.update('jax_compilation_cache_dir', os.path.expanduser(cache_dir))
+  path = os.path.expanduser(cache_dir)
+  try:
+    os.makedirs(path, exist_ok=True)
+    writable = os.access(path, os.W_OK | os.X_OK)
+  except OSError:
+    writable = False
+  if not writable:
+    # JAX would warn once per program it could not write, the reason buried
+    # in each; a run is right without the cache, only its restarts compile.
+    logging.getLogger('mjax').warning(
+        'TrainConfig.compilation_cache_dir %r is not a directory this process can write: the compiled '
+        'programs are not cached, so a restart compiles them again. Give a writable folder, or None.', cache_dir)
+    return
+  jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 

@@ -637,3 +637,19 @@ def test_read_metrics_skips_the_damage_it_can_meet(tmp_path):
            b'{"step": 3, "lo']
   (tmp_path / 'metrics.jsonl').write_bytes(b'\n'.join(lines))
   assert read_metrics(tmp_path) == [good[0], {'step': 'x', 'loss': 1.0}, good[2]]
+
+
+def test_a_compilation_cache_dir_that_cannot_be_written_is_said_once_and_left_unset(tmp_path, caplog):
+  # JAX warned once per program it failed to write, its reason in each; the
+  # run is right without the cache (only its restarts compile again).
+  import jax
+  from mjax.train import setup_compilation_cache
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  before = jax.config.jax_compilation_cache_dir
+  with caplog.at_level('WARNING', logger='mjax'):
+    setup_compilation_cache(str(blocker / 'cache'))
+  assert jax.config.jax_compilation_cache_dir == before
+  assert [r.getMessage() for r in caplog.records if 'compilation_cache_dir' in r.getMessage()] == [
+      f"TrainConfig.compilation_cache_dir '{blocker / 'cache'}' is not a directory this process can write: the "
+      'compiled programs are not cached, so a restart compiles them again. Give a writable folder, or None.']
