@@ -1082,6 +1082,12 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
     _fail('FaultConfig.collective_timeout_s', f.collective_timeout_s,
           'must be below 2**31 seconds (68 years): a multi-process job gives it to jax as its peers\' heartbeat '
           'timeout, a 32-bit count of seconds')
+  if f.heartbeat_interval_s < 0.01:
+    # Each beat is a write and a send: 1e-320 s passed and busy-looped a
+    # core under the driver, taken from the trainer it watches.
+    _fail('FaultConfig.heartbeat_interval_s', f.heartbeat_interval_s,
+          'must be at least 0.01 seconds: more often, the heartbeat thread takes a core from the trainer '
+          '(default 2.0; a lost process is noticed after heartbeat_timeout_s anyway)')
   if not f.loss_spike_factor > 1:
     # At or below 1 every loss at or above the running median is a "spike":
     # a falling loss restarted the job again and again.

@@ -72,6 +72,9 @@ from mjax.workdir import Claim, check_workdir, forget_refused_start, recorded_to
 NONFINITE_CHECKED = ('loss', 'grad_norm', 'update_norm')
 
 
+EARLY_STEPS = 10   # a NaN this soon after a fresh start points at the config (NonFiniteLoss)
+
+
 class NonFiniteLoss(FloatingPointError):
   """The loss became NaN/Inf, or the gradient or update norm did (then the
   loss is still finite, but the updated state is not): exit status 3, the
@@ -93,9 +96,13 @@ class NonFiniteLoss(FloatingPointError):
     where = f'the checkpoint of step {base}' if base else 'the start'
     # With the step the skip is counted from: a later start from a newer
     # checkpoint (saved past the skipped batches) must not skip again.
+    # In a fresh run's first steps, the data is seldom what diverged: a
+    # learning rate of 1e30 was told to skip batches, and nothing else.
+    early = ('; this early in a fresh run the config is the likelier cause: check OptimConfig.learning_rate '
+             'and warmup_steps, and ModelConfig.init_std') if base == 0 and self.step <= EARLY_STEPS else ''
     self.args = (f'{self.args[0]}; a restart from {where} replays the {n} batch(es) that led here: '
                  f'TrainConfig.skip_batches = {n} with TrainConfig.skip_batches_after = {base} skips them '
-                 f'(mjax-launch does so itself)',)
+                 f'(mjax-launch does so itself){early}',)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,6 +290,19 @@ def test_a_run_that_fails_ends_its_progress_bar_before_the_error(tmp_path, monke
   assert 'step/s' in err and err.endswith('\nthe error, as mjax-train says it\n'), repr(err[-300:])
 
 
+def test_a_nan_in_a_fresh_runs_first_steps_points_at_the_config():
+  # A learning rate of 1e30 diverged at step 1 and was told only to skip batches.
+  def said(step, saved, start):
+    e = trainer.NonFiniteLoss(step, float('nan'))
+    e.resumes_from(saved, start, 0)
+    return str(e)
+  assert said(1, None, 0).endswith('(mjax-launch does so itself); this early in a fresh run the config is the '
+                                   'likelier cause: check OptimConfig.learning_rate and warmup_steps, and '
+                                   'ModelConfig.init_std')
+  for step, saved, start in ((trainer.EARLY_STEPS + 1, None, 0), (3, 2, 0), (12, None, 10)):
+    assert said(step, saved, start).endswith('(mjax-launch does so itself)'), (step, saved, start)
+
+
 def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_path, monkeypatch):
   # The gradient overflowed at step 4, a save step: its loss is finite (the
   # loss before the update), but the clip factor is 0 and the update 0 x inf

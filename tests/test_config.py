@@ -88,6 +88,7 @@ def test_resolved_config_round_trips(tmp_path):
     ('DataConfig.source = "/no/such/dir"', ['/no/such/dir', 'existing file or directory']),
     ('OptimConfig.b2 = 1.5', ['OptimConfig.b2 = 1.5', '[0, 1)']),
     ('ModelConfig.rotary_fraction = 0.3', ['rotary_fraction = 0.3', 'even number', 'int(head_dim x fraction) = 19']),
+    ('FaultConfig.heartbeat_interval_s = 1e-9', ['heartbeat_interval_s = 1e-09', 'at least 0.01 seconds']),
     # One that rotates no dim would train a model without positions.
     ('ModelConfig.rotary_fraction = 0.01', ['rotary_fraction = 0.01', 'at least 2', 'int(head_dim x fraction) = 0']),
     ('ModelConfig.parallel_norms = "two"', ['ModelConfig.parallel_norms', "'shared', 'separate'"]),
