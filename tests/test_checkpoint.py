@@ -1978,3 +1978,32 @@ def test_an_old_step_that_cannot_be_deleted_stays_and_the_run_saves_on(tmp_path,
   assert directories.steps_in(str(directory)) == [3, 1]   # 2 deleted; 1 left, with what it held
   said = [r.getMessage() for r in caplog.records if 'could not be deleted' in r.getMessage()]
   assert len(said) == 1 and f'{directory}/1' in said[0] and 'Device or resource busy' in said[0], said
+
+
+def test_a_host_local_copy_that_cannot_be_deleted_stays_and_the_run_saves_on(tmp_path, monkeypatch, caplog):
+  # A host-local fast tier drops this process's copies beyond fast_keep
+  # itself, before each save: one it could not delete ended the run.
+  import errno
+  import shutil
+  state = {'w': jax.numpy.arange(8, dtype=jax.numpy.float32)}
+  fast = tmp_path / 'fast'
+  ck = Checkpointer(C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), save_every=100, fast_every=1, fast_keep=1,
+                                       fast_directory=str(fast), fast_scope='host'), str(tmp_path / 'run'))
+  rmtree = shutil.rmtree
+
+  def held_open(path, *args, **kwargs):
+    if os.path.basename(str(path).rstrip('/')) == '1':
+      raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
+    return rmtree(path, *args, **kwargs)
+  monkeypatch.setattr(shutil, 'rmtree', held_open)
+  try:
+    for step in (1, 2, 3):
+      ck.save(step, state, {}, {})
+      ck.wait()
+  finally:
+    ck.close()
+  own = fast / 'process-0'
+  # Each save first drops the copies beyond fast_keep but the newest: 1 stays.
+  assert directories.steps_in(str(own)) == [3, 2, 1]
+  said = [r.getMessage() for r in caplog.records if 'could not be deleted' in r.getMessage()]
+  assert len(said) == 1 and f'{own}/1' in said[0] and 'CheckpointConfig.fast_keep = 1' in said[0], said

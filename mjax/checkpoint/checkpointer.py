@@ -19,7 +19,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -241,6 +241,17 @@ def read_step(manager: ocp.CheckpointManager, step: int, abstract_state: Any, pa
   return Restored(step=int(step), state=state, data=out['data'] or None, meta=out['meta'] or {}, path=path)
 
 
+def _delete_old_step(delete: Callable[[int], None], step: int, directory: str, keep: str) -> None:
+  """`delete(step)`, a step beyond a tier's count (`keep`: 'CheckpointConfig.keep
+  = 3'); one that cannot be deleted stays, said once (see _OldStepsMayStay)."""
+  try:
+    delete(step)
+  except OSError as e:
+    log.warning('old checkpoint %s (beyond %s) could not be deleted: %s. It stays (perhaps in part: '
+                'a later start skips it if it is no longer readable); the newer steps are saved as usual. '
+                'Delete it by hand to free its space.', os.path.join(directory, str(step)), keep, e.strerror or e)
+
+
 class _OldStepsMayStay:
   """Orbax's deleter of a tier's steps beyond `keep`, with a step that
   cannot be deleted left where it is, said once. Orbax deletes them in a
@@ -262,13 +273,7 @@ class _OldStepsMayStay:
 
   def delete_steps(self, steps) -> None:
     for step in steps:
-      try:
-        self._deleter.delete(step)
-      except OSError as e:
-        log.warning('old checkpoint %s (beyond %s) could not be deleted: %s. It stays (perhaps in part: '
-                    'a later start skips it if it is no longer readable); the newer steps are saved as usual. '
-                    'Delete it by hand to free its space.', os.path.join(self._directory, str(step)), self._keep,
-                    e.strerror or e)
+      _delete_old_step(self._deleter.delete, step, self._directory, self._keep)
 
   def close(self) -> None:
     self._deleter.close()
@@ -511,7 +516,8 @@ class Checkpointer:
       tier.manager.wait_until_finished()
     distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}', self.cfg.io_timeout_s)
     for old in sorted(tier.manager.all_steps(), reverse=True)[tier.keep:]:
-      tier.manager.delete(old)
+      # (As Orbax's own deletions beyond keep: one that fails leaves the step.)
+      _delete_old_step(tier.manager.delete, old, tier.directory, f'CheckpointConfig.fast_keep = {tier.keep}')
 
   def _host_steps(self, tier: _Tier, layout: Optional[str]) -> list[tuple[int, str, str]]:
     """(step, tier, state digest) of this process's copies in a host tier,
