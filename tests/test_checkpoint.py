@@ -1950,6 +1950,27 @@ def test_a_replicated_state_is_saved_without_compiling_a_program_per_slice(tmp_p
     np.testing.assert_array_equal(np.asarray(a), b)
 
 
+def _saves_with_step_1_held_open(ck, monkeypatch, caplog, **save) -> list[str]:
+  """Steps 1, 2 and 3 saved by `ck` while step 1 cannot be deleted (a file in
+  it held open on NFS: EBUSY); the warnings that said so."""
+  import errno
+  import shutil
+  rmtree = shutil.rmtree
+
+  def held_open(path, *args, **kwargs):
+    if os.path.basename(str(path).rstrip('/')) == '1':
+      raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
+    return rmtree(path, *args, **kwargs)
+  monkeypatch.setattr(shutil, 'rmtree', held_open)
+  try:
+    for step in (1, 2, 3):
+      ck.save(step, {'w': jax.numpy.arange(8, dtype=jax.numpy.float32)}, {}, {}, **save)
+      ck.wait()
+  finally:
+    ck.close()
+  return [r.getMessage() for r in caplog.records if 'could not be deleted' in r.getMessage()]
+
+
 def test_an_old_step_that_cannot_be_deleted_stays_and_the_run_saves_on(tmp_path, monkeypatch, caplog):
   """Orbax deletes the steps beyond `keep` in a save's finalize thread, once
   the new step has committed, and raised a step it could not delete (a
@@ -1957,53 +1978,22 @@ def test_an_old_step_that_cannot_be_deleted_stays_and_the_run_saves_on(tmp_path,
   directory) as that save's failure: a traceback and exit 1, or, for
   EPERM, 'the tier takes no more files' (exit 2), with the save intact. The
   step stays, said once; the saves go on."""
-  import errno
-  import shutil
-  state = {'w': jax.numpy.arange(8, dtype=jax.numpy.float32)}
   directory = tmp_path / 'ckpt'
-  ck = Checkpointer(C.CheckpointConfig(directory=str(directory), keep=1), str(tmp_path / 'run'))
-  rmtree = shutil.rmtree
-
-  def held_open(path, *args, **kwargs):
-    if os.path.basename(str(path).rstrip('/')) == '1':
-      raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
-    return rmtree(path, *args, **kwargs)
-  monkeypatch.setattr(shutil, 'rmtree', held_open)
-  try:
-    for step in (1, 2, 3):
-      ck.save(step, state, {}, {}, force=True)
-      ck.wait()
-  finally:
-    ck.close()
+  said = _saves_with_step_1_held_open(
+      Checkpointer(C.CheckpointConfig(directory=str(directory), keep=1), str(tmp_path / 'run')), monkeypatch,
+      caplog, force=True)
   assert directories.steps_in(str(directory)) == [3, 1]   # 2 deleted; 1 left, with what it held
-  said = [r.getMessage() for r in caplog.records if 'could not be deleted' in r.getMessage()]
   assert len(said) == 1 and f'{directory}/1' in said[0] and 'Device or resource busy' in said[0], said
 
 
 def test_a_host_local_copy_that_cannot_be_deleted_stays_and_the_run_saves_on(tmp_path, monkeypatch, caplog):
   # A host-local fast tier drops this process's copies beyond fast_keep
   # itself, before each save: one it could not delete ended the run.
-  import errno
-  import shutil
-  state = {'w': jax.numpy.arange(8, dtype=jax.numpy.float32)}
   fast = tmp_path / 'fast'
-  ck = Checkpointer(C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), save_every=100, fast_every=1, fast_keep=1,
-                                       fast_directory=str(fast), fast_scope='host'), str(tmp_path / 'run'))
-  rmtree = shutil.rmtree
-
-  def held_open(path, *args, **kwargs):
-    if os.path.basename(str(path).rstrip('/')) == '1':
-      raise OSError(errno.EBUSY, 'Device or resource busy', str(path))
-    return rmtree(path, *args, **kwargs)
-  monkeypatch.setattr(shutil, 'rmtree', held_open)
-  try:
-    for step in (1, 2, 3):
-      ck.save(step, state, {}, {})
-      ck.wait()
-  finally:
-    ck.close()
+  cfg = C.CheckpointConfig(directory=str(tmp_path / 'ckpt'), save_every=100, fast_every=1, fast_keep=1,
+                           fast_directory=str(fast), fast_scope='host')
+  said = _saves_with_step_1_held_open(Checkpointer(cfg, str(tmp_path / 'run')), monkeypatch, caplog)
   own = fast / 'process-0'
   # Each save first drops the copies beyond fast_keep but the newest: 1 stays.
   assert directories.steps_in(str(own)) == [3, 2, 1]
-  said = [r.getMessage() for r in caplog.records if 'could not be deleted' in r.getMessage()]
   assert len(said) == 1 and f'{own}/1' in said[0] and 'CheckpointConfig.fast_keep = 1' in said[0], said
