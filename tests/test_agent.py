@@ -693,7 +693,8 @@ def test_a_diagnostic_the_driver_cancels_is_killed_on_its_host_with_what_it_star
 class FakeAgent:
   """An agent by hand, no process: it relays empty beats, and answers each
   `run` with answer(host, argv) -> (code, report), or drops the connection
-  where that is None (the network blips while the host is diagnosed)."""
+  where that is None (the network blips while the host is diagnosed), or
+  never answers where it is 'hang' (a collective whose partner is gone)."""
 
   def __init__(self, port, host, answer, nonce='n1'):
     import threading
@@ -723,6 +724,8 @@ class FakeAgent:
             if reply is None:
               self.sock.close()
               return
+            if reply == 'hang':
+              continue
             self.ch.send({'kind': 'ran', 'id': msg['id'], 'code': reply[0], 'out': json.dumps(reply[1]), 'err': ''})
 
 
@@ -766,6 +769,41 @@ def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_bloc
     (check,) = events(tmp_path, 'link_check')
     assert check['passed'] is None and 'a0 went away' in check['detail'], check
     assert d.blocked.hosts() == [] and d.health.undiagnosed == {'a0'} and not events(tmp_path, 'host_blocked')
+  finally:
+    for f in fakes:
+      f.sock.close()
+    d.agents.close()
+    d.server.close()
+    d.events.close()
+
+
+def test_a_link_check_whose_partner_agent_drops_ends_at_once(tmp_path, monkeypatch):
+  """An agent that goes during a link check leaves its partner's side of the
+  two-process job waiting on a collective that never comes: that side is
+  cancelled at once, not waited for up to --diagnose_timeout_s, which held
+  up the restart (by 100 s in a chaos run of three hosts)."""
+  monkeypatch.setenv(protocol.SECRET_ENV, SECRET)
+  port = launch.free_port()
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--diagnose_timeout_s', '30',
+                  train=['--gin.FaultConfig.heartbeat_timeout_s=10', '--gin.FaultConfig.progress_timeout_s=20'])
+  passing = (0, {'passed': True, 'checks': [{'name': 'memory', 'passed': True}]})
+
+  def link_check_drops(host, argv):
+    if '--no_baseline' not in argv:
+      return passing
+    return None if host == 'a0' else 'hang'
+  fakes = []
+  try:
+    fakes += [FakeAgent(port, 'a0', link_check_drops), FakeAgent(port, 'a1', link_check_drops)]
+    assert d.agents.wait_for(['a0', 'a1'], 10) == ['a0', 'a1']
+    att = driver.Attempt(0, ['a0', 'a1'], {0: None, 1: None}, [], {}, None, [], 0.0)
+    t0 = time.monotonic()
+    d._diagnose(att, detect.Fault('exit', [1], 'exited abnormally'))
+    took = time.monotonic() - t0
+    (check,) = events(tmp_path, 'link_check')
+    assert check['passed'] is None and 'a0 went away' in check['detail'], check
+    assert took < 15, f'the link check waited {took:.0f}s for the side whose partner was gone'
+    assert d.blocked.hosts() == [] and d.health.undiagnosed == {'a0'}
   finally:
     for f in fakes:
       f.sock.close()

@@ -22,8 +22,9 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from mjax import jsonfile, protocol
 from mjax.ft import detect, hosts as hosts_lib
@@ -333,10 +334,19 @@ class HostChecks:
     # how fast: one run on a loaded host is no measure of a link's speed,
     # and a slow link shows up in the straggler analysis.
     argv = [*self.diagnose_cmd, '--json', *self.opts.diagnose_args, '--checks', 'allreduce', '--no_baseline']
+    # A side whose agent went away ends its run at once; the other side waits
+    # in the collective for a partner that never comes, up to
+    # diagnose_timeout_s, and holds the restart up that long: cancelled.
+    partner_gone = threading.Event()
+
+    def run(i: int, host: str, ex: Any, link: Any) -> tuple[int, str, str]:
+      result = ex.run(argv, self._env(host, launch.local_env(i, 2, coordinator, self.opts.devices)),
+                      self.opts.diagnose_timeout_s, lambda: self.stop_asked() or partner_gone.is_set())
+      if self._agent_went(host, link, result[0]):
+        partner_gone.set()
+      return result
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-      runs = [pool.submit(ex.run, argv, self._env(h, launch.local_env(i, 2, coordinator, self.opts.devices)),
-                          self.opts.diagnose_timeout_s, self.stop_asked)
-              for i, (h, ex) in enumerate(zip(pair, executors))]
+      runs = [pool.submit(run, i, h, ex, link) for i, (h, ex, link) in enumerate(zip(pair, executors, links))]
       results = [r.result() for r in runs]
     gone = [h for h, link, (code, _, _) in zip(pair, links, results) if self._agent_went(h, link, code)]
     if gone:
