@@ -29,8 +29,10 @@ from mjax.parallel import make_mesh
 
 
 def measure(cfg, program, state, directory: str, async_save: bool, repeats: int) -> dict:
-  ck_cfg = dataclasses.replace(cfg.checkpoint, directory=directory, async_save=async_save,
-                               keep=repeats + 1, fast_every=0)
+  # `directory` as a run's workdir, the steps in its checkpoints/ (a tier may
+  # not be the workdir itself).
+  ck_cfg = dataclasses.replace(cfg.checkpoint, directory=os.path.join(directory, 'checkpoints'),
+                               async_save=async_save, keep=repeats + 1, fast_every=0)
   ck = Checkpointer(ck_cfg, directory)
   blocked, durable, restore = [], [], []
   for i in range(1, repeats + 1):

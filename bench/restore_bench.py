@@ -85,7 +85,10 @@ def worker(args, bindings) -> None:
     return jax.make_array_from_callback(a.shape, a.sharding, lambda index: values[index])
   leaves, treedef = jax.tree.flatten(abstract)
   state = jax.tree.unflatten(treedef, [noise(i, a) for i, a in enumerate(leaves)])
-  ck_cfg = dataclasses.replace(cfg.checkpoint, directory=args.dir, fast_every=0, keep=5)
+  # The run's own layout (a workdir and its checkpoints/): a tier may not be
+  # the workdir itself.
+  ck_dir = os.path.join(args.dir, 'checkpoints')
+  ck_cfg = dataclasses.replace(cfg.checkpoint, directory=ck_dir, fast_every=0, keep=5)
   ck = Checkpointer(ck_cfg, args.dir)
   for step in (1, 2):
     ck.save(step, state, {'next_index': step}, {}, force=True)
@@ -110,7 +113,7 @@ def worker(args, bindings) -> None:
   out['modes_bitwise_equal'] = _bits_equal(restored['every'], restored['single'])
   if args.damage:
     if jax.process_index() == 0:
-      files = glob.glob(os.path.join(args.dir, '2', 'state', '**', 'd', '*'), recursive=True)
+      files = glob.glob(os.path.join(ck_dir, '2', 'state', '**', 'd', '*'), recursive=True)
       target = max(files, key=os.path.getsize)
       with open(target, 'r+b') as fh:
         fh.truncate(16)
@@ -144,8 +147,8 @@ def run_layout(layout: str, passthrough: list[str], timeout: float, damage: bool
       logs = ''.join(open(p).read()[-3000:] for p in sorted(glob.glob(os.path.join(base, 'logs', '*'))))
       raise RuntimeError(f'layout {layout}: exit statuses {codes}\n{logs}')
     rows = [json.load(open(os.path.join(base, 'out', f'process-{i}.json'))) for i in range(procs)]
-    disk = sum(os.path.getsize(p) for p in glob.glob(os.path.join(base, 'ckpt', '1', 'state', '**'), recursive=True)
-               if os.path.isfile(p))
+    state = os.path.join(base, 'ckpt', 'checkpoints', '1', 'state', '**')
+    disk = sum(os.path.getsize(p) for p in glob.glob(state, recursive=True) if os.path.isfile(p))
     for r in rows:
       r['state_disk_bytes'] = disk
     return rows
