@@ -50,6 +50,13 @@ EXIT_BROKEN_PIPE = 141  # a tool whose output's reader went away (`| head`): 128
 # whose driver is gone counts on it too: its trainers need up to this many
 # steps more, after they notice, before their last save (mjax/ft/agent.py).
 STOP_MARGIN_STEPS = 3
+# A SIGTERM again within this many seconds is the same stop delivered twice,
+# not a second one that cuts the saves short: scancel signals every process of
+# a SLURM step (the driver and launch/slurm_ft.sbatch's shell, which passes
+# its own on; an agent and the srun that forwards its own), and a JobSet's
+# teardown reaches a trainer through its agent and its driver. A later one,
+# or a second Ctrl-C, still cuts them.
+SIGNAL_REPEAT_S = 5.0
 
 # --- environment the driver sets for each training process ----------------------
 DRIVER_ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'   # host:port of the driver's heartbeat server

@@ -70,11 +70,7 @@ class StopAgreement:
   DRIVER_LOST = 'driver_lost'
   WORKDIR_GONE = 'workdir_gone'
   POLL_MS = 10_000
-  # A SIGTERM again within this many seconds is the same stop delivered twice
-  # (SLURM signals every process of a step, and mjax-agent passes its own on;
-  # a JobSet's teardown reaches a trainer through its agent and its driver):
-  # it must not cut the save. A later one, or a second Ctrl-C, still does.
-  REPEAT_S = 5.0
+  REPEAT_S = protocol.SIGNAL_REPEAT_S   # a SIGTERM again this soon is the same stop
 
   def __init__(self, heartbeat: Optional[HeartbeatClient] = None, workdir: Optional['WorkdirWatch'] = None):
     self.signal = None

@@ -605,6 +605,28 @@ def test_sigterm_to_an_agent_lets_its_trainer_save_before_the_agent_goes(tmp_pat
   assert 'received SIGTERM: stopping its trainers, which save at the step every process agrees on' in err, err
 
 
+def test_one_sigterm_delivered_twice_to_an_agent_is_one_stop(tmp_path, agents):
+  """scancel under SLURM: slurmstepd signals the agent, and the srun that
+  started it forwards its own SIGTERM too. Before, the agent took the second
+  for "stop at once" and killed its trainer in the middle of its stop save."""
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '3'})
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '3')
+
+  def evict():
+    procs['a1'].send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    procs['a1'].send_signal(signal.SIGTERM)
+    procs['a1'].wait(60)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  _once_running(tmp_path, evict)
+  assert d.run() == driver.EXIT_OK
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev.get('exit', {}).get('1') == 'status 0', ev   # not SIGKILL, its save cut
+  assert 'stopped and saved' in (tmp_path / 'logs' / 'process-1.log').read_text()
+
+
 def test_a_stop_to_an_agent_in_its_trainers_start_up_is_a_stop_not_a_host_fault(tmp_path, agents):
   """An agent sent SIGTERM while its trainer compiles: the trainer exits
   143 (nothing to save yet). Before, the driver took that for a crash and

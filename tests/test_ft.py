@@ -1121,6 +1121,9 @@ while Timer.current == 'startup:restore':
   time.sleep(0.05)
 if mode == 'long':                       # trains until pre-empted, then exits cleanly
   signal.signal(signal.SIGTERM, lambda *a: (client.close(), sys.exit(0)))
+if mode == 'saving_stop':                # its stop save takes a second, then a clean exit
+  signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), client.close(), sys.exit(0)))
+  mode = 'long'
 if mode == 'slow_stop':                  # its stop save takes for ever
   signal.signal(signal.SIGTERM, lambda *a: None)
   mode = 'long'
@@ -1399,6 +1402,27 @@ def test_a_second_signal_cuts_the_preemption_and_is_said(tmp_path, monkeypatch):
   assert fake_run(tmp_path, monkeypatch, 'slow_stop', processes=2) == protocol.EXIT_INTERRUPTED
   (ev,) = events(tmp_path, 'preempted')
   assert 'a second signal cut the wait' in ev['detail'] and 'resumes from the newest checkpoint' in ev['detail'], ev
+
+
+def test_one_sigterm_delivered_twice_is_one_stop(tmp_path, monkeypatch):
+  # scancel signals every process of the batch step, the driver among them,
+  # and launch/slurm_ft.sbatch's trap passes the shell's SIGTERM on: the
+  # driver counted two signals and killed the trainers before their stop save.
+  import threading
+
+  def preempt_twice():
+    while not events(tmp_path, 'running'):
+      time.sleep(0.05)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=preempt_twice, daemon=True).start()
+  d = fake_driver(tmp_path, monkeypatch, 'saving_stop', processes=2)
+  assert d.run() == d.opts.preempt_exit_status
+  (ev,) = events(tmp_path, 'preempted')
+  assert ev['exit'] == {'0': 'status 0', '1': 'status 0'} and 'detail' not in ev, ev
 
 
 def test_sigterm_to_the_whole_process_group_ends_the_driver(tmp_path):

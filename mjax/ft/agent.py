@@ -826,6 +826,7 @@ class Agent:
     self._channel: Optional[Channel] = None
     self._signal: Optional[int] = None
     self._signals = 0   # how many: a second one during the trainers' stop cuts it
+    self._signalled_at = 0.0
     self._stopping = False   # its trainers told to stop (a signal to the agent): nothing new starts
     self._termed: set = set()   # trainers sent SIGTERM, by the driver or by the agent: not again
     self._exit = False
@@ -927,8 +928,12 @@ class Agent:
         signal.signal(s, h)
 
   def _on_signal(self, signum, frame) -> None:
+    now = time.monotonic()
+    if signum == self._signal == signal.SIGTERM and now - self._signalled_at < protocol.SIGNAL_REPEAT_S:
+      return   # the same stop delivered twice (protocol.SIGNAL_REPEAT_S): not one that cuts the saves
     self._signal = signum
     self._signals += 1
+    self._signalled_at = now
 
   def _session(self) -> None:
     """Serves one driver connection until it ends."""

@@ -508,6 +508,7 @@ class Driver:
     self.pre_fault: Optional[tuple[int, float]] = None  # (step reached, wall time of the fault)
     self._signal: Optional[int] = None
     self._signals = 0
+    self._signalled_at = 0.0
     self._rejected = events_lib.Throttle(5.0)   # heartbeat rejections, by kind
     self._unread_seen = 0   # the server's rejected_dropped already reported
     self.health = health_lib.HostChecks(opts, self.events, executor_factory, self.agents, self.blocked,
@@ -660,8 +661,12 @@ class Driver:
       self.events.close()
 
   def _on_signal(self, signum, frame) -> None:
+    now = time.monotonic()
+    if signum == self._signal == signal.SIGTERM and now - self._signalled_at < protocol.SIGNAL_REPEAT_S:
+      return   # the same stop delivered twice (protocol.SIGNAL_REPEAT_S): not one that cuts the saves
     self._signal = signum
     self._signals += 1
+    self._signalled_at = now
 
   def _give_up(self, reason: str, restarts: int) -> int:
     self.events.emit('giveup', reason=reason, restarts=restarts)
