@@ -627,6 +627,28 @@ def test_one_sigterm_delivered_twice_to_an_agent_is_one_stop(tmp_path, agents):
   assert 'stopped and saved' in (tmp_path / 'logs' / 'process-1.log').read_text()
 
 
+def test_agents_stopped_and_gone_are_said_so_not_a_wait_that_never_happened(tmp_path, monkeypatch):
+  """scancel --signal=TERM of the agents' job step under SLURM: every
+  trainer saved, every agent said it was stopping and left, and the driver,
+  which waits for no such agent, gave up at once saying that no agent had
+  connected "within --agent_wait_s 300s"."""
+
+  class Agents:   # what _no_hosts reads of the AgentServer
+    departed, refusals = {'a0', 'a1'}, {}
+
+    def link(self, host):
+      return None
+
+  monkeypatch.setenv(protocol.SECRET_ENV, SECRET)
+  d = make_driver(tmp_path, launch.free_port(), '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '120')
+  d.agents = Agents()
+  why = d._no_hosts()
+  assert 'host(s) a0, a1 were sent a stop signal' in why and 'agent_wait_s' not in why, why
+  Agents.departed = {'a1'}   # a0's agent just never came: that one was waited for
+  why = d._no_hosts()
+  assert 'host(s) a1 were sent a stop signal' in why and 'no agent of hosts a0 connected within --agent_wait_s 120s' in why, why
+
+
 def test_a_stop_to_an_agent_in_its_trainers_start_up_is_a_stop_not_a_host_fault(tmp_path, agents):
   """An agent sent SIGTERM while its trainer compiles: the trainer exits
   143 (nothing to save yet). Before, the driver took that for a crash and

@@ -780,8 +780,15 @@ class Driver:
     waited = [h for h in [*o.hosts, *o.spares] if h not in blocked]
     if not waited and o.hosts:
       return why
-    which = f'of hosts {", ".join(waited)} ' if waited else ''
-    why = f'no agent {which}connected within --agent_wait_s {o.agent_wait_s:g}s'
+    # Agents sent a stop signal (an scancel of their step, an eviction) said
+    # so and left: not waited for, and not to be reported as late.
+    gone = [h for h in waited if h in self.agents.departed and self.agents.link(h) is None]
+    late = [h for h in waited if h not in gone]
+    why = '; '.join(
+        ([f'the agent(s) of host(s) {", ".join(gone)} were sent a stop signal (their node evicted or drained, '
+          f'their job step cancelled) and left'] if gone else []) +
+        ([f'no agent {"of hosts " + ", ".join(late) + " " if late else ""}connected within '
+          f'--agent_wait_s {o.agent_wait_s:g}s'] if late or not gone else []))
     refusals = dict(self.agents.refusals)
     if refusals:
       why += '; the driver refused ' + '; '.join(
