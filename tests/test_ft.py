@@ -2328,6 +2328,27 @@ def test_a_stop_in_the_back_off_ends_the_driver_without_a_relaunch(tmp_path, mon
   assert pre['during'] == 'back-off' and len(events(tmp_path, 'launch')) == 1, pre
 
 
+def test_a_host_diagnosis_is_a_job_of_its_own_not_the_slurm_steps(tmp_path, monkeypatch):
+  # Under launch/slurm_ft.sbatch each agent runs in one SLURM step over every
+  # node, and mjax-diagnose read its SLURM_PROCID / SLURM_NTASKS as a job to
+  # join with the other nodes' diagnostics: with a node lost, the healthy
+  # node's diagnosis waited out the join timeout (300 s) and failed.
+  from mjax import distributed
+  d = fake_driver(tmp_path, monkeypatch, 'crash_once', processes=2)
+  for k, v in {'SLURM_JOB_ID': '7', 'SLURM_PROCID': '0', 'SLURM_NTASKS': '2',
+               'SLURM_STEP_NODELIST': 'node[1-2]', distributed.COORDINATOR: 'node1:1234'}.items():
+    monkeypatch.setenv(k, v)
+  seen = []
+
+  class Recording:
+    def run(self, argv, env, timeout, cancel=None):
+      seen.append(distributed.resolve(env))
+      return 0, json.dumps({'host': 'slot0', 'passed': True, 'checks': []}), ''
+  d.health.executor_factory = lambda host: Recording()
+  d.health.diagnose_host('slot0')
+  assert seen and seen[0].num_processes == 1, seen
+
+
 def test_a_stop_during_a_diagnosis_ends_it_there_and_blocks_no_host(tmp_path, monkeypatch):
   # The driver waited for every diagnostic to its deadline (300 s by
   # default, a hung check's 120 s), then blocked hosts on what it got, and

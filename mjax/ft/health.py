@@ -218,11 +218,19 @@ class HostChecks:
       return None, None, 'no agent connected: diagnosed when it is back'
     if self.stop_asked():   # a host whose turn came after the stop: none started
       return None, None, 'not judged: the driver was asked to stop'
+    # A job of one process, said so: an agent's environment is its SLURM
+    # step's (launch/slurm_ft.sbatch: SLURM_PROCID, SLURM_NTASKS = the
+    # nodes), which mjax-diagnose read as a job to join with the other
+    # nodes' diagnostics. With a node lost, the healthy one waited out the
+    # join timeout for it and failed its own diagnosis.
+    from mjax import distributed
+    alone = {k: v for k, v in os.environ.items() if k != distributed.COORDINATOR}
+    alone.update({distributed.NUM_PROCESSES: '1', distributed.PROCESS_ID: '0'})
     for attempt in range(1, DIAGNOSE_TRIES + 1):
       link = self._agent_link(host)
       began = time.time()
       code, out, err = self.executor_factory(host).run([*self.diagnose_cmd, '--json', *self.opts.diagnose_args],
-                                                       self._env(host), self.opts.diagnose_timeout_s,
+                                                       self._env(host, alone), self.opts.diagnose_timeout_s,
                                                        cancel=self.stop_asked)
       ended = time.time()
       if self.stop_asked():   # cut short by a stop signal: no verdict on the host
