@@ -578,30 +578,41 @@ def _once_running(tmp_path, action) -> None:
   threading.Thread(target=wait_then_act, daemon=True).start()
 
 
+def _evicted_while_saving(tmp_path, agents, signals: int):
+  """Agent a1 sent SIGTERM `signals` times (50 ms apart) while its trainer
+  runs, then the driver: (the driver's status, its preempted event, a1's
+  process). Its trainer's stop save takes 3 s."""
+  port = launch.free_port()
+  procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '3'})
+  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '3')
+
+  def evict():
+    for i in range(signals):
+      time.sleep(0.05 if i else 0)
+      procs['a1'].send_signal(signal.SIGTERM)
+    procs['a1'].wait(60)
+    # (These trainers agree on no stop of their own: the driver's pre-emption ends the other.)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  _once_running(tmp_path, evict)
+  status = d.run()
+  (ev,) = events(tmp_path, 'preempted')
+  assert 'stopped and saved' in (tmp_path / 'logs' / 'process-1.log').read_text()
+  return status, ev, procs['a1']
+
+
 def test_sigterm_to_an_agent_lets_its_trainer_save_before_the_agent_goes(tmp_path, agents):
   """An evicted node (SIGTERM to its agent): the agent passes the signal
   to its trainer and stays until it has saved and exited, relaying its exit.
   Before, it gave the trainer --grace_s (1 s here, 5 by default) before
   SIGKILL and left, and the driver counted its host as lost: a save slower
   than that was cut."""
-  port = launch.free_port()
-  procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '3'})
-  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '3')
-
-  def evict():
-    procs['a1'].send_signal(signal.SIGTERM)
-    procs['a1'].wait(60)
-    # (These trainers agree on no stop of their own: the driver's pre-emption ends the other.)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-  _once_running(tmp_path, evict)
-  assert d.run() == driver.EXIT_OK
-  (ev,) = events(tmp_path, 'preempted')
+  status, ev, agent = _evicted_while_saving(tmp_path, agents, 1)
+  assert status == driver.EXIT_OK
   assert ev['exit']['1'] == 'status 0', ev   # not SIGKILL, not 'host lost'
   assert not [e for e in events(tmp_path, 'fault') if e.get('kind') == 'host_lost'], events(tmp_path, 'fault')
-  assert 'stopped and saved' in (tmp_path / 'logs' / 'process-1.log').read_text()
-  assert procs['a1'].returncode == 143   # 128 + SIGTERM: a Job recreates an evicted agent's pod
-  err = procs['a1'].stderr.read()
+  assert agent.returncode == 143   # 128 + SIGTERM: a Job recreates an evicted agent's pod
+  err = agent.stderr.read()
   assert 'received SIGTERM: stopping its trainers, which save at the step every process agrees on' in err, err
 
 
@@ -609,22 +620,9 @@ def test_one_sigterm_delivered_twice_to_an_agent_is_one_stop(tmp_path, agents):
   """scancel under SLURM: slurmstepd signals the agent, and the srun that
   started it forwards its own SIGTERM too. Before, the agent took the second
   for "stop at once" and killed its trainer in the middle of its stop save."""
-  port = launch.free_port()
-  procs = agents(port, 'a0', 'a1', mode='slow', env={'AGENT_TEST_STOP_SAVE_S': '3'})
-  d = make_driver(tmp_path, port, '--processes', '2', '--hosts', 'a0,a1', '--agent_wait_s', '3')
-
-  def evict():
-    procs['a1'].send_signal(signal.SIGTERM)
-    time.sleep(0.05)
-    procs['a1'].send_signal(signal.SIGTERM)
-    procs['a1'].wait(60)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-  _once_running(tmp_path, evict)
-  assert d.run() == driver.EXIT_OK
-  (ev,) = events(tmp_path, 'preempted')
+  status, ev, _ = _evicted_while_saving(tmp_path, agents, 2)
+  assert status == driver.EXIT_OK
   assert ev.get('exit', {}).get('1') == 'status 0', ev   # not SIGKILL, its save cut
-  assert 'stopped and saved' in (tmp_path / 'logs' / 'process-1.log').read_text()
 
 
 def test_agents_stopped_and_gone_are_said_so_not_a_wait_that_never_happened(tmp_path, monkeypatch):

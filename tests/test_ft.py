@@ -1385,20 +1385,24 @@ def test_a_preemption_in_the_trainers_start_up_is_clean(tmp_path, monkeypatch):
   assert ev['exit'] == {'0': 'status 143 (SIGTERM)', '1': 'status 143 (SIGTERM)'} and 'detail' not in ev, ev
 
 
-def test_a_second_signal_cuts_the_preemption_and_is_said(tmp_path, monkeypatch):
-  # Ctrl-C twice: the trainers were killed before their stop save, and the
-  # driver exited 1, as when it gives up after restarts, without a word.
+def _signal_twice_once_running(tmp_path, sig: int, gap_s: float) -> None:
+  """This process (the driver's) sent `sig` twice, `gap_s` apart, once the job runs."""
   import threading
 
-  def preempt_twice():
+  def twice():
     while not events(tmp_path, 'running'):
       time.sleep(0.05)
     time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), sig)
+    time.sleep(gap_s)
+    os.kill(os.getpid(), sig)
+  threading.Thread(target=twice, daemon=True).start()
 
-  threading.Thread(target=preempt_twice, daemon=True).start()
+
+def test_a_second_signal_cuts_the_preemption_and_is_said(tmp_path, monkeypatch):
+  # Ctrl-C twice: the trainers were killed before their stop save, and the
+  # driver exited 1, as when it gives up after restarts, without a word.
+  _signal_twice_once_running(tmp_path, signal.SIGINT, 0.5)
   assert fake_run(tmp_path, monkeypatch, 'slow_stop', processes=2) == protocol.EXIT_INTERRUPTED
   (ev,) = events(tmp_path, 'preempted')
   assert 'a second signal cut the wait' in ev['detail'] and 'resumes from the newest checkpoint' in ev['detail'], ev
@@ -1408,17 +1412,7 @@ def test_one_sigterm_delivered_twice_is_one_stop(tmp_path, monkeypatch):
   # scancel signals every process of the batch step, the driver among them,
   # and launch/slurm_ft.sbatch's trap passes the shell's SIGTERM on: the
   # driver counted two signals and killed the trainers before their stop save.
-  import threading
-
-  def preempt_twice():
-    while not events(tmp_path, 'running'):
-      time.sleep(0.05)
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.05)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-  threading.Thread(target=preempt_twice, daemon=True).start()
+  _signal_twice_once_running(tmp_path, signal.SIGTERM, 0.05)
   d = fake_driver(tmp_path, monkeypatch, 'saving_stop', processes=2)
   assert d.run() == d.opts.preempt_exit_status
   (ev,) = events(tmp_path, 'preempted')
