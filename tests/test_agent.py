@@ -771,6 +771,15 @@ class FakeAgent:
             self.ch.send({'kind': 'ran', 'id': msg['id'], 'code': reply[0], 'out': json.dumps(reply[1]), 'err': ''})
 
 
+def _close(d, fakes) -> None:
+  """A test's driver and fake agents, closed."""
+  for f in fakes:
+    f.sock.close()
+  d.agents.close()
+  d.server.close()
+  d.events.close()
+
+
 def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_blocked(tmp_path, monkeypatch):
   """A network blip must not block a healthy host for good: where its agent's
   link drops while its diagnostic, or a link check with it, runs, there is
@@ -812,11 +821,7 @@ def test_a_host_whose_agent_drops_while_it_is_diagnosed_sits_out_and_is_not_bloc
     assert check['passed'] is None and 'a0 went away' in check['detail'], check
     assert d.blocked.hosts() == [] and d.health.undiagnosed == {'a0'} and not events(tmp_path, 'host_blocked')
   finally:
-    for f in fakes:
-      f.sock.close()
-    d.agents.close()
-    d.server.close()
-    d.events.close()
+    _close(d, fakes)
 
 
 def test_a_link_check_whose_partner_agent_drops_ends_at_once(tmp_path, monkeypatch):
@@ -847,11 +852,7 @@ def test_a_link_check_whose_partner_agent_drops_ends_at_once(tmp_path, monkeypat
     assert took < 15, f'the link check waited {took:.0f}s for the side whose partner was gone'
     assert d.blocked.hosts() == [] and d.health.undiagnosed == {'a0'}
   finally:
-    for f in fakes:
-      f.sock.close()
-    d.agents.close()
-    d.server.close()
-    d.events.close()
+    _close(d, fakes)
 
 
 # --- real trainers through agents ----------------------------------------------------
