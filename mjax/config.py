@@ -846,12 +846,13 @@ def _float32(section, *names):
 _INT32_MAX = 2 ** 31 - 1
 
 
-def _below_int32(section, *names):
+def _below_int32(section, *names, rule: Optional[str] = None):
+  """Refuses a value of 2**31 or more; `rule` says why, in place of the model's reason."""
   for n in names:
     v = getattr(section, n)
-    if v is not None and v > _INT32_MAX:
+    if v is not None and v >= 2**31:
       _fail(f'{type(section).__name__}.{n}', v,
-            f'must be at most 2**31 - 1 = {_INT32_MAX:,}: the model computes token ids, positions and '
+            rule or f'must be at most 2**31 - 1 = {_INT32_MAX:,}: the model computes token ids, positions and '
             'per-head sizes as 32-bit integers, which a larger value overflows')
 
 
@@ -1028,11 +1029,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(o, 'learning_rate', 'eps')
   _positive(o, 'warmup_steps', 'decay_steps', 'weight_decay', 'clip_norm', allow_zero=True)
   _float32(o, 'learning_rate', 'eps', 'weight_decay', 'clip_norm')
-  if o.warmup_steps >= 2**31:
-    # The warm-up clips the int32 step counter to it (a larger one was an
-    # OverflowError traceback when the step compiled).
-    _fail('OptimConfig.warmup_steps', o.warmup_steps,
-          'must be below 2**31 (2,147,483,648): the warm-up compares it with the 32-bit step counter')
+  # The warm-up clips the int32 step counter to it (a larger one was an
+  # OverflowError traceback when the step compiled).
+  _below_int32(o, 'warmup_steps',
+               rule='must be below 2**31 (2,147,483,648): the warm-up compares it with the 32-bit step counter')
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     _fail('OptimConfig.min_lr_ratio', o.min_lr_ratio, 'must be in [0, 1]')
   for b in ('b1', 'b2'):
@@ -1051,11 +1051,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
   _positive(t, 'eval_every', 'skip_batches', 'skip_batches_after', 'profile_steps', 'profile_from_step', 'gc_every_steps',
             allow_zero=True)
   _positive(ck, 'keep', 'fast_keep', 'io_timeout_s', 'restore_below')
-  if ck.io_timeout_s >= 2**31:
-    # Orbax's save deadline is now + this, a date: 1e12 s (past the year
-    # 9999) was an OverflowError traceback at the first save.
-    _fail('CheckpointConfig.io_timeout_s', ck.io_timeout_s,
-          'must be below 2**31 seconds (68 years): a save\'s deadline is a date, which a longer one overflows')
+  # Orbax's save deadline is now + this, a date: 1e12 s (past the year
+  # 9999) was an OverflowError traceback at the first save.
+  _below_int32(ck, 'io_timeout_s', rule='must be below 2**31 seconds (68 years): a save\'s deadline is a date, '
+                                        'which a longer one overflows')
   _positive(ck, 'save_every', 'fast_every', allow_zero=True)
   if ck.fast_scope not in FAST_SCOPES:
     _fail('CheckpointConfig.fast_scope', ck.fast_scope,
@@ -1076,12 +1075,10 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
             'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
             'loss_spike_count')
   _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', 'device_timing_every', allow_zero=True)
-  if f.collective_timeout_s >= 2**31:
-    # jax's peer heartbeat timeout, a 32-bit count of seconds: 1e12 was a
-    # TypeError traceback in every process of a job as it formed.
-    _fail('FaultConfig.collective_timeout_s', f.collective_timeout_s,
-          'must be below 2**31 seconds (68 years): a multi-process job gives it to jax as its peers\' heartbeat '
-          'timeout, a 32-bit count of seconds')
+  # jax's peer heartbeat timeout, a 32-bit count of seconds: 1e12 was a
+  # TypeError traceback in every process of a job as it formed.
+  _below_int32(f, 'collective_timeout_s', rule='must be below 2**31 seconds (68 years): a multi-process job gives '
+                                               'it to jax as its peers\' heartbeat timeout, a 32-bit count of seconds')
   if f.heartbeat_interval_s < 0.01:
     # Each beat is a write and a send: 1e-320 s passed and busy-looped a
     # core under the driver, taken from the trainer it watches.

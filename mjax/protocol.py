@@ -26,7 +26,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import threading
+import time
 from typing import Any, Optional
 
 # --- exit statuses ------------------------------------------------------------
@@ -57,6 +59,13 @@ STOP_MARGIN_STEPS = 3
 # teardown reaches a trainer through its agent and its driver. A later one,
 # or a second Ctrl-C, still cuts them.
 SIGNAL_REPEAT_S = 5.0
+
+
+def repeated_term(signum: int, last: Optional[int], last_at: float, window: float = SIGNAL_REPEAT_S) -> bool:
+  """Whether `signum` is that same stop delivered twice: a SIGTERM within
+  `window` seconds of the SIGTERM taken before it (`last`, at monotonic
+  time `last_at`)."""
+  return signum == last == signal.SIGTERM and time.monotonic() - last_at < window
 
 # --- environment the driver sets for each training process ----------------------
 DRIVER_ADDRESS_ENV = 'MJAX_DRIVER_ADDRESS'   # host:port of the driver's heartbeat server

@@ -165,7 +165,7 @@ class StopAgreement:
 
   def _handle(self, signum, frame):
     if self.signal is not None:
-      if signum == self.signal == signal.SIGTERM and time.monotonic() - self._signalled_at < self.REPEAT_S:
+      if protocol.repeated_term(signum, self.signal, self._signalled_at, self.REPEAT_S):
         return
       signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
       signal.raise_signal(signum)

@@ -517,7 +517,8 @@ class Checkpointer:
     distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}', self.cfg.io_timeout_s)
     for old in sorted(tier.manager.all_steps(), reverse=True)[tier.keep:]:
       # (As Orbax's own deletions beyond keep: one that fails leaves the step.)
-      _delete_old_step(tier.manager.delete, old, tier.directory, f'CheckpointConfig.fast_keep = {tier.keep}')
+      _delete_old_step(tier.manager.delete, old, tier.directory,
+                       f'CheckpointConfig.{keep_key_of(tier.name)} = {tier.keep}')
 
   def _host_steps(self, tier: _Tier, layout: Optional[str]) -> list[tuple[int, str, str]]:
     """(step, tier, state digest) of this process's copies in a host tier,

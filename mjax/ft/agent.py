@@ -928,12 +928,11 @@ class Agent:
         signal.signal(s, h)
 
   def _on_signal(self, signum, frame) -> None:
-    now = time.monotonic()
-    if signum == self._signal == signal.SIGTERM and now - self._signalled_at < protocol.SIGNAL_REPEAT_S:
-      return   # the same stop delivered twice (protocol.SIGNAL_REPEAT_S): not one that cuts the saves
+    if protocol.repeated_term(signum, self._signal, self._signalled_at):
+      return   # the same stop delivered twice: not one that cuts the saves
     self._signal = signum
     self._signals += 1
-    self._signalled_at = now
+    self._signalled_at = time.monotonic()
 
   def _session(self) -> None:
     """Serves one driver connection until it ends."""
