@@ -744,6 +744,31 @@ def _check_types(section):
   return dataclasses.replace(section, **changes) if changes else section
 
 
+# Fields that name a path (some also take a word: 'stdlib', 'bytes').
+PATH_FIELDS = (('data', 'source'), ('data', 'tokenizer'), ('data', 'mixture'), ('checkpoint', 'directory'),
+               ('checkpoint', 'fast_directory'), ('checkpoint', 'restore_from'), ('checkpoint', 'init_from_hf'),
+               ('train', 'compilation_cache_dir'), ('train', 'peak_cache_dir'))
+
+
+def _check_paths(cfg) -> None:
+  """Refuses a path that is only whitespace or begins or ends with it, unless
+  such a path exists: a quoting slip (`directory = ' '`, `'/data/ckpt '`)
+  made a folder named with the spaces, in the workdir or wherever the run
+  started, and the run wrote there without a word."""
+  for section, name in PATH_FIELDS:
+    value = getattr(getattr(cfg, section), name)
+    key = f'{type(getattr(cfg, section)).__name__}.{name}'
+    if value == '' and (section, name) == ('train', 'peak_cache_dir'):
+      _fail(key, value, "must name a folder (default '~/.cache/mjax'): an empty one is the directory the run "
+                        'was started in')
+    if not isinstance(value, str) or not value or value.strip() == value or os.path.lexists(value):
+      continue
+    what = 'is only whitespace' if not value.strip() else 'begins or ends with whitespace'
+    raise ConfigError(
+        f'{key} = {value!r} {what}, which is nearly always a quoting slip: as a path it would name a folder '
+        f'with the spaces in its name. Give the path without them (no such path exists as given).')
+
+
 def _fail(key: str, value, allowed: str):
   raise ConfigError(f'{key} = {value!r} is not allowed: {allowed}.')
 
@@ -954,6 +979,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
       _fail(f'Config.{name}', getattr(cfg, name), f'must be a {cls.__name__}')
   cfg = dataclasses.replace(cfg, **{n: _check_types(getattr(cfg, n)) for n in SECTIONS})
   m, d, o, t, mesh, ck = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.mesh, cfg.checkpoint
+  _check_paths(cfg)
 
   _positive(m, 'vocab_size', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'head_dim',
             'd_ff', 'norm_eps', 'rope_theta', 'init_std')

@@ -142,6 +142,10 @@ def test_resolved_config_round_trips(tmp_path):
     # A path with a NUL was a ValueError traceback where it was first opened.
     ('CheckpointConfig.directory = "ck\\x00pt"', ["CheckpointConfig.directory = 'ck\\x00pt'", 'NUL character']),
     ('TrainConfig.compilation_cache_dir = "\\x00"', ['TrainConfig.compilation_cache_dir', 'NUL character']),
+    # A quoting slip made a folder named with the spaces, and the run wrote there.
+    ('CheckpointConfig.directory = " "', ["CheckpointConfig.directory = ' ' is only whitespace", 'quoting slip']),
+    ('TrainConfig.compilation_cache_dir = "/tmp/cache "', ["'/tmp/cache ' begins or ends with whitespace"]),
+    ('TrainConfig.peak_cache_dir = ""', ["TrainConfig.peak_cache_dir = ''", 'the directory the run was started in']),
     # head_dim comes from d_model / n_heads: those are what to change.
     ('ModelConfig.d_model = 260', ['ModelConfig.d_model = 260', 'n_heads = 4', 'heads of 65 dims']),
     # grain reads them all before the first batch: 10**12 never started.

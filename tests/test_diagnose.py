@@ -126,6 +126,8 @@ def test_cli_passes_and_rejects_unknown_injected_names(monkeypatch, capsys):
                      (['--check_timeout_s', '1e12'], 'is too large'),
                      (['--check_timeout_s', 'nan'], 'must be >= 0 and --check_timeout_s nan > 0'),
                      (['--cpu_memory_mib', '0'], '--cpu_memory_mib 0: give at least 1 MiB'),
+                     # The baseline was written into the working directory.
+                     (['--cache_dir', ''], "--cache_dir '' names no folder"),
                      (['--collective_mib', '-3'], '--collective_mib -3: give at least 1 MiB'),
                      # Beyond the host's memory: XLA aborted, or the host failed as out of memory.
                      (['--checks', 'memory', '--cpu_memory_mib', str(10**12)],

@@ -149,3 +149,21 @@ def test_a_report_without_overlap_flags_still_sets_the_configs_other_flags(monke
   flags.apply_xla_flags(cfg)
   assert [enabled for enabled, _ in calls] == [False, True]
   assert all(kw['extra'] == '--xla_gpu_foo=1' and kw['gelu_epilogue'] for _, kw in calls)
+
+
+def test_a_deviceless_compile_leaves_out_options_this_jaxlib_does_not_have():
+  """jaxlib 0.11 has no compile option xla_gpu_enable_pipelined_reduce_scatter
+  (its flag table still names it): `mjax-report comm --target` failed there on
+  "No such compile option". The option is dropped, with a note, and the
+  others are kept."""
+  import jax
+  from mjax.parallel import gpu_target
+  lowered = jax.jit(lambda x: x + 1).lower(1.0)
+  options = {'xla_gpu_no_such_option': True, 'xla_backend_optimization_level': 1}
+  notes = []
+  compiled = gpu_target.compile_with(lowered, options, notes)
+  assert float(compiled(1.0)) == 2.0
+  assert options == {'xla_backend_optimization_level': 1}
+  assert notes == ['--xla_gpu_no_such_option left out: this jaxlib has no such compile option (its default applies)']
+  with pytest.raises(Exception, match='xla_backend_optimization_level'):   # a bad value still fails
+    gpu_target.compile_with(lowered, {'xla_backend_optimization_level': 'high'}, [])

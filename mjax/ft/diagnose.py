@@ -893,6 +893,9 @@ def parse_args(argv: Sequence[str], parser_class=argparse.ArgumentParser) -> arg
   if not 0 < args.min_fraction <= 1 or not 0 < args.memory_fraction < 1:
     raise UserError(f'--min_fraction {args.min_fraction} must be in (0, 1] and --memory_fraction '
                     f'{args.memory_fraction} in (0, 1).')
+  if not args.cache_dir.strip():   # '' was the working directory: the baseline written wherever it ran
+    raise UserError(f'--cache_dir {args.cache_dir!r} names no folder; give the folder that keeps the baseline '
+                    '(default ~/.cache/mjax).')
   if args.repeats < 0 or not args.check_timeout_s > 0:
     raise UserError(f'--repeats {args.repeats} must be >= 0 and --check_timeout_s {args.check_timeout_s} > 0.')
   args.checks = [c.strip() for c in args.checks.split(',') if c.strip()]

@@ -191,9 +191,31 @@ def compile_step(cfg, target: Target, options: Optional[dict[str, object]] = Non
   devices = topology_devices(target)
   mesh = make_mesh(cfg.mesh, devices=devices)
   program = make_program(cfg, mesh)
-  options = compile_options(cfg) if options is None else options
+  options = dict(compile_options(cfg) if options is None else options)
   t0 = time.perf_counter()
   with program.context():
     lowered = program.step.lower(program.abstract_state(), program.abstract_batch())
-    compiled = lowered.compile(compiler_options=options)
+    compiled = compile_with(lowered, options, notes)
   return Compiled(compiled, mesh, cfg, notes, options, time.perf_counter() - t0)
+
+
+_NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
+
+
+def compile_with(lowered, options: dict[str, object], notes: list[str]):
+  """`lowered` compiled with `options`, less those this jaxlib has no
+  compile option for (each dropped from `options`, with a note).
+
+  Compile options are fields of XLA's DebugOptions, and a jaxlib removes a
+  field when its flag becomes the default: jaxlib 0.11 has no
+  xla_gpu_enable_pipelined_reduce_scatter, while its flag table still names
+  it (XLA_FLAGS takes it as a no-op), so the flag scan cannot tell."""
+  while True:
+    try:
+      return lowered.compile(compiler_options=options)
+    except Exception as e:  # noqa: BLE001 -- jax's runtime error type moved between versions
+      found = _NO_SUCH_OPTION.search(str(e))
+      if not found or found.group(1) not in options:
+        raise
+      options.pop(found.group(1))
+      notes.append(f'--{found.group(1)} left out: this jaxlib has no such compile option (its default applies)')
