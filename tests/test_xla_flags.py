@@ -167,3 +167,27 @@ def test_a_deviceless_compile_leaves_out_options_this_jaxlib_does_not_have():
   assert notes == ['--xla_gpu_no_such_option left out: this jaxlib has no such compile option (its default applies)']
   with pytest.raises(Exception, match='xla_backend_optimization_level'):   # a bad value still fails
     gpu_target.compile_with(lowered, {'xla_backend_optimization_level': 'high'}, [])
+
+
+def test_pipelining_flags_go_under_their_successors_names_where_xla_has_them(tmp_path, monkeypatch):
+  """jaxlib 0.11 made the three pipelining booleans modes
+  (xla_gpu_pipeline_all_gather=on, ...): the old names are deprecated
+  aliases in XLA_FLAGS and no compile options at all, so a deviceless
+  compile with them failed, and without them nothing was pipelined. Where
+  the successor exists mjax sets it; where not, the old flag as before."""
+  new_table = (TABLE + b'xla_gpu_enable_latency_hiding_scheduler\x00xla_gpu_enable_pipelined_all_gather\x00'
+               b'xla_gpu_pipeline_all_gather\x00xla_gpu_pipeline_reduce_scatter\x00')
+  lib = tmp_path / 'jaxlib' / 'libjax_common.so'
+  lib.parent.mkdir()
+  lib.write_bytes(new_table)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_pipeline_reduce_scatter=off')   # the user's own stays
+  added = X.apply_xla_flags(True, platform='gpu', libraries=[str(lib)])
+  assert '--xla_gpu_pipeline_all_gather=on' in added
+  assert not any('enable_pipelined_all_gather' in a or 'reduce_scatter' in a for a in added), added
+  assert X.with_successors({'xla_gpu_enable_pipelined_all_gather': 'false'}, {'xla_gpu_pipeline_all_gather'}) == {
+      'xla_gpu_pipeline_all_gather': 'default'}
+  assert X.with_successors({'xla_gpu_enable_pipelined_all_gather': 'true'}, set()) == {
+      'xla_gpu_enable_pipelined_all_gather': 'true'}
+  # As compile options the modes are the DebugOptions enum's names.
+  assert X.as_compile_options({'xla_gpu_pipeline_all_gather': 'on', 'xla_gpu_enable_pipelined_all_reduce': 'true'}) == {
+      'xla_gpu_pipeline_all_gather': 'COLLECTIVE_PIPELINING_MODE_ON', 'xla_gpu_enable_pipelined_all_reduce': True}

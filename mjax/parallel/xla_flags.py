@@ -94,6 +94,37 @@ GELU_EPILOGUE_FLAGS: dict[str, str] = {
     'xla_gpu_enable_triton_gemm': 'false',
 }
 
+# Flags a newer XLA replaced by another: old name -> (new name, the new
+# flag's value for the old 'true'). jaxlib 0.11 turned the three pipelining
+# booleans into modes (default / off / on / explicit): the old names are
+# still read from XLA_FLAGS, as deprecated aliases ('true' is 'on'), but
+# are no longer compile options, and may go from XLA_FLAGS too.
+SUCCESSORS: dict[str, tuple[str, str]] = {
+    'xla_gpu_enable_pipelined_all_gather': ('xla_gpu_pipeline_all_gather', 'on'),
+    'xla_gpu_enable_pipelined_reduce_scatter': ('xla_gpu_pipeline_reduce_scatter', 'on'),
+    'xla_gpu_enable_pipelined_all_reduce': ('xla_gpu_pipeline_all_reduce', 'on'),
+}
+# The modes as a compile option spells them (the DebugOptions enum).
+_PIPELINING_MODES = {m: f'COLLECTIVE_PIPELINING_MODE_{m.upper()}' for m in ('default', 'off', 'on', 'explicit')}
+
+
+def with_successors(flags: dict[str, Optional[str]], supported: Iterable[str],
+                    user_set: Iterable[str] = ()) -> dict[str, Optional[str]]:
+  """`flags` with each replaced flag under its successor's name where
+  `supported` holds that name (and the user set neither name): 'true' is
+  the successor's value for it, anything else its 'default'. In order."""
+  supported, user_set = set(supported), set(user_set)
+  out: dict[str, Optional[str]] = {}
+  for name, value in flags.items():
+    new = SUCCESSORS.get(name)
+    if new and new[0] in supported and new[0] not in user_set and new[0] not in flags:
+      on = value is None or value.lower() in ('true', '1')
+      out[new[0]] = new[1] if on else 'default'
+    else:
+      out[name] = value
+  return out
+
+
 # Names every XLA flag table has defined for years. A library is a flag table
 # only if it defines all of them: one alone is not enough, since some
 # extension modules that parse no flags hold a stray 'xla_dump_to' string
@@ -230,8 +261,11 @@ def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
   values ('true' -> True, '128' -> 128), since XLA rejects the string 'true'
   for a bool option there (XLA_FLAGS parses text, compile options do not)."""
   out: dict[str, object] = {}
+  modes = {new for new, _ in SUCCESSORS.values()}
   for name, value in flags.items():
-    if value is None or value.lower() == 'true':
+    if name in modes and value is not None and value.lower() in _PIPELINING_MODES:
+      out[name] = _PIPELINING_MODES[value.lower()]
+    elif value is None or value.lower() == 'true':
       out[name] = True
     elif value.lower() == 'false':
       out[name] = False
@@ -288,6 +322,8 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
     log.warning('XLA overlap flags: no jaxlib / GPU plugin library with an XLA flag table '
                 'found to check them against; none set')
     return []
+  successors = [new for new, _ in SUCCESSORS.values()]
+  todo = with_successors(todo, supported_flags(successors, libraries), user_set)
   ok = supported_flags(todo, libraries)
   dropped = sorted(set(todo) - ok)
   if dropped:
