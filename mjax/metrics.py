@@ -83,7 +83,7 @@ class MetricsWriter:
       raise refused_write(e, path, 'the metrics') from None
     tb_dir = os.path.join(workdir, 'tensorboard')
     try:
-      self._tb = EventFile(tb_dir)
+      self._tb = EventFile(tb_dir, first_step=int(resume_step) + 1)
     except OSError as e:
       raise refused_write(e, tb_dir, 'the TensorBoard events') from None
     if wandb_project:
@@ -136,7 +136,7 @@ class EventFile:
 
   SYNC_S = 120.0
 
-  def __init__(self, logdir: str):
+  def __init__(self, logdir: str, first_step: Optional[int] = None):
     _import_tensorboardx()
     from tensorboardX.proto import event_pb2, summary_pb2
     from tensorboardX.record_writer import masked_crc32c
@@ -147,6 +147,15 @@ class EventFile:
     self._fh = open(self.path, 'ab', buffering=0)
     self._synced = time.monotonic()
     self._write(self._event(wall_time=time.time(), file_version='brain.Event:2'))
+    if first_step is not None:
+      # A run resumed from an older checkpoint writes its redone steps
+      # again, in this new file. A session start at the first of them tells
+      # TensorBoard to drop the earlier files' values from that step on (as
+      # SummaryWriter's purge_step does): without it its Python reader
+      # (--load_fast=false, EventAccumulator) kept both, and every curve ran
+      # back from the newest step to the resumed one.
+      self._write(self._event(wall_time=time.time(), step=first_step,
+                              session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
   def scalars(self, values: dict[str, float], step: int) -> None:
     if values:

@@ -335,6 +335,27 @@ def test_metrics_are_only_appended_and_a_resume_supersedes_the_redone_steps(tmp_
   assert [(r['step'], r['loss']) for r in read(str(tmp_path))] == [(1, 7.0)]
 
 
+def test_tensorboard_keeps_one_value_per_step_after_a_resume_from_an_older_step(tmp_path):
+  # A resumed run writes its redone steps again, in a new event file: the
+  # values of the first file from the resumed step on must not stay beside them.
+  import logging
+  from mjax.metrics import MetricsWriter
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  first = MetricsWriter(str(tmp_path))
+  for step in range(1, 6):
+    first.write(step, {'loss': float(step)})
+  first.close()
+  time.sleep(1.01)   # event files are named by the second they are made in
+  again = MetricsWriter(str(tmp_path), resume_step=3)
+  for step in (4, 5):
+    again.write(step, {'loss': 10.0 * step})
+  again.close()
+  logging.getLogger('tensorboard').setLevel(logging.ERROR)   # its note on the values it drops
+  acc = EventAccumulator(str(tmp_path / 'tensorboard'))
+  acc.Reload()
+  assert [(e.step, e.value) for e in acc.Scalars('loss')] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+
 def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
   cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 2',
                'CheckpointConfig.enabled = False')
