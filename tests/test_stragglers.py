@@ -179,6 +179,20 @@ def test_load_keeps_the_last_row_of_a_step_written_twice(tmp_path):
   assert all(r == by_key[(r['process'], r['step'])] for r in tail)
 
 
+def test_an_earlier_attempts_steps_past_a_resume_are_not_the_runs_latest(tmp_path, capsys):
+  # Steps 1-70, then a restart from the step-50 checkpoint that has reached
+  # step 60: steps 61-70 of the first attempt are no part of the run any more.
+  first = lockstep_rows(n=2, steps=70, seed=1)
+  again = [dict(r, time=r['time'] + 1000.0) for r in lockstep_rows(n=2, steps=60, seed=2) if r['step'] > 50]
+  _write(tmp_path, first)
+  _write(tmp_path, again)
+  for rows in (st.load_rows(str(tmp_path)), st.load_rows(str(tmp_path), last=30)):
+    assert max(r['step'] for r in rows) == 60
+    assert all(r['time'] > T0 + 1000 for r in rows if r['step'] > 50)
+  assert report.main(['stragglers', str(tmp_path), '--out', str(tmp_path / 'out')]) == 0
+  assert '2 process(es), 60 step(s)' in capsys.readouterr().out
+
+
 def test_trace_has_one_event_per_process_step_and_phase(tmp_path):
   rows = lockstep_rows(n=3, steps=25, slow=2)
   path = timeline.write_trace(rows, str(tmp_path / 'trace.json'))

@@ -160,8 +160,9 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None, last: Optional[int
 
   Returns:
     Rows sorted by (process, step), one per (process, step): the last one
-    written, since a resumed run appends again the steps it redoes. What
-    a crash cut short is skipped.
+    written, since a resumed run appends again the steps it redoes, and
+    none of an earlier attempt past the step a later one resumed from.
+    What a crash cut short is skipped.
 
   Raises:
     FileNotFoundError: when `workdir/timings` holds no process-*.jsonl file.
@@ -192,6 +193,13 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None, last: Optional[int
       for line in fh:
         row = _parse_row(line.decode('utf-8', errors='replace'))
         if row is not None:
+          # A step at or below the last one: a restart from an older
+          # checkpoint, whose steps from here on replace the earlier
+          # attempt's. Its rows past the resumed step are no part of the run
+          # any more (as metrics.jsonl's superseded rows); kept, a report
+          # taken before the run got back there showed them as its latest.
+          while kept and int(kept[-1]['step']) >= int(row['step']):
+            kept.pop()
           kept.append(row)
       rows.extend(kept)
   return dedupe_rows(rows)
