@@ -356,6 +356,29 @@ def test_tensorboard_keeps_one_value_per_step_after_a_resume_from_an_older_step(
   assert [(e.step, e.value) for e in acc.Scalars('loss')] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
 
 
+def test_a_sampled_steps_trace_is_left_out_of_the_step_time(tmp_path, monkeypatch):
+  # Every FaultConfig.device_timing_every steps a job of several ranks traces
+  # a step and reads the trace back: monitoring, not training, as an
+  # evaluation is. Here reading it back takes 1 s.
+  from mjax.ft import device_time
+  monkeypatch.setattr(device_time.DeviceSampler, 'has_ranks', staticmethod(lambda *a: True))
+  collect = device_time.DeviceSampler.collect
+
+  def slow_collect(self):
+    if self.active:
+      time.sleep(1.0)
+    return collect(self)
+  monkeypatch.setattr(device_time.DeviceSampler, 'collect', slow_collect)
+  cfg = _small('TrainConfig.steps = 8', 'TrainConfig.eval_every = 0', 'CheckpointConfig.enabled = False',
+               'FaultConfig.device_timing_every = 4')
+  fit(cfg, tmp_path)
+  rows, _ = read_metrics(str(tmp_path))
+  sampled = [json.loads(l) for l in open(tmp_path / 'timings' / 'process-00000.jsonl') if '"device"' in l]
+  assert [r['step'] for r in sampled] == [2, 6]   # the sampler ran, at the steps it is due
+  times = {r['step']: r['step_time'] for r in rows}
+  assert len(times) == 8 and max(times[s] for s in (1, 2, 3, 5, 6, 7)) < 0.9, times
+
+
 def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
   cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 2',
                'CheckpointConfig.enabled = False')
