@@ -30,7 +30,8 @@ step reached before it, split into:
 Effective training time = useful step time / wall time of the run (the
 driver's, launch to finish), where useful step time is the sum of the step
 times of the steps that count (a step redone after a restart counts once,
-its lost first run not at all) less the time each save blocked the loop.
+its lost first run not at all), which leave out the time each save
+blocked the loop.
 The second figure, steps x median step time / wall time, also leaves out
 the steps' jitter around their median. The baseline's share is what
 start-up, checkpoints and the end of a run without faults leave.
@@ -142,7 +143,10 @@ def effective(workdir, steps) -> dict:
       blocked[r['step']] = r['phases'].get('checkpoint', 0.0)   # a save's blocking part
   evs = events_lib.read(os.path.join(workdir, 'events.jsonl'))
   wall = evs[-1]['time'] - evs[0]['time']
-  useful = sum(times.values()) - sum(blocked.get(s, 0.0) for s in times)
+  # A step's time leaves out the save that blocked the loop after it (the
+  # trainer's StepReporter.not_step_time): the step times are the useful time
+  # as they are; taking the saves off again counted each one as lost twice.
+  useful = sum(times.values())
   med = statistics.median(times.values())
   return {'wall_s': wall, 'useful_s': useful, 'saves_blocked_s': sum(blocked.get(s, 0.0) for s in times),
           'median_step_s': med, 'effective': useful / wall, 'effective_median': steps * med / wall}

@@ -280,6 +280,36 @@ def test_recovery_breakdown_splits_the_link_check_from_the_back_off(tmp_path):
   assert set(bench.PARTS) - {'total'} <= set(part)
 
 
+def test_recovery_effective_time_counts_a_save_once(tmp_path, monkeypatch):
+  """The bench's useful time is the steps' own time, which leaves out each
+  save's blocking part already: a run whose saves block longer than its
+  steps take keeps a positive useful time, its step times' sum."""
+  import time
+  from mjax import trainer
+  bench = _bench_module('recovery_bench')
+  save = trainer.Trainer._save
+
+  def slow_save(self, step, meta, force=False):
+    if self.ckpt is not None and (force or self.ckpt.due(step)):
+      time.sleep(0.5)
+    save(self, step, meta, force)
+  monkeypatch.setattr(trainer.Trainer, '_save', slow_save)
+  cfg = config_lib.load_config(['tiny.gin'], [
+      'ModelConfig.d_model = 128', 'ModelConfig.n_layers = 2', 'ModelConfig.d_ff = 256',
+      'ModelConfig.sliding_window = 16', 'DataConfig.seq_len = 64', 'TrainConfig.global_batch_size = 16',
+      'TrainConfig.progress = False', 'TrainConfig.steps = 6', 'TrainConfig.eval_every = 0',
+      'CheckpointConfig.save_every = 2', 'FaultConfig.timing_every = 1'], num_devices=8)
+  t0 = time.time()
+  trainer.Trainer(cfg, str(tmp_path)).train()
+  with open(tmp_path / 'events.jsonl', 'w') as fh:   # the driver's launch and finish
+    for t, kind in ((t0, 'launch'), (time.time(), 'finish')):
+      fh.write(json.dumps({'time': t, 'event': kind}) + '\n')
+  got = bench.effective(str(tmp_path), 6)
+  assert got['saves_blocked_s'] >= 1.5
+  assert got['useful_s'] == pytest.approx(sum(bench.step_times(str(tmp_path)).values()))
+  assert 0 < got['useful_s'] < got['wall_s'] - got['saves_blocked_s']
+
+
 def test_mfu_rows_are_chosen_by_substring_or_exactly():
   rows = SUITE.MFU_ROWS + SUITE.EXPERIMENT_ROWS
   names = lambda spec: [r[0] for r in SUITE.select_rows(rows, spec)]
