@@ -278,7 +278,8 @@ def checkpoint(prog: str, argv: list[str]) -> int:
       rows.append((tier, '-', "another run's", f'saved by the run in {other}: not this run\'s', directory))
       continue
     names = os.listdir(directory) if os.path.isdir(directory) else []
-    aside = sorted(n for n in names if n.startswith('damaged-'))
+    # Steps renamed out of the tier (`<why>-<step>-<time>`, Checkpointer._move_aside), kept for inspection.
+    aside = sorted((why, n) for n in names for why in ASIDE if n.startswith(why + '-'))
     for step in steps_in(directory):
       path = os.path.join(directory, str(step))
       verdict, detail = verify_step(path) if args.verify else ('-', '')
@@ -291,8 +292,8 @@ def checkpoint(prog: str, argv: list[str]) -> int:
         verdict, detail = 'rotated out', 'deleted by the run while this read it (its `keep` retention)'
       bad += verdict in ('damaged', 'unreadable')
       rows.append((tier, str(step), verdict, detail, path))
-    rows += [(tier, n.split('-')[1], 'moved aside', 'damaged at restore', os.path.join(directory, n))
-             for n in aside]
+    rows += [(tier, n[len(why) + 1:].split('-')[0], 'moved aside', ASIDE[why], os.path.join(directory, n))
+             for why, n in aside]
   if not rows:
     print(f'{prog}: no saved steps under {args.workdir}')
     return 0
@@ -306,6 +307,11 @@ def checkpoint(prog: str, argv: list[str]) -> int:
            'steps aside to start the run over)'), file=sys.stderr)
     return 1
   return 0
+
+
+# Why a step was moved aside, by the prefix of its new name.
+ASIDE = {'damaged': 'damaged at restore',
+         'rolled-back': 'saved during a loss spike, rolled back'}
 
 
 def _saved_checkpoint_config(workdir: str):

@@ -168,7 +168,7 @@ def test_two_tiers_restore_the_newest_step(uninterrupted, tmp_path):
   assert {t for _, t, _ in saved_steps(cfg8(*tiers).checkpoint, workdir)} == {'fast', 'persistent'}
 
 
-def test_restore_below_resumes_from_before_a_spike_and_sets_the_later_steps_aside(uninterrupted, tmp_path):
+def test_restore_below_resumes_from_before_a_spike_and_sets_the_later_steps_aside(uninterrupted, tmp_path, capsys):
   """After a loss spike the driver resumes below the step it began at: steps
   saved later (finite, but spiked) in either tier are set aside, and the run
   goes on bitwise as if they had never been saved."""
@@ -186,6 +186,12 @@ def test_restore_below_resumes_from_before_a_spike_and_sets_the_later_steps_asid
   aside = sorted(n.rsplit('-', 1)[0] for d in (os.path.join(workdir, 'checkpoints'), fast)
                  for n in os.listdir(d) if n.startswith('rolled-back-'))
   assert aside == ['rolled-back-4', 'rolled-back-5', 'rolled-back-5']
+  # Listed where the run's steps are, as a step moved aside damaged is.
+  from mjax import report
+  assert report.main(['checkpoint', workdir]) == 0
+  listed = sorted((l.split()[0], l.split()[1]) for l in capsys.readouterr().out.splitlines()
+                  if 'moved aside' in l and 'loss spike' in l)
+  assert listed == [('fast', '4'), ('fast', '5'), ('persistent', '5')]
   assert losses(workdir) == losses(full_dir)
   assert_bitwise(out_state.params, full_state.params)
 
