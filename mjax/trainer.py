@@ -473,7 +473,7 @@ class Trainer:
     heartbeat = self.heartbeat                                 # None without mjax-launch
     reporter = StepReporter(self, heartbeat, injector)
     profiler = StepProfiler(cfg, self.workdir, start, self.step_fn.as_text)
-    sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh)
+    sampler = DeviceSampler.for_run(cfg.fault.device_timing_every, pid, self.mesh, start_step=start)
     # Which tokenizer made the ids this model learns: evaluation, generation
     # and export check theirs against it (a file edited or replaced since).
     meta = {'config': config_lib.to_dict(self.recorded),

@@ -41,8 +41,11 @@ def test_the_sampler_reads_a_real_cpu_trace(tmp_path):
   sampler = dt.DeviceSampler(every=3, directory=str(tmp_path / 'trace'))
   f = jax.jit(lambda x: jnp.tanh(x @ x) @ x)
   x = f(jnp.ones((512, 512)))
-  # Half a period off the multiples of `every`, where checkpoints fall.
-  assert [s for s in range(1, 10) if sampler.due(s)] == [1, 4, 7]
+  # Half a period off the multiples of `every`, where checkpoints fall, and
+  # never the first step of a run, fresh or resumed (its first execution).
+  assert [s for s in range(1, 10) if sampler.due(s)] == [4, 7]
+  resumed = dt.DeviceSampler(every=3, directory=str(tmp_path / 'trace'), start_step=3)
+  assert [s for s in range(4, 14) if resumed.due(s)] == [7, 10, 13]
   sampler.before(3)
   sampler.wait(x)
   assert sampler.collect() is None                     # not a sampled step: nothing traced
@@ -60,7 +63,7 @@ def test_a_loop_left_inside_a_sampled_step_stops_the_trace(tmp_path):
   sampler = dt.DeviceSampler(every=2, directory=str(tmp_path / 'trace'))
   with pytest.raises(ValueError):
     with sampler:
-      sampler.before(1)
+      sampler.before(3)
       assert sampler.active
       raise ValueError('a failed save, a NaN, a stop')
   assert not sampler.active and not os.path.exists(tmp_path / 'trace')

@@ -379,6 +379,18 @@ def test_a_sampled_steps_trace_is_left_out_of_the_step_time(tmp_path, monkeypatc
   assert len(times) == 8 and max(times[s] for s in (1, 2, 3, 5, 6, 7)) < 0.9, times
 
 
+def test_a_resumed_run_does_not_sample_the_device_time_of_its_first_step(tmp_path, monkeypatch):
+  # Its first execution is no sample of a device's pace (buffers allocated,
+  # the collectives' first set-up): resumed at step 5, step 6 is not traced.
+  from mjax.ft import device_time
+  monkeypatch.setattr(device_time.DeviceSampler, 'has_ranks', staticmethod(lambda *a: True))
+  for steps in (5, 10):
+    fit(_small(f'TrainConfig.steps = {steps}', 'TrainConfig.eval_every = 0', 'OptimConfig.decay_steps = 10',
+               'FaultConfig.device_timing_every = 4'), tmp_path)
+  sampled = [json.loads(l)['step'] for l in open(tmp_path / 'timings' / 'process-00000.jsonl') if '"device"' in l]
+  assert sampled == [2, 10]
+
+
 def test_profile_steps_write_a_trace(tmp_path, capsys, repo_root):
   cfg = _small('TrainConfig.steps = 3', 'TrainConfig.eval_every = 0', 'TrainConfig.profile_steps = 2',
                'CheckpointConfig.enabled = False')
