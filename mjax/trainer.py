@@ -354,7 +354,7 @@ class Trainer:
     missing = '0'
     if self.is_main:
       try:
-        rows = [r for r in read_metrics(self.workdir) if r.get('step') == start]
+        rows = read_metrics(self.workdir, step=start)
       except OSError:
         rows = []
       missing = '1' if any('loss' in r for r in rows) and not any('eval_loss' in r for r in rows) else '0'
