@@ -75,6 +75,30 @@ def test_a_single_process_job_does_not_sample(tmp_path):
   assert dt.DeviceSampler.for_run(5, 0).every == 0   # one process of CPU devices: no ranks to tell apart
 
 
+def test_a_new_run_removes_the_traces_of_killed_processes(tmp_path, monkeypatch):
+  """A trainer killed inside a sampled step leaves its trace in the host's
+  temporary directory, under its own pid: each restart's start removes
+  those whose process is gone, and only those."""
+  import subprocess
+  import sys
+  import tempfile
+  dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
+                        text=True, check=True)
+  live = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+  try:
+    names = [f'mjax-device-trace-{dead.stdout.strip()}-00001', f'mjax-device-trace-{live.pid}-00000',
+             f'mjax-device-trace-{os.getpid()}-00003', 'mjax-device-trace-notes', 'other']
+    for name in names:
+      (tmp_path / name / 'plugins').mkdir(parents=True)
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+    sampler = dt.DeviceSampler.for_run(5, 2)
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+    assert sampler.directory == str(tmp_path / f'mjax-device-trace-{os.getpid()}-00002')
+  finally:
+    live.kill()
+    live.wait()
+
+
 def test_ranks_are_processes_or_the_gpus_of_one():
   assert dt.DeviceSampler.has_ranks(2, 1, 'cpu') and dt.DeviceSampler.has_ranks(1, 8, 'gpu')
   assert not dt.DeviceSampler.has_ranks(1, 8, 'cpu') and not dt.DeviceSampler.has_ranks(1, 1, 'gpu')

@@ -177,6 +177,40 @@ def local_stages(mesh: Any) -> Optional[dict[int, int]]:
   return out
 
 
+TRACE_PREFIX = 'mjax-device-trace-'
+_TRACE_DIR = re.compile(re.escape(TRACE_PREFIX) + r'(\d+)-\d{5}')
+
+
+def remove_orphaned_traces(root: str) -> None:
+  """Deletes the sample directories under `root` of processes no longer
+  running. A trainer killed inside a sampled step (SIGKILL after a fault,
+  the OOM killer) leaves its trace there, one directory of its own pid per
+  attempt (2 MB for the tiny model on CPU, a step's trace of a large
+  model on a GPU): a host's temporary directory filled up over a long
+  run's restarts."""
+  try:
+    names = os.listdir(root)
+  except OSError:
+    return
+  for name in names:
+    m = _TRACE_DIR.fullmatch(name)
+    if m is None or _running(int(m.group(1))):
+      continue
+    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+  if pid == os.getpid():
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:   # another user's process (EPERM): running
+    return True
+  return True
+
+
 class DeviceSampler:
   """Traces one step every `every` steps and returns its device split.
 
@@ -201,7 +235,9 @@ class DeviceSampler:
     # The host's own temporary directory, not the workdir: at thousands of
     # processes the workdir is a shared filesystem, and each sample is a
     # trace file per process, read once and deleted.
-    directory = os.path.join(tempfile.gettempdir(), f'mjax-device-trace-{os.getpid()}-{process_index:05d}')
+    root = tempfile.gettempdir()
+    remove_orphaned_traces(root)
+    directory = os.path.join(root, f'{TRACE_PREFIX}{os.getpid()}-{process_index:05d}')
     return cls(every, directory, enabled=cls.has_ranks(jax.process_count(), jax.local_device_count(),
                                                        jax.default_backend()),
                stages=local_stages(mesh), start_step=start_step)
