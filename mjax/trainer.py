@@ -73,6 +73,7 @@ NONFINITE_CHECKED = ('loss', 'grad_norm', 'update_norm')
 
 
 EARLY_STEPS = 10   # a NaN this soon after a fresh start points at the config (NonFiniteLoss)
+STEADY_AFTER = 2   # the Summary's step time leaves out a run's first steps (warm-up)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -849,9 +850,7 @@ class Trainer:
     return out
 
   def _summary(self, reporter: 'StepReporter', final_step: int, **fields) -> Summary:
-    times = reporter.times
-    steady = times[min(len(times) - 1, 2):] if times else []
-    dt = float(np.mean(steady)) if steady else math.nan
+    dt = reporter.mean_step_time()
     mfu = self.flops_per_token * self.tokens_per_step / dt / self.peak
     # Faster than the peak: the cached figure was measured on busy cores. (A
     # job of several processes may span machines, each as fast as the one
@@ -862,9 +861,9 @@ class Trainer:
                f'measured while other work held the cores; it is forgotten, and the next run measures again')
     return Summary(
         start_step=self.start_step, final_step=final_step,
-        final_loss=reporter.losses[-1] if reporter.losses else math.nan,
+        final_loss=reporter.last_loss,
         step_time=dt, tokens_per_sec=self.tokens_per_step / dt,
-        mfu=mfu, steps=len(times),
+        mfu=mfu, steps=reporter.steps,
         wall_s=time.perf_counter() - self._t_start, compile_s=self.compile_s,
         peak_flops=self.peak, peak_source=self.peak_source, flops_per_token=self.flops_per_token,
         params=self.n_params, startup=reporter.startup, **fields)
@@ -890,8 +889,13 @@ class StepReporter:
                     smoothing=0.1, mininterval=0.5, disable=not (cfg.train.progress and trainer.is_main))
     # Facts for the fault-tolerance driver (mjax/protocol.py), when there is one.
     self.facts = protocol.Facts(trainer.workdir, jax.process_index()) if protocol.under_driver() else None
-    self.times: list[float] = []
-    self.losses: list[float] = []
+    # What the run's Summary needs, kept as running figures: lists of every
+    # step's time and loss grew by 64 bytes a step (64 MB a process over a
+    # million steps).
+    self.steps = 0                 # steps reported
+    self.last_loss = math.nan
+    self._last_time = math.nan
+    self._steady = [0.0, 0]        # sum and count of the step times after the first STEADY_AFTER
     self.startup: Optional[dict] = None
     self._pending: Optional[tuple[int, dict]] = None
     self._t_last = time.perf_counter()
@@ -939,8 +943,11 @@ class StepReporter:
     if self.injector is not None:
       self.injector.after_step(step, rec)
     rec.update(step_time=dt, tokens_per_sec=tps, mfu=t.flops_per_token * tps / t.peak)
-    self.times.append(dt)
-    self.losses.append(rec['loss'])
+    self.steps += 1
+    self.last_loss, self._last_time = rec['loss'], dt
+    if self.steps > STEADY_AFTER:
+      self._steady[0] += dt
+      self._steady[1] += 1
     if self.heartbeat is not None:
       self.heartbeat.report_step(step, rec['loss'], dt)
     # An overflowing gradient leaves this step's loss finite (it is the loss
@@ -958,6 +965,12 @@ class StepReporter:
 
   def close_bar(self) -> None:
     self.bar.close()
+
+  def mean_step_time(self) -> float:
+    """The mean time of the steps after the first STEADY_AFTER (which
+    include warm-up), else the last step's; NaN before any step."""
+    total, n = self._steady
+    return total / n if n else self._last_time
 
   def close(self) -> None:
     self.writer.close()
