@@ -418,6 +418,9 @@ class FaultConfig:
                                         # also how long a driver whose own loop is held up (slow
                                         # storage) keeps acknowledging its trainers
   timing_every: int = 10                # steps between per-process timing flushes
+  timing_max_mib: int = 16              # a process's timings file past this is rotated to
+                                        # process-<i>.jsonl.1 (the one before dropped): ~130k steps
+                                        # of ~130-byte rows each, at most twice this per process
   device_timing_every: int = 100        # trace one step's device time per process every this many
                                         # steps, naming a rank slowed inside the step (0: off;
                                         # jobs of several processes or GPUs; see mjax/ft/device_time.py)
@@ -1098,7 +1101,7 @@ def validate(cfg: Config, num_devices: Optional[int] = None) -> Config:
 
   f = cfg.fault
   _positive(f, 'heartbeat_interval_s', 'heartbeat_timeout_s', 'progress_timeout_s',
-            'collective_timeout_s', 'timing_every', 'straggler_window', 'loss_spike_factor',
+            'collective_timeout_s', 'timing_every', 'timing_max_mib', 'straggler_window', 'loss_spike_factor',
             'loss_spike_count')
   _positive(f, 'straggler_margin', 'max_restarts', 'restart_backoff_s', 'device_timing_every', allow_zero=True)
   # jax's peer heartbeat timeout, a 32-bit count of seconds: 1e12 was a

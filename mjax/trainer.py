@@ -466,7 +466,7 @@ class Trainer:
       return Summary(start_step=start, final_step=start, already_finished=True)
 
     pid = jax.process_index()
-    timer = PhaseTimer(self.workdir, pid, every=cfg.fault.timing_every)
+    timer = PhaseTimer(self.workdir, pid, every=cfg.fault.timing_every, max_bytes=cfg.fault.timing_max_mib << 20)
     timer.current, timer.step = 'compute', start
     injector = Injector.from_env(pid)                          # test-only; None in production
     if injector is not None:

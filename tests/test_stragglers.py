@@ -820,6 +820,32 @@ def test_the_latest_rows_are_read_without_the_files_history(tmp_path, monkeypatc
   assert 3 * 100 <= len(read) < 3 * 200, len(read)
 
 
+def test_a_process_timings_are_rotated_and_read_across_the_rotation(tmp_path):
+  """A process's timings file past its limit becomes process-<i>.jsonl.1
+  (the one before dropped): the files stay under twice the limit however
+  many steps are written (they grew ~130 bytes a step, 1.6 TB over a
+  million steps at 12,288 processes). The report's reader takes the rows
+  it lacks from the previous file; the driver's tail goes on reading the
+  new one, after the rest of the one rotated out."""
+  from mjax.ft.phases import PhaseTimer
+  timer = PhaseTimer(str(tmp_path), 0, every=10, max_bytes=20_000)
+  tail = st.TimingTail(str(tmp_path), keep=48, from_end=False)
+  directory = tmp_path / 'timings'
+  for step in range(1, 3001):
+    with timer.phase('compute'):
+      pass
+    timer.end_step(step)
+    if step % 50 == 0:
+      assert sum(f.stat().st_size for f in directory.iterdir()) < 2 * 20_000 + 2_000
+      assert [r['step'] for r in tail.update() if r['process'] == 0] == list(range(step - 47, step + 1))
+  timer.close()
+  assert sorted(os.listdir(directory)) == ['process-00000.jsonl', 'process-00000.jsonl.1']
+  now = len((directory / 'process-00000.jsonl').read_text().splitlines())
+  assert 0 < now < 200
+  assert [r['step'] for r in st.load_rows(str(tmp_path), last=200)] == list(range(2801, 3001))
+  assert st.load_rows(str(tmp_path), last=now) == st.load_rows(str(tmp_path), last=200)[-now:]
+
+
 def test_the_report_of_many_processes_stays_readable_and_bounded(tmp_path, capsys, monkeypatch):
   """300 processes (75 hosts of 4), process 137 slow from step 10: the table
   lists the straggler, its host's other processes and the latest others

@@ -9,8 +9,11 @@ import json
 import os
 import socket
 import time
+from typing import Optional
 
 from mjax.errors import refused_write
+
+ROTATED = '.1'   # suffix of a process's previous timings file (not a process-*.jsonl)
 
 
 class PhaseTimer:
@@ -26,7 +29,10 @@ class PhaseTimer:
     eval        held-out evaluation
     gc          Python's garbage collection, every TrainConfig.gc_every_steps
   Rows are appended every `every` steps to
-  `<workdir>/timings/process-<index>.jsonl`, one JSON object per step:
+  `<workdir>/timings/process-<index>.jsonl`, one JSON object per step
+  (past `max_bytes` the file becomes `process-<index>.jsonl.1`, replacing
+  the one before, and a new one starts: a row is ~130 bytes, so a million
+  steps at 12,288 processes were 1.6 TB of the workdir's filesystem):
   {"step", "process", "host", "time" (unix, end of step), "phases": {...}},
   plus "device": {"compute", "collective"} in the steps whose device time
   was sampled (FaultConfig.device_timing_every): its slowest device's, and
@@ -38,10 +44,11 @@ class PhaseTimer:
   called with each phase's name as it begins (fault injection).
   """
 
-  def __init__(self, workdir: str, process_index: int, every: int = 10):
+  def __init__(self, workdir: str, process_index: int, every: int = 10, max_bytes: Optional[int] = None):
     self.process = process_index
     self.host = socket.gethostname()
     self.every = every
+    self.max_bytes = max_bytes   # None: never rotated
     self.current = 'startup'
     self.step = 0
     self.ticks = 0
@@ -92,10 +99,23 @@ class PhaseTimer:
   def flush(self) -> None:
     try:
       self._fh.writelines(json.dumps(r) + '\n' for r in self._rows)
+      if self.max_bytes is not None and os.fstat(self._fh.fileno()).st_size >= self.max_bytes:
+        self._rotate()
     except OSError as e:
       self._rows.clear()
       raise refused_write(e, self.path, 'the per-rank step timings') from None
     self._rows.clear()
+
+  def _rotate(self) -> None:
+    """The file so far becomes the previous one (ROTATED), and a new one
+    starts. Readers take both (stragglers.load_rows); the driver's tail,
+    finding the file shorter than it read, reads the rest of this one
+    before the new one (stragglers.TimingTail)."""
+    self._fh.close()
+    try:
+      os.replace(self.path, self.path + ROTATED)
+    finally:
+      self._fh = open(self.path, 'a', buffering=1)
 
   def close(self) -> None:
     self.flush()

@@ -71,6 +71,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from mjax import jsonfile
+from mjax.ft.phases import ROTATED
 
 # The order phases run in within one row: evaluation after step s is
 # accumulated into row s + 1 before its data; a checkpoint, then a garbage
@@ -145,7 +146,9 @@ def timings_dir(workdir: str) -> str:
 
 
 def load_rows(workdir: str, tail_bytes: Optional[int] = None, last: Optional[int] = None) -> list[dict]:
-  """All timing rows of a run directory, deduplicated.
+  """All timing rows of a run directory, deduplicated: each process's file
+  and, where it holds fewer than `last` rows, the one it rotated out before
+  (`process-<i>.jsonl.1`, see mjax.ft.phases.PhaseTimer).
 
   Args:
     workdir: the run's directory (the one holding `timings/`).
@@ -175,34 +178,55 @@ def load_rows(workdir: str, tail_bytes: Optional[int] = None, last: Optional[int
         f'give the --workdir of a run that has taken at least that many steps.')
   rows = []
   for path in paths:
-    with open(path, 'rb') as fh:
-      size = fh.seek(0, os.SEEK_END)
-      tail = tail_bytes
-      if last is not None:
-        sample = min(size, 1 << 16)
-        fh.seek(size - sample)
-        per_row = sample / max(1, fh.read(sample).count(b'\n'))
-        # A margin for rows of other sizes (a resumed run's repeats, samples).
-        need = int(last * per_row * 1.5) + 4096
-        tail = need if tail is None else min(tail, need)
-      start = 0 if tail is None else max(0, size - tail)
-      fh.seek(start)
-      if start:
-        fh.readline()  # most likely the end of a row cut in two by the seek
-      kept = collections.deque(maxlen=last)
-      for line in fh:
-        row = _parse_row(line.decode('utf-8', errors='replace'))
-        if row is not None:
-          # A step at or below the last one: a restart from an older
-          # checkpoint, whose steps from here on replace the earlier
-          # attempt's. Its rows past the resumed step are no part of the run
-          # any more (as metrics.jsonl's superseded rows); kept, a report
-          # taken before the run got back there showed them as its latest.
-          while kept and int(kept[-1]['step']) >= int(row['step']):
-            kept.pop()
-          kept.append(row)
-      rows.extend(kept)
+    own = _tail_rows(path, tail_bytes, last)
+    # Short of `last` rows (just after a rotation, see PhaseTimer), the rest
+    # from the process's previous file, put first: of a row in both, the
+    # newer file's is the one written last.
+    previous = path + ROTATED
+    if (last is None or len(own) < last) and os.path.isfile(previous):
+      own = _tail_rows(previous, tail_bytes, None if last is None else last - len(own)) + own
+    rows.extend(_superseded_left_out(own))
   return dedupe_rows(rows)
+
+
+def _tail_rows(path: str, tail_bytes: Optional[int], last: Optional[int]) -> list[dict]:
+  """The rows of one timing file, of its end only (see load_rows)."""
+  with open(path, 'rb') as fh:
+    size = fh.seek(0, os.SEEK_END)
+    tail = tail_bytes
+    if last is not None:
+      sample = min(size, 1 << 16)
+      fh.seek(size - sample)
+      per_row = sample / max(1, fh.read(sample).count(b'\n'))
+      # A margin for rows of other sizes (a resumed run's repeats, samples).
+      need = int(last * per_row * 1.5) + 4096
+      tail = need if tail is None else min(tail, need)
+    start = 0 if tail is None else max(0, size - tail)
+    fh.seek(start)
+    if start:
+      fh.readline()  # most likely the end of a row cut in two by the seek
+    kept = collections.deque(maxlen=last)
+    for line in fh:
+      row = _parse_row(line.decode('utf-8', errors='replace'))
+      if row is not None:
+        kept.append(row)
+  return list(kept)
+
+
+def _superseded_left_out(rows: list[dict]) -> list[dict]:
+  """One process's rows in the order written, less those a restart redid.
+
+  A step at or below the last one is a restart from an older checkpoint,
+  whose steps from there on replace the earlier attempt's. That attempt's
+  rows past the resumed step are no part of the run any more (as
+  metrics.jsonl's superseded rows); kept, a report taken before the run got
+  back there showed them as its latest."""
+  kept: list[dict] = []
+  for row in rows:
+    while kept and int(kept[-1]['step']) >= int(row['step']):
+      kept.pop()
+    kept.append(row)
+  return kept
 
 
 class TimingTail:
@@ -256,6 +280,11 @@ class TimingTail:
     for path, size in self._sizes():
       offset = self._offsets.get(path, 0)
       if size < offset:            # replaced or truncated: start it again
+        # Rotated by its writer (PhaseTimer): first what the file it became
+        # gained since the previous call, the rows of the rotation's steps.
+        rotated = _size_of(path + ROTATED)
+        if rotated is not None and rotated > offset:
+          self._take(path, _read_at(path + ROTATED, offset, rotated - offset))
         offset, self._offsets[path], self._partial[path] = 0, 0, b''
       if size == offset:
         continue
@@ -263,23 +292,29 @@ class TimingTail:
       if data is None:             # gone since the listing
         continue
       self._offsets[path] = offset + len(data)
-      f = self._files.get(path)
-      if f is None:
-        f = self._files[path] = _FileTail(self.keep)
-      buf = self._partial.pop(path, b'') + data
-      cut = buf.rfind(b'\n')
-      self._partial[path] = buf[cut + 1:]   # a row still being written
-      if cut < 0:
-        continue
-      body = buf[:cut]
-      # One decode for the whole read where it can make no difference: a
-      # line's undecodable bytes are replaced line by line, as load_rows does.
-      lines = body.decode('ascii').split('\n') if body.isascii() else \
-          [line.decode('utf-8', errors='replace') for line in body.split(b'\n')]
-      for line in lines:
-        row = _parse_row(line)
-        if row is not None:
-          f.add(row)
+      self._take(path, data)
+
+  def _take(self, path: str, data: Optional[bytes]) -> None:
+    """The rows in `data`, read from the end of `path`'s rows so far."""
+    if not data:
+      return
+    f = self._files.get(path)
+    if f is None:
+      f = self._files[path] = _FileTail(self.keep)
+    buf = self._partial.pop(path, b'') + data
+    cut = buf.rfind(b'\n')
+    self._partial[path] = buf[cut + 1:]   # a row still being written
+    if cut < 0:
+      return
+    body = buf[:cut]
+    # One decode for the whole read where it can make no difference: a
+    # line's undecodable bytes are replaced line by line, as load_rows does.
+    lines = body.decode('ascii').split('\n') if body.isascii() else \
+        [line.decode('utf-8', errors='replace') for line in body.split(b'\n')]
+    for line in lines:
+      row = _parse_row(line)
+      if row is not None:
+        f.add(row)
 
   def update(self) -> list[dict]:
     """The kept rows of every process, after reading what was appended:
@@ -313,6 +348,13 @@ class TimingTail:
 
 _TIMING_FILE = re.compile(fnmatch.translate('process-*.jsonl')).match
 _STALE_PHASES = 16   # a file's phase columns beyond which those no kept row has are dropped
+
+
+def _size_of(path: str) -> Optional[int]:
+  try:
+    return os.stat(path).st_size
+  except OSError:
+    return None
 
 
 def _read_at(path: str, offset: int, size: int) -> Optional[bytes]:
