@@ -288,7 +288,6 @@ class Checkpointer:
     self.workdir = workdir
     self.tiers: list[_Tier] = []
     self._unusable: set[tuple[str, int]] = set()   # (tier, step) that failed to restore
-    self._host_saves = itertools.count()            # this process's host-tier saves (barrier names)
     self.is_main = jax.process_index() == 0
     self._locked: list[str] = []
     self._closed = threading.Event()
@@ -514,7 +513,11 @@ class Checkpointer:
     newest `fast_keep` steps that every process has."""
     with full_disk_is_bad_input(tier, None):   # this process's last save into it, failed
       tier.manager.wait_until_finished()
-    distributed.barrier(f'ckpt/host/save/{next(self._host_saves)}', self.cfg.io_timeout_s)
+    # One name for every save: the coordination service (in process 0) keeps
+    # each barrier name it has seen for the rest of the job, ~0.8 KB and more
+    # with each process (1.0 KB at 6), so a name per save grew with the run's
+    # steps; a name used again is the next round of the same barrier.
+    distributed.barrier('ckpt/host/save', self.cfg.io_timeout_s)
     for old in sorted(tier.manager.all_steps(), reverse=True)[tier.keep:]:
       # (As Orbax's own deletions beyond keep: one that fails leaves the step.)
       _delete_old_step(tier.manager.delete, old, tier.directory,
