@@ -70,6 +70,13 @@ class StopAgreement:
   DRIVER_LOST = 'driver_lost'
   WORKDIR_GONE = 'workdir_gone'
   POLL_MS = 10_000
+  # The watcher's one wait, as long as the service takes (a 32-bit count of
+  # milliseconds, 24.8 days): every wait that times out stays pending in the
+  # coordination service until the key is set, ~14 KB there and ~20 KB in
+  # the process that waited, so a wait of 10 s again and again grew every
+  # process by 170 MB a day and process 0 by that much for each of them.
+  WATCH_MS = 2**31 - 1
+  JOIN_S = 11.0            # how long leaving waits for the woken watcher
   REPEAT_S = protocol.SIGNAL_REPEAT_S   # a SIGTERM again this soon is the same stop
 
   def __init__(self, heartbeat: Optional[HeartbeatClient] = None, workdir: Optional['WorkdirWatch'] = None):
@@ -156,7 +163,7 @@ class StopAgreement:
     client = distributed.coordination_client()
     while not self._closing.is_set():
       try:
-        value = client.blocking_key_value_get(self.KEY, self.POLL_MS)
+        value = client.blocking_key_value_get(self.KEY, self.WATCH_MS)
       except jax.errors.JaxRuntimeError:
         continue   # nothing yet (the wait timed out): wait again
       if self._stop_after is None:
@@ -195,5 +202,5 @@ class StopAgreement:
         distributed.coordination_client().key_value_set(self.KEY, self.DONE)
       except Exception:  # noqa: BLE001 -- already set, or the service is gone: nothing to wake
         pass
-      self._watcher.join(timeout=self.POLL_MS / 1000 + 1)
+      self._watcher.join(timeout=self.JOIN_S)
     return False
