@@ -640,7 +640,9 @@ def report_with(client, me: int, key: str, mine: Optional[str], timeout_s: float
 
 
 def barrier(name: str, timeout_s: float = 300.0) -> None:
-  """Waits until every process has reached the barrier `name` (unique per job)."""
+  """Waits until every process has reached the barrier `name`. A name used
+  again is the barrier's next round (jax 0.10-0.12 hold every process to it:
+  none passes round n + 1 before all have reached it)."""
   import jax
   if jax.process_count() > 1:
     coordination_client().wait_at_barrier(f'mjax/{name}', int(timeout_s * 1000))
