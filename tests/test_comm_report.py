@@ -87,6 +87,20 @@ def test_loop_collectives_count_once_per_iteration_and_async_pairs_once():
   assert s['all-to-all']['wire'] == 7 / 8 * 2 * 4 * 32 * 4
 
 
+def test_an_all_reduce_start_counts_its_outputs_in_either_printed_form():
+  """jaxlib 0.11 prints all-reduce-start as ((operands), outputs), where 0.10
+  printed the outputs alone: read as both, its bytes doubled (the report
+  put data parallelism at 2.00x its minimum)."""
+  new = LOOP_HLO.replace('%ar-start = bf16[16,128]{1,0} all-reduce-start',
+                         '%ar-start = ((bf16[16,128]{1,0}), bf16[16,128]{1,0}) all-reduce-start')
+  assert new != LOOP_HLO
+  assert by_kind(collective_stats(new)) == by_kind(collective_stats(LOOP_HLO))
+  # Several operands in 0.10's form: a tuple of outputs, every one counted.
+  two = LOOP_HLO.replace('%ar-start = bf16[16,128]{1,0} all-reduce-start(%w)',
+                         '%ar-start = (bf16[16,128]{1,0}, bf16[16,128]{1,0}) all-reduce-start(%w, %w)')
+  assert by_kind(collective_stats(two))['all-reduce']['bytes'] == 2 * 6 * 16 * 128 * 2
+
+
 def test_trip_count_from_the_loop_condition_and_nested_loops():
   no_config = LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"6"}}', '')
   module = hlo_text.parse_module(no_config)

@@ -162,6 +162,10 @@ def _buffer(module: Module, inst: Instruction, kind: str, group: Optional[int]):
   if is_start and kind in ('all-gather', 'collective-permute') and isinstance(shape, tuple) \
       and len(shape) >= 2:
     shape = shape[1]  # (operands, outputs[, contexts]): keep the outputs
+  elif is_start and isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[0], tuple):
+    # jaxlib 0.11's all-reduce-start: ((operands), outputs), where 0.10
+    # printed the outputs alone (a tuple of arrays for several operands).
+    shape = shape[1]
   if kind == 'reduce-scatter':
     srcs = [module.instruction(o) for o in inst.operands]
     if srcs and all(s is not None for s in srcs):
