@@ -613,6 +613,35 @@ def test_another_model_in_a_workdir_with_checkpoints_is_refused_and_nothing_is_o
                         "ModelConfig.remat_policy = 'full'"), workdir)
 
 
+def test_a_checkpoint_directory_changed_between_starts_is_refused_not_started_over(uninterrupted, tmp_path):
+  """A run's checkpoints in a directory its config no longer names: the
+  start found no step, trained from step 0 and superseded the run's metrics."""
+  from mjax.checkpoint.guards import check_same_model
+  workdir, _ = uninterrupted
+  before = {f: open(os.path.join(workdir, f)).read() for f in ('config.json', 'config.gin', 'metrics.jsonl')}
+  elsewhere = tmp_path / 'ckpt'
+  moved = cfg8(f'TrainConfig.steps = {2 * N}', f"CheckpointConfig.directory = '{elsewhere}'")
+  with pytest.raises(C.ConfigError, match=rf"persistent checkpoint tier was '{workdir}/checkpoints' "
+                                           rf'\(CheckpointConfig.directory = None in its config.json\), which holds '
+                                           rf'step\(s\) {N}.*would start over from step 0 instead of step {N}.*'
+                                           rf'set CheckpointConfig.directory back to None, or move its steps'):
+    trainer.run(moved, workdir)
+  assert before == {f: open(os.path.join(workdir, f)).read() for f in before} and not elsewhere.exists()
+  # Its steps moved there: the run resumes them.
+  shutil.copytree(os.path.join(workdir, 'checkpoints'), elsewhere,
+                  ignore=shutil.ignore_patterns(directories.OWNER_FILE))
+  check_same_model(moved, workdir)
+  # A fast tier turned off while it held the newest step: an older one would be resumed.
+  run, fast = tmp_path / 'run', tmp_path / 'fast'
+  C.write(cfg8('CheckpointConfig.fast_every = 2', f"CheckpointConfig.fast_directory = '{fast}'"), str(run))
+  (run / 'checkpoints' / '4' / 'state').mkdir(parents=True)
+  (fast / '6' / 'state').mkdir(parents=True)
+  with pytest.raises(C.ConfigError, match=r'would resume the older step 4 instead of step 6.*set '
+                                           r'CheckpointConfig.fast_every back to 2 to resume it'):
+    check_same_model(cfg8(), str(run))
+  check_same_model(cfg8('CheckpointConfig.fast_every = 2', f"CheckpointConfig.fast_directory = '{fast}'"), str(run))
+
+
 def test_a_directory_with_files_of_another_tool_is_no_workdir(tmp_path):
   # A Hugging Face model directory (its own config.json), or a gin file of
   # the user's own as config.gin: a run there would write over them.

@@ -273,6 +273,43 @@ def _shape_changes(before: dict, now: dict) -> str:
                    for k in differ)
 
 
+def _check_steps_not_left_behind(cfg: Any, saved: dict, workdir: str, steps: dict[str, list[int]]) -> None:
+  """Raises ConfigError where a checkpoint directory the workdir's run saved
+  into (by its config.json) and this config no longer names holds a newer
+  step than this config's tiers (`steps`: their steps, by tier): the run
+  would not resume it but start over from step 0 (or an older step),
+  silently, writing over that run's config and metrics: a
+  CheckpointConfig.directory changed between starts, or a fast tier turned
+  off while it held the newest step."""
+  keys = ('directory', 'fast_directory', 'fast_every')
+  try:
+    then = tier_directories(dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved}), workdir)
+  except (TypeError, ValueError):
+    return   # a record this version cannot read: the checks above still hold
+  now = {os.path.realpath(d) for d in tier_directories(cfg, workdir).values()}
+  newest = max((s for held in steps.values() for s in held), default=None)
+  for name, d in then.items():
+    if '://' in d or not os.path.isdir(d) or os.path.realpath(d) in now:
+      continue
+    behind = [s for s in steps_in(d) if newest is None or s > newest]
+    if not behind:
+      continue
+    key = tier_key(name)
+    if name == 'fast' and cfg.fast_every == 0:
+      back = (f'set CheckpointConfig.fast_every back to {saved.get("fast_every")!r} to resume it (or delete '
+              f'{d!r} if that step is not wanted)')
+    else:
+      back = (f'set CheckpointConfig.{key} back to {saved.get(key)!r}, or move its steps into '
+              f'{tier_directories(cfg, workdir)[name]!r} first')
+    instead = 'start over from step 0' if newest is None else f'resume the older step {newest}'
+    raise ConfigError(
+        f'--workdir {workdir!r} is the workdir of a run whose {name} checkpoint tier was {d!r} '
+        f'(CheckpointConfig.{key} = {saved.get(key)!r} in its config.json), which holds step(s) '
+        f'{", ".join(map(str, behind[:5]))}; this config does not save there, so the run would {instead} '
+        f'instead of step {behind[0]}, and write over that run\'s metrics and config. To go on with the run, '
+        f'{back}; for a new run, give a new --workdir.')
+
+
 def check_same_model(cfg: Any, workdir: str) -> None:
   """Raises ConfigError when the workdir or its checkpoint directories hold
   something a start would destroy:
@@ -344,6 +381,9 @@ def check_same_model(cfg: Any, workdir: str) -> None:
         f'CheckpointConfig.enabled = False: this run would not resume them but start over from step '
         f'0 there, writing over that run\'s config and metrics. Enable checkpoints to resume the run, '
         f'or give a new --workdir for a run without them.')
+  if cfg.checkpoint.enabled and isinstance(saved, dict) and isinstance(saved.get('checkpoint'), dict) and \
+      not any('://' in d for d in tiers.values()):
+    _check_steps_not_left_behind(cfg.checkpoint, saved['checkpoint'], workdir, steps)
   fast = local.get('fast')
   if not os.path.lexists(record) and not ours and fast is not None and not inside_workdir(fast, workdir) and \
       not steps.get('persistent') and '://' not in tiers['persistent']:
