@@ -663,23 +663,26 @@ class Trainer:
   def _check_schedule(self, saved: dict) -> None:
     """Warns where a resumed run's learning-rate schedule is not the one it
     was trained with: with OptimConfig.decay_steps unset the cosine spans
-    TrainConfig.steps, so raising the steps to train further rebuilds the
-    curve, and the rate jumps back up at once."""
+    TrainConfig.steps, so raising the steps to train further (or leaving
+    out the decay_steps the run was trained with) rebuilds the curve, and
+    the rate jumps back up at once."""
     from mjax.optim import learning_rate_schedule
     cfg = self.cfg
-    before = (saved.get('train') or {}).get('steps')
+    steps = (saved.get('train') or {}).get('steps')
+    pinned = (saved.get('optim') or {}).get('decay_steps')
     # decay_steps 0 is unset too (TrainConfig.steps).
-    if cfg.optim.decay_steps or not isinstance(before, int) or before == cfg.train.steps or \
-        (saved.get('optim') or {}).get('decay_steps'):
+    before = pinned or steps
+    if cfg.optim.decay_steps or not isinstance(before, int) or before == cfg.train.steps:
       return
     was = float(learning_rate_schedule(cfg.optim, before)(self.start_step))
     now = float(learning_rate_schedule(cfg.optim, cfg.train.steps)(self.start_step))
     if not math.isclose(was, now, rel_tol=1e-3, abs_tol=1e-12):
-      self.say(f'mjax: warning: TrainConfig.steps is {cfg.train.steps} now, {before} when step '
-               f'{self.start_step} was saved, and OptimConfig.decay_steps is unset, so the learning-rate '
-               f'schedule is rebuilt over {cfg.train.steps} steps: at step {self.start_step} the rate is '
-               f'{now:.3g} instead of {was:.3g}. Set OptimConfig.decay_steps = {before} to go on with the '
-               f'schedule the run was trained with.')
+      then = (f'OptimConfig.decay_steps was {pinned} when step {self.start_step} was saved, and is unset now'
+              if pinned else f'TrainConfig.steps is {cfg.train.steps} now, {before} when step '
+              f'{self.start_step} was saved, and OptimConfig.decay_steps is unset')
+      self.say(f'mjax: warning: {then}, so the learning-rate schedule is rebuilt over {cfg.train.steps} '
+               f'steps: at step {self.start_step} the rate is {now:.3g} instead of {was:.3g}. Set '
+               f'OptimConfig.decay_steps = {before} to go on with the schedule the run was trained with.')
 
   def _check_model_function(self, saved: dict, step: int) -> None:
     """Warns where the resumed step was trained to compute another function

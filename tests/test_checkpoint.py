@@ -1121,10 +1121,20 @@ def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt():
   assert re.fullmatch(r'mjax: warning: TrainConfig.steps is 600 now, 300 when step 300 was saved, .* at step 300 '
                       r'the rate is 0.00\d+ instead of 0.000\d+\. Set OptimConfig.decay_steps = 300 to go on '
                       r'with the schedule the run was trained with.', said[-1]), said
+  # Its decay pinned then and left out now (the run's steps the same or
+  # not): the schedule is rebuilt all the same, and the rate jumped silently.
+  for steps in (600, 300):
+    said.clear()
+    check(steps, {'train': {'steps': 300}, 'optim': {'decay_steps': 400}})
+    assert re.fullmatch(rf'mjax: warning: OptimConfig.decay_steps was 400 when step 300 was saved, and is unset '
+                        rf'now, so the learning-rate schedule is rebuilt over {steps} steps: at step 300 the rate '
+                        rf'is 0.0\d+ instead of 0.000\d+\. Set OptimConfig.decay_steps = 400 to go on with the '
+                        rf'schedule the run was trained with.', said[-1]), said
   said.clear()
   check(300, {'train': {'steps': 300}})                                      # the same steps
-  check(600, {'train': {'steps': 300}, 'optim': {'decay_steps': 300}})       # its decay was pinned
-  check(600, {'train': {'steps': 300}}, 'OptimConfig.decay_steps = 300')    # and is now
+  check(600, {'train': {'steps': 300}, 'optim': {'decay_steps': 600}})       # the same decay
+  check(600, {'train': {'steps': 300}}, 'OptimConfig.decay_steps = 300')    # pinned now
+  check(600, {'train': {'steps': 300}, 'optim': {'decay_steps': 300}}, 'OptimConfig.decay_steps = 300')
   assert said == []
 
 
