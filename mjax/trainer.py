@@ -86,10 +86,12 @@ class NonFiniteLoss(FloatingPointError):
     super().__init__(f'{what} is {value} at step {step}')
     self.step = step
 
-  def resumes_from(self, saved: Optional[int], start: int, skipped: int) -> None:
+  def resumes_from(self, saved: Optional[int], start: int, skipped: int, changed: tuple[str, ...] = ()) -> None:
     """Says what a restart by hand would replay: the batches between the
     newest checkpoint (`saved`; None: none this run could see, so where it
-    started, `start`, having skipped `skipped` batches) and this step."""
+    started, `start`, having skipped `skipped` batches) and this step.
+    `changed`: the settings this start changed from those of the step it
+    resumed (`numerics_changes`)."""
     base = start if saved is None else saved
     # A checkpoint this run saved holds the data position past its skip; the
     # one it started from does not.
@@ -101,9 +103,30 @@ class NonFiniteLoss(FloatingPointError):
     # learning rate of 1e30 was told to skip batches, and nothing else.
     early = ('; this early in a fresh run the config is the likelier cause: check OptimConfig.learning_rate '
              'and warmup_steps, and ModelConfig.init_std') if base == 0 and self.step <= EARLY_STEPS else ''
+    if changed and base == start and 0 < self.step - start <= EARLY_STEPS:
+      # Likewise a few steps after a resume that changed the optimizer or
+      # the model's function (a learning rate of 1e30 given on the restart):
+      # skipping batches would drop good data, and diverge again.
+      early = (f'; this early after a start that changed the config of step {start} ({"; ".join(changed)}), '
+               f'the change is the likelier cause: resume with those settings as they were')
     self.args = (f'{self.args[0]}; a restart from {where} replays the {n} batch(es) that led here: '
                  f'TrainConfig.skip_batches = {n} with TrainConfig.skip_batches_after = {base} skips them '
                  f'(mjax-launch does so itself){early}',)
+
+
+def numerics_changes(saved: dict, cfg: Config) -> tuple[str, ...]:
+  """The optimizer settings, compute dtype and model function
+  (config.MODEL_FUNCTION_KEYS) of `cfg` that differ from a saved step's
+  config (`saved`, its meta's 'config'), as 'Section.key = then there, now
+  now'."""
+  optim, model = saved.get('optim') or {}, saved.get('model') or {}
+  now = dataclasses.asdict(cfg.optim)
+  out = [f'OptimConfig.{k} = {optim[k]!r} there, {now[k]!r} now' for k in now if k in optim and optim[k] != now[k]]
+  if 'dtype' in model and model['dtype'] != cfg.model.dtype:
+    out.append(f'ModelConfig.dtype = {model["dtype"]!r} there, {cfg.model.dtype!r} now')
+  out += [f'ModelConfig.{k} = {was!r} there, {is_!r} now'
+          for k, was, is_ in config_lib.model_function_changes(model, cfg.model)]
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +245,7 @@ class Trainer:
     self._startup.current = 'startup:mesh'
     self._trained = self._closed = False
     self.skipped, self.skip_record = 0, None   # TrainConfig.skip_batches as this start applies it
+    self.changed: tuple[str, ...] = ()   # the settings this start changed from the resumed step's (numerics_changes)
     self.final_eval_pending = False
     self.eval_pending = False
     self._claim = Claim(workdir)
@@ -298,6 +322,7 @@ class Trainer:
       self._check_schedule(saved)
     if restored is not None:
       self._check_model_function(saved, restored.step)
+    self.changed = numerics_changes(saved, cfg) if restored is not None else ()
     # A run stopped in an evaluation (its step saved, its eval_loss never
     # written) takes that evaluation on its next start: else the restart
     # went on from the step after it (the final one: found the run
@@ -509,7 +534,7 @@ class Trainer:
       with timer.phase('checkpoint'):
         self._finish_saves()
       if nonfinite:
-        e.resumes_from(self._record_resume_from(reporter), self.start_step, self.skipped)
+        e.resumes_from(self._record_resume_from(reporter), self.start_step, self.skipped, self.changed)
       raise
 
   def _record_resume_from(self, reporter: 'StepReporter') -> Optional[int]:

@@ -309,6 +309,29 @@ def test_a_nan_in_a_fresh_runs_first_steps_points_at_the_config():
     assert said(step, saved, start).endswith('(mjax-launch does so itself)'), (step, saved, start)
 
 
+def test_a_nan_just_after_a_start_that_changed_the_optimizer_points_at_the_change():
+  # A learning rate of 1e30 given on a resume diverged two steps later, and
+  # the error advised only skipping the batches (mjax-launch skips them itself).
+  saved = C.to_dict(cfg8())
+  changed = trainer.numerics_changes(saved, cfg8('OptimConfig.learning_rate = 1e30', 'ModelConfig.rope_theta = 500.0',
+                                                 'TrainConfig.steps = 99', 'MeshConfig.data = 2', 'MeshConfig.fsdp = 4'))
+  assert changed == ('OptimConfig.learning_rate = 0.003 there, 1e+30 now',
+                     'ModelConfig.rope_theta = 10000.0 there, 500.0 now'), changed
+  assert trainer.numerics_changes(saved, cfg8('TrainConfig.steps = 99')) == ()
+
+  def said(step, saved_step, start, changed):
+    e = trainer.NonFiniteLoss(step, float('nan'))
+    e.resumes_from(saved_step, start, 0, changed)
+    return str(e)
+  assert said(22, 20, 20, changed).endswith(
+      '(mjax-launch does so itself); this early after a start that changed the config of step 20 (OptimConfig.'
+      'learning_rate = 0.003 there, 1e+30 now; ModelConfig.rope_theta = 10000.0 there, 500.0 now), the change is '
+      'the likelier cause: resume with those settings as they were')
+  for step, saved_step, start, why in ((22, 20, 20, ()), (20 + trainer.EARLY_STEPS + 1, 20, 20, changed),
+                                       (24, 22, 20, changed)):
+    assert said(step, saved_step, start, why).endswith('(mjax-launch does so itself)'), (step, saved_step, start)
+
+
 def test_an_overflowing_gradient_stops_the_run_before_its_state_is_saved(tmp_path, monkeypatch):
   # The gradient overflowed at step 4, a save step: its loss is finite (the
   # loss before the update), but the clip factor is 0 and the update 0 x inf
