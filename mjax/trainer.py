@@ -320,6 +320,7 @@ class Trainer:
                            (saved.get('train') or {}).get('steps') or cfg.train.steps)
     if restored is not None and not restored.explicit:
       self._check_schedule(saved)
+      self._check_seed(saved, restored.step)
     if restored is not None:
       self._check_model_function(saved, restored.step)
     self.changed = numerics_changes(saved, cfg) if restored is not None else ()
@@ -708,6 +709,21 @@ class Trainer:
       self.say(f'mjax: warning: {then}, so the learning-rate schedule is rebuilt over {cfg.train.steps} '
                f'steps: at step {self.start_step} the rate is {now:.3g} instead of {was:.3g}. Set '
                f'OptimConfig.decay_steps = {before} to go on with the schedule the run was trained with.')
+
+  def _check_seed(self, saved: dict, step: int) -> None:
+    """Says where a resumed run is given another TrainConfig.seed than it
+    was started with: the seed only draws a fresh run's initial weights, so
+    it changes nothing here. The run's config goes on recording the seed its
+    weights were drawn with (a fresh run from its config.gin draws those)."""
+    was = (saved.get('train') or {}).get('seed')
+    if not isinstance(was, int) or was == self.cfg.train.seed:
+      return
+    self.say(f'mjax: warning: TrainConfig.seed = {self.cfg.train.seed}, but this run\'s weights were drawn with '
+             f'seed {was} and step {step} goes on from them: the seed only initializes a fresh run\'s weights '
+             f'(DataConfig.shuffle_seed orders the data), so it changes nothing here, and the run\'s config keeps '
+             f'seed {was}. For a run from other initial weights, give a new --workdir.')
+    if self.is_main:
+      self.recorded = dataclasses.replace(self.recorded, train=dataclasses.replace(self.recorded.train, seed=was))
 
   def _check_model_function(self, saved: dict, step: int) -> None:
     """Warns where the resumed step was trained to compute another function

@@ -1161,6 +1161,27 @@ def test_raising_the_steps_of_a_run_says_its_schedule_is_rebuilt():
   assert said == []
 
 
+def test_a_resumed_run_given_another_seed_says_it_changes_nothing_and_keeps_its_own():
+  # The seed only draws a fresh run's weights: a resume with another one
+  # trained on as before, and its config.gin then named a seed that draws
+  # other weights than the run's.
+  import types
+  said = []
+  cfg = cfg8('TrainConfig.seed = 7')
+  t = types.SimpleNamespace(cfg=cfg, recorded=cfg, is_main=True, say=said.append)
+  trainer.Trainer._check_seed(t, {'train': {'seed': 0}}, 20)
+  assert said == ['mjax: warning: TrainConfig.seed = 7, but this run\'s weights were drawn with seed 0 and step 20 '
+                  'goes on from them: the seed only initializes a fresh run\'s weights (DataConfig.shuffle_seed '
+                  'orders the data), so it changes nothing here, and the run\'s config keeps seed 0. For a run from '
+                  'other initial weights, give a new --workdir.'], said
+  assert t.recorded.train.seed == 0 and t.recorded.optim == cfg.optim
+  said.clear()
+  t.recorded = cfg
+  trainer.Trainer._check_seed(t, {'train': {'seed': 7}}, 20)
+  trainer.Trainer._check_seed(t, {'train': {}}, 20)
+  assert said == [] and t.recorded.train.seed == 7
+
+
 def test_a_trainer_built_from_its_own_config_checks_the_vocabulary(tmp_path):
   # The command line checked it (flags.load); a Trainer made from a Config
   # in Python did not, and ids beyond the embedding made NaNs (exit 3).
