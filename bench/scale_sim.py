@@ -315,7 +315,7 @@ def startup_agreement(client, me: int, n: int, scheme: str, timeout_s: float = 6
     dist.broadcast_with(client, me, 'ckpt/steps', '[[100, "persistent"]]', timeout_s)
     dist.report_with(client, me, 'ckpt/steps/missing', None, timeout_s)
     dist.report_with(client, me, 'ckpt/restore/0/read', None, timeout_s)   # the read, before any collective
-    dist.report_with(client, me, 'ckpt/restore/0', None, timeout_s)
+    dist.report_with(client, me, 'ckpt/restore/0/check', None, timeout_s)
   else:
     for key in ('workdir/verdict', 'ckpt/probe/writable', 'ckpt/probe/token', 'ckpt/probe/seen',
                 'ckpt/steps', 'ckpt/restore/0'):

@@ -108,6 +108,18 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def other_clip_layout(opt_state: Any, clip: bool) -> tuple[Any, Callable[[Any], Any]]:
+  """`opt_state` (LAMB's chain's state; `clip`: with its clipping stage) as
+  the chain of the other clipping setting lays it out, and the conversion
+  of a state in that layout back to this one. Clipping holds no state of its
+  own, so both hold the same arrays, but its empty entry moves the other
+  stages' along: a run that turned clipping on or off read none of its
+  checkpoints (OptimConfig.clip_norm)."""
+  if clip:
+    return tuple(opt_state)[1:], lambda other: (optax.EmptyState(), *other)
+  return (optax.EmptyState(), *opt_state), lambda other: tuple(other)[1:]
+
+
 class Lamb(NamedTuple):
   """LAMB for the train step.
 

@@ -31,7 +31,7 @@ from mjax.errors import UserError
 from mjax.model import Transformer
 from mjax.model.transformer import LayerGroup, remat
 from mjax.model.loss import cross_entropy
-from mjax.optim import Lamb, make_optimizer
+from mjax.optim import Lamb, make_optimizer, other_clip_layout
 from mjax.parallel import logical_rules, ordering, pipeline
 from mjax.parallel.rules import data_axis, mesh_axes, rules_without
 
@@ -93,6 +93,15 @@ class Program:
     shardings = self.canonical_shardings if canonical else self.state_shardings
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, shardings)
+
+  def other_layouts(self) -> list[tuple[TrainState, Callable[[TrainState], TrainState]]]:
+    """The checkpoint layout of the state under the other gradient-clipping
+    setting (`optim.other_clip_layout`), with the conversion of a state read
+    in it to this config's: a run may turn OptimConfig.clip_norm on or off
+    between starts (`checkpoint.resume`)."""
+    abstract = self.abstract_state(canonical=True)
+    other, convert = other_clip_layout(abstract.opt_state, self.cfg.optim.clip_norm > 0)
+    return [(abstract.replace(opt_state=other), lambda st: st.replace(opt_state=convert(st.opt_state)))]
 
   def canonical_params(self, params):
     """Params in the layout every mesh shares (layers stacked in order)."""

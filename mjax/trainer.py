@@ -299,7 +299,7 @@ class Trainer:
       state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
       for warning in self.ckpt.space_warnings(state_bytes, held_bytes(abstract)):
         print(f'mjax: warning: {warning}', flush=True)
-    restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract)
+    restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract, self.program.other_layouts())
     with self.program.context():
       if restored is not None:
         self.state = self.program.from_canonical(restored.state)

@@ -92,6 +92,22 @@ def test_fsdp_resume_is_bitwise(uninterrupted, tmp_path):
   assert_bitwise(second_state.opt_state, full_state.opt_state)
 
 
+def test_gradient_clipping_turned_off_and_on_between_starts_resumes_the_same_moments(tmp_path):
+  """Clipping holds no state, but its empty entry in the optimizer's state
+  moved the other stages' along: every checkpoint of a run that turned
+  OptimConfig.clip_norm on or off was unreadable ('the state of another
+  optimizer')."""
+  import optax
+  workdir = str(tmp_path)
+  trainer.run(cfg8('TrainConfig.steps = 2'), workdir)
+  off, off_state = fit(cfg8('TrainConfig.steps = 4', 'OptimConfig.clip_norm = 0.0'), workdir)
+  assert off.start_step == 2 and off.final_step == 4 and len(off_state.opt_state) == 4
+  with trainer.Trainer(cfg8('TrainConfig.steps = 5'), workdir) as on:
+    assert on.start_step == 4 and isinstance(on.state.opt_state[0], optax.EmptyState)
+    assert_bitwise(on.state.opt_state[1:], off_state.opt_state)
+    assert_bitwise(on.state.params, off_state.params)
+
+
 def test_resume_on_another_layout_matches(uninterrupted, tmp_path):
   """Stop on FSDP=8, resume on data=2 x pipeline=2 x tensor=2: resharding on
   restore, same numbers within the layout-equivalence tolerance."""

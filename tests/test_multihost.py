@@ -637,6 +637,20 @@ def test_one_replica_reads_the_state_and_the_other_receives_it_bit_for_bit(tmp_p
   assert rows[1]['modes']['single']['rchar'] < 0.01 * disk, rows[1]
 
 
+@pytest.mark.slow
+def test_gradient_clipping_turned_off_on_a_resume_that_one_replica_reads(tmp_path):
+  """The same arrays in the other clipping setting's layout, read again by
+  every process: only the reading replica's first read fails (the other
+  reads no arrays), and a second read by it alone waited in Orbax's barrier
+  for the other process, which waited for it in the agreement: a hang."""
+  layout = ['--gin.MeshConfig.data=2', '--gin.MeshConfig.fsdp=4']
+  _train_two(tmp_path / 'run', *layout, steps=2)
+  out = _train_two(tmp_path / 'run', *layout, '--gin.OptimConfig.clip_norm=0.0', steps=3)
+  assert f'resumed from {tmp_path / "run" / "checkpoints" / "2"} (step 2)' in out, out[-3000:]
+  losses = _losses(tmp_path / 'run')
+  assert len(losses) == 3 and np.isfinite(losses).all(), losses
+
+
 # --- a host-local fast tier: 2 processes, one fast directory each ----------------------
 
 def _train_two(workdir, *extra, steps=STEPS):

@@ -19,7 +19,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from mjax import distributed, jsonfile, protocol
 from mjax.checkpoint.directories import is_step_dir, steps_in, tier_directories, tier_key
-from mjax.checkpoint.failures import (FailedSave, full_disk_is_bad_input, kept_steps, other_config,
+from mjax.checkpoint.failures import (FailedSave, full_disk_is_bad_input, kept_steps, OTHER_OPTIMIZER, other_config,
                                       quiet_failed_io_aftermath, read_error, unwritable_error)
 from mjax.checkpoint.guards import (check_apart, check_not_around_the_workdir, check_not_inside_a_tier, check_owner,
                                    check_shared, check_writable)
@@ -550,7 +550,8 @@ class Checkpointer:
     tier: this process's copies)."""
     return [(step, tier) for step, tier, _ in self._listing()]
 
-  def restore_latest(self, abstract_state: Any, single_replica: Optional[bool] = None) -> Optional[Restored]:
+  def restore_latest(self, abstract_state: Any, single_replica: Optional[bool] = None,
+                     other_layouts: Sequence[tuple[Any, Callable[[Any], Any]]] = ()) -> Optional[Restored]:
     """Newest readable checkpoint across the tiers, or None if there is none.
 
     Args:
@@ -558,6 +559,7 @@ class Checkpointer:
         restoring reshards onto them (any mesh, any device count).
       single_replica: one data-parallel replica reads, the others receive
         (where `replica_plan` allows it); None: CheckpointConfig.single_replica_restore.
+      other_layouts: see `resume`.
     """
     use = self.cfg.single_replica_restore if single_replica is None else single_replica
     plan = replica_plan(abstract_state) if use else None
@@ -578,7 +580,8 @@ class Checkpointer:
       # storage to spare.
       restored, verdicts = self._restore_agreed(tier.manager, step, abstract_state, path,
                                                 None if tier.host else plan, _restore_key(n, f'restore/{i}'),
-                                                self.cfg.io_timeout_s, host=tier.host)
+                                                self.cfg.io_timeout_s, host=tier.host,
+                                                other_layouts=other_layouts)
       failed = sorted(verdicts)
       if not failed:
         break
@@ -642,40 +645,60 @@ class Checkpointer:
 
   @staticmethod
   def _restore_agreed(manager, step: int, abstract_state: Any, path: str, plan: Optional[ReplicaPlan],
-                      key: str, timeout_s: float, host: bool = False) -> tuple[Optional[Restored], dict[int, str]]:
+                      key: str, timeout_s: float, host: bool = False,
+                      other_layouts: Sequence[tuple[Any, Callable[[Any], Any]]] = ()
+                      ) -> tuple[Optional[Restored], dict[int, str]]:
     """Reads one step, sends it to the other replicas (with a plan) and checks
     it against its checksums. `timeout_s`: how long a process waits for the
     others' reads (with a plan, most processes read almost nothing and wait
-    for the replica that reads the state).
+    for the replica that reads the state). `other_layouts`: see `resume`.
 
     Returns:
       (restored, verdicts): verdicts is {process: '0 why' (unreadable) or
       'D why' (damaged)}, empty when the step is good; the same in every
       process, so that all use the step or all skip it.
     """
-    try:
-      restored, error = read_step(manager, step, abstract_state, path, plan, host), None
-    except Exception as e:  # any unreadable checkpoint: report, fall back
-      restored, error = None, tree_metadata_missing(path) or read_error(e)
-    # Every process learns whether every read went well before any
-    # collective (the broadcast, the checksums): a process whose read failed
-    # must not leave the others waiting in one.
-    verdicts = distributed.report_exceptions(f'{key}/read', None if error is None else f'0 {error}', timeout_s)
-    if verdicts:
+    def read(layout: Any, round_key: str) -> tuple[Optional[Restored], dict[int, str]]:
+      try:
+        restored, error = read_step(manager, step, layout, path, plan, host), None
+      except Exception as e:  # any unreadable checkpoint: report, fall back
+        restored, error = None, tree_metadata_missing(path) or read_error(e)
+      # Every process learns whether every read went well before any
+      # collective (the broadcast, the checksums): a process whose read
+      # failed must not leave the others waiting in one.
+      return restored, distributed.report_exceptions(round_key, None if error is None else f'0 {error}', timeout_s)
+
+    layout, convert = abstract_state, None
+    restored, verdicts = read(abstract_state, f'{key}/read')
+    if verdicts and all(OTHER_OPTIMIZER in v for v in verdicts.values()):
+      # The same arrays as another setting of the optimizer lays them out:
+      # read and checked as saved, then laid out as this config's. Every
+      # process reads again (Orbax's read ends at a barrier of all of them),
+      # also where only the reading replica's read failed.
+      for i, (other, to_ours) in enumerate(other_layouts):
+        again, other_verdicts = read(other, f'{key}/read-other{i}')
+        if not other_verdicts:
+          restored, verdicts, layout, convert = again, {}, other, to_ours
+          break
+    if verdicts:   # the first read's error is the one to tell
       return None, verdicts
-    damaged = False
+    damaged, error = False, None
     try:
       if plan is not None:
-        restored.state = broadcast_from_replica(plan, restored.state, abstract_state)
+        restored.state = broadcast_from_replica(plan, restored.state, layout)
       bad = first_mismatch(restored.meta.get(FINGERPRINTS, {}), restored.state)
       if bad is not None:
         damaged, error = True, f'array {bad} does not match the checksum saved with it'
       elif restored.meta.get(DATA_SHA256, data_digest(restored.data)) != data_digest(restored.data):
         damaged, error = True, 'the data position does not match the checksum saved with it'
+      elif convert is not None:
+        restored.state = convert(restored.state)
     except Exception as e:
       error = read_error(e)
-    verdicts = distributed.report_exceptions(key, None if error is None else f'{"D" if damaged else "0"} {error}',
-                                             timeout_s)
+    # A key of its own: one whose directory held the reads' reports would
+    # count a first read's error that a read in another layout made good.
+    verdicts = distributed.report_exceptions(f'{key}/check', None if error is None else
+                                             f'{"D" if damaged else "0"} {error}', timeout_s)
     return (None if verdicts else restored), verdicts
 
   @staticmethod
@@ -735,7 +758,8 @@ class Checkpointer:
     self._locked = []
 
 
-def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: Any) -> Optional[Restored]:
+def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: Any,
+           other_layouts: Sequence[tuple[Any, Callable[[Any], Any]]] = ()) -> Optional[Restored]:
   """What a run starts from; the one place the policy is decided:
     1. the workdir's newest readable checkpoint (`ckpt`, either tier);
     2. else the checkpoint `CheckpointConfig.restore_from` names: its train
@@ -746,13 +770,19 @@ def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: 
     ckpt: the run's Checkpointer, or None when checkpointing is disabled.
     abstract_state: the state's ShapeDtypeStructs with target shardings, in
       the checkpoint layout.
+    other_layouts: (abstract state, convert) pairs: the same arrays as
+      another setting of the config lays them out (`Program.other_layouts`:
+      the optimizer's state with and without gradient clipping), tried where
+      a step holds the state of another optimizer; `convert` takes a state
+      read so to `abstract_state`'s layout.
   Raises:
     CheckpointNotFound: `restore_from` names no readable checkpoint.
   """
-  restored = ckpt.restore_latest(abstract_state) if ckpt is not None else None
+  restored = ckpt.restore_latest(abstract_state, other_layouts=other_layouts) if ckpt is not None else None
   if restored is not None or not cfg.restore_from:
     return restored
-  restored = restore_from_path(cfg.restore_from, abstract_state, cfg.single_replica_restore, cfg.io_timeout_s)
+  restored = restore_from_path(cfg.restore_from, abstract_state, cfg.single_replica_restore, cfg.io_timeout_s,
+                               other_layouts)
   restored.explicit = True
   if not cfg.restore_data:
     restored.data = None
@@ -760,7 +790,8 @@ def resume(ckpt: Optional[Checkpointer], cfg: CheckpointConfig, abstract_state: 
 
 
 def restore_from_path(path: str, abstract_state: Any, single_replica: bool = True,
-                      timeout_s: float = CheckpointConfig.io_timeout_s) -> Restored:
+                      timeout_s: float = CheckpointConfig.io_timeout_s,
+                      other_layouts: Sequence[tuple[Any, Callable[[Any], Any]]] = ()) -> Restored:
   """Restores an explicit checkpoint: a step directory (`.../checkpoints/120`)
   or a checkpoint directory (its newest step).
 
@@ -770,6 +801,7 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
     single_replica: one data-parallel replica reads, where `replica_plan`
       allows it (see the module docstring).
     timeout_s: how long a process waits for the others' reads.
+    other_layouts: see `resume`.
   Raises:
     CheckpointNotFound: no checkpoint there, or it cannot be read (in any
       process of the job).
@@ -806,7 +838,8 @@ def restore_from_path(path: str, abstract_state: Any, single_replica: bool = Tru
     step_path = os.path.join(directory, str(step))
     plan = replica_plan(abstract_state) if single_replica else None
     restored, verdicts = Checkpointer._restore_agreed(manager, step, abstract_state, step_path, plan,
-                                                      _restore_key(next(_RESTORE_ROUNDS), 'explicit'), timeout_s)
+                                                      _restore_key(next(_RESTORE_ROUNDS), 'explicit'), timeout_s,
+                                                      other_layouts=other_layouts)
     if verdicts:
       why = verdicts.get(jax.process_index(), next(iter(verdicts.values())))[2:]
       raise CheckpointNotFound(
