@@ -135,7 +135,7 @@ def products(text: str) -> tuple[dict[tuple[Product, str], float], list[str]]:
     for inst in insts:
       p = _product(module, inst)
       if p is not None:
-        out[(p, part_of(hlo_text.op_name(inst), matmul=True))] += n
+        out[(p, part_of(hlo_text.op_name(inst, module), matmul=True))] += n
   return dict(out), unknown
 
 

@@ -136,7 +136,7 @@ def traffic(text: str) -> tuple[dict, dict, list[str]]:
     for inst in module.computations[comp]:
       if inst.opcode in NOT_KERNELS or inst.opcode.endswith('-done'):
         continue
-      source = hlo_text.op_name(inst)
+      source = hlo_text.op_name(inst, module)
       kind = kind_of(module, inst, source)
       b = n * kernel_bytes(module, inst)
       by_part[(part_of(source, kind == 'matrix products'), kind)] += b

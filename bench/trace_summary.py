@@ -79,7 +79,8 @@ def op_sources(text: str) -> dict[str, str]:
   """HLO instruction name -> the op_name of its metadata (where in the
   program it comes from, e.g. `jit(train_step)/transpose(jvp(Transformer))/
   while/body/.../attn.attend/dot_general`)."""
-  return {name: hlo_text.op_name(inst) for name, inst in hlo_text.parse_module(text).by_name.items()}
+  module = hlo_text.parse_module(text)
+  return {name: hlo_text.op_name(inst, module) for name, inst in module.by_name.items()}
 
 
 def part_of(source: str, matmul: bool = False) -> str:

@@ -159,10 +159,22 @@ def _parse_instruction(line: str, computation: str) -> Optional[Instruction]:
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def op_name(inst: Instruction) -> str:
-  """The JAX op an instruction comes from (its metadata's op_name), or ''."""
+def op_name(inst: Instruction, module: Optional[Module] = None) -> str:
+  """The JAX op an instruction comes from (its metadata's op_name), or ''.
+
+  With `module`, a fusion without one of its own has its fused root's (or
+  the last fused instruction's that has one): jaxlib 0.11 names a fusion
+  only by its scheduling names, and its ops were left with no source."""
   m = _OP_NAME.search(inst.attrs)
-  return m.group(1) if m else ''
+  if m or module is None:
+    return m.group(1) if m else ''
+  for role, comp in called(inst):
+    if role == 'calls' and comp in module.computations:
+      for inner in reversed(module.computations[comp]):
+        m = _OP_NAME.search(inner.attrs)
+        if m:
+          return m.group(1)
+  return ''
 
 
 def parse_module(text: str) -> Module:
