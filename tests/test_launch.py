@@ -184,6 +184,18 @@ def test_sbatch_checks_an_explicit_coordinator(cluster):
   assert out.returncode == 0 and 'does not resolve' not in out.stderr, out.stderr
 
 
+def test_sbatch_without_the_environment_fails_before_srun(cluster, tmp_path):
+  # mjax installed elsewhere (`pip install -e .` into another environment):
+  # without MJAX_VENV the script's default .venv does not exist there, and
+  # every task would fail on its own node with an execve error.
+  env, srun_args = cluster
+  out = _sbatch({**env, 'MJAX_VENV': str(tmp_path / 'no-venv')})
+  assert out.returncode == 1
+  assert f'no python and mjax-train in {tmp_path / "no-venv"}/bin' in out.stderr
+  assert 'MJAX_VENV' in out.stderr
+  assert not srun_args.exists(), 'no task may start'
+
+
 def _task_env(**extra):
   """Task 1 of a two-node step of job JOB_ID, as srun sets it."""
   return _clean_env(**{'SLURM_JOB_ID': JOB_ID, 'SLURM_PROCID': '1', 'SLURM_NTASKS': '2',
