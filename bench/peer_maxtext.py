@@ -1,7 +1,7 @@
 """Peer benchmark: mjax and MaxText training the same model, in alternating rounds.
 
   python bench/peer_maxtext.py
-  python bench/peer_maxtext.py --rounds 3 --steps 30 --warmup 5
+  python bench/peer_maxtext.py --rounds 4 --steps 30 --warmup 5
   python bench/peer_maxtext.py --maxtext_mlp    # MaxText at its default SwiGLU MLP, for reference
 
 The model (both stacks): MegaScale's parallel block y = x + Attn(N(x)) + MLP(N(x))
