@@ -191,3 +191,20 @@ def test_pipelining_flags_go_under_their_successors_names_where_xla_has_them(tmp
   # As compile options the modes are the DebugOptions enum's names.
   assert X.as_compile_options({'xla_gpu_pipeline_all_gather': 'on', 'xla_gpu_enable_pipelined_all_reduce': 'true'}) == {
       'xla_gpu_pipeline_all_gather': 'COLLECTIVE_PIPELINING_MODE_ON', 'xla_gpu_enable_pipelined_all_reduce': True}
+
+
+def test_tensor_parallelism_does_not_turn_on_xlas_windowed_einsum():
+  """In jaxlib 0.11's GPU compile XLA's windowed einsum sent 2.7x the bytes
+  of a tensor x sequence parallel step's all-gathers and reduce-scatters,
+  46 of its 200 permutes synchronous; mjax's own rings
+  (MeshConfig.collective_matmul) are the overlapped path. The flags stay
+  available through xla_extra_flags."""
+  from mjax import config as C
+  cfg = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
+                                     'MeshConfig.sequence_parallel = True'], num_devices=8)
+  wanted = X.wanted_flags(**X.config_flags(cfg))
+  assert not set(X.COLLECTIVE_MATMUL_FLAGS) & set(wanted), wanted
+  extra = C.load_config(['tiny.gin'], ['MeshConfig.data = 2', 'MeshConfig.tensor = 4',
+                                       'TrainConfig.xla_extra_flags = "--xla_gpu_threshold_for_windowed_einsum_mib=0"'],
+                        num_devices=8)
+  assert X.wanted_flags(**X.config_flags(extra))['xla_gpu_threshold_for_windowed_einsum_mib'] == '0'

@@ -20,10 +20,12 @@ Autodiff of ppermute is the reverse ppermute, so the backward passes are the
 same rings run the other way, also overlapped.
 
 XLA's own windowed einsum (xla_gpu_threshold_for_windowed_einsum_mib) would
-do the same inside the partitioner, but in jax 0.10 its loop count is capped
-by the fast-interconnect slice size that only a live GPU client detects
-(deviceless compiles get 0 and never emit it), so it can neither be relied
-on nor checked ahead of time.
+do the same inside the partitioner. In jax 0.10 its loop count is capped by
+the fast-interconnect slice size that only a live GPU client detects
+(deviceless compiles get 0 and never emit it); jaxlib 0.11 emits it, and
+for a tensor x sequence parallel step it sends 2.7x the bytes of the plain
+all-gathers and reduce-scatters, many of its permutes synchronous
+(xla_flags.config_flags), where these rings send fewer than they do.
 
 The functions run as a `shard_map` manual over the ring axis only: batch
 (data / fsdp) sharding and the FSDP weight gathers stay with GSPMD, as in

@@ -21,8 +21,9 @@ performance" guide):
     launch each); the thresholds cap the merged size.
   * Collective matmul ("windowed einsum") splits a tensor-parallel matmul into
     chunks and overlaps each chunk's all-gather / reduce-scatter with the
-    previous chunk's matmul. It only pays off under tensor parallelism, so it
-    is a separate group (`collective_matmul=True`).
+    previous chunk's matmul. It is a separate group (`collective_matmul=True`),
+    which a run sets only through `xla_extra_flags`: mjax's own rings
+    (MeshConfig.collective_matmul) do it for fewer bytes (see config_flags).
 
 Not set here: `CUDA_DEVICE_MAX_CONNECTIONS=1` (an environment variable for the
 CUDA driver, which JAX-Toolbox recommends before Blackwell and advises against
@@ -75,8 +76,9 @@ OVERLAP_FLAGS: dict[str, str] = {
     'xla_gpu_enable_reduce_scatter_combine_by_dim': 'false',
 }
 
-# Tensor parallelism only: overlap the activation all-gather / reduce-scatter
-# with the matmul that consumes / produces it.
+# XLA's collective matmul: overlap a tensor-parallel activation all-gather /
+# reduce-scatter with the matmul that consumes / produces it. Asked for
+# only explicitly (see config_flags); MeshConfig.collective_matmul is mjax's.
 COLLECTIVE_MATMUL_FLAGS: dict[str, str] = {
     # Rewrite every eligible einsum (threshold 0 MiB; the default, 100000 MiB,
     # leaves all of them alone).
@@ -252,8 +254,15 @@ def config_flags(cfg) -> dict[str, object]:
   """What of a Config (mjax.config.Config) decides its XLA flags, as the
   keyword arguments of `wanted_flags` and `apply_xla_flags` (all but
   `overlap`: TrainConfig.xla_overlap_flags, which callers may turn off)."""
-  return dict(extra=cfg.train.xla_extra_flags, collective_matmul=cfg.mesh.tensor * cfg.mesh.dcn_tensor > 1,
-              gelu_epilogue=cfg.model.gelu_epilogue)
+  # Not XLA's own collective matmul (COLLECTIVE_MATMUL_FLAGS), once asked
+  # for with any tensor parallelism. jaxlib 0.11's GPU compiler is the first
+  # to emit it without a GPU, and there a tensor x sequence parallel step
+  # (tiny, 8 layers, data 2 x tensor 4) sent 2.7x the bytes over `tensor`
+  # (23.7 against 8.8 MB: 200 collective-permutes, 46 of them synchronous,
+  # in place of the all-gathers and reduce-scatters), while
+  # MeshConfig.collective_matmul's rings send 7.3 MB, each behind a product.
+  # `xla_extra_flags` still turns it on.
+  return dict(extra=cfg.train.xla_extra_flags, gelu_epilogue=cfg.model.gelu_epilogue)
 
 
 def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
@@ -298,8 +307,8 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
       of the same name, and are subject to the same two rules.
     platform: 'gpu' / 'cuda' / 'rocm' apply the flags; anything else is a
       no-op. None: `detect_platform()`.
-    collective_matmul: also add COLLECTIVE_MATMUL_FLAGS; pass
-      `mesh tensor size > 1` (it only helps tensor-parallel matmuls).
+    collective_matmul: also add COLLECTIVE_MATMUL_FLAGS (XLA's windowed
+      einsum; it can only help tensor-parallel matmuls).
     gelu_epilogue: also add GELU_EPILOGUE_FLAGS; pass ModelConfig.gelu_epilogue.
     libraries: .so files to check the flags against (default: the installed
       jaxlib and GPU plugins).
