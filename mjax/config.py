@@ -748,7 +748,9 @@ def _check_types(section):
 
 
 # Fields that name a path (some also take a word: 'stdlib', 'bytes').
-PATH_FIELDS = (('data', 'source'), ('data', 'tokenizer'), ('data', 'mixture'), ('checkpoint', 'directory'),
+# (Not DataConfig.mixture: a list of sources and weights, whose own parser
+# names what is wrong with it.)
+PATH_FIELDS = (('data', 'source'), ('data', 'tokenizer'), ('checkpoint', 'directory'),
                ('checkpoint', 'fast_directory'), ('checkpoint', 'restore_from'), ('checkpoint', 'init_from_hf'),
                ('train', 'compilation_cache_dir'), ('train', 'peak_cache_dir'))
 
