@@ -760,14 +760,14 @@ def _check_paths(cfg) -> None:
   such a path exists: a quoting slip (`directory = ' '`, `'/data/ckpt '`)
   made a folder named with the spaces, in the workdir or wherever the run
   started, and the run wrote there without a word."""
+  if cfg.train.peak_cache_dir == '':   # (not Optional: '' is no setting of its own)
+    _fail('TrainConfig.peak_cache_dir', '', "must name a folder (default '~/.cache/mjax'): an empty one is the "
+                                            'directory the run was started in')
   for section, name in PATH_FIELDS:
     value = getattr(getattr(cfg, section), name)
-    key = f'{type(getattr(cfg, section)).__name__}.{name}'
-    if value == '' and (section, name) == ('train', 'peak_cache_dir'):
-      _fail(key, value, "must name a folder (default '~/.cache/mjax'): an empty one is the directory the run "
-                        'was started in')
     if not isinstance(value, str) or not value or value.strip() == value or os.path.lexists(value):
       continue
+    key = f'{type(getattr(cfg, section)).__name__}.{name}'
     what = 'is only whitespace' if not value.strip() else 'begins or ends with whitespace'
     raise ConfigError(
         f'{key} = {value!r} {what}, which is nearly always a quoting slip: as a path it would name a folder '

@@ -94,12 +94,11 @@ class Program:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, shardings)
 
-  def other_layouts(self) -> list[tuple[TrainState, Callable[[TrainState], TrainState]]]:
+  def other_layouts(self, abstract: TrainState) -> list[tuple[TrainState, Callable[[TrainState], TrainState]]]:
     """The checkpoint layout of the state under the other gradient-clipping
     setting (`optim.other_clip_layout`), with the conversion of a state read
     in it to this config's: a run may turn OptimConfig.clip_norm on or off
-    between starts (`checkpoint.resume`)."""
-    abstract = self.abstract_state(canonical=True)
+    between starts (`checkpoint.resume`). `abstract`: `abstract_state(canonical=True)`."""
     other, convert = other_clip_layout(abstract.opt_state, self.cfg.optim.clip_norm > 0)
     return [(abstract.replace(opt_state=other), lambda st: st.replace(opt_state=convert(st.opt_state)))]
 

@@ -299,7 +299,7 @@ class Trainer:
       state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
       for warning in self.ckpt.space_warnings(state_bytes, held_bytes(abstract)):
         print(f'mjax: warning: {warning}', flush=True)
-    restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract, self.program.other_layouts())
+    restored = checkpoint_lib.resume(self.ckpt, cfg.checkpoint, abstract, self.program.other_layouts(abstract))
     with self.program.context():
       if restored is not None:
         self.state = self.program.from_canonical(restored.state)
@@ -592,31 +592,23 @@ class Trainer:
         # time on CPU, on a step that base.gin's log_every logs. The steps
         # either side are reported first; the sampler waits for them anyway.
         sampled = sampler.due(step) and not profiler.active
-        if sampled:
-          reporter.flush()
-        sampler.before(step, self.state, profiling=profiler.active)
-        if sampled:
-          reporter.not_step_time()
+        with reporter.aside(sampled):
+          sampler.before(step, self.state, profiling=profiler.active)
         with timer.phase('data'):
           batch = program.to_global(next(self.train_iter))
         with timer.phase('compute'):
           self.state, metrics = self.step_fn(self.state, batch)
           reporter.push(step, metrics)     # reads the previous step's metrics
           sampler.wait(self.state)         # a sampled step's trace must hold its device work
-        if sampled:
-          reporter.flush()
-        device = sampler.collect()         # before a save, whose copies are not the step's
-        if sampled:
-          reporter.not_step_time()
+        with reporter.aside(sampled):
+          device = sampler.collect()       # before a save, whose copies are not the step's
         if self.ckpt is not None and self.ckpt.due(step):
           # Only a state whose loss is known to be finite may become a
           # checkpoint (a NaN checkpoint would make every restart fail
           # again): this step's metrics first. Async: blocks only for the
           # device-to-host copy.
-          reporter.flush()
-          with timer.phase('checkpoint'):
+          with reporter.aside(), timer.phase('checkpoint'):   # in the timings, not the next step's time
             self._save(step, meta)
-          reporter.not_step_time()         # the save's blocking part is in the timings, not the next step
         if collector.due(step):            # the same steps in every process: the pauses line up
           with timer.phase('gc'):
             collector.collect()
@@ -964,6 +956,17 @@ class StepReporter:
       else:
         self.bar.write(f'step {step}: eval_loss {loss:.4f}')
     self.not_step_time()
+
+  @contextlib.contextmanager
+  def aside(self, on: bool = True):
+    """What runs inside (a save's blocking part, a device-time sample) is
+    no step's time: the pending step is reported first, and the time spent
+    inside left out of the next (`not_step_time`). `on` False: a no-op."""
+    if on:
+      self.flush()
+    yield
+    if on:
+      self.not_step_time()
 
   def not_step_time(self) -> None:
     """What ran since the last report (an evaluation, a save's blocking

@@ -286,7 +286,8 @@ def _check_steps_not_left_behind(cfg: Any, saved: dict, workdir: str, steps: dic
     then = tier_directories(dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved}), workdir)
   except (TypeError, ValueError):
     return   # a record this version cannot read: the checks above still hold
-  now = {os.path.realpath(d) for d in tier_directories(cfg, workdir).values()}
+  dirs = tier_directories(cfg, workdir)
+  now = {os.path.realpath(d) for d in dirs.values()}
   newest = max((s for held in steps.values() for s in held), default=None)
   for name, d in then.items():
     if '://' in d or not os.path.isdir(d) or os.path.realpath(d) in now:
@@ -300,7 +301,7 @@ def _check_steps_not_left_behind(cfg: Any, saved: dict, workdir: str, steps: dic
               f'{d!r} if that step is not wanted)')
     else:
       back = (f'set CheckpointConfig.{key} back to {saved.get(key)!r}, or move its steps into '
-              f'{tier_directories(cfg, workdir)[name]!r} first')
+              f'{dirs[name]!r} first')
     instead = 'start over from step 0' if newest is None else f'resume the older step {newest}'
     raise ConfigError(
         f'--workdir {workdir!r} is the workdir of a run whose {name} checkpoint tier was {d!r} '

@@ -206,8 +206,8 @@ def _running(pid: int) -> bool:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  except OSError:   # another user's process (EPERM): running
-    return True
+  except PermissionError:   # another user's process: running
+    pass
   return True
 
 

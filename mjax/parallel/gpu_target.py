@@ -162,8 +162,7 @@ def compile_options(cfg) -> dict[str, object]:
   wanted = xla_flags.wanted_flags(**xla_flags.config_flags(cfg), overlap=cfg.train.xla_overlap_flags)
   plugins = [p for p in xla_flags.xla_libraries() if os.sep + 'jaxlib' + os.sep not in p]
   if plugins:
-    successors = [new for new, _ in xla_flags.SUCCESSORS.values()]
-    wanted = xla_flags.with_successors(wanted, xla_flags.supported_flags(successors, plugins))
+    wanted = xla_flags.with_successors(wanted, xla_flags.supported_flags(xla_flags.SUCCESSOR_NAMES, plugins))
   ok = xla_flags.supported_flags(wanted, plugins) if plugins else set(wanted)
   return xla_flags.as_compile_options({k: v for k, v in wanted.items() if k in ok})
 

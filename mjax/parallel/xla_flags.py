@@ -106,6 +106,7 @@ SUCCESSORS: dict[str, tuple[str, str]] = {
     'xla_gpu_enable_pipelined_reduce_scatter': ('xla_gpu_pipeline_reduce_scatter', 'on'),
     'xla_gpu_enable_pipelined_all_reduce': ('xla_gpu_pipeline_all_reduce', 'on'),
 }
+SUCCESSOR_NAMES = frozenset(new for new, _ in SUCCESSORS.values())
 # The modes as a compile option spells them (the DebugOptions enum).
 _PIPELINING_MODES = {m: f'COLLECTIVE_PIPELINING_MODE_{m.upper()}' for m in ('default', 'off', 'on', 'explicit')}
 
@@ -270,9 +271,8 @@ def as_compile_options(flags: dict[str, Optional[str]]) -> dict[str, object]:
   values ('true' -> True, '128' -> 128), since XLA rejects the string 'true'
   for a bool option there (XLA_FLAGS parses text, compile options do not)."""
   out: dict[str, object] = {}
-  modes = {new for new, _ in SUCCESSORS.values()}
   for name, value in flags.items():
-    if name in modes and value is not None and value.lower() in _PIPELINING_MODES:
+    if name in SUCCESSOR_NAMES and value is not None and value.lower() in _PIPELINING_MODES:
       out[name] = _PIPELINING_MODES[value.lower()]
     elif value is None or value.lower() == 'true':
       out[name] = True
@@ -331,8 +331,7 @@ def apply_xla_flags(enabled: bool, extra: str = '', platform: Optional[str] = No
     log.warning('XLA overlap flags: no jaxlib / GPU plugin library with an XLA flag table '
                 'found to check them against; none set')
     return []
-  successors = [new for new, _ in SUCCESSORS.values()]
-  todo = with_successors(todo, supported_flags(successors, libraries), user_set)
+  todo = with_successors(todo, supported_flags(SUCCESSOR_NAMES, libraries), user_set)
   ok = supported_flags(todo, libraries)
   dropped = sorted(set(todo) - ok)
   if dropped:
