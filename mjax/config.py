@@ -506,8 +506,8 @@ def _explain_gin_error(text: str, err: Exception) -> str:
     close = difflib.get_close_matches(unknown_cls.group(1), list(_CLASSES), n=1)
     hint = (f' Allowed config classes: {", ".join(_CLASSES)}.'
             + (f' Did you mean {close[0]}?' if close else ''))
-  elif isinstance(err, RecursionError):
-    msg = ('the value is nested too deeply to be read (brackets inside brackets, thousands deep); no config '
+  elif _too_deep(err):
+    msg = ('the value is nested too deeply to be read (brackets inside brackets, hundreds deep); no config '
            'value needs more than a few levels')
   elif msg.startswith('malformed node or string'):
     # gin's value parser is Python's literal_eval: an expression is not a value.
@@ -515,6 +515,13 @@ def _explain_gin_error(text: str, err: Exception) -> str:
            'None, lists, tuples, dicts and @references (a float such as 1e-3, not float(...))')
   subject = f'invalid config binding {_elided(text)!r}' if text else 'invalid config'
   return f'{subject}: {_elided(msg)}{" (" + where + ")" if where else ""}.{hint}'
+
+
+def _too_deep(err: Exception) -> bool:
+  """A value nested past what the parser reads: gin's recursion on Python
+  3.11, or from 3.12 on Python's own tokenizer, which stops at 200 open
+  brackets ('too many nested parentheses') before gin recurses."""
+  return isinstance(err, RecursionError) or 'too many nested parentheses' in str(err)
 
 
 def _elided(text: str, keep: int = 240) -> str:
@@ -593,16 +600,16 @@ def _bound_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Config:
     logging.disable(logging.ERROR)
     try:
       gin.parse_config_file(path)
-    except RecursionError as e:
+    except Exception as e:  # noqa: BLE001 -- every failure becomes one ConfigError below
+      if not _too_deep(e):
+        raise ConfigError(f'in gin file {path}: {_explain_gin_error("", e)}') from None
       # gin's parser recurses for includes and for nested values alike.
       # A chain of includes is a few files deep; a loop, as deep as Python goes.
       if sum(f.name == 'parse_config_file' for f in traceback.extract_tb(e.__traceback__)) > 50:
         raise ConfigError(f'in gin file {path}: its includes never end (a file includes itself, directly or '
                           f'through another); remove the include that closes the loop.') from None
       raise ConfigError(f'in gin file {path}: a value is nested too deeply to be read (brackets inside '
-                        f'brackets, thousands deep); no config value needs more than a few levels.') from None
-    except Exception as e:
-      raise ConfigError(f'in gin file {path}: {_explain_gin_error("", e)}') from None
+                        f'brackets, hundreds deep); no config value needs more than a few levels.') from None
     finally:
       logging.disable(logging.NOTSET)
   macros = set()   # defined on the command line, where a macro is almost surely a slip
