@@ -31,9 +31,10 @@ import time
 from typing import Optional
 
 # What is frozen before any loop of ours: the interpreter's own objects on
-# some builds (CPython 3.12 starts with a few hundred frozen, 3.11 and 3.13
-# with none) and whatever the program froze before importing mjax. A count
-# above this at a loop's start is a caller's own freeze (see __enter__).
+# some builds (CPython 3.12 starts with a few hundred frozen, and puts them
+# back now and then after an unfreeze; 3.11 and 3.13 start with none) and
+# whatever the program froze before importing mjax. A count above this at a
+# loop's start is a caller's own freeze (see __enter__).
 _FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
