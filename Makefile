@@ -62,8 +62,7 @@ GPU_IMAGE_TESTS := tests/test_gc_control.py tests/test_config.py tests/test_xla_
 $(VENV312)/.mjax-installed: pyproject.toml
 	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip
-	$(VENV312)/bin/python -m pip install -q "jax==$(GPU_IMAGE_JAX)" "jaxlib==$(GPU_IMAGE_JAX)" -e . \
-	  "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "pyyaml>=6" "jsonschema>=4.18"
+	$(VENV312)/bin/python -m pip install -q "jax==$(GPU_IMAGE_JAX)" "jaxlib==$(GPU_IMAGE_JAX)" -e '.[test]'
 	touch $@
 ifeq ($(PY312),)
 test-gpu-image:
