@@ -507,14 +507,17 @@ def _explain_gin_error(text: str, err: Exception) -> str:
     hint = (f' Allowed config classes: {", ".join(_CLASSES)}.'
             + (f' Did you mean {close[0]}?' if close else ''))
   elif _too_deep(err):
-    msg = ('the value is nested too deeply to be read (brackets inside brackets, hundreds deep); no config '
-           'value needs more than a few levels')
+    msg = f'the value {_TOO_DEEP}'
   elif msg.startswith('malformed node or string'):
     # gin's value parser is Python's literal_eval: an expression is not a value.
     msg = ('the value is an expression, not a literal; gin takes numbers, quoted strings, True, False, '
            'None, lists, tuples, dicts and @references (a float such as 1e-3, not float(...))')
   subject = f'invalid config binding {_elided(text)!r}' if text else 'invalid config'
   return f'{subject}: {_elided(msg)}{" (" + where + ")" if where else ""}.{hint}'
+
+
+_TOO_DEEP = ('is nested too deeply to be read (brackets inside brackets, hundreds deep); no config value needs '
+             'more than a few levels')
 
 
 def _too_deep(err: Exception) -> bool:
@@ -608,8 +611,7 @@ def _bound_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Config:
       if sum(f.name == 'parse_config_file' for f in traceback.extract_tb(e.__traceback__)) > 50:
         raise ConfigError(f'in gin file {path}: its includes never end (a file includes itself, directly or '
                           f'through another); remove the include that closes the loop.') from None
-      raise ConfigError(f'in gin file {path}: a value is nested too deeply to be read (brackets inside '
-                        f'brackets, hundreds deep); no config value needs more than a few levels.') from None
+      raise ConfigError(f'in gin file {path}: a value {_TOO_DEEP}.') from None
     finally:
       logging.disable(logging.NOTSET)
   macros = set()   # defined on the command line, where a macro is almost surely a slip

@@ -56,8 +56,6 @@ class StepGC:
       gc.collect()
       # A caller that froze objects itself keeps them frozen: unfreeze()
       # would release theirs too, so only a freeze of our own is undone.
-      # Not "nothing frozen yet": CPython 3.12 starts with objects frozen,
-      # and that test left the loop's collections walking the whole heap.
       self._froze = gc.get_freeze_count() <= _FROZEN_AT_IMPORT
       if self._froze:
         gc.freeze()
