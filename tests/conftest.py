@@ -23,20 +23,21 @@ def pytest_configure(config):
   cached (mjax.devices.peak_flops), and a figure taken while other work held
   the cores is used but never cached. Once the test workers start, the
   cores are never quiet: each of the suite's ~200 Trainers, in-process or
-  not, spent a second of the cores on matrix products (375 of the suite's
-  3,200 CPU-seconds). So the controller measures first, as a user's first
-  run on a quiet machine would, into the same default cache. xdist workers
-  skip this: the controller has done it. On a busy machine nothing is
-  cached, as before. The tests of the measurement use their own folders.
+  not, spent a second of the cores on matrix products (about 300-400 of
+  the suite's ~3,200 CPU-seconds; bench/RESULTS.md). So the controller
+  measures first, as a user's first run on a quiet machine would, into the
+  same default cache (an accelerator's peak comes from the data-sheet
+  table: nothing is measured). xdist workers skip this: the controller has
+  done it. On a busy machine nothing is cached, as before. The tests of the
+  measurement use their own folders.
   """
   if hasattr(config, 'workerinput'):
     return
   import jax
   from mjax.config import TrainConfig
   from mjax.devices import peak_flops
-  if jax.devices()[0].platform == 'cpu':
-    for dtype in ('float32', 'bfloat16'):
-      peak_flops(jax.devices()[:1], dtype, TrainConfig().peak_cache_dir)
+  for dtype in ('float32', 'bfloat16'):
+    peak_flops(jax.devices()[:1], dtype, TrainConfig().peak_cache_dir)
 
 
 @pytest.fixture(scope='session')
