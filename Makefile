@@ -1,13 +1,14 @@
 # Two commands on a fresh machine:
 #   make train   create .venv if missing, install, train the default (tiny) model
-#   make test    same set-up, then the whole test suite on 8 fake CPU devices
+#   make test    same set-up, then the test suite on 8 fake CPU devices, less the
+#                tests marked slow (make test-slow runs those; CI runs both)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mjax-installed
 ARGS ?=
 
-.PHONY: setup train test test-gpu-image bench bench-gpu baseline gpu-wheels clean
+.PHONY: setup train test test-slow test-all test-gpu-image bench bench-gpu baseline gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,13 +38,24 @@ $(CUDA_AOT)/.installed: $(STAMP)
 # cores). Module fixtures stay shared within their file. The longest files
 # go first, so that the two workers finish together instead of one running
 # a long file alone at the end. TEST_WORKERS=0: serial.
+#
+# Two legs: `make test` leaves out the tests marked slow (each over ~30 s on
+# two cores: the end-to-end fault runs, the deviceless GPU compiles), so that
+# it stays under 20 minutes on a 2-core machine; `make test-slow` runs just
+# those, `make test-all` everything at once. CI (.ci/run) runs both legs.
 TEST_WORKERS ?= 2
+TEST_MARK ?= not slow
 LONG_TESTS := tests/test_ft.py tests/test_multihost.py tests/test_checkpoint.py tests/test_gpu_target.py \
 	tests/test_slurm_cluster.py tests/test_agent.py tests/test_train.py tests/test_hf.py tests/test_generate.py
 TEST_FILES := $(LONG_TESTS) $(filter-out $(LONG_TESTS),$(sort $(wildcard tests/test_*.py)))
 test: $(STAMP) $(CUDA_AOT)/.installed
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q --durations=15 \
+	  $(if $(TEST_MARK),-m '$(TEST_MARK)') \
 	  $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(TEST_FILES) $(ARGS)
+test-slow:
+	$(MAKE) test TEST_MARK=slow
+test-all:
+	$(MAKE) test TEST_MARK=
 
 # The GPU image's Python and jaxlib (3.12, 0.11.2) on this CPU, for what
 # breaks only there before a GPU call finds it: CPython 3.12 starts with

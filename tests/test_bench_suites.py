@@ -204,6 +204,7 @@ def test_attention_time_by_window_runs_and_says_the_work_each_window_keeps():
   assert any(line.startswith('| causal |') for line in lines), lines
 
 
+@pytest.mark.slow
 def test_the_kernels_section_checks_both_kernels_against_fp32():
   # On CPU the kernels run in Pallas's GPU interpreter at small shapes: the
   # section a GPU run starts with, and its tables, before any GPU sees it.

@@ -1634,6 +1634,7 @@ def test_nan_rolls_back_and_skips_the_bad_batches(tmp_path, repo_root):
   assert data_position(tmp_path, N) == N + rb['skip_data_steps']
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_trainer_alone_resumes_the_job_to_its_last_step(tmp_path, repo_root):
   """A node's own pre-emption (or an scancel of one step): SIGTERM to one
   trainer, not to the driver. Every trainer stops after the same step,

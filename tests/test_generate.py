@@ -81,6 +81,7 @@ def test_generation_logits_are_not_rounded_to_the_compute_dtype():
   assert np.mean(got != got.astype(jnp.bfloat16).astype(np.float32)) > 0.5
 
 
+@pytest.mark.slow
 def test_left_padded_prompts_decode_as_if_alone():
   """A batch of prompts of different lengths, aligned on their last token:
   each row's logits are those of its prompt run on its own."""
@@ -134,6 +135,7 @@ def test_greedy_and_filters():
   assert (_draws(logits, s) != _draws(logits, Sampling(temperature=1.0, seed=8))).any()
 
 
+@pytest.mark.slow
 def test_the_nucleus_over_a_large_vocabulary():
   """top_p over 4,096 ids: a nucleus inside the best NUCLEUS_CANDIDATES is
   drawn from them, one that reaches past them from the sorted vocabulary,
@@ -254,6 +256,7 @@ def mjax_generate(*argv):
   return generate.main(args, bindings)
 
 
+@pytest.mark.slow
 def test_greedy_text_is_the_same_on_another_mesh(run, capsys):
   prompts = ['def main(', 'import os\n', 'x']
   argv = ['--workdir', run, '--temperature', '0', '--max_new_tokens', '40', '--no-stop_at_eos',
@@ -362,6 +365,7 @@ def test_cache_bytes_is_what_the_cache_allocates():
       assert cache_bytes(m, batch, max_len) == allocated
 
 
+@pytest.mark.slow
 def test_matrices_cast_once_give_the_same_tokens(monkeypatch):
   """bf16 compute: casting the weight matrices once before decoding (norm
   scales, stacked per layer, stay fp32) gives the tokens of casting them at

@@ -27,6 +27,10 @@ if not (PLUGIN / 'jax_plugins').is_dir():
     raise RuntimeError(f'{PLUGIN} is missing: `make test` installs the CUDA plugin there')
   pytest.skip(f'no CUDA plugin in {PLUGIN} (make test installs it)', allow_module_level=True)
 
+# Each test reads programs that module fixtures compile, ~20 deviceless GPU
+# compiles in all (~7 minutes of one core): the whole module is slow.
+pytestmark = pytest.mark.slow
+
 TINY = ['ModelConfig.dtype = "bfloat16"', 'ModelConfig.n_layers = 8']
 
 # Compiles in a child and prints the schedule and per-kind traffic as JSON.
@@ -476,7 +480,6 @@ TILINGS_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
 def test_every_tiling_the_gpu_suite_times_lowers_for_a_hopper_gpu():
   """The kernels section's --experiments sweep (bench/gpu_suite.py) spends
   device time on each tiling: each must lower for sm_90 at 1p3b's shapes,

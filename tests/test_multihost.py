@@ -511,6 +511,7 @@ def test_a_checkpoint_tier_some_process_cannot_see_is_refused(tmp_path, repo_roo
       not [n for n in os.listdir(tmp_path / 'run' / 'checkpoints') if n.isdigit()]
 
 
+@pytest.mark.slow
 def test_a_warm_compilation_cache_serves_every_process(tmp_path, repo_root):
   """On CPU jax keys the cached step by each process's devices and writes
   from process 0 only; mjax has every process write its own entry, so a

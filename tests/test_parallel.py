@@ -207,6 +207,7 @@ def test_a_slow_network_split_on_one_process_is_refused_by_name():
     make_mesh(cfg)
 
 
+@pytest.mark.slow
 def test_document_attention_on_a_pipeline_matches_one_device():
   """Segment ids and per-document positions travel through the pipeline's
   micro-batches exactly as through the plain layer stack."""

@@ -631,6 +631,7 @@ def test_a_new_runs_refused_start_leaves_nothing_behind(tmp_path):
   assert json.loads((tmp_path / 'lost' / RUN_ID_FILE).read_text())['run'] == 'abc123'
 
 
+@pytest.mark.slow
 def test_a_trainer_from_python_gets_the_checks_and_holds_its_workdir_alone(tmp_path, monkeypatch):
   """The notebook path. A Config changed by hand gets load_config's checks,
   the mesh's against the devices there are, before anything is written. A
