@@ -66,6 +66,7 @@ class Program:
   canonical_shardings: TrainState             # the layout checkpoints are written in
   to_canonical: Callable[[TrainState], TrainState]
   from_canonical: Callable[[TrainState], TrainState]
+  state_shapes: TrainState                    # ShapeDtypeStructs of what `init` makes
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -86,8 +87,8 @@ class Program:
 
   def abstract_state(self, canonical: bool = False) -> TrainState:
     """ShapeDtypeStructs (with shardings) of the state, or of its checkpoint layout."""
+    shapes = self.state_shapes
     with self.context():
-      shapes = jax.eval_shape(lambda: self.init(jax.random.key(0)))
       if canonical:
         shapes = jax.eval_shape(self.to_canonical, shapes)
     shardings = self.canonical_shardings if canonical else self.state_shardings
@@ -210,9 +211,11 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
   row = nn.logical_to_mesh_sharding(P('batch', 'seq'), mesh, rules)
   batch_shardings = {k: row for k in batch_keys(cfg)}
 
-  def init(rng: jax.Array) -> TrainState:
-    params = lay.init_params(rng)
+  def state_of(params) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  def init(rng: jax.Array) -> TrainState:
+    return state_of(lay.init_params(rng))
 
   # XLA's CPU runtime needs a program's collectives in one order on every
   # device (mjax.parallel.ordering); GPU programs keep their freedom.
@@ -274,6 +277,11 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
       canonical_shardings=canonical_shardings,
       to_canonical=jax.jit(to_canonical, out_shardings=canonical_shardings) if pipe else (lambda st: st),
       from_canonical=jax.jit(from_canonical, out_shardings=state_shardings) if pipe else (lambda st: st),
+      # From the params' shapes, tracing the optimizer's init alone: a start
+      # asks for the state's shapes several times (restore, the step's
+      # lowering, the memory check), and tracing the model's init for each
+      # cost seconds with unrolled layers.
+      state_shapes=jax.eval_shape(state_of, lay.abstract_params),
   )
 
 
@@ -300,9 +308,15 @@ def _layouts(cfg: Config, mesh: Mesh, model: Transformer, rules) -> _Layouts:
     params = nn.meta.unbox(model.init(rng, dummy)['params'])
     return _split_stages(params, cfg) if pipe else params
 
+  # The model's init traced once: `init_params` is the same init, unboxed
+  # and (pipelined) split into stages, neither of which needs the model.
+  # (Unboxed outside the rules: with them, unboxing constrains shardings,
+  # which shapes alone cannot take.)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
-    abstract_params = jax.eval_shape(lambda: init_params(jax.random.key(0)))
+  abstract_params = nn.meta.unbox(boxed)
+  if pipe:
+    abstract_params = jax.eval_shape(lambda p: _split_stages(p, cfg), abstract_params)
   canonical_names = jax.tree.map(lambda b: b.names, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   names = canonical_names
   if pipe:

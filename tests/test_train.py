@@ -797,3 +797,35 @@ def test_a_compilation_cache_dir_that_cannot_be_written_is_said_once_and_left_un
   assert [r.getMessage() for r in caplog.records if 'compilation_cache_dir' in r.getMessage()] == [
       f"TrainConfig.compilation_cache_dir '{blocker / 'cache'}' is not a directory this process can write: the "
       'compiled programs are not cached, so a restart compiles them again. Give a writable folder, or None.']
+
+
+@pytest.mark.parametrize('layout', [
+    ['MeshConfig.data = 2', 'MeshConfig.fsdp = 4', 'ModelConfig.scan_layers = False'],
+    ['MeshConfig.data = 2', 'MeshConfig.pipeline = 2', 'MeshConfig.tensor = 2', 'MeshConfig.virtual_stages = 2',
+     'MeshConfig.microbatches = 4', 'ModelConfig.n_layers = 8', 'OptimConfig.clip_norm = 0.0'],
+])
+def test_the_abstract_state_is_inits_without_tracing_the_model(monkeypatch, layout):
+  """`Program.abstract_state` (restore, the step's lowering, the memory
+  check) is what `init` makes, shape, dtype and sharding, leaf for leaf,
+  in both layouts; it comes from the params' shapes, with no trace of the
+  model's init (seconds each with unrolled layers)."""
+  from mjax import train
+  from mjax.model import Transformer
+  from mjax.parallel import make_mesh
+  cfg = C.load_config(['tiny.gin'], layout, num_devices=8)
+  traced = []
+  real_call = Transformer.__call__
+  monkeypatch.setattr(Transformer, '__call__', lambda self, *a, **k: traced.append(1) or real_call(self, *a, **k))
+  program = train.make_program(cfg, make_mesh(cfg.mesh, devices=jax.devices()))
+  assert len(traced) == 1   # the params' shapes and names
+  abstract, abstract_canonical = program.abstract_state(), program.abstract_state(canonical=True)
+  assert len(traced) == 1
+  with program.context():
+    made = jax.eval_shape(lambda: program.init(jax.random.key(0)))
+    canonical = jax.eval_shape(program.to_canonical, made)
+  assert len(traced) == 2   # (the check can see a trace)
+  for abstract, want, shardings in ((abstract, made, program.state_shardings),
+                                    (abstract_canonical, canonical, program.canonical_shardings)):
+    assert jax.tree.structure(abstract) == jax.tree.structure(want)
+    for a, w, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(want), jax.tree.leaves(shardings)):
+      assert (a.shape, a.dtype, a.weak_type, a.sharding) == (w.shape, w.dtype, w.weak_type, s), (a, w)
