@@ -70,7 +70,8 @@ GPU_IMAGE_TESTS := tests/test_gc_control.py tests/test_config.py tests/test_xla_
 	tests/test_loss.py tests/test_memory.py tests/test_flops.py tests/test_launch.py tests/test_stragglers.py \
 	tests/test_device_time.py tests/test_data.py tests/test_data_shards.py tests/test_data_mixture.py \
 	tests/test_data_tokenizer.py tests/test_attention.py \
-	tests/test_train.py::test_garbage_is_collected_at_the_same_steps_and_only_there
+	tests/test_train.py::test_garbage_is_collected_at_the_same_steps_and_only_there \
+	tests/test_train.py::test_the_abstract_state_is_inits_without_tracing_the_model
 $(VENV312)/.mjax-installed: pyproject.toml
 	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip

@@ -277,10 +277,10 @@ def make_program(cfg: Config, mesh: Mesh) -> Program:
       canonical_shardings=canonical_shardings,
       to_canonical=jax.jit(to_canonical, out_shardings=canonical_shardings) if pipe else (lambda st: st),
       from_canonical=jax.jit(from_canonical, out_shardings=state_shardings) if pipe else (lambda st: st),
-      # From the params' shapes, tracing the optimizer's init alone: a start
-      # asks for the state's shapes several times (restore, the step's
-      # lowering, the memory check), and tracing the model's init for each
-      # cost seconds with unrolled layers.
+      # From the params' shapes, tracing the optimizer's init alone. A
+      # restart needs the state's shapes (its restore, the step's lowering)
+      # but never runs init: tracing the model's init for them cost it
+      # seconds with unrolled layers.
       state_shapes=jax.eval_shape(state_of, lay.abstract_params),
   )
 
