@@ -88,8 +88,8 @@ class Program:
   def abstract_state(self, canonical: bool = False) -> TrainState:
     """ShapeDtypeStructs (with shardings) of the state, or of its checkpoint layout."""
     shapes = self.state_shapes
-    with self.context():
-      if canonical:
+    if canonical:
+      with self.context():
         shapes = jax.eval_shape(self.to_canonical, shapes)
     shardings = self.canonical_shardings if canonical else self.state_shardings
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -314,15 +314,14 @@ def _layouts(cfg: Config, mesh: Mesh, model: Transformer, rules) -> _Layouts:
   # which shapes alone cannot take.)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy))['params']
-  abstract_params = nn.meta.unbox(boxed)
-  if pipe:
-    abstract_params = jax.eval_shape(lambda p: _split_stages(p, cfg), abstract_params)
+  canonical_params = nn.meta.unbox(boxed)
+  abstract_params = jax.eval_shape(lambda p: _split_stages(p, cfg), canonical_params) if pipe else canonical_params
   canonical_names = jax.tree.map(lambda b: b.names, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   names = canonical_names
   if pipe:
     names = {**names, 'layers': jax.tree.map(pipeline.pipeline_names, names['layers'], is_leaf=_is_names)}
   layer_axes = jax.tree.map(lambda n: n.index('layers') + 1 if 'layers' in n else 0, names, is_leaf=_is_names)
-  return _Layouts(init_params, abstract_params, nn.meta.unbox(boxed), names, canonical_names, layer_axes)
+  return _Layouts(init_params, abstract_params, canonical_params, names, canonical_names, layer_axes)
 
 
 def _split_stages(params, cfg: Config):
