@@ -61,7 +61,8 @@ test-all:
 # breaks only there before a GPU call finds it: CPython 3.12 starts with
 # objects frozen and tokenizes gin values itself, jaxlib 0.11 names and
 # schedules ops its own way. The files that need neither torch nor the CUDA
-# compiler, and one end-to-end run. Skipped, with a note, without Python 3.12.
+# compiler, one end-to-end run, and a pipelined layout whose compile XLA's
+# partitioner aborted under 0.11 only. Skipped, with a note, without Python 3.12.
 PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) \
 	$(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null))
 VENV312 ?= .venv312
@@ -71,7 +72,8 @@ GPU_IMAGE_TESTS := tests/test_gc_control.py tests/test_config.py tests/test_xla_
 	tests/test_device_time.py tests/test_data.py tests/test_data_shards.py tests/test_data_mixture.py \
 	tests/test_data_tokenizer.py tests/test_attention.py \
 	tests/test_train.py::test_garbage_is_collected_at_the_same_steps_and_only_there \
-	tests/test_train.py::test_the_abstract_state_is_inits_without_tracing_the_model
+	tests/test_train.py::test_the_abstract_state_is_inits_without_tracing_the_model \
+	'tests/test_parallel.py::test_layout_matches_one_device[fsdp2_pipeline2_tensor2_sp_gather_once]'
 $(VENV312)/.mjax-installed: pyproject.toml
 	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install -q --upgrade pip

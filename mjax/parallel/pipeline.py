@@ -148,7 +148,13 @@ def _circular(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, microbatc
   def step(carry, t):
     state, buf = carry                       # (p, mb, s, d), (m, mb, s, d)
     first = jnp.where(t < m, xs[t % m], buf[t % m])
-    inputs = jnp.roll(state, 1, axis=0).at[0].set(first)
+    # Stage 0 takes `first`, the others their left neighbour's output. A
+    # select, not `.at[0].set`: that scatter's transpose gathers row 0 of a
+    # stage-split cotangent, on which XLA's SPMD partitioner (jax 0.11, 0.12)
+    # aborts in a region manual over `fsdp` (MeshConfig.fsdp_gather =
+    # 'step'). The select's transpose is a sum over stages: the same one
+    # all-reduce over `pipeline` that the masked gather did.
+    inputs = jnp.where((stage_ids == 0).reshape((p,) + (1,) * first.ndim), first, jnp.roll(state, 1, axis=0))
     inputs = nn.with_logical_constraint(inputs, STAGE_ACT)
     item = t - stage_ids                     # what each stage works on
     repeat = jnp.clip(item // m, 0, v - 1)
