@@ -305,6 +305,16 @@ def _meta_path(args: argparse.Namespace) -> str:
     if os.path.isfile(os.path.join(path, 'config.gin')):
       hint = ' It is an mjax-train run directory: give it as --workdir (its config.gin and both checkpoint tiers).'
     raise UserError(_missing(f'--checkpoint {path!r}', args.step, _list_steps(steps)) + hint)
+  if args.step is None:
+    # The newest step whose config can be read: a damaged newer step is
+    # skipped when the params are read (`restore`), so its record must not
+    # stop the choice of config before that, as --workdir's config.gin does not.
+    for s in steps:
+      try:
+        saved_bindings(os.path.join(path, str(s)))
+        return os.path.join(path, str(s))
+      except UserError:
+        continue
   return os.path.join(path, str(step))
 
 

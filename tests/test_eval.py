@@ -134,6 +134,12 @@ def test_a_damaged_step_record_is_named_not_a_decoder_error(run, tmp_path):
   assert out['step'] == 3
   error = out['skipped'][0]['error']
   assert 'meta/metadata is not JSON' in error and 'StopIteration' not in error, error
+  # The same through --checkpoint's directory of steps alone: its config is
+  # the newest readable step's, not an error for the damaged one's record.
+  out = mjax_eval('--checkpoint', os.path.join(copy, 'checkpoints'))
+  assert out['step'] == 3 and out['skipped'][0]['step'] == N
+  with pytest.raises(UserError, match=r'holds no readable config'):   # asked for by name: refused
+    mjax_eval('--checkpoint', os.path.join(copy, 'checkpoints'), '--step', str(N))
 
 
 def test_held_out_data_other_than_the_runs_is_said(run, capsys):
