@@ -402,6 +402,15 @@ def read_config(path: str) -> dict:
   if not isinstance(conf, dict):
     raise UserError(f'{file} holds a JSON {type(conf).__name__}, not the object of a Hugging Face config.')
   if conf.get('model_type') not in IMPORTABLE:
+    from mjax.checkpoint.directories import is_workdir  # noqa: PLC0415
+    # An mjax-train run has a config.json too (mjax's own, no model_type):
+    # 'model_type None' would not say what the directory is.
+    if is_workdir(path):
+      saved = conf['checkpoint'].get('directory') if isinstance(conf['checkpoint'], dict) else None
+      where = saved or os.path.join(os.path.abspath(os.path.expanduser(path)), 'checkpoints')
+      raise UserError(f'{path!r} is an mjax-train run, not a Hugging Face model directory: train from its '
+                      f'checkpoints with CheckpointConfig.restore_from = {where!r}, or mjax-export it first '
+                      f'to get a Hugging Face model.')
     raise UserError(f'{path!r}: model_type {conf.get("model_type")!r} cannot be imported; mjax imports '
                     f'{", ".join(IMPORTABLE)}.')
   bad = {k: conf.get(k) for k in _SIZES if not (isinstance(conf.get(k), int) and not isinstance(conf.get(k), bool)

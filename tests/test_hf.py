@@ -450,6 +450,18 @@ def test_import_refuses_what_mjax_cannot_compute(tmp_path):
     export.gin_bindings(path)
 
 
+def test_import_names_an_mjax_run_for_what_it_is(tmp_path):
+  # A run's workdir has a config.json too, mjax's own: said as a run, with
+  # what trains from it, rather than "model_type None cannot be imported".
+  run = tmp_path / 'run'
+  run.mkdir()
+  (run / 'config.json').write_text(json.dumps({'model': {'d_model': 64}, 'checkpoint': {}}))
+  with pytest.raises(UserError, match=r"is an mjax-train run, not a Hugging Face model directory: .*"
+                                      r"CheckpointConfig.restore_from = '.*/run/checkpoints'") as e:
+    export.gin_bindings(str(run))
+  assert 'model_type' not in str(e.value)
+
+
 def test_import_keeps_sequences_within_the_models_positions(tmp_path):
   """A Mistral window as long as max_position_embeddings or longer is full
   attention: imported as such, at the positions the model knows (the
