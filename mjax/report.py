@@ -264,9 +264,10 @@ def checkpoint(prog: str, argv: list[str]) -> int:
     ck, step = _saved_checkpoint_config(args.workdir)
     if ck is None:
       from mjax.checkpoint.directories import is_workdir
+      # Its checkpoints/ folder or one of its steps given instead: the run named.
       parent = os.path.dirname(os.path.abspath(args.workdir))
-      hint = (f' ({parent!r} is one: a run\'s checkpoints are read through its workdir)'
-              if is_workdir(parent) else '')
+      run = next((d for d in (parent, os.path.dirname(parent)) if is_workdir(d)), None)
+      hint = f' ({run!r} is one: a run\'s checkpoints are read through its workdir)' if run else ''
       raise UserError(f'{args.workdir!r} has no readable config.json ({type(e).__name__}): give the workdir '
                       f'of an mjax-train run{hint}.') from None
     print(f'{prog}: warning: {os.path.join(args.workdir, "config.json")} is unreadable ({type(e).__name__}); '

@@ -974,6 +974,9 @@ def test_verify_beside_a_training_run_says_a_rotated_out_step_is_not_damaged(tmp
   # Its checkpoints folder given instead: pointed to the workdir.
   assert report.main(['checkpoint', os.path.join(workdir, 'checkpoints')]) == 2
   assert re.search(r"has no readable config.json .*\('.*/run' is one", capsys.readouterr().err)
+  # One of its steps: the same.
+  assert report.main(['checkpoint', os.path.join(workdir, 'checkpoints', '4')]) == 2
+  assert re.search(r"has no readable config.json .*\('.*/run' is one", capsys.readouterr().err)
   assert re.search(r'persistent\s+2\s+rotated out\s+deleted by the run while this read it', table), table
   assert re.search(r'persistent\s+4\s+ok', table), table
   # The run's config.json damaged: the config saved with its newest step names the tiers.
