@@ -476,7 +476,14 @@ def train_main(argv: Optional[Sequence[str]] = None) -> None:
   except Exception as e:
     from mjax import distributed
     if distributed.peer_gone(e):   # the driver blames the peer that left, not this process
-      _tell_driver(workdir, protocol.PEER_LOST, str(e).strip().splitlines()[0][:300] if str(e).strip() else '')
+      first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ''
+      _tell_driver(workdir, protocol.PEER_LOST, first)
+      # Said in one paragraph, a Fault (exit 1, restarted): every survivor of
+      # a killed process printed forty lines of jax's traceback, which read
+      # as its own crash, above the one line that says a peer left.
+      raise Fault(f'a collective failed because another process of the job left first ({first}); this '
+                  f'process stopped too. Look at the process that left (the driver names it in its fault '
+                  f'event); under mjax-launch the job restarts from its last checkpoint.') from None
     raise
   finally:
     if heartbeat is not None:   # the trainer's to close once it has it; not yet, where it failed before

@@ -1020,6 +1020,31 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   d.server.close()
 
 
+def test_a_trainer_whose_peer_left_says_so_in_one_paragraph(tmp_path, monkeypatch, capsys):
+  """A process killed mid-step: the survivor's all-reduce fails on the
+  closed connection. It printed jax's forty-line traceback, which read as
+  its own crash; it says in one paragraph that a peer left, exits 1 (the
+  driver restarts the job) and records the fact that names the peer."""
+  from mjax import cli, trainer
+  gloo = ('UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] '
+          'Connection closed by peer [127.0.0.1]:27032')
+
+  def run(*args):
+    raise jax.errors.JaxRuntimeError(gloo)
+  monkeypatch.setattr(trainer, 'run', run)
+  monkeypatch.setattr(cli, '_early_heartbeat', lambda args, bindings: (None, None))
+  monkeypatch.setenv(protocol.DRIVER_ADDRESS_ENV, '127.0.0.1:1')   # as the driver launches its trainers
+  monkeypatch.setenv(protocol.ATTEMPT_ENV, '0')
+  with pytest.raises(SystemExit) as e:
+    cli.train_main(['--gin_file', 'configs/tiny.gin', '--workdir', str(tmp_path / 'run')])
+  assert e.value.code == protocol.EXIT_FAILED
+  err = capsys.readouterr().err
+  assert 'Traceback' not in err, err
+  assert err.startswith('mjax-train: error: a collective failed because another process of the job left first '
+                        f'({gloo})') and err.count('\n') == 1, err
+  assert gloo in (protocol.Facts(str(tmp_path / 'run'), 0).get(protocol.PEER_LOST) or '')
+
+
 def test_a_stop_signal_to_a_trainer_in_start_up_is_a_stop_not_a_crash(tmp_path, monkeypatch):
   """SIGTERM to one trainer (not to the driver) while it compiles: it exits
   143, nothing to save yet. The driver took that for a crash and diagnosed
