@@ -8,7 +8,8 @@ mjax/launch.py. Output goes to the console, each line prefixed with the
 process id, or with --log_dir to DIR/logs/process-<i>.log. When one process
 fails the others are stopped, and the launcher exits with the first non-zero
 status. Ctrl-C / SIGTERM is passed on to every process, so the trainer saves
-a checkpoint and exits cleanly.
+a checkpoint and exits cleanly; so is a SIGKILL of the launcher itself, on
+Linux, as a SIGTERM to each process.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
   if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
     p.error(f'--timeout {args.timeout}: give a finite number of seconds above 0, or leave it out (no limit)')
   try:
-    procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port)
+    procs = launch.spawn_local(args.processes, args.devices, command, workdir=args.log_dir, port=args.port,
+                               stop_with_parent=True)   # none trains on if this launcher is killed outright
   except OSError as e:
     what = (f'the command {command[0]!r} cannot be started' if e.filename == command[0]
             else f'{e.filename!r} cannot be made' if e.filename else 'the job cannot be started')

@@ -11,12 +11,14 @@ The API, kept small because the fault-tolerance driver builds on it:
       and XLA_FLAGS whose --xla_force_host_platform_device_count is replaced.
 
   spawn_local(num_processes, devices_per_process, argv, workdir=None,
-              env=None, port=None) -> list[subprocess.Popen]
+              env=None, port=None, stop_with_parent=False) -> list[subprocess.Popen]
       Starts `argv` num_processes times, coordinated on 127.0.0.1:port (a
       free port when None). Output: with `workdir`, process i writes stdout
       and stderr to <workdir>/logs/process-<i>.log (appended, so a restart
       keeps the earlier attempt's lines); without, every line goes to this
-      process's stdout prefixed with '[i] '.
+      process's stdout prefixed with '[i] '. With stop_with_parent (on
+      Linux), each process gets SIGTERM when this one dies, however it dies
+      (launch/local.py: no orphans).
 
   wait_all(procs, timeout=None) -> list[int]
       Waits for every process. When one exits with a non-zero status the
@@ -97,14 +99,38 @@ def local_env(process_id: int, num_processes: int, coordinator: str,
 
 
 def start_logged(argv: Sequence[str], env: Mapping[str, str], log_path: str,
-                 new_session: bool = False) -> subprocess.Popen:
+                 new_session: bool = False, preexec_fn: Optional[Callable[[], None]] = None) -> subprocess.Popen:
   """Starts `argv` with stdout and stderr appended to `log_path` (a restart
   keeps the earlier attempt's lines). `new_session`: in a process group of its
   own, so that it and everything it starts can be killed together, and a
   Ctrl-C at the terminal reaches only the supervisor."""
   with open(log_path, 'ab') as log:
     return subprocess.Popen(list(argv), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=new_session)
+                            start_new_session=new_session, preexec_fn=preexec_fn)
+
+
+def _stopped_with_parent() -> Optional[Callable[[], None]]:
+  """What a child runs before its program (Linux: a SIGTERM when this
+  process dies, however it dies). launch/local.py killed outright (SIGKILL,
+  the OOM killer) could forward nothing: with --log_dir its processes
+  trained on unsupervised, holding the workdir's lock against the run
+  started again. SIGTERM, not SIGKILL: a trainer saves and exits, as after
+  a Ctrl-C. None elsewhere. (A child with this is forked, not vforked:
+  jax, where imported, warns of that, so only the launcher asks for it.)"""
+  if not sys.platform.startswith('linux'):
+    return None
+  import ctypes
+  try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl   # resolved here, not in the forked child
+  except (OSError, AttributeError):
+    return None
+  parent = os.getpid()
+
+  def preexec() -> None:
+    prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:   # died before the line above: no signal would come
+      os.kill(os.getpid(), signal.SIGTERM)
+  return preexec
 
 
 def _pump(src: IO[bytes], prefix: str, dst: IO[str]) -> None:
@@ -133,7 +159,7 @@ def _pump(src: IO[bytes], prefix: str, dst: IO[str]) -> None:
 
 def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Sequence[str],
                 workdir: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
-                port: Optional[int] = None) -> list[subprocess.Popen]:
+                port: Optional[int] = None, stop_with_parent: bool = False) -> list[subprocess.Popen]:
   """Starts `argv` as the processes of one job on this machine.
 
   Args:
@@ -144,6 +170,8 @@ def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Se
       each line prefixed with '[i] '.
     env: the base environment (default: os.environ).
     port: the coordinator's port on 127.0.0.1 (default: a free one).
+    stop_with_parent: on Linux, each process gets SIGTERM when this one
+      dies, even by SIGKILL.
   Returns:
     The processes, in process-id order.
   """
@@ -155,7 +183,7 @@ def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Se
   log_dir = os.path.join(workdir, 'logs') if workdir else None
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
-  procs = []
+  procs, preexec = [], _stopped_with_parent() if stop_with_parent else None
   try:
     for i in range(num_processes):
       child_env = local_env(i, num_processes, coordinator, devices_per_process, env)
@@ -163,10 +191,10 @@ def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Se
       # when a process hangs.
       child_env['PYTHONUNBUFFERED'] = '1'
       if log_dir:
-        proc = start_logged(argv, child_env, os.path.join(log_dir, f'process-{i}.log'))
+        proc = start_logged(argv, child_env, os.path.join(log_dir, f'process-{i}.log'), preexec_fn=preexec)
       else:
         proc = subprocess.Popen(list(argv), env=child_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, preexec_fn=preexec)
         pump = threading.Thread(target=_pump, args=(proc.stdout, f'[{i}] ', sys.stdout), daemon=True)
         pump.start()
         proc.mjax_pump = pump  # joined by wait_all, so no output is lost

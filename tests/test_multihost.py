@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import socket
@@ -308,6 +309,45 @@ def test_local_py_exits_with_the_failing_status(repo_root):
   proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 5, proc.stderr
   assert 'exit statuses [5, -9]' in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='PR_SET_PDEATHSIG is Linux\'s')
+@pytest.mark.parametrize('log_dir', [False, True])
+def test_local_py_killed_outright_takes_its_processes_along(repo_root, tmp_path, log_dir):
+  # launch/local.py SIGKILLed (the OOM killer) forwards nothing: its
+  # processes, writing to --log_dir, ran on unsupervised as orphans.
+  pids = tmp_path / 'pids'
+  code = (f'import os, time\nopen({str(pids)!r} + os.environ["MJAX_PROCESS_ID"], "w").write(str(os.getpid()))\n'
+          'time.sleep(120)')
+  cmd = [PY, 'launch/local.py', '--processes', '2', *(['--log_dir', str(tmp_path)] if log_dir else []),
+         '--', PY, '-c', code]
+  proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 60
+  while not all(os.path.exists(f'{pids}{i}') and os.path.getsize(f'{pids}{i}') for i in (0, 1)) \
+      and time.time() < deadline:
+    time.sleep(0.1)
+  children = [int(open(f'{pids}{i}').read()) for i in (0, 1)]
+  proc.kill()
+  proc.wait()
+  deadline = time.time() + 10
+
+  def running(pid):   # neither gone nor a zombie
+    try:
+      with open(f'/proc/{pid}/stat') as fh:
+        return fh.read().split(')')[-1].split()[0] != 'Z'
+    except OSError:
+      return False
+
+  alive = children
+  while alive and time.time() < deadline:
+    alive = [p for p in children if running(p)]
+    time.sleep(0.1)
+  for p in alive:   # none, unless the test fails
+    try:
+      os.kill(p, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  assert not alive, f'processes {alive} outlived launch/local.py'
 
 
 def test_local_py_says_its_timeout_fired_and_exits_124(repo_root):
