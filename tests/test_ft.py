@@ -994,9 +994,11 @@ def test_a_process_whose_collective_failed_after_its_peer_left_is_not_blamed(tmp
   protocol.Facts(str(tmp_path), 0).record(protocol.PEER_LOST, str(gloo))
   fault = d._exit_fault(att, {0: 1, 1: -9})
   assert fault.processes == [1] and fault.extra['peers_left_after'] == [0], fault
+  assert fault.detail == 'exited abnormally (process 1: SIGKILL)', fault   # how it ended, not only that
   # Every one of them saying so: nothing to tell apart, all are named.
   protocol.Facts(str(tmp_path), 1).record(protocol.PEER_LOST, str(gloo))
-  assert d._exit_fault(att, {0: 1, 1: 1}).processes == [0, 1]
+  fault = d._exit_fault(att, {0: 1, 1: 1})
+  assert fault.processes == [0, 1] and fault.detail == 'exited abnormally (process 0: status 1, process 1: status 1)'
   # Facts of the same attempt number under an earlier driver on this
   # workdir (each driver counts its attempts from 0) are not this one's:
   # a stale peer_lost of process 0 named only process 1 when both were

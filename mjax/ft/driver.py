@@ -1095,10 +1095,16 @@ class Driver:
     # healthy host for the link check, and diagnosed healthy ones.
     followed = {i for i in failed if self._facts(att, i).get(protocol.PEER_LOST) is not None
                 or self._aborted_by_jax_for_a_peer(att, i, failed[i])}
+    # How each named process ended, in the detail a person reads first (a
+    # SIGKILL, the OOM killer's, reads differently from a crash's status 1).
+    def how(named: list[int]) -> str:
+      said = ', '.join(f'process {i}: {codes[i]}' for i in named[:8])
+      return f'exited abnormally ({said}{", ..." if len(named) > 8 else ""})'
+
     if followed and len(followed) < len(failed):
-      return detect.Fault('exit', sorted(set(failed) - followed), 'exited abnormally',
-                          extra={'exit': codes, 'peers_left_after': sorted(followed)})
-    return detect.Fault('exit', sorted(failed), 'exited abnormally', extra={'exit': codes})
+      named = sorted(set(failed) - followed)
+      return detect.Fault('exit', named, how(named), extra={'exit': codes, 'peers_left_after': sorted(followed)})
+    return detect.Fault('exit', sorted(failed), how(sorted(failed)), extra={'exit': codes})
 
   def _aborted_by_jax_for_a_peer(self, att: Attempt, process: int, code: Optional[int]) -> bool:
     """Whether jax's coordination client aborted `process` (SIGABRT) because
