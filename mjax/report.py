@@ -197,7 +197,8 @@ def memory(prog: str, argv: list[str]) -> int:
                  help="layer chunks per pipeline stage (default: the config's MeshConfig.virtual_stages)")
   p.add_argument('--attention', choices=('auto', 'flash', 'materialized'), default='auto',
                  help='auto: flash unless ModelConfig.attention_impl is xla')
-  p.add_argument('--sequence_parallel', action='store_true', help='split norms / residuals over tensor too')
+  p.add_argument('--sequence_parallel', action='store_true',
+                 help="split norms / residuals over tensor too (default: the config's MeshConfig.sequence_parallel)")
   args, bindings = flags.parse(p, argv)
   # No devices: the mesh is hypothetical, so the config is not checked against this host's.
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=None)
@@ -225,10 +226,20 @@ def memory(prog: str, argv: list[str]) -> int:
   if unknown:
     raise UserError(f'--mesh {args.mesh!r}: unknown axes {unknown}; allowed: {", ".join(MeshConfig.AXES)}.')
   m, tp, pp = cfg.model, mesh.get('tensor', 1), mesh.get('pipeline', 1)
-  for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff)):
+  # As the other pipeline settings (schedule, virtual stages, fsdp_gather),
+  # the config's: a run's own gin file with sequence_parallel was estimated
+  # without it, its replicated activations counted whole on every rank.
+  sequence_parallel = args.sequence_parallel or cfg.mesh.sequence_parallel
+  for key, v in (('n_heads', m.n_heads), ('n_kv_heads', m.kv_heads), ('d_ff', m.d_ff), ('vocab_size', m.vocab_size)):
     if v % tp:
       raise UserError(f'--mesh {args.mesh!r} does not fit this config: ModelConfig.{key} = {v} must be '
                       f'divisible by the tensor-parallel size {tp}.')
+  if m.d_model % mesh.get('fsdp', 1):
+    raise UserError(f'--mesh {args.mesh!r} does not fit this config: ModelConfig.d_model = {m.d_model} must be '
+                    f'divisible by the FSDP size {mesh["fsdp"]}, which splits every weight along d_model.')
+  if sequence_parallel and cfg.data.seq_len % tp:
+    raise UserError(f'--mesh {args.mesh!r} does not fit this config: DataConfig.seq_len = {cfg.data.seq_len} '
+                    f'must be divisible by the tensor-parallel size {tp} with sequence parallelism.')
   chunks, groups = pp * (args.virtual_stages or cfg.mesh.virtual_stages), m.n_layers // m.layer_period
   if pp > 1 and groups % chunks:
     raise UserError(f'--mesh {args.mesh!r} does not fit this config: its {groups} layer groups (of '
@@ -236,7 +247,7 @@ def memory(prog: str, argv: list[str]) -> int:
   flash = {'auto': None, 'flash': True, 'materialized': False}[args.attention]
   try:
     est = estimate_memory(cfg, mesh, args.micro_batch or None, flash=flash, schedule=args.schedule,
-                          virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel)
+                          virtual_stages=args.virtual_stages, sequence_parallel=sequence_parallel)
   except ValueError as e:   # a mesh or micro-batch that does not fit the config
     raise UserError(str(e)) from None
   print(format_estimate(est))

@@ -210,3 +210,20 @@ def test_report_memory_names_a_mesh_the_config_cannot_take(mesh, said, capsys):
     assert f'--virtual_stages {v}: must be a positive integer' in capsys.readouterr().err
   assert report.main(['memory', '--gin_file', 'configs/tiny.gin', '--mesh', 'data=4,tensor=2']) == 0
   assert 'total' in capsys.readouterr().out
+
+
+def test_report_memory_takes_the_configs_sequence_parallel_and_refuses_what_training_refuses(capsys):
+  from mjax import report
+  tiny = ['memory', '--gin_file', 'configs/tiny.gin']
+  totals = []   # (7b: tiny's differ below the table's 0.01 GiB)
+  for extra in (['--sequence_parallel'], ['--gin.MeshConfig.sequence_parallel=True'], []):
+    assert report.main(['memory', '--gin_file', 'configs/7b.gin', '--mesh', 'data=8,tensor=8', *extra]) == 0
+    totals.append(capsys.readouterr().out.splitlines()[-1])
+  assert totals[0] == totals[1] != totals[2]
+  for mesh, extra, said in (
+      ('data=2,pipeline=2', ['--gin.MeshConfig.microbatches=3'], 'MeshConfig.microbatches = 3 does not divide the 4'),
+      ('data=4,tensor=2', ['--gin.ModelConfig.vocab_size=385'], 'ModelConfig.vocab_size = 385 must be divisible'),
+      ('fsdp=8', ['--gin.ModelConfig.d_model=252', '--gin.ModelConfig.n_heads=6'], 'd_model = 252 must be divisible'),
+      ('data=4,tensor=2', ['--gin.DataConfig.seq_len=127', '--sequence_parallel'], 'seq_len = 127 must be divisible')):
+    assert report.main([*tiny, '--mesh', mesh, *extra]) == 2
+    assert said in capsys.readouterr().err

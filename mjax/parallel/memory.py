@@ -208,6 +208,14 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
   # default the stage count); the rest of the step's micro-batches are
   # gradient-accumulation slices, run one after another.
   m_pipe = min(n_micro, cfg.mesh.microbatches or pp) if pp > 1 else 1
+  if n_micro % m_pipe:
+    # The step's micro-batches run m at a time: a remainder would be a
+    # partial pipeline pass, which mjax-train refuses; it was dropped here,
+    # and the estimate was of a layout that does not run.
+    given = cfg.mesh.microbatches or f'0 (the pipeline size, {pp})'
+    raise ValueError(f'MeshConfig.microbatches = {given} does not divide the {n_micro} micro-batches of '
+                     f'{b} sequence(s) per replica that the step runs; set it to a divisor of {n_micro}, or '
+                     f'choose another micro-batch size')
   in_flight = 1 if pp == 1 else (min(2 * v * pp, m_pipe * v) if one_f_one_b else m_pipe)
   flash = m.attention_impl != 'xla' if flash is None else flash
   params = param_infos(m) if params is None else params
