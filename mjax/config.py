@@ -809,6 +809,11 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
                f'{o.learning_rate * (t.steps - 1) / o.warmup_steps:.3g}, not OptimConfig.learning_rate = '
                f'{o.learning_rate:g} (a short run needs a shorter warm-up)')
   m, mesh = cfg.model, cfg.mesh
+  if mesh.microbatches and not mesh.pipelined:
+    # Read as gradient accumulation, it trained the whole batch at once.
+    out.append(f'MeshConfig.microbatches = {mesh.microbatches} does nothing here: it splits a step into '
+               f'micro-batches for the pipeline\'s stages, and there is no pipeline (MeshConfig.pipeline = '
+               f'{mesh.pipeline}); to process the batch in slices, set TrainConfig.grad_accum_steps')
   if m.gelu_epilogue:
     # It still turns XLA's Triton GEMMs off on a GPU, for nothing.
     why = None

@@ -173,6 +173,14 @@ def test_a_warm_up_as_long_as_the_run_is_warned_of():
   assert C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200'])) == []
 
 
+def test_pipeline_micro_batches_without_a_pipeline_are_warned_of():
+  (note,) = C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200', 'MeshConfig.microbatches = 4']))
+  assert note.startswith('MeshConfig.microbatches = 4 does nothing here') and 'TrainConfig.grad_accum_steps' in note
+  assert C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200', 'MeshConfig.microbatches = 2',
+                                                 'MeshConfig.pipeline = 2', 'MeshConfig.data = 4'],
+                                  num_devices=8)) == []
+
+
 def test_a_gelu_epilogue_that_cannot_fuse_is_warned_of():
   for binding, says in (('ModelConfig.fuse_projections = "inputs"', "joins the MLP's input product"),
                         ('ModelConfig.gelu_approximate = False', 'the exact (erf) GeLU')):
