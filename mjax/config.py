@@ -735,6 +735,18 @@ def _describe(tp) -> str:
   return 'a finite float' if tp is float else f'an {tp.__name__}' if tp is int else f'a {tp.__name__}'
 
 
+def _nearest_choice(value, tp) -> str:
+  """' Did you mean X?' for a misspelt word of a Literal field ('dot' for
+  remat 'dots', '1F1B'), as for a misspelt key; '' where none is close."""
+  if not isinstance(value, str):
+    return ''
+  args = typing.get_args(tp) if typing.get_origin(tp) is Literal else [
+      c for a in typing.get_args(tp) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+  choices = [c for c in args if isinstance(c, str)]
+  close = [c for c in choices if c.lower() == value.strip().lower()] or difflib.get_close_matches(value, choices, n=1)
+  return f' Did you mean {close[0]!r}?' if close else ''
+
+
 def _check_types(section):
   hints = typing.get_type_hints(type(section))
   changes = {}
@@ -744,7 +756,7 @@ def _check_types(section):
     if not ok:
       raise ConfigError(
           f'{type(section).__name__}.{f.name} = {value!r} has the wrong type or value; '
-          f'allowed: {_describe(hints[f.name])}.')
+          f'allowed: {_describe(hints[f.name])}.{_nearest_choice(value, hints[f.name])}')
     if isinstance(value, str) and '\x00' in value:
       # No path, name or flag holds one; as a path it was a ValueError
       # traceback (embedded null byte) wherever it was first opened.

@@ -173,6 +173,16 @@ def test_a_warm_up_as_long_as_the_run_is_warned_of():
   assert C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200'])) == []
 
 
+@pytest.mark.parametrize('binding,said', [
+    ('ModelConfig.remat_policy = "dot"', "Did you mean 'dots'?"),
+    ('MeshConfig.pipeline_schedule = "1F1B"', "Did you mean '1f1b'?"),
+    ('ModelConfig.dtype = "bf16"', "Did you mean 'bfloat16'?")])
+def test_a_misspelt_choice_names_the_nearest_one(binding, said):
+  with pytest.raises(C.ConfigError, match='has the wrong type or value; allowed: one of') as e:
+    C.load_config(['tiny.gin'], [binding])
+  assert str(e.value).endswith(said), str(e.value)
+
+
 def test_pipeline_micro_batches_without_a_pipeline_are_warned_of():
   (note,) = C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200', 'MeshConfig.microbatches = 4']))
   assert note.startswith('MeshConfig.microbatches = 4 does nothing here') and 'TrainConfig.grad_accum_steps' in note
