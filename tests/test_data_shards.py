@@ -144,6 +144,16 @@ def test_eval_batches_come_from_heldout_shards(shard_dir):
     np.testing.assert_array_equal(row, expected[j % len(expected)])
 
 
+def test_a_held_out_split_too_small_for_a_batch_asks_for_shards_prepared_again(shard_dir):
+  # DataConfig.heldout_fraction does not split shards: mjax-prepare's
+  # --heldout_fraction did, and it is what to change.
+  n = data.describe(_cfg(shard_dir))['heldout_windows']
+  with pytest.raises(data.DataError, match=r'held-out split .*prepared again with a larger mjax-prepare '
+                     r'--heldout_fraction \(these were made with 0\.2\)') as e:
+    data.make_eval_batches(_cfg(shard_dir), n + 1, 1)
+  assert 'DataConfig.heldout_fraction' not in str(e.value)
+
+
 def test_open_rejects_missing_shard(shard_copy):
   os.remove(shard_copy / 'train-00001.bin')
   with pytest.raises(data.DataError, match=r'train-00001\.bin: missing'):

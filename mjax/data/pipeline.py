@@ -36,6 +36,7 @@ import numpy as np
 from mjax.config import DataConfig
 from mjax.data.errors import DataError
 from mjax.data.packing import Batch, Windows, num_windows, rows_from_windows
+from mjax.data.shards import read_manifest
 from mjax.data.sources import TokenSource, load_sources
 
 __all__ = ['describe', 'make_eval_batches', 'make_train_dataset', 'make_train_iterator',
@@ -77,11 +78,19 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
                if len(sources) == 1 else
                f'its share of a global batch ({rows} of {global_batch_size} rows) x seq_len {seq_len}')
       label = 'held-out' if split == 'heldout' else split
+      # A shard directory's split was fixed by mjax-prepare: DataConfig.heldout_fraction
+      # applies to text sources only, and changing it would not help.
+      if src.kind == 'shards':
+        made = read_manifest(src.root).get('heldout_fraction')
+        larger = ('the shards prepared again with a larger mjax-prepare --heldout_fraction'
+                  + (f' (these were made with {made})' if made is not None else ''))
+      else:
+        larger = 'a larger DataConfig.heldout_fraction'
       raise DataError(
           f'data source {src.root}: the {label} split has {win.num_tokens} tokens '
           f'({len(win)} windows of seq_len + 1) but {share} needs {rows * seq_len + 1}; '
           'use a larger source, a smaller batch or seq_len'
-          + (', or a larger heldout_fraction.' if split == 'heldout' else '.'))
+          + (f', or {larger}.' if split == 'heldout' else '.'))
     out.append(win)
   return out
 
