@@ -290,6 +290,23 @@ def test_tokenizer_command_learns_from_text_files_only(tmp_path, capsys):
   assert not any('\u0100\u0101' in t for t in vocab)   # no merge learnt from NUL, \x01
 
 
+def test_a_long_line_of_one_character_trains_in_seconds(tmp_path):
+  """BPE training is quadratic in a pre-token's length where a pair repeats
+  along it: a 300 kB run of 'x' took minutes, a 3 MB one hours."""
+  import threading
+  line = 'x' * 300_000
+  done = {}
+  worker = threading.Thread(target=lambda: done.setdefault(
+      'info', data.train_bpe(['a few words. ' * 50 + line, ' ' * 300_000], 300, str(tmp_path / 't.json'))),
+                            daemon=True)
+  worker.start()
+  worker.join(30)
+  assert 'info' in done, 'training on a 300 kB line did not end in 30 s'
+  tok = data.load_tokenizer(str(tmp_path / 't.json'))
+  ids = tok.encode(line)
+  assert tok.decode(ids) == line and len(ids) < len(line) / 2   # 'xx', 'xxxx', ... merges were learnt
+
+
 def test_the_tokenizers_long_calls_run_off_the_main_thread(tmp_path, bpe_path, corpus_dir, monkeypatch):
   # So that a stop is not held up by them (tests/test_config.py,
   # test_a_tool_stopped_inside_a_native_call_cleans_up_at_once): a BPE's

@@ -22,9 +22,10 @@ import functools
 import hashlib
 import itertools
 import os
+import re
 import tempfile
 import threading
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -293,6 +294,26 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 MAX_BPE_VOCAB = 1 << 22   # ids a trained BPE may have
 
+# The BPE trainer merges inside each pre-token (a run of letters, digits,
+# punctuation or spaces) in time quadratic in its length when a pair repeats
+# along it: a 3 MB line of one character took hours. No merge is learned
+# from the middle of a run this long, so it is cut for training (the
+# tokenizer still encodes any text).
+MAX_TRAINING_RUN = 1000
+_LONG_RUN = re.compile(r'\S{%d,}|\s{%d,}' % (MAX_TRAINING_RUN + 1, MAX_TRAINING_RUN + 1))
+
+
+def _bounded_runs(text: str) -> Iterator[str]:
+  """`text` in pieces, cut only inside runs of over MAX_TRAINING_RUN
+  characters without (or of nothing but) whitespace, every
+  MAX_TRAINING_RUN characters; the pieces join to `text`."""
+  start = 0
+  for m in _LONG_RUN.finditer(text):
+    for cut in range(m.start() + MAX_TRAINING_RUN, m.end(), MAX_TRAINING_RUN):
+      yield text[start:cut]
+      start = cut
+  yield text[start:]
+
 
 def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerInfo:
   """Trains a byte-level BPE on `texts` and writes it as a tokenizer.json.
@@ -340,7 +361,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str) -> TokenizerIn
   def counted():
     for text in texts:
       said[0] += bool(text.strip())
-      yield text
+      yield from _bounded_runs(text)
   try:
     off_the_main_thread(tok.train_from_iterator, counted(), trainer)
     if not said[0]:
