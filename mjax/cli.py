@@ -669,10 +669,13 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   from mjax.checkpoint.directories import refuse_among_checkpoints
   # A run's checkpoint directory holds its steps and nothing else.
   refuse_among_checkpoints(os.path.abspath(os.path.expanduser(args.output)), give='--output a path')
-  info = train_bpe(texts(), args.vocab_size, args.output)
-  if dropped:
-    print(f'{prog}: left out {len(dropped)} of {len(files)} {what_documents_are(files)} that are not text: '
-          f'{", ".join(dropped[:5])}{" and more" if len(dropped) > 5 else ""}', file=sys.stderr)
+  try:
+    info = train_bpe(texts(), args.vocab_size, args.output)
+  finally:
+    # Also before a refusal for want of text: it is these files that left none.
+    if dropped:
+      print(f'{prog}: left out {len(dropped)} of {len(files)} {what_documents_are(files)} that are not text: '
+            f'{", ".join(dropped[:5])}{" and more" if len(dropped) > 5 else ""}', file=sys.stderr)
   print(json.dumps({'files': len(files) - len(dropped), **info.to_json()}, indent=2))
 
 

@@ -277,7 +277,9 @@ def test_tokenizer_command_learns_from_text_files_only(tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_info:
     tokenizer_main(['--input', str(src), '--vocab_size', '300', '--file_pattern', '*.txt',
                     '--output', str(tmp_path / 't.json')])
-  assert exit_info.value.code == 2 and 'no text to train on' in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and 'no text to train on' in err
+  assert 'left out 1 of 2 files that are not text: blob.txt (NUL bytes)' in err   # what there was instead
   assert not (tmp_path / 't.json').exists() and not list(tmp_path.glob('.tokenizer-*'))
   (src / 'words.txt').write_text('the cat sat on the mat. ' * 200)
   tokenizer_main(['--input', str(src), '--vocab_size', '300', '--file_pattern', '*.txt',
