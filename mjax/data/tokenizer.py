@@ -296,9 +296,9 @@ MAX_BPE_VOCAB = 1 << 22   # ids a trained BPE may have
 
 # The BPE trainer merges inside each pre-token (a run of letters, digits,
 # punctuation or spaces) in time quadratic in its length when a pair repeats
-# along it: a 3 MB line of one character took hours. No merge is learned
-# from the middle of a run this long, so it is cut for training (the
-# tokenizer still encodes any text).
+# along it: a 3 MB line of one character took hours. Training sees such a
+# run in pieces of MAX_TRAINING_RUN characters: its pairs are counted as
+# before but at the cuts, and the tokenizer still encodes any text.
 MAX_TRAINING_RUN = 1000
 _LONG_RUN = re.compile(r'\S{%d,}|\s{%d,}' % (MAX_TRAINING_RUN + 1, MAX_TRAINING_RUN + 1))
 
