@@ -154,6 +154,33 @@ def test_a_held_out_split_too_small_for_a_batch_asks_for_shards_prepared_again(s
   assert 'DataConfig.heldout_fraction' not in str(e.value)
 
 
+def test_shard_ends_no_window_reads_are_said(tmp_path, corpus_dir, shard_dir, caplog):
+  # Windows never cross shards: each shard's last < seq_len + 1 tokens are
+  # never read. With small shards that was data dropped without a word.
+  small = tmp_path / 'small'
+  data.prepare_shards(str(corpus_dir), str(small), shard_tokens=100, heldout_fraction=0.2)
+  with caplog.at_level('WARNING', logger='mjax.data'):
+    info = data.describe(_cfg(small))
+    next(data.make_train_iterator(_cfg(small), 4))
+  said = [r.getMessage() for r in caplog.records if 'never read' in r.getMessage()]
+  assert len(said) == 1, said   # once, however many readers
+  tokens = sum(len(t) for t in data.open_shards(str(small)).train)
+  lost = 100 * (tokens - (info['train_windows'] * SEQ + len(data.open_shards(str(small)).train))) / tokens
+  assert f"{lost:.1f}% of the train split's {tokens} tokens are never read" in said[0], said
+  assert '--shard_tokens (shards of at least 3200 tokens' in said[0], said
+  caplog.clear()
+  one = tmp_path / 'one'   # mjax-prepare's default size: one shard, a tail of under a window
+  data.prepare_shards(str(corpus_dir), str(one), heldout_fraction=0.2)
+  with caplog.at_level('WARNING', logger='mjax.data'):
+    next(data.make_train_iterator(_cfg(one), 4))
+  assert not [r for r in caplog.records if 'never read' in r.getMessage()]
+  # No shard as long as a window: said as that, not 'use a larger source'.
+  n = len(data.open_shards(str(shard_dir)).train)
+  with pytest.raises(data.DataError, match=rf'every one of the {n} train shard\(s\) is shorter than one window of '
+                     r'seq_len \+ 1 = 8193 tokens .* larger mjax-prepare --shard_tokens'):
+    data.make_train_iterator(_cfg(shard_dir, seq_len=8192), 1)
+
+
 def test_open_rejects_missing_shard(shard_copy):
   os.remove(shard_copy / 'train-00001.bin')
   with pytest.raises(data.DataError, match=r'train-00001\.bin: missing'):

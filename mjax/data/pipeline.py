@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from typing import Any, Sequence
 
@@ -38,6 +39,9 @@ from mjax.data.errors import DataError
 from mjax.data.packing import Batch, Windows, num_windows, rows_from_windows
 from mjax.data.shards import read_manifest
 from mjax.data.sources import TokenSource, load_sources
+
+log = logging.getLogger('mjax.data')
+_WARNED_TAILS: set = set()   # (root, split, seq_len): said once per process
 
 __all__ = ['describe', 'make_eval_batches', 'make_train_dataset', 'make_train_iterator',
            'num_windows', 'position', 'restore_position']
@@ -71,6 +75,8 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
   for src, weight in sources:
     streams = src.train if split == 'train' else src.heldout
     win = Windows(streams, seq_len)
+    if src.kind == 'shards':
+      _say_lost_tails(src.root, split, streams, seq_len, len(win))
     # (Exact for one source: a float product rounded a huge batch's figures.)
     rows = global_batch_size if len(sources) == 1 else math.ceil(global_batch_size * weight / total)
     if len(win) < rows:
@@ -86,6 +92,14 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
                   + (f' (these were made with {made})' if made is not None else ''))
       else:
         larger = 'a larger DataConfig.heldout_fraction'
+      if src.kind == 'shards' and streams and not len(win):
+        # Windows never cross shards: a source larger than a batch needs
+        # gave none, and 'a larger source' would not say why.
+        raise DataError(
+            f'data source {src.root}: every one of the {len(streams)} {label} shard(s) is shorter than one '
+            f'window of seq_len + 1 = {seq_len + 1} tokens (the longest has {max(len(t) for t in streams)}), and '
+            f'windows never cross shards; prepare the shards again with a larger mjax-prepare --shard_tokens, '
+            f'or use a smaller seq_len.')
       raise DataError(
           f'data source {src.root}: the {label} split has {win.num_tokens} tokens '
           f'({len(win)} windows of seq_len + 1) but {share} needs {rows * seq_len + 1}; '
@@ -93,6 +107,24 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
           + (f', or {larger}.' if split == 'heldout' else '.'))
     out.append(win)
   return out
+
+
+def _say_lost_tails(root: str, split: str, shards: Sequence, seq_len: int, windows: int) -> None:
+  """A warning where over 1% of a shard split's tokens are in shard ends
+  shorter than a window: windows never cross shards, so each shard's last
+  < seq_len + 1 tokens are never read. Negligible at mjax-prepare's default
+  shard size; with small --shard_tokens it dropped data without a word."""
+  key = (root, split, seq_len)
+  tokens = sum(len(t) for t in shards)
+  used = sum(n * seq_len + 1 for n in (num_windows(len(t), seq_len) for t in shards) if n)
+  if key in _WARNED_TAILS or not tokens or (tokens - used) <= 0.01 * tokens or not windows:
+    return
+  _WARNED_TAILS.add(key)
+  log.warning('data source %s: %.1f%% of the %s split\'s %d tokens are never read: windows never cross shards, '
+              'and each of its %d shards ends in fewer than seq_len + 1 = %d tokens that no window takes; '
+              'prepare the shards again with a larger mjax-prepare --shard_tokens (shards of at least %d tokens '
+              'keep this under 1%%)', root, 100 * (tokens - used) / tokens, split, tokens, len(shards),
+              seq_len + 1, 100 * seq_len)
 
 
 class _Tag:
