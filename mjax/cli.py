@@ -545,6 +545,11 @@ def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:
   from mjax.devices import start_backend
   n = start_backend()
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=n)
+  # What a start refuses before it reads data or builds anything, refused
+  # here too: a config printed as valid had trained nothing (a mixture
+  # naming a source twice, cuDNN attention off GPUs).
+  flags.check_devices(cfg)
+  config_lib.check_for_training(cfg)
   mesh = dict(zip(cfg.mesh.AXES, (i * j for i, j in zip(config_lib.resolve_mesh_shape(cfg.mesh, n),
                                                           cfg.mesh.dcn_shape()))))
   replica = cfg.train.global_batch_size // (mesh['data'] * mesh['fsdp'])

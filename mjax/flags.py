@@ -127,6 +127,13 @@ def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
     from mjax import distributed
     distributed.check_membership()
   cfg = load(files, bindings, num_devices=num_devices)
+  check_devices(cfg)
+  return cfg
+
+
+def check_devices(cfg: Config) -> None:
+  """Raises ConfigError for a config this job's devices cannot run (the
+  backend started): setup's check, which `mjax-train --print_config` makes too."""
   import jax
   platform = jax.devices()[0].platform
   if cfg.model.attention_impl == 'cudnn' and platform != 'gpu':
@@ -136,4 +143,3 @@ def setup(files: Sequence[str], bindings: Sequence[str] = (), join: bool = True,
     raise ConfigError(f"ModelConfig.attention_impl = 'cudnn' is not allowed on this job's {platform} devices: "
                       f"cuDNN attention runs on NVIDIA GPUs; use 'dot_product' (cuDNN where it can, XLA "
                       f"elsewhere) or 'xla'.")
-  return cfg

@@ -350,6 +350,18 @@ def test_train_print_config_validates_and_starts_nothing(repo_root, tmp_path, ca
   assert e.value.code == 2 and 'MeshConfig' in capsys.readouterr().err
 
 
+def test_train_print_config_refuses_what_a_start_refuses(repo_root, capsys):
+  # It printed, exit 0, configs that training refuses at start-up before
+  # reading anything: a mixture naming a source twice, cuDNN attention on CPU.
+  from mjax import cli
+  for binding, said in (("--gin.DataConfig.mixture='stdlib:0.5,stdlib:0.5'", "names the source 'stdlib' twice"),
+                        ("--gin.ModelConfig.attention_impl='cudnn'", "attention_impl = 'cudnn' is not allowed")):
+    with pytest.raises(SystemExit) as e:
+      cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', binding])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and said in captured.err and 'parameters' not in captured.out
+
+
 def test_train_refuses_an_empty_or_remote_workdir(tmp_path, monkeypatch, capsys):
   # An unset shell variable made it train into runs/<config> of the current directory.
   from mjax.cli import train_main
