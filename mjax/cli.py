@@ -656,7 +656,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
   import itertools
   from mjax.data.corpus import document_file, find_source_files, not_text, read_documents, what_documents_are
   root, files = find_source_files(args.input, args.file_pattern)
-  dropped = []
+  dropped, dropped_names = [], set()
 
   def texts():
     # One file at a time (all the documents of a JSON Lines file together):
@@ -668,6 +668,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
         why = not_text(doc)
         if why:
           dropped.append(f'{name} ({why})')
+          dropped_names.add(name)
           continue
         yield doc.decode('utf-8', errors='replace')
 
@@ -681,7 +682,12 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> None:
     if dropped:
       print(f'{prog}: left out {len(dropped)} of {len(files)} {what_documents_are(files)} that are not text: '
             f'{", ".join(dropped[:5])}{" and more" if len(dropped) > 5 else ""}', file=sys.stderr)
-  print(json.dumps({'files': len(files) - len(dropped), **info.to_json()}, indent=2))
+  # `files` counts files (a JSON Lines file once, however many documents it
+  # holds: it counted each of its records as a file), `documents` what the
+  # tokenizer learnt from; the two are the same for plain text files.
+  kept = [n for n in files if n not in dropped_names]
+  print(json.dumps({'files': len({document_file(n) for n in kept}), 'documents': len(kept), **info.to_json()},
+                   indent=2))
 
 
 @entry_point('mjax-diagnose')

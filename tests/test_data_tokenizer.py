@@ -286,10 +286,20 @@ def test_tokenizer_command_learns_from_text_files_only(tmp_path, capsys):
                    '--output', str(tmp_path / 't.json')])
   out = capsys.readouterr()
   assert 'left out 1 of 3 files that are not text: blob.txt (NUL bytes)' in out.err
-  assert json.loads(out.out)['files'] == 2
+  assert json.loads(out.out)['files'] == json.loads(out.out)['documents'] == 2
   from tokenizers import Tokenizer
   vocab = Tokenizer.from_file(str(tmp_path / 't.json')).get_vocab()
   assert not any('\u0100\u0101' in t for t in vocab)   # no merge learnt from NUL, \x01
+
+
+def test_tokenizer_command_counts_files_and_documents(tmp_path, capsys):
+  # A JSON Lines file of 200 documents was reported as "files": 200.
+  lines = [json.dumps({'text': f'document {i}: the cat sat on the mat.'}) for i in range(200)]
+  (tmp_path / 'docs.jsonl').write_text('\n'.join(lines) + '\n')
+  tokenizer_main(['--input', str(tmp_path / 'docs.jsonl'), '--vocab_size', '300',
+                  '--output', str(tmp_path / 't.json')])
+  out = json.loads(capsys.readouterr().out)
+  assert out['files'] == 1 and out['documents'] == 200
 
 
 def test_a_long_line_of_one_character_trains_in_seconds(tmp_path):
