@@ -581,6 +581,16 @@ def test_prepare_and_verify_commands(tmp_path, corpus_dir, capsys):
   assert 'mjax-prepare: error:' in err and str(victim) in err and 'sha256' in err
 
 
+def test_prepare_of_shards_says_they_are_prepared_already(tmp_path, shard_dir, capsys):
+  # It said to read them "with mjax.data.sources.load_source", a Python
+  # function, to someone at the command line.
+  with pytest.raises(SystemExit) as exit_info:
+    prepare_main(['--input', str(shard_dir), '--output', str(tmp_path / 'again')])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and 'already prepared' in err and 'load_source' not in err
+  assert f'DataConfig.source = {str(shard_dir)!r}' in err and f'mjax-prepare --verify {shard_dir}' in err
+
+
 def test_shards_and_their_text_name_their_content_alike_wherever_they_lie(tmp_path, shard_dir, shard_copy,
                                                                            corpus_dir):
   """A saved position is checked against the shards' content (their

@@ -334,8 +334,12 @@ def find_source_files(source: str, file_pattern: str, *,
     raise DataError(f'data source {root}: no such file or directory '
                     f"(DataConfig.source = {source!r}).")
   if os.path.isfile(os.path.join(root, 'manifest.json')):
-    raise DataError(f'data source {root}: holds pre-tokenized shards (manifest.json); '
-                    'read it with mjax.data.sources.load_source, not as text.')
+    # Said for the command line (mjax-prepare --input, mjax-tokenizer --input
+    # reach here; training reads such a directory as shards before this):
+    # what the directory already is, and what takes it.
+    raise DataError(f'data source {root}: holds pre-tokenized shards (manifest.json), already prepared, not '
+                    f'text to read: train from it with DataConfig.source = {root!r} '
+                    f'(--gin.DataConfig.source={root}), or check it with mjax-prepare --verify {root}.')
   pattern = file_pattern_of(source, file_pattern)
   files = list_files(root, pattern, skip_packages=source == 'stdlib')
   if not files:
