@@ -185,6 +185,10 @@ def test_open_rejects_missing_shard(shard_copy):
   os.remove(shard_copy / 'train-00001.bin')
   with pytest.raises(data.DataError, match=r'train-00001\.bin: missing'):
     data.open_shards(str(shard_copy))
+  # A directory in a shard's place is said to be one, not called missing.
+  os.mkdir(shard_copy / 'train-00001.bin')
+  with pytest.raises(data.DataError, match=r'train-00001\.bin: a directory, not a shard file \(listed in'):
+    data.open_shards(str(shard_copy))
 
 
 def test_open_rejects_truncated_shard(shard_copy):

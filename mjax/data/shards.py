@@ -551,7 +551,12 @@ def _check_size(root: str, entry: dict, itemsize: int) -> str:
     raise DataError(f'{os.path.join(root, MANIFEST)}: shard {entry["file"]} lists {entry["bytes"]} '
                     f'bytes but {entry["tokens"]} tokens x {itemsize} bytes = {expected}.')
   if not os.path.isfile(path):
-    raise DataError(f'{path}: missing (listed in {MANIFEST} with {entry["tokens"]} tokens).')
+    # A directory (or another non-file) in a shard's place was called
+    # missing, and sent one looking for a file that is there by that name.
+    what = ('missing' if not os.path.exists(path) else
+            'a directory, not a shard file' if os.path.isdir(path) else 'not a regular file')
+    raise DataError(f'{path}: {what} (listed in {MANIFEST} with {entry["tokens"]} tokens); put the shard '
+                    f'back, or prepare the shards again with mjax-prepare.')
   found = os.path.getsize(path)
   if found != expected:
     raise DataError(f'{path}: size {found} bytes, expected {expected} ({entry["tokens"]} tokens '
