@@ -446,6 +446,10 @@ def test_prepare_refuses_a_non_empty_output(tmp_path, corpus_dir, shard_dir):
   # The input corpus given as the output: never called a leftover to remove.
   with pytest.raises(data.DataError, match='not an empty directory; choose a new one.$'):
     data.prepare_shards(str(corpus_dir), str(corpus_dir))
+  # A file is said to be one, not "not an empty directory".
+  (tmp_path / 'a_file').write_text('x')
+  with pytest.raises(data.DataError, match=r'a_file: is a file, not a directory; choose a new directory'):
+    data.prepare_shards(str(corpus_dir), str(tmp_path / 'a_file'))
 
 
 def test_an_interrupted_prepare_leaves_nothing(tmp_path, corpus_dir, monkeypatch):

@@ -224,11 +224,14 @@ def prepare_shards(source: str, output: str, tokenizer: str = 'bytes', *,
     raise DataError(f'shard directory {output}: heldout_fraction must be strictly between '
                     f'0 and 1, got {heldout_fraction}.')
   output = os.path.abspath(os.path.expanduser(output))
-  if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+  if os.path.exists(output) and not os.path.isdir(output):   # a file: no directory to be empty or not
+    raise DataError(f'shard directory {output}: is a file, not a directory; choose a new directory for the '
+                    f'shards (one that does not exist, or an empty one).')
+  if os.path.isdir(output) and os.listdir(output):
     # Only a folder of nothing but shard files (and the manifest's temporary
     # file) is what an mjax-prepare killed midway leaves; any other (the
     # input corpus itself, given as --output by mistake) is not to remove.
-    names = os.listdir(output) if os.path.isdir(output) else []
+    names = os.listdir(output)
     leftover = bool(names) and all(re.fullmatch(r'(train|heldout)-\d{5}\.bin|manifest\.json\.tmp', n)
                                    for n in names)
     raise DataError(f'shard directory {output}: already exists and is not an empty directory; choose a new '
