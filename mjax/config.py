@@ -930,6 +930,8 @@ def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
     _fail('MeshConfig.dcn_*', mesh.dcn_shape(),
           f'their product ({dcn}) must divide the device count ({num_devices})')
   per_slice = num_devices // dcn
+  # '1 device', not '1 devices': one device is where these errors come most.
+  devices = lambda n: f'{n} device{"" if n == 1 else "s"}'
   shape = list(mesh.ici_shape())
   if shape.count(-1) > 1:
     _fail('MeshConfig', dict(zip(mesh.AXES, shape)), 'at most one axis may be -1')
@@ -938,13 +940,13 @@ def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, ...]:
     if per_slice % known:
       _fail('MeshConfig', dict(zip(mesh.AXES, shape)),
             f'the fixed axes multiply to {known}, which does not divide the '
-            f'{per_slice} devices per slice')
+            f'{devices(per_slice)} per slice')
     shape[shape.index(-1)] = per_slice // known
   elif known != per_slice:
     _fail('MeshConfig', dict(zip(mesh.AXES, shape)),
-          f'the axis sizes multiply to {known} but there {"is" if per_slice == 1 else "are"} {per_slice} '
-          f'device{"" if per_slice == 1 else "s"} per slice '
-          f'({num_devices} devices / DCN {dcn}); make the product {per_slice} or set one axis to -1')
+          f'the axis sizes multiply to {known} but there {"is" if per_slice == 1 else "are"} '
+          f'{devices(per_slice)} per slice ({devices(num_devices)} / DCN {dcn}); make the product '
+          f'{per_slice} or set one axis to -1')
   return tuple(shape)
 
 

@@ -165,6 +165,15 @@ def test_bad_values_name_key_value_and_allowed(binding, needles):
   assert '\n' not in msg  # one paragraph
 
 
+def test_a_mesh_for_one_device_says_1_device():
+  with pytest.raises(C.ConfigError) as e:
+    C.resolve_mesh_shape(C.MeshConfig(data=2, fsdp=1), 1)
+  assert 'but there is 1 device per slice (1 device / DCN 1); make the product 1' in str(e.value), str(e.value)
+  with pytest.raises(C.ConfigError) as e:
+    C.resolve_mesh_shape(C.MeshConfig(data=-1, fsdp=2), 1)
+  assert 'does not divide the 1 device per slice' in str(e.value), str(e.value)
+
+
 def test_a_warm_up_as_long_as_the_run_is_warned_of():
   (note,) = C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 2', 'OptimConfig.warmup_steps = 100',
                                                     'OptimConfig.learning_rate = 1e-3']))
