@@ -826,6 +826,13 @@ def doubtful(cfg: Config, num_devices: Optional[int] = None) -> list[str]:
     out.append(f'MeshConfig.microbatches = {mesh.microbatches} does nothing here: it splits a step into '
                f'micro-batches for the pipeline\'s stages, and there is no pipeline (MeshConfig.pipeline = '
                f'{mesh.pipeline}); to process the batch in slices, set TrainConfig.grad_accum_steps')
+  if mesh.sequence_parallel and mesh.tensor * mesh.dcn_tensor == 1:   # the tensor axis is never -1
+    # Set for its memory saving, it saved nothing: a sequence split one way
+    # is the whole sequence on every device.
+    out.append(f'MeshConfig.sequence_parallel = True does nothing here: it shards activations over the sequence '
+               f'on the tensor axis, and that axis has 1 device (MeshConfig.tensor = {mesh.tensor}, dcn_tensor = '
+               f'{mesh.dcn_tensor}); to shard activations, use tensor parallelism (MeshConfig.tensor > 1) or '
+               f'set sequence_parallel to False')
   if m.gelu_epilogue:
     # It still turns XLA's Triton GEMMs off on a GPU, for nothing.
     why = None

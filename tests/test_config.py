@@ -200,6 +200,15 @@ def test_pipeline_micro_batches_without_a_pipeline_are_warned_of():
                                   num_devices=8)) == []
 
 
+def test_sequence_parallelism_without_tensor_parallelism_is_warned_of():
+  (note,) = C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200', 'MeshConfig.sequence_parallel = True',
+                                                    'MeshConfig.tensor = 1']))
+  assert note.startswith('MeshConfig.sequence_parallel = True does nothing here') and 'tensor = 1' in note, note
+  assert C.doubtful(C.load_config(['tiny.gin'], ['TrainConfig.steps = 200', 'MeshConfig.sequence_parallel = True',
+                                                 'MeshConfig.tensor = 2', 'MeshConfig.data = 4'],
+                                  num_devices=8)) == []
+
+
 def test_a_gelu_epilogue_that_cannot_fuse_is_warned_of():
   for binding, says in (('ModelConfig.fuse_projections = "inputs"', "joins the MLP's input product"),
                         ('ModelConfig.gelu_approximate = False', 'the exact (erf) GeLU')):
