@@ -559,13 +559,18 @@ def _resolved_config(args: argparse.Namespace, bindings: Sequence[str]) -> str:
   est = estimate_memory(cfg, mesh, micro, sequence_parallel=cfg.mesh.sequence_parallel)
   f = report(cfg.model, cfg.data.seq_len)
   tokens = cfg.train.global_batch_size * cfg.data.seq_len
+  # The warnings a start would print (settings that do nothing here), as
+  # comments: the output stays a gin file.
+  from mjax.model import rotary_kernel
+  notes = [*config_lib.doubtful(cfg, n), *rotary_kernel.doubtful(cfg, n)]
   return '\n'.join([
       config_lib.to_gin(cfg).rstrip(), '',
       f'# {f["params"] / 1e6:,.2f}M parameters ({f["matmul_params"] / 1e6:,.2f}M in matrix products); '
       f'{f["flops_per_token"] / 1e9:,.3f} GFLOP per token (training, attention mask-aware); '
       f'{tokens:,} tokens per step; {f["flops_per_token"] * tokens / 1e12:,.2f} TFLOP per step',
       f'# on {n} {jax.devices()[0].platform} device(s), mesh {mesh}:',
-      *('# ' + line for line in format_estimate(est).splitlines())])
+      *('# ' + line for line in format_estimate(est).splitlines()),
+      *(f'# warning: {note}' for note in notes)])
 
 
 @entry_point('mjax-flops')

@@ -362,6 +362,12 @@ def test_train_print_config_validates_and_starts_nothing(repo_root, tmp_path, ca
   assert 'M parameters' in out and 'GFLOP per token' in out
   assert "mesh {'data': 2, 'fsdp': 4, 'tensor': 1, 'pipeline': 1}" in out and 'LAMB moments' in out
   assert not (tmp_path / 'run').exists()   # nothing written
+  assert '# warning:' not in out
+  # The warnings a start prints, as comments (the output stays gin).
+  cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', '--gin.MeshConfig.microbatches=4'])
+  out = capsys.readouterr().out
+  assert '\n# warning: MeshConfig.microbatches = 4 does nothing here' in out, out[-2000:]
+  C.load_config([], [line for line in out.splitlines() if line and not line.startswith('#')])
   # A mesh that does not fit the devices is refused like a real start would be.
   with pytest.raises(SystemExit) as e:
     cli.train_main(['--gin_file', 'configs/tiny.gin', '--print_config', '--gin.MeshConfig.data=3'])
