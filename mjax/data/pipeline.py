@@ -117,7 +117,12 @@ def _say_lost_tails(root: str, split: str, shards: Sequence, seq_len: int, windo
   key = (root, split, seq_len)
   tokens = sum(len(t) for t in shards)
   used = sum(n * seq_len + 1 for n in (num_windows(len(t), seq_len) for t in shards) if n)
-  if key in _WARNED_TAILS or not tokens or (tokens - used) <= 0.01 * tokens or not windows:
+  # Only what larger shards would read: a split in one shard already (a
+  # held-out split, a small corpus at the default --shard_tokens) loses its
+  # one tail however large the shards, and the advice would change nothing.
+  whole = num_windows(tokens, seq_len)
+  avoidable = (whole * seq_len + 1 if whole else 0) - used
+  if key in _WARNED_TAILS or not tokens or avoidable <= 0.01 * tokens or not windows:
     return
   _WARNED_TAILS.add(key)
   log.warning('data source %s: %.1f%% of the %s split\'s %d tokens are never read: windows never cross shards, '
