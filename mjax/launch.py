@@ -18,7 +18,8 @@ The API, kept small because the fault-tolerance driver builds on it:
       keeps the earlier attempt's lines); without, every line goes to this
       process's stdout prefixed with '[i] '. With stop_with_parent (on
       Linux), each process gets SIGTERM when this one dies, however it dies
-      (launch/local.py: no orphans).
+      (launch/local.py: no orphans); call it from the main thread, as the
+      kernel sends that signal when the calling thread ends.
 
   wait_all(procs, timeout=None) -> list[int]
       Waits for every process. When one exits with a non-zero status the
@@ -171,7 +172,9 @@ def spawn_local(num_processes: int, devices_per_process: Optional[int], argv: Se
     env: the base environment (default: os.environ).
     port: the coordinator's port on 127.0.0.1 (default: a free one).
     stop_with_parent: on Linux, each process gets SIGTERM when this one
-      dies, even by SIGKILL.
+      dies, even by SIGKILL. The kernel sends it when the thread that
+      started the process ends (PR_SET_PDEATHSIG): called from any thread
+      but the main one, the job would be stopped when that thread returns.
   Returns:
     The processes, in process-id order.
   """
