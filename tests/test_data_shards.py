@@ -184,6 +184,11 @@ def test_shard_ends_no_window_reads_are_said(tmp_path, corpus_dir, shard_dir, ca
   with pytest.raises(data.DataError, match=rf'every one of the {n} train shard\(s\) is shorter than one window of '
                      r'seq_len \+ 1 = 8193 tokens .* larger mjax-prepare --shard_tokens'):
     data.make_train_iterator(_cfg(shard_dir, seq_len=8192), 1)
+  # Shorter than a window in all: too small a source, whatever the shard size.
+  tokens = sum(len(t) for t in data.open_shards(str(one)).train)
+  with pytest.raises(data.DataError, match=r'the train split has \d+ tokens .*use a larger source') as e:
+    data.make_train_iterator(_cfg(one, seq_len=tokens), 1)
+  assert '--shard_tokens' not in str(e.value)
 
 
 def test_open_rejects_missing_shard(shard_copy):

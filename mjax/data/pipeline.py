@@ -92,9 +92,10 @@ def _windows(sources: Sequence[tuple[TokenSource, float]], split: str, seq_len: 
                   + (f' (these were made with {made})' if made is not None else ''))
       else:
         larger = 'a larger DataConfig.heldout_fraction'
-      if src.kind == 'shards' and streams and not len(win):
+      if src.kind == 'shards' and not len(win) and win.num_tokens > seq_len:
         # Windows never cross shards: a source larger than a batch needs
-        # gave none, and 'a larger source' would not say why.
+        # gave none, and 'a larger source' would not say why. (A split
+        # shorter than one window in all is too small whatever the shards.)
         raise DataError(
             f'data source {src.root}: every one of the {len(streams)} {label} shard(s) is shorter than one '
             f'window of seq_len + 1 = {seq_len + 1} tokens (the longest has {max(len(t) for t in streams)}), and '
