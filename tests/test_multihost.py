@@ -322,11 +322,16 @@ def test_local_py_killed_outright_takes_its_processes_along(repo_root, tmp_path,
   cmd = [PY, 'launch/local.py', '--processes', '2', *(['--log_dir', str(tmp_path)] if log_dir else []),
          '--', PY, '-c', code]
   proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 60
-  while not all(os.path.exists(f'{pids}{i}') and os.path.getsize(f'{pids}{i}') for i in (0, 1)) \
-      and time.time() < deadline:
-    time.sleep(0.1)
-  children = [int(open(f'{pids}{i}').read()) for i in (0, 1)]
+  try:
+    deadline = time.time() + 60
+    while not all(os.path.exists(f'{pids}{i}') and os.path.getsize(f'{pids}{i}') for i in (0, 1)) \
+        and time.time() < deadline:
+      time.sleep(0.1)
+    children = [int(open(f'{pids}{i}').read()) for i in (0, 1)]
+  except BaseException:   # the processes never said who they are: stop the launcher the polite way
+    proc.terminate()
+    proc.wait(30)
+    raise
   proc.kill()
   proc.wait()
   deadline = time.time() + 10

@@ -152,8 +152,9 @@ def _circular(group_fn: Callable, layers: Any, x: jax.Array, aux: Any, microbatc
     # select, not `.at[0].set`: that scatter's transpose gathers row 0 of a
     # stage-split cotangent, on which XLA's SPMD partitioner (jax 0.11, 0.12)
     # aborts in a region manual over `fsdp` (MeshConfig.fsdp_gather =
-    # 'step'). The select's transpose is a sum over stages: the same one
-    # all-reduce over `pipeline` that the masked gather did.
+    # 'step'). The select's transpose is a sum over stages: on CPU the same
+    # collectives as before; in an 8-GPU compile some all-gathers over
+    # `pipeline` become all-reduces, the same bytes on the wire in all.
     inputs = jnp.where((stage_ids == 0).reshape((p,) + (1,) * first.ndim), first, jnp.roll(state, 1, axis=0))
     inputs = nn.with_logical_constraint(inputs, STAGE_ACT)
     item = t - stage_ids                     # what each stage works on
