@@ -118,7 +118,8 @@ def init_seconds() -> float:
   return _INIT_SECONDS
 
 
-def _int(env: Mapping[str, str], name: str, minimum: int, meaning: str) -> int:
+def _int(env: Mapping[str, str], name: str, minimum: int, meaning: str,
+         maximum: Optional[int] = None) -> int:
   raw = env.get(name, '')
   try:
     value = int(raw.strip())
@@ -126,6 +127,8 @@ def _int(env: Mapping[str, str], name: str, minimum: int, meaning: str) -> int:
     raise DistributedError(f'{name}={raw!r} is not an integer; it should be {meaning}.') from None
   if value < minimum:
     raise DistributedError(f'{name}={value} is out of range; it should be {meaning} (at least {minimum}).')
+  if maximum is not None and value > maximum:
+    raise DistributedError(f'{name}={value} is out of range; it should be {meaning} (at most {maximum}).')
   return value
 
 
@@ -171,7 +174,8 @@ def slurm_port(job_id: str) -> int:
 def _port(env: Mapping[str, str], default: int) -> int:
   for name in (COORDINATOR_PORT, 'JAX_COORDINATOR_PORT'):
     if env.get(name):
-      return _int(env, name, 1, 'a TCP port for the coordinator (1-65535)')
+      # Bounded above too: a port past 65535 reached socket.bind as an OverflowError.
+      return _int(env, name, 1, 'a TCP port for the coordinator (1-65535)', maximum=65535)
   return default
 
 

@@ -70,6 +70,10 @@ def test_explicit_wins_over_slurm_and_jobset():
     ({'JOB_COMPLETION_INDEX': '3', 'MJAX_NUM_PROCESSES': '2', 'JOBSET_NAME': 'run'},
      ['JOB_COMPLETION_INDEX=3', 'MJAX_NUM_PROCESSES=2']),
     ({'JOB_COMPLETION_INDEX': '0', 'MJAX_NUM_PROCESSES': '2'}, ['JOBSET_NAME']),
+    ({**{'SLURM_JOB_ID': '9', 'SLURM_PROCID': '0', 'SLURM_NTASKS': '2', 'SLURM_JOB_NODELIST': 'n[1-2]'},
+      'MJAX_COORDINATOR_PORT': '99999'}, ['MJAX_COORDINATOR_PORT=99999', '1-65535']),
+    ({'JOB_COMPLETION_INDEX': '0', 'MJAX_NUM_PROCESSES': '2', 'JOBSET_NAME': 'run',
+      'MJAX_COORDINATOR_PORT': '70000'}, ['MJAX_COORDINATOR_PORT=70000', 'at most 65535']),
 ])
 def test_inconsistent_env_names_the_variable(env, names):
   with pytest.raises(D.DistributedError) as e:
