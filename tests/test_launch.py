@@ -104,10 +104,10 @@ def _sbatch(env, *args, timeout=60):
                         text=True, timeout=timeout)
 
 
-def _directives():
+def _directives(path=SBATCH):
   """The #SBATCH options, read as sbatch does: up to the first command."""
   out = []
-  with open(SBATCH) as f:
+  with open(path) as f:
     for line in f:
       line = line.strip()
       if line and not line.startswith('#'):
@@ -137,6 +137,13 @@ def test_sbatch_header_asks_for_no_gpu_and_an_early_signal():
   assert os.path.isabs(output), 'a relative --output lands in the repository (the submit directory)'
   assert os.path.isdir(os.path.dirname(output)), 'sbatch creates no directory for its output'
   assert '--ntasks-per-node=1' in opts
+
+
+@pytest.mark.parametrize('script', ['slurm.sbatch', 'slurm_ft.sbatch'])
+def test_sbatch_output_survives_a_requeue(script):
+  # A requeued job (scontrol requeue, a failed node) opens the same --output
+  # again: truncated, the previous run's output, why it stopped, was lost.
+  assert '--open-mode=append' in _directives(os.path.join(REPO, 'launch', script))
 
 
 def test_sbatch_joins_every_task_to_the_first_node(cluster):
