@@ -574,6 +574,19 @@ def test_a_preempted_pod_restarts_the_jobset_without_counting_a_failure():
   assert _job(doc)['template']['spec']['terminationGracePeriodSeconds'] >= 120
 
 
+def test_launch_readme_says_what_a_preemption_costs():
+  """launch/README.md tells the JobSet's restart budget as the manifest sets
+  it: a pre-emption spends none of maxRestarts (a user sizing maxRestarts for
+  evictions would otherwise raise it for nothing, or expect the run to end)."""
+  (restart,) = JOBSETS[0][2]['spec']['failurePolicy']['rules']
+  assert restart['action'] == 'RestartJobSetAndIgnoreMaxRestarts'
+  with open(os.path.join(REPO, 'launch', 'README.md')) as f:
+    text = ' '.join(f.read().split())
+  jobset = text[text.index('## Kubernetes (JobSet)'):text.index('### Under the fault-tolerance driver', text.index('## Kubernetes'))]
+  assert 'without spending one of its `maxRestarts`' in jobset, jobset
+  assert 'each pre-emption one of its' not in jobset
+
+
 def test_coordinator_derived_by_mjax_is_checked_too():
   # Without MJAX_COORDINATOR_ADDRESS mjax builds the address itself from
   # JOBSET_NAME, REPLICATED_JOB_NAME ('workers') and MJAX_COORDINATOR_PORT (1234).
