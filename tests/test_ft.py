@@ -625,6 +625,22 @@ def test_launch_flags_are_checked(capsys):
     assert e.value.code == 2 and said in capsys.readouterr().err, flags
 
 
+def test_launch_in_a_slurm_allocation_too_small_names_the_allocation(capsys, monkeypatch):
+  # The hosts come from SLURM, not --hosts: a message about --hosts left the
+  # user looking for a flag they never gave.
+  monkeypatch.setenv('SLURM_JOB_NODELIST', 'node[1-2]')
+  monkeypatch.setattr(executor, 'slurm_hosts', lambda: ['node1', 'node2'])
+  base = ['--executor', 'slurm', '--workdir', 'w']
+  for flags, said in [(['--processes', '3'], "--processes 3 needs 3 node(s), but the SLURM allocation "
+                                             "'node[1-2]' has 2: submit with sbatch --nodes=3"),
+                      (['--processes', '2', '--spares', 'node2'], "has 1 besides --spares 'node2'")]:
+    with pytest.raises(SystemExit) as e:
+      driver.parse_args([*base, *flags, '--', '--gin_file', 'tiny.gin'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and '--hosts names' not in err, (flags, err)
+  assert driver.parse_args([*base, '--', '--gin_file', 'tiny.gin']).hosts == ['node1', 'node2']
+
+
 # --- the driver's decisions, without training processes ------------------------------
 
 class FakeExecutor(executor.LocalExecutor):

@@ -239,6 +239,13 @@ def parse_args(argv: Sequence[str]) -> Options:
   spares = [h for h in args.spares.split(',') if h]
   if discover and spares:
     p.error('--spares needs --hosts: without --hosts, every connected agent beyond --processes is a spare')
+  if len(hosts) != args.processes and not discover and not args.hosts and slurm_nodes is not None:
+    # The hosts came from the allocation, not --hosts: say so, and what to change.
+    p.error(f'--processes {args.processes} needs {args.processes} node(s), but the SLURM allocation '
+            f'{os.environ.get("SLURM_JOB_NODELIST")!r} has {len(hosts)}'
+            + (f' besides --spares {args.spares!r}' if spare_names else '')
+            + f': submit with sbatch --nodes={args.processes + len(spare_names)}, or give a --processes '
+            f'of at most {len(hosts)} (left out, it is every node of the allocation)')
   if len(hosts) != args.processes and not discover:
     p.error(f'--hosts names {len(hosts)} host(s) for --processes {args.processes}: one host per '
             f'process; list extra hosts with --spares')
