@@ -609,6 +609,8 @@ def test_launch_flags_are_checked(capsys):
                       (['--grace_s', 'nan'], '--grace_s nan: give a finite number'),
                       (['--diagnose_timeout_s', '0'], 'above 0'),
                       (['--agent_wait_s', '-5'], 'at least 0'),
+                      (['--processes', '0'], '--processes 0: give at least 1'),
+                      (['--devices', '-2'], '--devices -2: give at least 1'),
                       (['--preempt_exit_status', '256'], 'an exit status is 0 to 255'),
                       (['--hosts', 'a,'], "has an empty name"),
                       (['--hosts', ','], "--hosts ',' has an empty name"),

@@ -382,7 +382,10 @@ def test_local_py_names_a_command_or_log_dir_it_cannot_use(repo_root, tmp_path):
   # exit 1; when a later process failed to start, the earlier ones ran on.
   cases = [(['--', 'mjax-no-such-tool'], "the command 'mjax-no-such-tool' cannot be started: No such file"),
            (['--', str(tmp_path)], f"the command '{tmp_path}' cannot be started: Permission denied"),
-           (['--log_dir', '/proc/no-such', '--', PY, '-c', 'pass'], "'/proc/no-such' cannot be made")]
+           (['--log_dir', '/proc/no-such', '--', PY, '-c', 'pass'], "'/proc/no-such' cannot be made"),
+           # A count below 1 is named with its value, which the message left out.
+           (['--devices', '0', '--', PY, '-c', 'pass'], '--devices 0: give at least 1'),
+           (['--processes', '-1', '--', PY, '-c', 'pass'], '--processes -1: give at least 1')]
   for args, says in cases:
     proc = subprocess.run([PY, 'launch/local.py', '--processes', '2', *args], cwd=repo_root,
                           capture_output=True, text=True, timeout=60)
