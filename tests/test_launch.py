@@ -629,6 +629,21 @@ def test_ft_jobset_check_catches_a_mismatch(mutate, says):
   assert any(says in p for p in problems), problems
 
 
+def test_ft_jobset_evictions_spend_no_backoff():
+  """launch/jobset_ft.yaml: a stopped driver (--preempt_exit_status) and a
+  stopped agent exit 143 after their trainers saved; each Job ignores that
+  status, so only crashes count against backoffLimit. Counted, a fourth
+  eviction of the driver pod failed its Job, and with maxRestarts 0 the run."""
+  rj, driver_c = _ft_part(FT_JOBSET, 'driver')
+  status = int(driver_c['command'][driver_c['command'].index('--preempt_exit_status') + 1])
+  for name, code in (('driver', status), ('agents', 143)):
+    rj, container = _ft_part(FT_JOBSET, name)
+    rules = rj['template']['spec'].get('podFailurePolicy', {}).get('rules', [])
+    assert {'action': 'Ignore', 'onExitCodes': {'containerName': container['name'], 'operator': 'In',
+                                                'values': [code]}} in rules, (name, rules)
+    assert rj['template']['spec']['template']['spec']['restartPolicy'] == 'Never'   # podFailurePolicy needs it
+
+
 def test_terminate_asks_to_save_or_kills_at_once():
   """SIGTERM (a trainer saves and exits), then a kill for whoever is still
   there; save=False (after a loss spike: the state is spiked) kills at once,
