@@ -30,6 +30,7 @@ import time
 
 from mjax import config as config_lib
 from mjax import data
+from mjax import flags
 from mjax.config import DataConfig
 from mjax.model.flops import flops_per_token
 
@@ -61,11 +62,16 @@ def pipeline_tokens_per_sec(cfg: DataConfig, batch: int, seconds: float) -> floa
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--seconds', type=float, default=2.0, help='timed seconds per row')
-  p.add_argument('--tiny_tokens_per_sec', type=float, default=None,
+  # Each a positive number: 0 would time no batch (0 tokens/s) or divide by
+  # zero in the ratio, and a 0 given for tiny's rate was read as 'not given'.
+  p.add_argument('--seconds', type=flags.positive_float, default=2.0, help='timed seconds per row')
+  p.add_argument('--tiny_tokens_per_sec', type=flags.positive_float, default=None,
                  help='trainer tokens/s of tiny (default: read from bench/RESULTS.md)')
-  p.add_argument('--mfu', type=float, default=0.45, help='assumed MFU of 1p3b on one H100')
+  p.add_argument('--mfu', type=flags.positive_float, default=0.45, help='assumed MFU of 1p3b on one H100')
   args = p.parse_args(argv)
+  if args.mfu > 1:
+    p.error(f'argument --mfu: {args.mfu:g} is not allowed: a fraction of the peak, above 0 and at most 1 '
+            '(0.45 for 45%)')
 
   tiny_tps = args.tiny_tokens_per_sec or tiny_figure_from_results(RESULTS)
   consumers = []

@@ -36,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mjax import flags  # noqa: E402
 from mjax import launch  # noqa: E402
 
 HEADER = ('| processes x devices | cache | launch to first step (s) | before run (s) | dist. init (s) '
@@ -72,11 +73,14 @@ def row(processes: int, cache: str, r: dict) -> str:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--processes', default='1,2,4,8', help='comma-separated process counts')
-  p.add_argument('--timeout', type=float, default=600, help='seconds allowed per job')
+  p.add_argument('--timeout', type=flags.positive_float, default=600, help='seconds allowed per job')
   argv = sys.argv[1:]
   extra = argv[argv.index('--') + 1:] if '--' in argv else []
   args = p.parse_args(argv[:argv.index('--')] if '--' in argv else argv)
-  counts = [int(n) for n in args.processes.split(',')]
+  try:
+    counts = [flags.whole_number()(n.strip()) for n in args.processes.split(',')]
+  except argparse.ArgumentTypeError as e:   # '1,x', '0', '2,,4': named here, not a traceback from a launch
+    p.error(f'argument --processes {args.processes!r}: {e}; give comma-separated process counts, e.g. 1,2,4')
   print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
         f'load average {os.getloadavg()[0]:.1f} at start', file=sys.stderr)
   rows = []

@@ -23,6 +23,7 @@ import json
 import os
 import re
 
+from mjax import flags
 from mjax.ft import device_time
 from mjax.parallel import hlo_text
 
@@ -185,10 +186,10 @@ def summarize(path: str, steps: int = 2, top: int = 25, hlo: str = '') -> str:
 def main(argv=None):
   p = argparse.ArgumentParser('trace_summary', description=__doc__.splitlines()[0])
   p.add_argument('path', help='a perfetto_trace.json.gz or a folder holding one')
-  p.add_argument('--steps', type=int, default=None,
+  p.add_argument('--steps', type=flags.whole_number(), default=None,
                  help='steps the trace holds (default: from profile_steps.json, which mjax-train\'s '
                       'profiler and train_bench.py --profile write beside the trace)')
-  p.add_argument('--top', type=int, default=25)
+  p.add_argument('--top', type=flags.whole_number(), default=25)
   p.add_argument('--hlo', default='', help='the step\'s optimized HLO text (default: train_step.hlo.txt '
                  'in the trace\'s folder, when there)')
   args = p.parse_args(argv)
@@ -197,6 +198,11 @@ def main(argv=None):
   if args.hlo and not text:
     raise SystemExit(f'trace_summary: --hlo {args.hlo}: no such file')
   trace = find_trace(args.path)
+  if not trace.endswith('.json.gz'):
+    # A file given as the path is read as the trace: anything else (the HLO
+    # text beside it, a trace not compressed) would end in a JSON traceback.
+    raise SystemExit(f'trace_summary: {args.path} is not a trace: give a perfetto_trace.json.gz (or '
+                     '*.trace.json.gz) or a folder holding one')
   print(summarize(trace, args.steps or traced_steps(trace), args.top, text))
 
 

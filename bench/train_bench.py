@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from mjax import cli
 from mjax import data as data_lib
 from mjax import train
 from mjax import flags
@@ -82,8 +83,9 @@ def row(name: str, r: dict) -> str:
 
 def main(argv=None):
   p = flags.parser('train_bench', __doc__.splitlines()[0])
-  p.add_argument('--steps', type=int, default=20, help='timed steps')
-  p.add_argument('--warmup', type=int, default=3, help='untimed steps first (compilation included)')
+  p.add_argument('--steps', type=flags.whole_number(), default=20, help='timed steps')
+  p.add_argument('--warmup', type=flags.whole_number(0), default=3,
+                 help='untimed steps first (compilation included)')
   p.add_argument('--name', default=None, help='label in the table (default: the gin file)')
   p.add_argument('--json', default=None, help='also write the result as JSON to this file')
   p.add_argument('--profile', default='', help='trace 2 more steps into this folder '
@@ -103,4 +105,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  # A bad config (a gin file that is not there, a key no config has) is one
+  # paragraph and exit status 2, as from mjax-train, not a traceback.
+  cli.entry_point('train_bench')(main)()

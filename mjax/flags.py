@@ -72,6 +72,33 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Nam
   return args, list(args.gin_param)
 
 
+def whole_number(minimum: int = 1):
+  """An argparse `type` for a count of at least `minimum` (1: positive, 0:
+  none allowed): --steps 0 or --rounds -1 is a usage error that names the
+  flag and the value, not a division by zero or an empty table further on."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{text!r} is not a whole number') from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(
+          f'{value} is not allowed: must be {"positive" if minimum == 1 else f"at least {minimum}"}')
+    return value
+  return parse
+
+
+def positive_float(text: str) -> float:
+  """An argparse `type`: a number above 0 (seconds, a rate, a fraction)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a number') from None
+  if not value > 0 or value == float('inf'):
+    raise argparse.ArgumentTypeError(f'{text} is not allowed: must be a positive number')
+  return value
+
+
 def gin_files(args: argparse.Namespace) -> list[str]:
   """The --gin_file values, or the default config."""
   return list(args.gin_file) or [DEFAULT_GIN]

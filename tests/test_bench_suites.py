@@ -430,3 +430,50 @@ def test_a_baseline_tree_runs_every_mfu_row_right_after_this_ones(tmp_path):
   # A folder that is no source tree is refused before anything runs.
   with pytest.raises(SystemExit):
     SUITE.main(['--smoke', '--sections', 'mfu', '--baseline', str(tmp_path / 'nothing')])
+
+
+@pytest.mark.parametrize('script,argv,named', [
+    ('train_bench', ['--steps', '0'], 'argument --steps: 0 is not allowed'),
+    ('train_bench', ['--warmup', '-1'], 'argument --warmup: -1 is not allowed'),
+    ('trace_summary', ['.', '--steps', '0'], 'argument --steps: 0 is not allowed'),
+    ('trace_summary', ['.', '--top', '-1'], 'argument --top: -1 is not allowed'),
+    ('data_bench', ['--seconds', '0'], 'argument --seconds: 0 is not allowed'),
+    ('data_bench', ['--tiny_tokens_per_sec', '0'], 'argument --tiny_tokens_per_sec: 0 is not allowed'),
+    ('data_bench', ['--mfu', '45'], 'argument --mfu: 45 is not allowed'),
+])
+def test_a_bench_refuses_a_count_or_amount_that_is_not_positive(script, argv, named, capsys):
+  # --steps 0 divided by zero after a compile; --seconds 0 printed 0 tokens/s
+  # and a 0x ratio; --steps -2 printed negative times; a 0 rate was read as
+  # 'not given'. Each is a usage error that names the flag and the value.
+  with pytest.raises(SystemExit) as e:
+    _bench_module(script).main(argv)
+  assert e.value.code == 2
+  assert named in capsys.readouterr().err
+
+
+def test_startup_bench_names_a_malformed_process_count(monkeypatch, capsys):
+  bench = _bench_module('startup_bench')
+  for spec, named in (('1,x', "'x' is not a whole number"), ('0', '0 is not allowed'), ('2,,4', "'' is not")):
+    monkeypatch.setattr(sys, 'argv', ['startup_bench.py', '--processes', spec])
+    with pytest.raises(SystemExit) as e:
+      bench.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f'--processes {spec!r}' in err and named in err, err
+
+
+def test_trace_summary_says_a_file_that_is_not_a_trace(tmp_path):
+  hlo = tmp_path / 'train_step.hlo.txt'
+  hlo.write_text('HloModule jit_train_step\n')
+  with pytest.raises(SystemExit) as e:
+    _bench_module('trace_summary').main([str(hlo)])
+  assert 'is not a trace' in str(e.value.code) and str(hlo) in str(e.value.code)
+
+
+def test_train_bench_says_a_missing_gin_file_in_one_paragraph():
+  import subprocess
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  p = subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'train_bench.py'), '--gin_file', 'nope.gin'],
+                     capture_output=True, text=True, env=env, timeout=300)
+  assert p.returncode == 2, p.stderr
+  assert "--gin_file 'nope.gin': no such file" in p.stderr and 'Traceback' not in p.stderr, p.stderr
