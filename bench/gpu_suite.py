@@ -901,13 +901,27 @@ def _variant_losses(base: list, extra: list, n_steps: int, batches, params0) -> 
   return seq, batches, params0
 
 
+def _positive(kind):
+  """An argparse type: a number above 0 (--steps 0 would divide by zero in
+  every MFU row, a budget of 0 would skip every section)."""
+  def parse(text):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{text!r} is not a {"whole " if kind is int else ""}number') from None
+    if not value > 0:
+      raise argparse.ArgumentTypeError(f'{text} is not allowed: must be positive')
+    return value
+  return parse
+
+
 def main(argv=None):
   p = argparse.ArgumentParser('gpu_suite', description=__doc__.splitlines()[0])
   p.add_argument('--smoke', action='store_true', help='tiny shapes, runs on CPU: checks the suite itself')
   p.add_argument('--out', default=os.environ.get('OUT') or None, help='folder for tables and logs')
-  p.add_argument('--budget_s', type=float, default=560, help='deadline for the whole suite')
-  p.add_argument('--row_timeout_s', type=float, default=170, help='limit for one MFU row')
-  p.add_argument('--steps', type=int, default=10, help='timed steps per MFU row')
+  p.add_argument('--budget_s', type=_positive(float), default=560, help='deadline for the whole suite')
+  p.add_argument('--row_timeout_s', type=_positive(float), default=170, help='limit for one MFU row')
+  p.add_argument('--steps', type=_positive(int), default=10, help='timed steps per MFU row')
   p.add_argument('--sections', default='attention,kernels,train,mfu,variants',
                  help='comma-separated, from attention, kernels, train, mfu, variants, dots')
   p.add_argument('--mfu_rows', default='',
@@ -926,6 +940,20 @@ def main(argv=None):
             f'with `make baseline REF=<commit>`.')
   sections = dict(attention=check_attention, kernels=check_kernels, train=check_train, mfu=check_mfu,
                   variants=check_variants, dots=check_dots)
+  # Before the machine's time is spent: a misspelt section or MFU row is a
+  # usage error here, not a table with no rows after the other sections ran.
+  for name in args.sections.split(','):
+    if name not in sections:
+      p.error(f'--sections {args.sections!r}: unknown section {name!r}; choose from {", ".join(sections)}')
+  if args.mfu_rows:
+    rows = SMOKE_MFU_ROWS if args.smoke else MFU_ROWS + (EXPERIMENT_ROWS if args.experiments else [])
+    for sel in re.split(r',(?! )', args.mfu_rows):
+      if not sel.lstrip('='):   # a stray comma: '' is in every name, and would select every row
+        p.error(f'--mfu_rows {args.mfu_rows!r}: an empty selection (a stray comma?)')
+      if not select_rows(rows, sel):
+        p.error(f'--mfu_rows {args.mfu_rows!r}: {sel!r} selects no MFU row' + ('' if args.experiments or args.smoke
+                else ' (the rows of XLA options under trial need --experiments)') +
+                f'; the rows: {"; ".join(r[0] for r in rows)}')
   if args.child:  # one section in this process; the parent collects the JSON
     suite = Suite(args)
     import jax
@@ -955,9 +983,6 @@ def main(argv=None):
       if shutil.which('nvidia-smi') else 'no nvidia-smi'
   suite.say(f'mjax GPU suite {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, '
             f'python {sys.version.split()[0]}: {gpus}')
-  for name in args.sections.split(','):
-    if name not in sections:
-      sys.exit(f'gpu_suite: unknown section {name!r}; choose from {", ".join(sections)}')
   for name in args.sections.split(','):
     suite.args.forward = [*args.forward, '--budget_s', str(max(suite.left(), 1))]
     suite.section(name)

@@ -477,3 +477,21 @@ def test_train_bench_says_a_missing_gin_file_in_one_paragraph():
                      capture_output=True, text=True, env=env, timeout=300)
   assert p.returncode == 2, p.stderr
   assert "--gin_file 'nope.gin': no such file" in p.stderr and 'Traceback' not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize('argv,named', [
+    (['--mfu_rows', '=nosuchrow'], "'=nosuchrow' selects no MFU row"),
+    (['--mfu_rows', '1p3b,'], 'an empty selection'),
+    (['--sections', 'mfu,bogus'], "unknown section 'bogus'"),
+    (['--steps', '0'], 'argument --steps: 0 is not allowed'),
+    (['--budget_s', '-5'], 'argument --budget_s: -5 is not allowed'),
+])
+def test_the_gpu_suite_refuses_bad_arguments_before_any_section_runs(argv, named, tmp_path, capsys):
+  # A misspelt row ran every other section first and then printed an empty
+  # MFU table; --steps 0 reached train_bench's division. On a GPU lent for
+  # minutes, each is now a usage error before anything starts.
+  with pytest.raises(SystemExit) as e:
+    SUITE.main([*argv, '--out', str(tmp_path)])
+  assert e.value.code == 2
+  assert named in capsys.readouterr().err
+  assert not os.listdir(tmp_path)
