@@ -189,13 +189,15 @@ def main(argv=None) -> int:
                  help="with --target: attention's inputs and outputs (and their gradients) kept as arrays in "
                       "memory, as cuDNN's kernels have them, so that XLA's attention of a deviceless compile "
                       "fuses nothing of its neighbours into its own passes (rotary, layouts)")
-  p.add_argument('--bandwidth', type=float, default=None,
+  p.add_argument('--bandwidth', type=flags.positive_float, default=None,
                  help='bytes/s for the time estimate of the memory-bound passes (default: 3.1e12 for a '
                       'GPU target, none otherwise)')
   args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
   if args.opaque_attention and (args.hlo or not args.target):
     p.error('--opaque_attention changes a compile for --target; it does nothing with --hlo or on this machine')
   if args.hlo:
+    if not os.path.isfile(args.hlo):
+      p.error(f'--hlo {args.hlo!r}: no such file (the optimized HLO text of a train step, as --save_hlo writes)')
     text = open(args.hlo).read()
   elif args.target:
     from mjax.parallel import gpu_target
@@ -221,4 +223,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  # A bad config or --target is one paragraph and exit status 2, as from
+  # mjax-train, not a traceback.
+  from mjax import cli
+  sys.exit(cli.entry_point('hlo_traffic')(main)())

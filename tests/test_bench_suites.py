@@ -440,6 +440,8 @@ def test_a_baseline_tree_runs_every_mfu_row_right_after_this_ones(tmp_path):
     ('data_bench', ['--seconds', '0'], 'argument --seconds: 0 is not allowed'),
     ('data_bench', ['--tiny_tokens_per_sec', '0'], 'argument --tiny_tokens_per_sec: 0 is not allowed'),
     ('data_bench', ['--mfu', '45'], 'argument --mfu: 45 is not allowed'),
+    ('hlo_traffic', ['--bandwidth', '0'], 'argument --bandwidth: 0 is not allowed'),
+    ('hlo_traffic', ['--hlo', '/nonexistent/step.hlo'], "--hlo '/nonexistent/step.hlo': no such file"),
 ])
 def test_a_bench_refuses_a_count_or_amount_that_is_not_positive(script, argv, named, capsys):
   # --steps 0 divided by zero after a compile; --seconds 0 printed 0 tokens/s
