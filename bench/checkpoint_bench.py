@@ -53,7 +53,7 @@ def measure(cfg, program, state, directory: str, async_save: bool, repeats: int)
 
 def main(argv=None):
   p = flags.parser('checkpoint_bench', __doc__.splitlines()[0])
-  p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--repeats', type=flags.whole_number(), default=3)
   p.add_argument('--dir', default=None, help='where to write (default: a temporary directory)')
   args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
   cfg = flags.load(flags.gin_files(args), bindings, num_devices=jax.device_count())
@@ -80,4 +80,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  # A bad config is one paragraph and exit status 2, not a traceback.
+  from mjax import cli
+  cli.entry_point('checkpoint_bench')(main)()

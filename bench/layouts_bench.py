@@ -40,8 +40,8 @@ MODEL = ['ModelConfig.n_layers = 8', 'ModelConfig.full_attention_every = 0',
 
 def main(argv=None):
   p = flags.parser('layouts_bench', __doc__.splitlines()[0])
-  p.add_argument('--steps', type=int, default=10)
-  p.add_argument('--warmup', type=int, default=2)
+  p.add_argument('--steps', type=flags.whole_number(), default=10)
+  p.add_argument('--warmup', type=flags.whole_number(0), default=2)
   args, bindings = flags.parse(p, sys.argv[1:] if argv is None else argv)
   print('| layout | tokens/s | step time (s) | MFU | step time vs data=8 |\n|---|---|---|---|---|')
   base = None
@@ -56,4 +56,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  # A bad config is one paragraph and exit status 2, not a traceback.
+  from mjax import cli
+  cli.entry_point('layouts_bench')(main)()

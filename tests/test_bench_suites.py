@@ -441,6 +441,9 @@ def test_a_baseline_tree_runs_every_mfu_row_right_after_this_ones(tmp_path):
     ('data_bench', ['--tiny_tokens_per_sec', '0'], 'argument --tiny_tokens_per_sec: 0 is not allowed'),
     ('data_bench', ['--mfu', '45'], 'argument --mfu: 45 is not allowed'),
     ('hlo_traffic', ['--bandwidth', '0'], 'argument --bandwidth: 0 is not allowed'),
+    ('checkpoint_bench', ['--repeats', '0'], 'argument --repeats: 0 is not allowed'),
+    ('layouts_bench', ['--steps', '0'], 'argument --steps: 0 is not allowed'),
+    ('layouts_bench', ['--warmup', '-1'], 'argument --warmup: -1 is not allowed'),
     ('hlo_traffic', ['--hlo', '/nonexistent/step.hlo'], "--hlo '/nonexistent/step.hlo': no such file"),
 ])
 def test_a_bench_refuses_a_count_or_amount_that_is_not_positive(script, argv, named, capsys):
