@@ -3,7 +3,7 @@
 import pytest
 
 from mjax import config as C
-from mjax.parallel.memory import activation_bytes_per_layer, estimate_memory
+from mjax.parallel.memory import activation_bytes_per_layer, estimate_memory, format_estimate
 
 # d 128, 4 heads of 32, d_ff 256, vocab 384, 4 layers (2 scanned groups of 2),
 # seq 64, global batch 16, bf16 activations, fp32 parameters, parallel block.
@@ -227,3 +227,9 @@ def test_report_memory_takes_the_configs_sequence_parallel_and_refuses_what_trai
       ('data=4,tensor=2', ['--gin.DataConfig.seq_len=127', '--sequence_parallel'], 'seq_len = 127 must be divisible')):
     assert report.main([*tiny, '--mesh', mesh, *extra]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_the_estimate_says_1_device_and_8_devices():
+  # --print_config on one device said "(1 devices)".
+  assert '(1 device), ' in format_estimate(estimate_memory(small(), {'data': 1}))
+  assert '(8 devices), ' in format_estimate(estimate_memory(small(), {'data': 8}))

@@ -304,7 +304,7 @@ def estimate_memory(cfg: Config, mesh: Mapping[str, int], micro_batch: Optional[
 def format_estimate(est: MemoryEstimate) -> str:
   """The estimate as a table, with the assumptions above it."""
   i = est.info
-  lines = [f'per-device memory estimate: mesh {i["mesh"]} ({i["devices"]} devices), '
+  lines = [f'per-device memory estimate: mesh {i["mesh"]} ({i["devices"]} device{"" if i["devices"] == 1 else "s"}), '
            + (f'{i["params"] / 1e9:.2f}B' if i['params'] >= 1e9 else f'{i["params"] / 1e6:.2f}M')
            + ' parameters',
            f'micro-batch {i["micro_batch"]} sequence(s) x {i["micro_batches"]} per replica per step, '
