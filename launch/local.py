@@ -48,10 +48,9 @@ def main(argv=None) -> int:
   args, command = p.parse_args(argv[:split]), argv[split + 1:]
   if not command:
     p.error('the command after -- is empty')
-  for flag, value in (('--processes', args.processes), ('--devices', args.devices)):
-    if value is not None and value < 1:   # named with its value, as every other flag is
-      p.error(f'{flag} {value}: give at least 1' + (' (devices per process; left out, every real device)'
-                                                    if flag == '--devices' else ' (processes in the job)'))
+  problem = launch.count_problem(args.processes, args.devices)
+  if problem:
+    p.error(problem)
   if args.port is not None and not 1 <= args.port <= 65535:
     p.error(f'--port {args.port}: a TCP port is 1 to 65535 (leave it out for a free one)')
   if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):

@@ -63,6 +63,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def count_problem(processes: Optional[int], devices: Optional[int]) -> Optional[str]:
+  """What is wrong with a launcher's --processes / --devices (None: nothing;
+  None for either: not given), the flag named with its value: the words of
+  launch/local.py and mjax-launch alike."""
+  for flag, value in (('--processes', processes), ('--devices', devices)):
+    if value is not None and value < 1:
+      return f'{flag} {value}: give at least 1' + (' (devices per process; left out, every real device)'
+                                                   if flag == '--devices' else ' (processes in the job)')
+  return None
+
+
 def local_env(process_id: int, num_processes: int, coordinator: str,
               devices_per_process: Optional[int] = None,
               base_env: Optional[Mapping[str, str]] = None) -> dict:

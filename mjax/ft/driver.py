@@ -232,10 +232,10 @@ def parse_args(argv: Sequence[str]) -> Options:
   if args.processes is None:
     p.error(f'--processes is required (with --executor {args.executor}'
             + (' outside a SLURM allocation)' if args.executor == 'agent' else ')'))
-  for flag, value in (('--processes', args.processes), ('--devices', args.devices)):
-    if value is not None and value < 1:   # named with its value, as every other flag is
-      p.error(f'{flag} {value}: give at least 1' + (' (devices per process; left out, every real device)'
-                                                    if flag == '--devices' else ' (processes in the job)'))
+  from mjax import launch
+  problem = launch.count_problem(args.processes, args.devices)
+  if problem:
+    p.error(problem)
   hosts = (args.hosts.split(',') if args.hosts else slurm_nodes if slurm_nodes is not None
            else [] if discover else [f'slot{i}' for i in range(args.processes)])
   spares = [h for h in args.spares.split(',') if h]
